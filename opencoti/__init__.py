@@ -1,0 +1,3 @@
+"""opencoti: a serving engine for multi-agent LLM workloads."""
+
+__version__ = "0.1.0"

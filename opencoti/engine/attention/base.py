@@ -1,0 +1,104 @@
+"""Attention metadata in FlashInfer's paged format, and the backend protocol.
+
+One step computes ``T`` new tokens for ``B`` sequences. Sequence ``i`` contributes
+``qo_lens[i]`` new query tokens (rows ``qo_indptr[i]:qo_indptr[i+1]`` of the flat batch) and
+attends to ``kv_lens[i]`` tokens (its cached prefix plus the new ones) stored in the pages
+``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``; the last page holds ``kv_last_page_len[i]`` tokens
+(1 <= last_page_len <= page_size, as FlashInfer requires). Both backends consume this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class SeqBatchEntry:
+    """One sequence's share of a step: its page table and which token range it computes."""
+
+    page_table: Sequence[int]
+    num_cached: int  # tokens whose KV is already in cache (positions [0, num_cached))
+    num_new: int  # tokens computed this step (positions [num_cached, num_cached + num_new))
+
+
+@dataclass
+class AttentionMetadata:
+    page_size: int
+    qo_indptr: torch.Tensor  # [B+1] int32
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_indices: torch.Tensor  # [nnz_pages] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
+    positions: torch.Tensor  # [T] int64, RoPE position of each new token
+    slot_mapping: torch.Tensor  # [T] int64, page_id * page_size + offset where each new K/V goes
+    qo_lens: list[int]
+    kv_lens: list[int]
+    page_tables: list[list[int]]  # per sequence, the pages covering [0, kv_len)
+    backend_state: dict = field(default_factory=dict)  # per-step plan cached by the backend
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.qo_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.qo_lens))
+
+
+def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Build the step's metadata. Each page table must cover ``num_cached + num_new`` tokens."""
+    qo_lens, kv_lens, tables = [], [], []
+    qo_indptr, kv_indptr, kv_indices, last_len = [0], [0], [], []
+    positions: list[int] = []
+    slots: list[int] = []
+    for e in entries:
+        kv_len = e.num_cached + e.num_new
+        n_pages = -(-kv_len // page_size)
+        if e.num_new < 1:
+            raise ValueError("each sequence in a step computes at least one token")
+        if len(e.page_table) < n_pages:
+            raise ValueError(f"page table covers {len(e.page_table) * page_size} tokens, need {kv_len}")
+        table = list(e.page_table[:n_pages])
+        qo_lens.append(e.num_new)
+        kv_lens.append(kv_len)
+        tables.append(table)
+        qo_indptr.append(qo_indptr[-1] + e.num_new)
+        kv_indptr.append(kv_indptr[-1] + n_pages)
+        kv_indices.extend(table)
+        last_len.append(kv_len - (n_pages - 1) * page_size)
+        for pos in range(e.num_cached, kv_len):
+            positions.append(pos)
+            slots.append(table[pos // page_size] * page_size + pos % page_size)
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        page_size=page_size,
+        qo_indptr=torch.tensor(qo_indptr, **i32),
+        kv_indptr=torch.tensor(kv_indptr, **i32),
+        kv_indices=torch.tensor(kv_indices, **i32),
+        kv_last_page_len=torch.tensor(last_len, **i32),
+        positions=torch.tensor(positions, **i64),
+        slot_mapping=torch.tensor(slots, **i64),
+        qo_lens=qo_lens,
+        kv_lens=kv_lens,
+        page_tables=tables,
+    )
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation."""
+
+    name: str
+
+    def plan(self, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Prepare per-step state (called once per step, before the layers run)."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Write the new ``k``/``v`` ([T, Hkv, D]) into the layer's cache, then attend.
+
+        ``q`` is [T, H, D]; ``k_cache``/``v_cache`` are this layer's [P, S, Hkv, D]. Returns [T, H, D].
+        """

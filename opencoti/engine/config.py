@@ -1,0 +1,155 @@
+"""EngineConfig and SamplingParams: validated on construction, with clear errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .errors import InvalidRequestError
+
+_MAX_TOP_LOGPROBS = 20
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvalidRequestError(message)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. Defaults are greedy-free sampling like llama.cpp's server.
+
+    temperature: 0 means greedy (argmax); > 0 divides the logits.
+    top_k: keep the k most likely tokens (0 or -1 = off).
+    top_p: nucleus sampling, keep the smallest set with cumulative prob >= top_p (1.0 = off).
+    min_p: drop tokens with prob < min_p * max prob (0 = off).
+    seed: per-request seed; the same seed, prompt and params give the same tokens.
+    max_tokens: tokens to generate at most (None = until EOS or the context is full).
+    stop: strings that end generation (not included in the output text).
+    stop_token_ids: extra token ids that end generation (besides the model's EOS).
+    ignore_eos: keep generating past EOS.
+    logprobs: number of top alternatives to report per token (None = no logprobs).
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: Sequence[str] = field(default_factory=tuple)
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= 100,
+               f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= 1_000_000,
+               f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+               f"seed must be an integer, got {self.seed!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+               "stop must be a list of non-empty strings")
+        _check(len(self.stop) <= 16, "at most 16 stop strings are allowed")
+        self.stop = tuple(self.stop)
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be a list of non-negative integers")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_TOP_LOGPROBS),
+               f"logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def greedy(cls, max_tokens: int | None = 16, **kw) -> "SamplingParams":
+        return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=max_tokens, **kw)
+
+
+@dataclass
+class EngineConfig:
+    """Engine construction parameters.
+
+    model: None / "default" = the bundled SmolLM2-135M-Instruct; a HF model directory; a .gguf
+        path; or "tiny:<arch>" (random weights, for tests; arch in llama|mistral|qwen2|qwen3).
+    dtype: "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16".
+    device: "auto" (cuda if available), "cpu", "cuda", "cuda:N".
+    page_size: tokens per KV page.
+    kv_budget_tokens / kv_budget_mib: KV capacity (give at most one; default 65536 tokens,
+        capped by the model's context length x max_sessions).
+    max_batch_tokens: tokens computed per step at most (prefill is chunked to fit).
+    max_running: sessions decoding at once at most; the rest wait.
+    max_pools: pool budget.
+    max_context: context length per sequence (default: the model's).
+    attention_backend: "auto" | "torch" | "flashinfer".
+    cascade: shared-prefix attention "auto" | "on" | "off".
+    num_threads: torch CPU threads (None = all cores).
+    pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
+    seed: default RNG seed for requests without one.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    kv_budget_tokens: int | None = None
+    kv_budget_mib: float | None = None
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    max_pools: int = 16
+    max_context: int | None = None
+    attention_backend: str = "auto"
+    cascade: str = "auto"
+    num_threads: int | None = None
+    pool_grace_ttl_s: float = 30.0
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        _check(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")),
+               f"device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
+        _check(_is_int(self.page_size) and 1 <= self.page_size <= 1024,
+               f"page_size must be an integer in [1, 1024], got {self.page_size!r}")
+        _check(self.kv_budget_tokens is None or self.kv_budget_mib is None,
+               "give kv_budget_tokens or kv_budget_mib, not both")
+        _check(self.kv_budget_tokens is None or (_is_int(self.kv_budget_tokens) and self.kv_budget_tokens >= self.page_size),
+               f"kv_budget_tokens must be an integer >= page_size, got {self.kv_budget_tokens!r}")
+        _check(self.kv_budget_mib is None or (_is_number(self.kv_budget_mib) and self.kv_budget_mib > 0),
+               f"kv_budget_mib must be a positive number, got {self.kv_budget_mib!r}")
+        _check(_is_int(self.max_batch_tokens) and self.max_batch_tokens >= 1,
+               f"max_batch_tokens must be a positive integer, got {self.max_batch_tokens!r}")
+        _check(_is_int(self.max_running) and self.max_running >= 1,
+               f"max_running must be a positive integer, got {self.max_running!r}")
+        _check(_is_int(self.max_pools) and self.max_pools >= 0,
+               f"max_pools must be a non-negative integer, got {self.max_pools!r}")
+        _check(self.max_context is None or (_is_int(self.max_context) and self.max_context >= 2),
+               f"max_context must be an integer >= 2, got {self.max_context!r}")
+        _check(self.attention_backend in ("auto", "torch", "flashinfer"),
+               f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")
+        _check(self.cascade in ("auto", "on", "off"), f"cascade must be auto|on|off, got {self.cascade!r}")
+        _check(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
+               f"num_threads must be a positive integer, got {self.num_threads!r}")
+        _check(_is_number(self.pool_grace_ttl_s) and self.pool_grace_ttl_s >= 0,
+               f"pool_grace_ttl_s must be >= 0, got {self.pool_grace_ttl_s!r}")

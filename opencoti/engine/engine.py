@@ -1,0 +1,448 @@
+"""Engine: the thread-safe public API. One step-loop thread owns and mutates all engine state.
+
+Callers (any thread, or asyncio) submit commands through a queue; the loop runs them between
+steps, so requests join the running batch at the next step (continuous batching). Tokens stream
+back through per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
+
+import torch
+
+from .attention import select_backend
+from .config import EngineConfig, SamplingParams
+from .core import EngineCore
+from .errors import EngineClosedError, InvalidRequestError, OpencotiError
+from .kv.pages import PagePool
+from .results import GenerationResult, PoolInfo, RequestInfo, TokenDelta
+
+log = logging.getLogger("opencoti.engine")
+
+_DEFAULT_KV_TOKENS = 32768
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda requested but CUDA is not available")
+    return dev
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Engine:
+    """In-process inference engine. See ``EngineConfig`` for options.
+
+    >>> eng = Engine.from_default()
+    >>> eng.generate("Hello", params=SamplingParams.greedy(8)).text
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, progress: Callable[[str], None] | None = None,
+                 loaded=None):
+        from .model.llama import LlamaForward
+        from .model.loader import load_model
+
+        self.config = config = config or EngineConfig()
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.perf_counter()
+        self.loaded = loaded or load_model(config.model, cache_dir=config.cache_dir, dtype=self.dtype, progress=progress)
+        hf = self.loaded.hf_config
+        max_ctx = config.max_context or hf.max_position_embeddings
+        max_ctx = min(max_ctx, hf.max_position_embeddings)
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True) and hf.model_type == "mistral":
+            max_ctx = min(max_ctx, window)  # no sliding-window attention: stay inside the window
+        self.max_context = max_ctx
+        if progress:
+            progress("preparing weights")
+        self.model = LlamaForward(hf, self.loaded.state_dict, dtype=self.dtype, device=self.device,
+                                  max_positions=max_ctx)
+        self.loaded.state_dict = None  # the forward holds its own (fused) copies
+        d = self.model.dims
+        bpt = PagePool.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, self.dtype)
+        if config.kv_budget_mib is not None:
+            budget_tokens = int(config.kv_budget_mib * 2**20 // bpt)
+        else:
+            budget_tokens = config.kv_budget_tokens or min(_DEFAULT_KV_TOKENS, max_ctx * config.max_running)
+        num_pages = max(budget_tokens // config.page_size, 1)
+        self.kv = PagePool(num_layers=d.num_layers, num_pages=num_pages, page_size=config.page_size,
+                           num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=self.dtype, device=self.device)
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
+                               kv=self.kv, max_context=max_ctx, device=self.device)
+        self.model_name = self.loaded.name
+        self.load_seconds = time.perf_counter() - t0
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="opencoti-step", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_default(cls, **overrides) -> "Engine":
+        """The bundled SmolLM2-135M-Instruct with default settings (``overrides`` go to EngineConfig)."""
+        progress = overrides.pop("progress", None)
+        return cls(EngineConfig(**overrides), progress=progress)
+
+    # ======================================================================== step loop
+    def _loop(self) -> None:
+        core = self.core
+        while True:
+            try:  # block only when there is nothing to compute
+                cmd = self._cmds.get_nowait() if core.scheduler.has_work else self._cmds.get()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd is _STOP:
+                    self._drain_on_close()
+                    return
+                fn, args, kwargs, fut = cmd
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args, **kwargs))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if core.scheduler.has_work:
+                try:
+                    core.scheduler.step()
+                except Exception as e:  # a bug or OOM in a step: fail the batch, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        core = self.core
+        for job in list(core.scheduler.running) + list(core.scheduler.waiting):
+            if job.params is None:
+                core.scheduler.remove(job)
+                core._fail_materialization(job, error)
+            else:
+                core._finish(job, "error", error)
+
+    def _drain_on_close(self) -> None:
+        self._fail_all(EngineClosedError("engine shut down"))
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not _STOP:
+                cmd[3].set_exception(EngineClosedError("engine shut down"))
+
+    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+        if self._closed:
+            raise EngineClosedError("engine shut down")
+        fut: Future = Future()
+        self._cmds.put((fn, args, kwargs, fut))
+        return fut
+
+    def _call(self, fn: Callable, *args, **kwargs) -> Any:
+        return self._submit(fn, *args, **kwargs).result()
+
+    async def _acall(self, fn: Callable, *args, **kwargs) -> Any:
+        return await asyncio.wrap_future(self._submit(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the step loop; pending requests fail with EngineClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cmds.put(_STOP)
+        self._thread.join(timeout=30)
+
+    close = shutdown
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ======================================================================== tokens & chat
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequestError("text must be a string")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Seq[int]) -> str:
+        self.core._check_tokens(list(token_ids), "tokens") if token_ids else None
+        return self.tokenizer.decode(list(token_ids))
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        from .chat import render_chat
+        return render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    def _prompt_tokens(self, prompt, messages, tools) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages")
+        if messages is not None:
+            return self.tokenize(self.apply_chat_template(messages, tools=tools))
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenize(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise InvalidRequestError("prompt must be a string or a list of token ids")
+
+    # ======================================================================== generation
+    def _start(self, prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens,
+               sink: Callable[[tuple], None]):
+        tokens = self._prompt_tokens(prompt, messages, tools)
+        params = params if params is not None else SamplingParams()
+        return self._submit(self.core.submit, tokens, params, sink, session_id=session_id, pool_id=pool_id,
+                            shared_prefix_n_tokens=shared_prefix_n_tokens)
+
+    def stream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict] | None = None,
+               tools: list[dict] | None = None, params: SamplingParams | None = None, session_id: str | None = None,
+               pool_id: int | None = None, shared_prefix_n_tokens: int | None = None) -> "TokenStream":
+        """Start a request; iterate the result for TokenDelta events, then read ``.result``."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, q.put)
+        job = fut.result()  # raises the validation error, if any
+        return TokenStream(self, job, q)
+
+    def generate(self, prompt: str | Seq[int] | None = None, **kw) -> GenerationResult:
+        """Run a request to completion. Same arguments as ``stream``."""
+        s = self.stream(prompt, **kw)
+        for _ in s:
+            pass
+        return s.result
+
+    async def astream(self, prompt: str | Seq[int] | None = None, *, messages=None, tools=None, params=None,
+                      session_id=None, pool_id=None, shared_prefix_n_tokens=None) -> "AsyncTokenStream":
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev: tuple) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, sink)
+        job = await asyncio.wrap_future(fut)
+        return AsyncTokenStream(self, job, q)
+
+    async def agenerate(self, prompt: str | Seq[int] | None = None, **kw) -> GenerationResult:
+        s = await self.astream(prompt, **kw)
+        async for _ in s:
+            pass
+        return s.result
+
+    def cancel(self, job) -> None:
+        if not self._closed:
+            self._submit(self.core.cancel, job)
+
+    # ======================================================================== sessions & pools
+    def release_session(self, session_id: str) -> None:
+        self._call(self.core.release_session, session_id)
+
+    def _pool_tokens(self, tokens, text, messages, tools, add_generation_prompt) -> list[int] | None:
+        given = sum(x is not None for x in (tokens, text, messages))
+        if given > 1:
+            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
+        if text is not None:
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError("text must be a non-empty string")
+            return self.tokenize(text)
+        if messages is not None:
+            return self.tokenize(self.apply_chat_template(messages, tools=tools,
+                                                          add_generation_prompt=add_generation_prompt))
+        return None if tokens is None else list(tokens) if isinstance(tokens, (list, tuple)) else tokens
+
+    def _pool_call(self, op: Callable, *args, **kwargs) -> PoolInfo:
+        done: Future = Future()
+
+        def on_done(result):
+            if isinstance(result, BaseException):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+
+        def run():
+            pool = op(on_done, *args, **kwargs)
+            return pool
+
+        self._call(run)
+        pool = done.result()
+        return self._call(self.core.pool_info, pool)
+
+    def create_pool(self, *, tokens: Seq[int] | None = None, text: str | None = None,
+                    messages: list[dict] | None = None, tools: list[dict] | None = None,
+                    from_session: str | None = None, pinned: bool = False, label: str = "",
+                    add_generation_prompt: bool = False) -> PoolInfo:
+        """Create a root pool and materialize it (prefill only). Returns when it is resident.
+
+        ``messages`` are rendered with the chat template (``add_generation_prompt`` False by
+        default, so a later chat request that continues the conversation attaches to it).
+        """
+        toks = self._pool_tokens(tokens, text, messages, tools, add_generation_prompt)
+        if toks is not None and from_session is not None:
+            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
+        return self._pool_call(self.core.create_pool, tokens=toks, from_session=from_session, pinned=pinned,
+                               label=label)
+
+    def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Seq[int] | None = None,
+                  text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
+                  from_session: str | None = None, pinned: bool = False, label: str = "",
+                  add_generation_prompt: bool = False) -> PoolInfo:
+        """Fork ``parent_id`` at ``branch_pos`` D (default: the parent's L, i.e. extend).
+
+        ``tokens`` (or text/messages) is the child's FULL prefix [0, L); ``tokens[0:D]`` must equal
+        the parent's (else PoolContractError, nothing changes). The child computes only [D, L).
+        """
+        toks = self._pool_tokens(tokens, text, messages, tools, add_generation_prompt)
+        if toks is not None and from_session is not None:
+            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
+        if branch_pos is None:
+            branch_pos = self.pool(parent_id).prefix_len
+        return self._pool_call(self.core.fork_pool, parent_id, branch_pos, tokens=toks, from_session=from_session,
+                               pinned=pinned, label=label)
+
+    def pool(self, pool_id: int) -> PoolInfo:
+        return self._call(lambda: self.core.pool_info(self.core.tree.get(pool_id)))
+
+    def pools(self) -> dict:
+        """The pool tree (spec §4.2)."""
+        return self._call(self.core.pools_status)
+
+    def pin_pool(self, pool_id: int) -> PoolInfo:
+        return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, True)))
+
+    def unpin_pool(self, pool_id: int) -> PoolInfo:
+        return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, False)))
+
+    def evict_pool(self, pool_id: int) -> PoolInfo:
+        return self._call(lambda: self.core.pool_info(self.core.evict_pool(pool_id)))
+
+    def flush_pool(self, pool_id: int) -> int:
+        """End the idle sessions attached to the pool; returns how many."""
+        return self._call(self.core.flush_pool, pool_id)
+
+    def release_pool(self, pool_id: int) -> None:
+        self._call(self.core.release_pool, pool_id)
+
+    def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
+                        text: str | None = None, messages: list[dict] | None = None,
+                        branch_pos: int | None = None, release_old: bool = True) -> dict:
+        """Compaction by re-fork (spec §13.2): fork the stable ancestor with the compacted prefix
+        (e.g. system + summary + recent tail), move the session onto it, release the old pool
+        when nothing else uses it. Returns the new pool and KV pages before/after."""
+        toks = self._pool_tokens(tokens, text, messages, None, False)
+        if toks is None:
+            raise InvalidRequestError("compaction needs the compacted prefix (tokens, text or messages)")
+        before = self._call(lambda: self.core.kv.num_used)
+        old_pool_id = self._call(lambda: self.core.get_session(session_id).pool_id)
+        if branch_pos is None:
+            branch_pos = self.pool(ancestor_pool_id).prefix_len
+        info = self.fork_pool(ancestor_pool_id, branch_pos=branch_pos, tokens=toks, label="compacted")
+        released = self._call(self.core.move_session, session_id, info.pool_id, old_pool_id if release_old else None,
+                              ancestor_pool_id)
+        after = self._call(lambda: self.core.kv.num_used)
+        return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before,
+                "kv_pages_after": after, "page_bytes": self.kv.page_bytes}
+
+    def check_integrity(self) -> None:
+        """Assert the KV refcount and ownership invariants (runs on the step thread)."""
+        self._call(self.core.check_integrity)
+
+    def stats(self) -> dict:
+        return self._call(lambda: {**self.core.counters, "kv_pages_used": self.kv.num_used,
+                                   "kv_pages_total": self.kv.num_pages, "sessions": len(self.core.sessions),
+                                   "running": len(self.core.scheduler.running),
+                                   "waiting": len(self.core.scheduler.waiting)})
+
+
+_STOP = object()
+
+
+class TokenStream:
+    """Iterator over a request's TokenDelta events; ``.info`` is known at once, ``.result`` at the end."""
+
+    def __init__(self, engine: Engine, job, q):
+        self._engine, self._job, self._q = engine, job, q
+        self.info: RequestInfo = job.info
+        self.result: GenerationResult | None = None
+        self._done = False
+        first = q.get()
+        assert first[0] == "start"
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        return self
+
+    def __next__(self) -> TokenDelta:
+        if self._done:
+            raise StopIteration
+        kind, payload = self._q.get()
+        if kind == "token":
+            return payload
+        self._done = True
+        if kind == "error":
+            raise payload
+        self.result = payload
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop early (e.g. the client disconnected): the request is cancelled."""
+        if not self._done:
+            self._done = True
+            self._engine.cancel(self._job)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class AsyncTokenStream:
+    def __init__(self, engine: Engine, job, q: asyncio.Queue):
+        self._engine, self._job, self._q = engine, job, q
+        self.info: RequestInfo = job.info
+        self.result: GenerationResult | None = None
+        self._done = False
+        self._started = False
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._done:
+            raise StopAsyncIteration
+        while True:
+            kind, payload = await self._q.get()
+            if kind == "start":
+                continue
+            break
+        if kind == "token":
+            return payload
+        self._done = True
+        if kind == "error":
+            raise payload
+        self.result = payload
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.cancel(self._job)

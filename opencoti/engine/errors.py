@@ -1,0 +1,85 @@
+"""Typed exceptions of the engine API. Each carries the HTTP status the server maps it to."""
+
+from __future__ import annotations
+
+
+class OpencotiError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
+class InvalidRequestError(OpencotiError, ValueError):
+    """The request is malformed or a value is out of range (HTTP 400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus max_tokens does not fit the model's context (HTTP 400)."""
+
+    error_type = "exceed_context_size_error"
+
+
+class NotFoundError(OpencotiError, KeyError):
+    """An unknown session or pool id (HTTP 404)."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+    def __str__(self) -> str:  # KeyError quotes its message; we don't want that
+        return str(self.args[0]) if self.args else "not found"
+
+
+class SessionNotFoundError(NotFoundError):
+    """No session with this id."""
+
+
+class PoolNotFoundError(NotFoundError):
+    """No pool with this id."""
+
+
+class ConflictError(OpencotiError):
+    """The request conflicts with the current state (HTTP 409)."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class PoolContractError(ConflictError):
+    """The declared prefix does not token-match the parent pool / shared prefix."""
+
+
+class PoolBusyError(ConflictError):
+    """The pool cannot be changed now (has children, is pinned, ...)."""
+
+
+class SessionBusyError(ConflictError):
+    """The session is serving another request."""
+
+
+class CapacityError(OpencotiError):
+    """A budget is exhausted (pools, KV pages) and waiting would not help (HTTP 503)."""
+
+    status_code = 503
+    error_type = "unavailable_error"
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClosedError(OpencotiError):
+    """The engine has been shut down (HTTP 503)."""
+
+    status_code = 503
+    error_type = "unavailable_error"
+
+
+class ModelLoadError(OpencotiError):
+    """The model could not be found or loaded."""
+
+    status_code = 500
+    error_type = "model_load_error"

@@ -1,0 +1,115 @@
+"""PagePool: preallocated per-layer K/V storage addressed by page id, with a refcounted allocator.
+
+Layout: ``k_cache`` / ``v_cache`` are ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``
+(FlashInfer's NHD paged layout per layer). A page is referenced by every page table that holds it
+(pools, sessions); it returns to the free list when its refcount drops to 0. Allocation is
+check-then-commit: ``can_allocate(n)`` then ``allocate(n)``, which never partially succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from ..errors import CapacityError
+
+
+class PagePool:
+    """The KV store and its page allocator. Mutated only by the engine's step thread."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
+        self.refcount = [0] * num_pages
+        # Pop from the end: low page ids are handed out first (nicer to read in tests / dumps).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    # ---- sizes -------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ---- allocation --------------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages (refcount 1 each). All or nothing."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if n > len(self._free):
+            raise CapacityError(f"KV cache exhausted: need {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"incref of free page {p}")
+            self.refcount[p] += 1
+
+    def decref(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            rc = self.refcount[p] - 1
+            if rc < 0:
+                raise RuntimeError(f"decref of free page {p}")
+            self.refcount[p] = rc
+            if rc == 0:
+                self._free.append(p)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one page's K/V in every layer (used for the partial last page of a shared prefix)."""
+        self.k_cache[:, dst].copy_(self.k_cache[:, src])
+        self.v_cache[:, dst].copy_(self.v_cache[:, src])
+
+    # ---- checks ------------------------------------------------------------------------
+    def check_integrity(self, page_tables: Sequence[Sequence[int]] | None = None) -> None:
+        """Assert free + referenced == total and no negative refcounts.
+
+        With ``page_tables`` (every page table that holds references), also assert that each
+        page's refcount equals the number of tables holding it.
+        """
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate page on the free list"
+        for p, rc in enumerate(self.refcount):
+            assert rc >= 0, f"negative refcount on page {p}"
+            assert (rc == 0) == (p in free), f"page {p}: refcount {rc} but free={p in free}"
+        assert len(free) + sum(1 for rc in self.refcount if rc > 0) == self.num_pages
+        if page_tables is not None:
+            counts = [0] * self.num_pages
+            for table in page_tables:
+                for p in table:
+                    counts[p] += 1
+            for p in range(self.num_pages):
+                assert counts[p] == self.refcount[p], (
+                    f"page {p}: refcount {self.refcount[p]} but held by {counts[p]} page tables")

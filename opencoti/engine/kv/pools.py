@@ -1,0 +1,140 @@
+"""PoolTree: immutable prefix pools arranged in a tree (host-side state; no tensors here).
+
+A pool owns the KV of its own range ``[D, L)`` and borrows ``[0, D)`` from its parent by page
+refcount. Pools never change after materialization: "extending" is a fork at ``D = parent.L``,
+a branch is a fork at ``D < parent.L``. The engine's step thread is the only mutator.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+from ..errors import CapacityError, PoolNotFoundError
+from ..session import Sequence
+
+
+class Residency(str, enum.Enum):
+    MATERIALIZING = "materializing"
+    RESIDENT = "resident"
+    EVICTED = "evicted"  # tokens kept, KV dropped; re-materialized on the next attach/fork
+    RELEASED = "released"  # removed from the tree; KV lives on until attached sessions end
+
+
+def prefix_hashes(tokens: Seq[int]) -> list[bytes]:
+    """Cumulative hash per position: ``h[i]`` identifies ``tokens[:i+1]`` (validates any D in O(1))."""
+    out: list[bytes] = []
+    h = hashlib.blake2b(digest_size=8)
+    for t in tokens:
+        h.update(int(t).to_bytes(4, "little", signed=False))
+        out.append(h.copy().digest())
+    return out
+
+
+def common_prefix_len(a: Seq[int], b: Seq[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # compare in blocks first: prompts share long prefixes, so this is the hot path
+    step = 64
+    while i + step <= n and list(a[i:i + step]) == list(b[i:i + step]):
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Pool:
+    pool_id: int
+    parent: "Pool | None"
+    branch_pos: int  # D
+    seq: Sequence  # tokens [0, L); page table covering them while resident
+    hashes: list[bytes]
+    pinned: bool = False
+    residency: Residency = Residency.MATERIALIZING
+    children: list["Pool"] = field(default_factory=list)
+    sessions: set = field(default_factory=set)  # session ids attached
+    last_access: float = field(default_factory=time.time)
+    grace_until: float = 0.0  # monotonic deadline of the auto-pin grace TTL
+    rematerializations: int = 0
+    cache_hits: int = 0
+    label: str = ""
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.seq.tokens)
+
+    @property
+    def own_len(self) -> int:
+        return self.prefix_len - self.branch_pos
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.tokens
+
+    def hash_at(self, n: int) -> bytes | None:
+        """Hash identifying tokens[:n] (None for n == 0)."""
+        return self.hashes[n - 1] if n > 0 else None
+
+    def is_auto_pinned(self, now: float) -> bool:
+        """Interior pools stay resident while descendants are attached, plus a grace TTL."""
+        return bool(self.children or self.sessions) or now < self.grace_until
+
+    def depth(self) -> int:
+        d, p = 1, self.parent
+        while p is not None:
+            d, p = d + 1, p.parent
+        return d
+
+
+class PoolTree:
+    """Id allocation, the pool budget and tree links."""
+
+    def __init__(self, max_pools: int):
+        self.max_pools = max_pools
+        self.pools: dict[int, Pool] = {}  # live pools (not RELEASED)
+        self.released: dict[int, Pool] = {}  # released, KV still referenced by sessions
+        self._next_id = 1
+
+    @property
+    def num_used(self) -> int:
+        return len(self.pools)
+
+    def get(self, pool_id: int) -> Pool:
+        pool = self.pools.get(pool_id) if isinstance(pool_id, int) and not isinstance(pool_id, bool) else None
+        if pool is None:
+            raise PoolNotFoundError(f"pool {pool_id!r} not found")
+        return pool
+
+    def check_budget(self) -> None:
+        if len(self.pools) >= self.max_pools:
+            raise CapacityError(
+                f"pool budget exhausted: {len(self.pools)}/{self.max_pools} pools in use; "
+                "release a pool or start the engine with a larger max_pools")
+
+    def add(self, parent: Pool | None, branch_pos: int, tokens: list[int], label: str = "") -> Pool:
+        self.check_budget()
+        pool = Pool(pool_id=self._next_id, parent=parent, branch_pos=branch_pos,
+                    seq=Sequence(tokens), hashes=prefix_hashes(tokens), label=label)
+        self._next_id += 1
+        self.pools[pool.pool_id] = pool
+        if parent is not None:
+            parent.children.append(pool)
+        return pool
+
+    def unlink(self, pool: Pool) -> None:
+        """Remove from the live tree (the pool must have no children)."""
+        assert not pool.children
+        self.pools.pop(pool.pool_id, None)
+        if pool.parent is not None and pool in pool.parent.children:
+            pool.parent.children.remove(pool)
+        pool.residency = Residency.RELEASED
+
+    def roots(self) -> list[Pool]:
+        return [p for p in self.pools.values() if p.parent is None]
+
+    def depth(self) -> int:
+        return max((p.depth() for p in self.pools.values()), default=0)

@@ -1,0 +1,134 @@
+"""Sequences (KV-holding token runs), sessions (leaves of the pool tree) and jobs (work to compute)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .config import SamplingParams
+
+
+class Sequence:
+    """Tokens plus the page table holding their KV.
+
+    ``tokens[:num_cached]`` have KV in the pages ``page_table``. The first ``num_borrowed_pages``
+    pages are read-only pages shared from a pool (never written by this sequence); the rest are
+    owned by whoever owns the sequence (a session or a pool).
+    """
+
+    __slots__ = ("tokens", "page_table", "num_cached", "num_borrowed_pages")
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens: list[int] = list(tokens or [])
+        self.page_table: list[int] = []
+        self.num_cached = 0
+        self.num_borrowed_pages = 0
+
+    @property
+    def owned_pages(self) -> list[int]:
+        return self.page_table[self.num_borrowed_pages:]
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        return self.tokens[: self.num_cached]
+
+
+class SessionState(str, enum.Enum):
+    IDLE = "idle"  # no request; its KV stays cached
+    WAITING = "waiting"  # request queued, not yet computing
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Session:
+    """A leaf: one agent's private continuation, optionally attached to a pool."""
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+        self.pool_id: int | None = None
+        self.seq = Sequence()
+        self.job: "Job | None" = None
+        self.last_access = time.monotonic()
+        self.created = time.monotonic()
+
+    @property
+    def state(self) -> SessionState:
+        if self.job is None:
+            return SessionState.IDLE
+        return self.job.state
+
+    @property
+    def is_idle(self) -> bool:
+        return self.job is None
+
+
+@dataclass
+class Timings:
+    """llama.cpp-style timings of one request."""
+
+    prompt_n: int = 0  # prompt tokens computed (excludes cached)
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cache_n: int = 0  # prompt tokens reused from cache (pool or session)
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+            "cache_n": self.cache_n,
+        }
+
+
+@dataclass
+class Job:
+    """Work for the scheduler: compute ``seq.tokens`` into the cache and optionally sample.
+
+    A generation job samples after its prompt and keeps decoding; a materialization job
+    (``params is None``) computes a pool's prefix and finishes (prefill-only, no sampling).
+    ``reuse`` is the prefix to share when the job starts: (source page table, source tokens, P,
+    borrowed pages); decided when the request is accepted.
+    """
+
+    seq: Sequence
+    params: SamplingParams | None
+    emit: Callable[[Any], None]
+    session: Session | None = None
+    pool: Any = None  # the Pool being materialized (materialization jobs)
+    wait_for: list = field(default_factory=list)  # pools that must be resident before starting
+    prompt_len: int = 0
+    state: SessionState = SessionState.WAITING
+    started: bool = False
+    generated: list[int] = field(default_factory=list)
+    generator: Any = None
+    detok: Any = None
+    stopper: Any = None
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    max_context: int = 0
+    timings: Timings = field(default_factory=Timings)
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0
+    t_first_token: float = 0.0
+    t_last_token: float = 0.0
+    finish_reason: str | None = None
+    stopping_word: str = ""
+    truncated: bool = False
+    cancelled: bool = False
+    num_preemptions: int = 0
+    admit_seq: int = 0
+    start_plan: Callable[[], bool] | None = None  # sets up the page table; False = not enough pages yet
+    on_done: Callable[[Any], None] | None = None  # materialization: called with the Pool or an exception
+    info: Any = None  # RequestInfo of a generation job
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.seq.tokens) - self.seq.num_cached
