@@ -49,7 +49,12 @@ class EngineCore:
         self._request_ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
                          "evicted_sessions": 0, "evicted_pools": 0, "preemptions": 0}
-        self.listeners: list[Callable[[str, dict], None]] = []  # observability hooks (metrics)
+        # Observability hooks, called on the step thread: (event, data) with events
+        # submit {job}, token {job, now}, finish {job}, materialized {pool}, step {stats}.
+        self.listeners: list[Callable[[str, dict], None]] = []
+        # Admission hook, called after a request is validated and before anything is committed:
+        # gate(pool, session_id, is_new_session, prompt_len, params, overcommit); raising rejects it.
+        self.admission_gate: Callable[..., None] | None = None
 
     # ======================================================================== validation
     def _check_tokens(self, tokens, what: str = "prompt") -> list[int]:
@@ -89,7 +94,8 @@ class EngineCore:
 
     # ======================================================================== requests
     def submit(self, prompt: list[int], params: SamplingParams, emit: Emit, *, session_id: str | None = None,
-               pool_id: int | None = None, shared_prefix_n_tokens: int | None = None) -> Job:
+               pool_id: int | None = None, shared_prefix_n_tokens: int | None = None,
+               overcommit: bool = False) -> Job:
         """Accept a generation request (validate everything, then commit)."""
         prompt = self._check_tokens(prompt)
         if not isinstance(params, SamplingParams):
@@ -116,6 +122,8 @@ class EngineCore:
                 raise PoolContractError(
                     f"shared_prefix_n_tokens={n} but the prompt differs from pool {pool.pool_id}'s tokens at "
                     f"position {common_prefix_len(prompt[:n], pool.tokens[:n])}")
+        if self.admission_gate is not None:
+            self.admission_gate(pool, session_id, session is None, len(prompt), params, overcommit)
         # ---- everything validated: commit
         if session is None:
             session = Session(session_id or f"s-{uuid.uuid4().hex[:12]}")
@@ -161,6 +169,8 @@ class EngineCore:
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["cached_prompt_tokens"] += cache_n
         self.scheduler.add(job)
+        for fn in self.listeners:
+            fn("submit", {"job": job})
         emit(("start", info))
         return job
 

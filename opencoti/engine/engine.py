@@ -126,7 +126,9 @@ class Engine:
                     cmd = None
             if core.scheduler.has_work:
                 try:
-                    core.scheduler.step()
+                    stats = core.scheduler.step()
+                    for fn in core.listeners:
+                        fn("step", {"stats": stats})
                 except Exception as e:  # a bug or OOM in a step: fail the batch, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)
@@ -213,18 +215,24 @@ class Engine:
 
     # ======================================================================== generation
     def _start(self, prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens,
-               sink: Callable[[tuple], None]):
+               sink: Callable[[tuple], None], overcommit: bool = False):
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
         return self._submit(self.core.submit, tokens, params, sink, session_id=session_id, pool_id=pool_id,
-                            shared_prefix_n_tokens=shared_prefix_n_tokens)
+                            shared_prefix_n_tokens=shared_prefix_n_tokens, overcommit=overcommit)
 
     def stream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict] | None = None,
                tools: list[dict] | None = None, params: SamplingParams | None = None, session_id: str | None = None,
-               pool_id: int | None = None, shared_prefix_n_tokens: int | None = None) -> "TokenStream":
-        """Start a request; iterate the result for TokenDelta events, then read ``.result``."""
+               pool_id: int | None = None, shared_prefix_n_tokens: int | None = None,
+               overcommit: bool = False) -> "TokenStream":
+        """Start a request; iterate the result for TokenDelta events, then read ``.result``.
+
+        ``pool_id`` attaches to a pool (the shared prefix P is found automatically, or validated when
+        ``shared_prefix_n_tokens`` is given); ``session_id`` names the session whose KV outlives the
+        request; ``overcommit`` bypasses an enforced admission floor."""
         q: queue.SimpleQueue = queue.SimpleQueue()
-        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, q.put)
+        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, q.put,
+                          overcommit)
         job = fut.result()  # raises the validation error, if any
         return TokenStream(self, job, q)
 
@@ -236,14 +244,16 @@ class Engine:
         return s.result
 
     async def astream(self, prompt: str | Seq[int] | None = None, *, messages=None, tools=None, params=None,
-                      session_id=None, pool_id=None, shared_prefix_n_tokens=None) -> "AsyncTokenStream":
+                      session_id=None, pool_id=None, shared_prefix_n_tokens=None,
+                      overcommit: bool = False) -> "AsyncTokenStream":
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
         def sink(ev: tuple) -> None:
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
-        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, sink)
+        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, sink,
+                          overcommit)
         job = await asyncio.wrap_future(fut)
         return AsyncTokenStream(self, job, q)
 
