@@ -85,7 +85,7 @@ class Engine:
         num_pages = max(budget_tokens // config.page_size, 1)
         self.kv = PagePool(num_layers=d.num_layers, num_pages=num_pages, page_size=config.page_size,
                            num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=self.dtype, device=self.device)
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, config.cascade)
         self.tokenizer = self.loaded.tokenizer
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)

@@ -37,6 +37,7 @@ class AttentionMetadata:
     kv_lens: list[int]
     page_tables: list[list[int]]  # per sequence, the pages covering [0, kv_len)
     backend_state: dict = field(default_factory=dict)  # per-step plan cached by the backend
+    cascade: object = None  # CascadePlan when this step uses shared-prefix attention
 
     @property
     def num_seqs(self) -> int:

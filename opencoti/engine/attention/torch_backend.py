@@ -1,9 +1,15 @@
 """Reference attention over the paged KV cache in plain torch (CPU or GPU).
 
-Decode rows (one new token each) are attended in one batched SDPA call per layer over their
-page-gathered KV (padded to the longest, masked). Prefill rows attend one sequence at a time
-with a causal mask offset by the cached prefix. GQA is handled without repeating K/V: the
-``G = H / Hkv`` query heads of a KV head are folded into the query-length axis.
+Plain path: decode rows (one new token each) are attended in one batched SDPA call per layer
+over their page-gathered KV (padded to the longest, masked); prefill rows one sequence at a
+time with a causal mask offset by the cached prefix.
+
+Cascade path (shared-prefix attention, see cascade.py): each shared page run is gathered once
+and attended by all the query rows that share it in one call; every sequence then attends to
+its private pages; partial outputs are merged exactly with their log-sum-exp.
+
+GQA never repeats K/V: the ``G = H / Hkv`` query heads of a KV head are folded into the
+query-length axis.
 """
 
 from __future__ import annotations
@@ -12,49 +18,110 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionMetadata
+from .cascade import build_cascade_plan
+
+_NEG_INF = float("-inf")
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the log-sum-exp of the scores.
+
+    q [B, Hkv, M, D], k/v [B, Hkv, N, D], mask additive float [B or 1, 1, M, N] or None.
+    Returns out [B, Hkv, M, D] and lse [B, Hkv, M] (fp32).
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                              scale=scale)
+        return out, lse.float()
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, M, N]
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+    return out, lse
+
+
+def _merge(o_acc, lse_acc, o, lse):
+    """Exact merge of two partial attentions over disjoint KV sets. o [..., D], lse [...]."""
+    new = torch.logaddexp(lse_acc, lse)
+    o_acc = o_acc * torch.exp(lse_acc - new).unsqueeze(-1) + o.float() * torch.exp(lse - new).unsqueeze(-1)
+    return o_acc, new
 
 
 class TorchAttentionBackend:
+    """``cascade``: "auto" (use shared-prefix attention when it saves enough KV reads), "on", "off"."""
+
     name = "torch"
 
+    def __init__(self, cascade: str = "auto", min_saved_tokens: int = 1024):
+        self.cascade = cascade
+        self.min_saved_tokens = min_saved_tokens
+        self.last_used_cascade = False
+        self.num_cascade_steps = 0  # steps that used shared-prefix attention (for tests and stats)
+
+    # ---------------------------------------------------------------------------- planning
     def plan(self, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        group = num_heads // num_kv_heads
+        cplan = None
+        if self.cascade != "off" and meta.num_seqs >= 2:
+            cplan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, meta.page_size)
+            if not cplan.groups or (self.cascade == "auto" and cplan.saved_tokens < self.min_saved_tokens):
+                cplan = None
+        self.last_used_cascade = cplan is not None
+        self.num_cascade_steps += cplan is not None
+        meta.cascade = cplan
+        if cplan is None:
+            starts = [0] * meta.num_seqs
+            meta.backend_state["torch"] = {"group": group, "cascade": None, **self._plan_rows(meta, starts, group)}
+            return
+        device = meta.positions.device
+        qo_start = meta.qo_indptr.tolist()
+        groups = []
+        for g in cplan.groups:
+            rows = [r for s in g.seqs for r in range(qo_start[s], qo_start[s] + meta.qo_lens[s])]
+            groups.append((torch.tensor(rows, dtype=torch.int64, device=device),
+                           torch.tensor(g.pages, dtype=torch.int64, device=device)))
+        meta.backend_state["torch"] = {"group": group, "cascade": groups,
+                                       **self._plan_rows(meta, cplan.private_start, group)}
+
+    def _plan_rows(self, meta: AttentionMetadata, page_start: list[int], group: int) -> dict:
+        """Each sequence attends to its pages from ``page_start[i]`` on (all of them when 0)."""
         device = meta.positions.device
         ps = meta.page_size
-        group = num_heads // num_kv_heads
-        decode_idx = [i for i, q in enumerate(meta.qo_lens) if q == 1]
-        prefill_idx = [i for i, q in enumerate(meta.qo_lens) if q > 1]
         qo_start = meta.qo_indptr.tolist()
-        plan: dict = {"group": group}
+        decode_idx = [i for i, q in enumerate(meta.qo_lens) if q == 1]
+        out: dict = {"decode": None, "prefill": []}
         if decode_idx:
-            max_pages = max(len(meta.page_tables[i]) for i in decode_idx)
+            tables = [meta.page_tables[i][page_start[i]:] for i in decode_idx]
+            lens = [meta.kv_lens[i] - page_start[i] * ps for i in decode_idx]
+            max_pages = max(len(t) for t in tables)
             page_idx = torch.zeros((len(decode_idx), max_pages), dtype=torch.int64)
-            for row, i in enumerate(decode_idx):
-                t = meta.page_tables[i]
+            for row, t in enumerate(tables):
                 page_idx[row, : len(t)] = torch.tensor(t, dtype=torch.int64)
-            kv_lens = torch.tensor([meta.kv_lens[i] for i in decode_idx])
             span = max_pages * ps
-            if bool((kv_lens == span).all()):
+            lens_t = torch.tensor(lens)
+            if bool((lens_t == span).all()):
                 mask = None
             else:
-                mask = (torch.arange(span)[None, :] < kv_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, S]
-                mask = mask.to(device)
-            plan["decode"] = (
-                torch.tensor([qo_start[i] for i in decode_idx], dtype=torch.int64, device=device),
-                page_idx.to(device),
-                span,
-                mask,
-            )
-        prefill = []
-        for i in prefill_idx:
-            q_len, kv_len = meta.qo_lens[i], meta.kv_lens[i]
-            pages = torch.tensor(meta.page_tables[i], dtype=torch.int64, device=device)
+                valid = torch.arange(span)[None, :] < lens_t[:, None]
+                mask = torch.zeros(valid.shape).masked_fill(~valid, _NEG_INF)[:, None, None, :].to(device)
+            out["decode"] = (torch.tensor([qo_start[i] for i in decode_idx], dtype=torch.int64, device=device),
+                             page_idx.to(device), span, mask)
+        for i, q_len in enumerate(meta.qo_lens):
+            if q_len == 1:
+                continue
+            kv_len = meta.kv_lens[i]
+            first = page_start[i] * ps  # absolute position of the first key attended here
+            pages = torch.tensor(meta.page_tables[i][page_start[i]:], dtype=torch.int64, device=device)
             q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-            mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]  # [q, kv] causal, offset
-            mask = mask.repeat(group, 1)  # rows ordered (g, i) to match the folded queries
-            prefill.append((qo_start[i], q_len, kv_len, pages, mask))
-        plan["prefill"] = prefill
-        meta.backend_state["torch"] = plan
+            k_pos = torch.arange(first, kv_len, device=device)
+            visible = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # rows ordered (g, i) like the folded q
+            mask = torch.zeros(visible.shape, device=device).masked_fill(~visible, _NEG_INF)[None, None]
+            out["prefill"].append((qo_start[i], q_len, kv_len - first, pages, mask))
+        return out
 
+    # ---------------------------------------------------------------------------- execution
     def forward(self, layer, q, k, v, k_cache, v_cache, meta, scale):
         plan = meta.backend_state["torch"]
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -62,23 +129,53 @@ class TorchAttentionBackend:
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
+        if plan["cascade"] is None:
+            return self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=False)[0]
+        o_acc, lse_acc = self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=True)
         group = plan["group"]
-        out = torch.empty_like(q)  # [T, H, D]
-        dec = plan.get("decode")
+        for rows, pages in plan["cascade"]:
+            m = rows.shape[0]
+            qg = q.index_select(0, rows).view(m, num_kv_heads, group, head_dim)
+            qg = qg.permute(1, 0, 2, 3).reshape(1, num_kv_heads, m * group, head_dim)  # [1, Hkv, M*G, D]
+            kg = k_cache[pages].view(-1, num_kv_heads, head_dim).transpose(0, 1)[None]  # [1, Hkv, N, D]
+            vg = v_cache[pages].view(-1, num_kv_heads, head_dim).transpose(0, 1)[None]
+            og, lg = _attend_lse(qg, kg, vg, None, scale)
+            og = og[0].view(num_kv_heads, m, group, head_dim).permute(1, 0, 2, 3).reshape(m, -1, head_dim)
+            lg = lg[0].view(num_kv_heads, m, group).permute(1, 0, 2).reshape(m, -1)  # [M, H]
+            o_new, l_new = _merge(o_acc.index_select(0, rows), lse_acc.index_select(0, rows), og, lg)
+            o_acc.index_copy_(0, rows, o_new)
+            lse_acc.index_copy_(0, rows, l_new)
+        return o_acc.to(q.dtype)
+
+    def _private(self, q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse: bool):
+        group = plan["group"]
+        T = q.shape[0]
+        out = torch.empty(q.shape, dtype=torch.float32 if with_lse else q.dtype, device=q.device)  # [T, H, D]
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse else None  # [T, H]
+        dec = plan["decode"]
         if dec is not None:
             rows, page_idx, span, mask = dec
             bd = rows.shape[0]
             qd = q.index_select(0, rows).view(bd, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
             kd = k_cache[page_idx].view(bd, span, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, Hkv, S, D]
             vd = v_cache[page_idx].view(bd, span, num_kv_heads, head_dim).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)  # [Bd, Hkv, G, D]
-            out.index_copy_(0, rows, od.reshape(bd, -1, head_dim))
-        for start, q_len, kv_len, pages, mask in plan["prefill"]:
+            if with_lse:
+                od, ld = _attend_lse(qd, kd, vd, mask, scale)
+                lse.index_copy_(0, rows, ld.reshape(bd, -1))
+            else:
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+            out.index_copy_(0, rows, od.reshape(bd, -1, head_dim).to(out.dtype))
+        for start, q_len, n_keys, pages, mask in plan["prefill"]:
             qp = q[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
-            qp = qp.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)  # [Hkv, G*q, D]
-            kp = k_cache[pages].view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1)  # [Hkv, kv, D]
-            vp = v_cache[pages].view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
-            op = op.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q, Hkv, G, D]
-            out[start:start + q_len] = op.reshape(q_len, -1, head_dim)
-        return out
+            qp = qp.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)  # [1, Hkv, G*q, D]
+            kp = k_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vp = v_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys].transpose(0, 1)[None]
+            if with_lse:
+                op, lp = _attend_lse(qp, kp, vp, mask, scale)
+                lse[start:start + q_len] = lp[0].view(num_kv_heads, group, q_len).permute(2, 0, 1).reshape(q_len, -1)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+            op = op[0].view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q, Hkv, G, D]
+            out[start:start + q_len] = op.reshape(q_len, -1, head_dim).to(out.dtype)
+        del T
+        return out, lse
