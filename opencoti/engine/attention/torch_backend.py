@@ -42,6 +42,13 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return out, lse
 
 
+def _pages_ref(pages: list[int], device) -> torch.Tensor | slice:
+    """A slice when the page ids are consecutive (a view, no copy), else an index tensor."""
+    if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+        return slice(pages[0], pages[-1] + 1)
+    return torch.tensor(pages, dtype=torch.int64, device=device)
+
+
 def _merge(o_acc, lse_acc, o, lse):
     """Exact merge of two partial attentions over disjoint KV sets. o [..., D], lse [...]."""
     new = torch.logaddexp(lse_acc, lse)
@@ -80,8 +87,7 @@ class TorchAttentionBackend:
         groups = []
         for g in cplan.groups:
             rows = [r for s in g.seqs for r in range(qo_start[s], qo_start[s] + meta.qo_lens[s])]
-            groups.append((torch.tensor(rows, dtype=torch.int64, device=device),
-                           torch.tensor(g.pages, dtype=torch.int64, device=device)))
+            groups.append((torch.tensor(rows, dtype=torch.int64, device=device), _pages_ref(g.pages, device)))
         meta.backend_state["torch"] = {"group": group, "cascade": groups,
                                        **self._plan_rows(meta, cplan.private_start, group)}
 
@@ -113,7 +119,7 @@ class TorchAttentionBackend:
                 continue
             kv_len = meta.kv_lens[i]
             first = page_start[i] * ps  # absolute position of the first key attended here
-            pages = torch.tensor(meta.page_tables[i][page_start[i]:], dtype=torch.int64, device=device)
+            pages = _pages_ref(meta.page_tables[i][page_start[i]:], device)
             q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
             k_pos = torch.arange(first, kv_len, device=device)
             visible = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # rows ordered (g, i) like the folded q
