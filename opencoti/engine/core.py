@@ -76,7 +76,7 @@ class EngineCore:
             raise ContextLengthError(
                 f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) = {total} exceeds the context "
                 f"length {self.max_context}")
-        if total + self.page_size > self._capacity_tokens():
+        if self.kv.pages_for(total - 1) > self.kv.num_pages:  # the last sampled token never needs KV
             raise ContextLengthError(
                 f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) does not fit the KV cache "
                 f"({self._capacity_tokens()} tokens)")
@@ -179,12 +179,13 @@ class EngineCore:
             return None
         return self.tree.pools.get(session.pool_id) or self.tree.released.get(session.pool_id)
 
-    def _share_prefix(self, src_table: list[int], n_tokens: int) -> list[int] | None:
+    def _share_prefix(self, src_table: list[int], n_tokens: int, keep: Session | None = None) -> list[int] | None:
         """A new page table sharing ``[0, n_tokens)`` of ``src_table``: full pages by refcount,
-        the partial last page copied (a shared page is never written by two owners)."""
+        the partial last page copied (a shared page is never written by two owners).
+        ``keep``: a session whose pages are the source and must survive reclaim."""
         full, part = divmod(n_tokens, self.page_size)
         if part and not self.kv.can_allocate(1):
-            self.reclaim(1)
+            self.reclaim(1, keep=keep)
             if not self.kv.can_allocate(1):
                 return None
         table = list(src_table[:full])
@@ -211,9 +212,18 @@ class EngineCore:
         else:
             p, src = cache_n, old.page_table
             borrowed = min(old.num_borrowed_pages, p // self.page_size)
-        table = self._share_prefix(src, p)
-        if table is None:
-            return False
+        from_own = src is old.page_table
+        full, part = divmod(p, self.page_size)
+        if (from_own and part and full >= old.num_borrowed_pages
+                and self.kv.refcount[src[full]] == 1):
+            # its own cache, and the partial page is its own: truncate in place, no copy, no new page
+            table = src[:full + 1]
+            self.kv.decref(src[full + 1:])
+            old.page_table = []
+        else:
+            table = self._share_prefix(src, p)
+            if table is None:
+                return False
         if old is not job.seq:
             self.kv.decref(old.page_table)
             old.page_table = []
@@ -221,6 +231,10 @@ class EngineCore:
         job.seq.page_table = table
         job.seq.num_cached = p
         job.seq.num_borrowed_pages = borrowed
+        # tokens shared with the pool (the suffix is [shared, len)): P from the pool, or as before
+        job.seq.num_shared_tokens = min(old.num_shared_tokens, p) if from_own else p
+        if session.pool_id is None:
+            job.seq.num_shared_tokens = 0
         session.seq = job.seq
         return True
 
@@ -312,32 +326,42 @@ class EngineCore:
             self._finish(job, "error", CapacityError("KV cache too small for this request", retry_after=1.0))
 
     # ======================================================================== memory
-    def reclaim(self, num_pages: int) -> int:
-        """Free at least num_pages if possible: idle sessions first, then idle pools (LRU)."""
-        freed = 0
+    def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
+        """Free at least num_pages if possible: idle sessions' KV first, then idle pools (LRU).
+        An evicted session stays attached to its pool (it recomputes on its next turn)."""
         start = self.kv.num_free
-        idle = sorted((s for s in self.sessions.values() if s.is_idle and s.seq.page_table),
+        idle = sorted((s for s in self.sessions.values() if s.is_idle and s.seq.page_table and s is not keep),
                       key=lambda s: s.last_access)
         for s in idle:
             if self.kv.num_free - start >= num_pages:
                 break
-            self._drop_session_kv(s)
+            self._drop_session_kv(s, detach=False)
             self.counters["evicted_sessions"] += 1
         now = time.monotonic()
         while self.kv.num_free - start < num_pages:
             cands = [p for p in self.tree.pools.values()
-                     if p.residency == Residency.RESIDENT and not p.pinned and not p.is_auto_pinned(now)]
+                     if p.residency == Residency.RESIDENT and not p.pinned and not self._auto_pinned(p, now)]
             if not cands:
                 break
             self._evict_pool(min(cands, key=lambda p: p.last_access))
             self.counters["evicted_pools"] += 1
-        freed = self.kv.num_free - start
-        return freed
+        return self.kv.num_free - start
 
-    def _drop_session_kv(self, s: Session) -> None:
+    def _sessions_in_use(self, pool: Pool) -> bool:
+        for sid in pool.sessions:
+            s = self.sessions.get(sid)
+            if s is not None and (s.job is not None or s.seq.num_borrowed_pages):
+                return True
+        return False
+
+    def _auto_pinned(self, pool: Pool, now: float) -> bool:
+        return pool.is_auto_pinned(now, self._sessions_in_use(pool))
+
+    def _drop_session_kv(self, s: Session, detach: bool = True) -> None:
         self.kv.decref(s.seq.page_table)
         s.seq = Sequence()
-        self._detach(s)
+        if detach:
+            self._detach(s)
 
     def _detach(self, s: Session) -> None:
         pool = self._session_pool(s)
@@ -361,12 +385,13 @@ class EngineCore:
         """Pools to wait for before using ``pool``; starts re-materialization of evicted ones."""
         if pool.residency == Residency.RESIDENT:
             return []
+        waits = []
         if pool.residency == Residency.EVICTED:
             waits = self._ensure_resident(pool.parent) if pool.parent is not None else []
             pool.residency = Residency.MATERIALIZING
             pool.rematerializations += 1
             self._enqueue_materialization(pool, waits, lambda p: None)
-        return [pool]
+        return waits + [pool]  # ancestors first
 
     def _enqueue_materialization(self, pool: Pool, waits: list[Pool], done: Callable) -> Job:
         job = Job(seq=pool.seq, params=None, emit=lambda ev: None, pool=pool, wait_for=list(waits),
@@ -429,6 +454,8 @@ class EngineCore:
                                       label=label, allow_empty=False)
             self.tree.check_budget()
             self._check_fits(len(toks), 0, "pool prefix")
+            if s.seq.num_borrowed_pages == 0:
+                self._reserve_partial_page(len(toks), s)
             pool = self.tree.add(None, 0, list(toks), label)
             pool.pinned = bool(pinned)
             if s.seq.num_borrowed_pages == 0:
@@ -481,6 +508,8 @@ class EngineCore:
                      and session.seq.num_borrowed_pages == full
                      and (full == 0 or session.pool_id == parent.pool_id)
                      and session.seq.page_table[:full] == parent.seq.page_table[:full])
+        if zero_copy:
+            self._reserve_partial_page(len(toks), session)
         waits = self._ensure_resident(parent) if not zero_copy else []
         pool = self.tree.add(parent, d, toks, label)
         pool.pinned = bool(pinned)
@@ -492,11 +521,18 @@ class EngineCore:
             self._enqueue_materialization(pool, waits, done)
         return pool
 
+    def _reserve_partial_page(self, n_tokens: int, keep: Session) -> None:
+        """Check (before committing) that a snapshot's partial last page can be copied."""
+        if n_tokens % self.page_size and not self.kv.can_allocate(1):
+            self.reclaim(1, keep=keep)
+            if not self.kv.can_allocate(1):
+                raise CapacityError("no free KV page for the snapshot's partial last page", retry_after=1.0)
+
     def _adopt_session_pages(self, pool: Pool, s: Session, d: int) -> None:
         """from_session: the pool takes the session's cached pages by refcount (zero-copy) and the
         session becomes a leaf of the new pool."""
         n = pool.prefix_len
-        table = self._share_prefix(s.seq.page_table, n)
+        table = self._share_prefix(s.seq.page_table, n, keep=s)
         if table is None:
             raise CapacityError("no free KV page for the snapshot's partial page", retry_after=1.0)
         pool.seq.page_table = table
@@ -507,6 +543,7 @@ class EngineCore:
         s.pool_id = pool.pool_id
         pool.sessions.add(s.session_id)
         s.seq.num_borrowed_pages = n // self.page_size
+        s.seq.num_shared_tokens = n
 
     def pin_pool(self, pool_id: int, pinned: bool) -> Pool:
         pool = self.tree.get(pool_id)
@@ -517,9 +554,9 @@ class EngineCore:
         pool = self.tree.get(pool_id)
         if pool.pinned:
             raise PoolBusyError(f"pool {pool_id} is pinned; unpin it first")
-        if pool.children or pool.sessions:
-            raise PoolBusyError(f"pool {pool_id} has {len(pool.children)} child pools and {len(pool.sessions)} "
-                                "sessions attached; it stays resident while they are")
+        if pool.live_children or self._sessions_in_use(pool):
+            raise PoolBusyError(f"pool {pool_id} has {len(pool.live_children)} resident child pools and "
+                                f"{len(pool.sessions)} sessions attached; it stays resident while they use it")
         if pool.residency == Residency.RESIDENT:
             self._evict_pool(pool)
         elif pool.residency == Residency.MATERIALIZING:
@@ -597,7 +634,7 @@ class EngineCore:
         return {
             "session_id": s.session_id,
             "pool_id": s.pool_id,
-            "suffix_n_tokens": max(len(s.seq.tokens) - s.seq.num_borrowed_pages * self.page_size, 0),
+            "suffix_n_tokens": len(s.seq.tokens) - s.seq.num_shared_tokens,
             "marginal_kv_bytes": len(s.seq.owned_pages) * self.kv.page_bytes,
             "ctx_used": len(s.seq.tokens),
             "ctx_total": self.max_context,
@@ -615,7 +652,7 @@ class EngineCore:
         return PoolInfo(
             pool_id=pool.pool_id, parent=pool.parent.pool_id if pool.parent else None, branch_pos=pool.branch_pos,
             prefix_len=pool.prefix_len, own_len=pool.own_len, own_kv_bytes=own, subtree_kv_bytes=subtree,
-            residency=pool.residency.value, pinned=pool.pinned, auto_pinned=pool.is_auto_pinned(now),
+            residency=pool.residency.value, pinned=pool.pinned, auto_pinned=self._auto_pinned(pool, now),
             orphaned_pin=pool.pinned and not pool.sessions and not kids,
             last_access_ts=pool.last_access, children=[c.pool_id for c in kids], sessions=sessions,
             rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label)

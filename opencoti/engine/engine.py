@@ -18,11 +18,13 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
 
 import torch
 
+from .admission import AdmissionController
 from .attention import select_backend
 from .config import EngineConfig, SamplingParams
 from .core import EngineCore
-from .errors import EngineClosedError, InvalidRequestError, OpencotiError
+from .errors import EngineClosedError, InvalidRequestError, OpencotiError, SessionBusyError
 from .kv.pages import PagePool
+from .metrics import Metrics
 from .results import GenerationResult, PoolInfo, RequestInfo, TokenDelta
 
 log = logging.getLogger("opencoti.engine")
@@ -89,6 +91,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)
+        self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
+        self._admission = AdmissionController(self, self._metrics)  # installs core.admission_gate
         self.model_name = self.loaded.name
         self.load_seconds = time.perf_counter() - t0
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -144,6 +148,7 @@ class Engine:
 
     def _drain_on_close(self) -> None:
         self._fail_all(EngineClosedError("engine shut down"))
+        self._admission.close(EngineClosedError("engine shut down"))  # requests held by admission
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -218,8 +223,8 @@ class Engine:
                sink: Callable[[tuple], None], overcommit: bool = False):
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
-        return self._submit(self.core.submit, tokens, params, sink, session_id=session_id, pool_id=pool_id,
-                            shared_prefix_n_tokens=shared_prefix_n_tokens, overcommit=overcommit)
+        return self._admission.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,
+                                      shared_prefix_n_tokens=shared_prefix_n_tokens, overcommit=overcommit)
 
     def stream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict] | None = None,
                tools: list[dict] | None = None, params: SamplingParams | None = None, session_id: str | None = None,
@@ -365,13 +370,22 @@ class Engine:
         toks = self._pool_tokens(tokens, text, messages, None, False)
         if toks is None:
             raise InvalidRequestError("compaction needs the compacted prefix (tokens, text or messages)")
-        before = self._call(lambda: self.core.kv.num_used)
-        old_pool_id = self._call(lambda: self.core.get_session(session_id).pool_id)
+        def check():
+            s = self.core.get_session(session_id)
+            if s.job is not None:
+                raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
+            return self.core.kv.num_used, s.pool_id
+
+        before, old_pool_id = self._call(check)
         if branch_pos is None:
             branch_pos = self.pool(ancestor_pool_id).prefix_len
         info = self.fork_pool(ancestor_pool_id, branch_pos=branch_pos, tokens=toks, label="compacted")
-        released = self._call(self.core.move_session, session_id, info.pool_id, old_pool_id if release_old else None,
-                              ancestor_pool_id)
+        try:
+            released = self._call(self.core.move_session, session_id, info.pool_id,
+                                  old_pool_id if release_old else None, ancestor_pool_id)
+        except Exception:
+            self._call(self.core.release_pool, info.pool_id)  # nothing half-done
+            raise
         after = self._call(lambda: self.core.kv.num_used)
         return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before,
                 "kv_pages_after": after, "page_bytes": self.kv.page_bytes}
@@ -385,6 +399,45 @@ class Engine:
                                    "kv_pages_total": self.kv.num_pages, "sessions": len(self.core.sessions),
                                    "running": len(self.core.scheduler.running),
                                    "waiting": len(self.core.scheduler.waiting)})
+
+    # ======================================================================== tps & admission
+    def tps_snapshot(self) -> dict:
+        """Live tps (spec §4.3): ``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [{session_id,
+        pool_id, tps_ewma, ctx_used, ctx_total, ctx_headroom_tokens, compaction_pressure, state}]}``."""
+        return self._call(self._metrics.snapshot)
+
+    def tps_history(self, session_id: str | None = None, since: float | None = None) -> dict:
+        """The sampled tps time series (engine-wide and per session; bounded), points with ts >= since."""
+        return self._call(self._metrics.history_view, session_id, since)
+
+    def configure_tps(self, **settings) -> dict:
+        """Change the tps windows (``metrics.TpsConfig`` fields, e.g. window_tokens=128, window_s=2.0)."""
+        return self._call(self._metrics.configure, **settings)
+
+    def metrics_counters(self) -> dict:
+        """Lifetime counters: engine totals and per pool (queries, prefix cache hits, tokens)."""
+        return self._call(self._metrics.counters)
+
+    def prometheus_metrics(self) -> str:
+        """Prometheus text exposition of the tps / pool gauges and counters (labels: pool only)."""
+        return self._call(self._metrics.prometheus)
+
+    def set_admission(self, pool_id: int, **policy) -> dict:
+        """Set (merge) the admission policy of a pool (spec §4.4): target_tps_per_session, mode,
+        on_saturation, guarantee_min_sessions, settle_tokens, settle_max_ms, queue_timeout_ms."""
+        return self._call(self._admission.set_policy, pool_id, **policy)
+
+    def admission(self, pool_id: int) -> dict:
+        """The admission policy of a pool (defaults when none was set)."""
+        return self._call(self._admission.policy, pool_id)
+
+    def capacity(self, pool_id: int, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
+        """Whether one more (new) session fits the pool now, and why (spec §4.4, §13.3, §14.2)."""
+        return self._call(self._admission.capacity, pool_id, expected_tokens, session_id)
+
+    def admission_events(self, pool_id: int | None = None, since: float | None = None) -> list[dict]:
+        """Recent admission events (admit, settle_end, hold, rejected, warned, overcommit, guaranteed, policy)."""
+        return self._call(self._admission.events_view, pool_id, since)
 
 
 _STOP = object()

@@ -71,6 +71,24 @@ class CapacityError(OpencotiError):
         self.retry_after = retry_after
 
 
+class PoolSaturatedError(OpencotiError):
+    """A new session does not fit a pool whose admission policy is enforced (HTTP 429 + Retry-After).
+
+    ``retry_after``: seconds after which trying again may succeed; ``reason``: the capacity reason
+    (e.g. "projected mean tps below floor"); ``capacity``: the capacity report that decided it."""
+
+    status_code = 429
+    error_type = "pool_saturated_error"
+
+    def __init__(self, message: str, retry_after: float | None = None, *, pool_id: int | None = None,
+                 reason: str | None = None, capacity: dict | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.pool_id = pool_id
+        self.reason = reason
+        self.capacity = capacity
+
+
 class EngineClosedError(OpencotiError):
     """The engine has been shut down (HTTP 503)."""
 

@@ -18,13 +18,14 @@ class Sequence:
     owned by whoever owns the sequence (a session or a pool).
     """
 
-    __slots__ = ("tokens", "page_table", "num_cached", "num_borrowed_pages")
+    __slots__ = ("tokens", "page_table", "num_cached", "num_borrowed_pages", "num_shared_tokens")
 
     def __init__(self, tokens: list[int] | None = None):
         self.tokens: list[int] = list(tokens or [])
         self.page_table: list[int] = []
         self.num_cached = 0
         self.num_borrowed_pages = 0
+        self.num_shared_tokens = 0  # leading tokens shared with the session's pool (for reporting)
 
     @property
     def owned_pages(self) -> list[int]:

@@ -79,9 +79,17 @@ class Pool:
         """Hash identifying tokens[:n] (None for n == 0)."""
         return self.hashes[n - 1] if n > 0 else None
 
-    def is_auto_pinned(self, now: float) -> bool:
-        """Interior pools stay resident while descendants are attached, plus a grace TTL."""
-        return bool(self.children or self.sessions) or now < self.grace_until
+    @property
+    def live_children(self) -> list["Pool"]:
+        """Child pools that hold (or are computing) KV borrowed from this pool: all but evicted ones."""
+        return [c for c in self.children if c.residency != Residency.EVICTED]
+
+    def is_auto_pinned(self, now: float, sessions_in_use: bool) -> bool:
+        """Interior pools stay resident while descendants use them, plus a grace TTL.
+
+        ``sessions_in_use``: some attached session is busy or holds KV borrowed from this pool
+        (an idle session whose KV was evicted keeps its place in the tree but pins nothing)."""
+        return bool(self.live_children) or sessions_in_use or now < self.grace_until
 
     def depth(self) -> int:
         d, p = 1, self.parent

@@ -1,0 +1,196 @@
+"""Shared helpers for the benchmarks: import path, timing, statistics, machine description,
+a printed table and JSON output to ``benchmarks/results/<name>.json``.
+
+The benchmark scripts are run as ``.venv/bin/python benchmarks/bench_<name>.py`` or through
+``opencoti bench <name>`` (runpy), so they put the repository root and this folder on
+``sys.path`` themselves before importing this module and ``opencoti``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+if str(REPO_ROOT) not in sys.path:  # `import opencoti` from a checkout, wherever we are run from
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+# ============================================================================ command line
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Options every benchmark takes: --dtype, --threads, --quick, --out."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights/activations/KV dtype (our engine and, where used, transformers)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for everything in the process (default: torch's default)")
+    p.add_argument("--device", default="auto", help="engine device: auto|cpu|cuda")
+    p.add_argument("--quick", action="store_true", help="a short smoke run (fewer tokens/repeats)")
+    p.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<name>.json)")
+    return p
+
+
+def set_threads(n: int | None) -> None:
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+
+
+def make_engine(args, **config):
+    """The bundled model with page size 16 and the dtype/device/threads given on the command line."""
+    from opencoti.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(page_size=16, dtype=args.dtype, device=args.device, num_threads=args.threads, **config)
+    return Engine(cfg, progress=lambda msg: log(f"engine: {msg}"))
+
+
+# ============================================================================ timing & stats
+def now() -> float:
+    return time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """median / min / max / all of a list of repeated measurements."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "values": []}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# ============================================================================ machine
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_rev() -> dict:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except Exception:  # noqa: BLE001 - git missing or not a checkout
+        return {"commit": None, "dirty": None}
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on (load average included: a busy machine skews them)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "git": _git_rev(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def describe_machine(info: dict) -> str:
+    load = info.get("loadavg")
+    load_s = "/".join(f"{x:.2f}" for x in load) if load else "?"
+    dev = info["cuda"] or "cpu"
+    return (f"{info['cpu']} ({info['cpu_affinity'] or info['cpu_count']} cores usable), device {dev}, "
+            f"torch {info['torch']} ({info['torch_threads']} threads), transformers {info.get('transformers')}, "
+            f"python {info['python']}, load avg {load_s}")
+
+
+# ============================================================================ output
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return str(x)
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None) -> None:
+    """A plain fixed-width table on stdout: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    if title:
+        print(f"\n{title}")
+    print(line(cells[0]))
+    print("  ".join("-" * w for w in widths))
+    for r in cells[1:]:
+        print(line(r))
+
+
+def check_mark(value: float | None, target: float) -> str:
+    if value is None:
+        return "n/a"
+    return "PASS" if value >= target else "FAIL"
+
+
+def write_json(name: str, payload: dict, out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, tuple):
+        return list(o)
+    if hasattr(o, "as_dict"):
+        return o.as_dict()
+    return repr(o)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call."""
+    t0 = now()
+    r = fn()
+    return now() - t0, r

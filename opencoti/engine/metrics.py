@@ -1,0 +1,584 @@
+"""Per-session experienced decode tps, aggregate throughput, context headroom, counters (spec §4.3, §5, §13.3 P6b).
+
+Definitions (what every number means):
+
+* **Experienced tps of a session** (``tps_ewma``): a sample is one *inter-token interval* ``dt``
+  between two consecutive accepted generated tokens of the same request; the first token of a
+  request closes its prefill and starts a new chain, so prefill time and the gap between turns
+  are never counted (llama.cpp's ``predicted_per_second`` uses the same intervals). The estimate
+  is an exponentially weighted *harmonic* rate over a window::
+
+      window  = the last ``window_tokens`` intervals (default 128), further cut to those that
+                ended within ``window_s`` (default 2 s) of the session's newest token
+                (whichever is smaller; the newest interval is always kept)
+      weights = exp(-(t_newest - t_i) / tau_s)         (tau_s defaults to window_s)
+      tps     = sum(w_i) / sum(w_i * dt_i)
+
+  A plain mean of ``1/dt`` would overstate the rate of a jittery stream (Jensen); the weighted
+  harmonic form equals tokens / seconds when the weights are flat, so over a window that covers
+  a whole request at a steady rate it equals ``timings.predicted_per_second``.
+* **Warming**: a session with a request in flight (waiting, prefilling or decoding) whose current
+  request has no interval yet (fewer than ``min_samples``). Its ``tps_ewma`` reads 0; it is
+  excluded from ``mean_active_tps`` and counted in ``n_warming`` (spec §14.2).
+* **Active**: decoding and not warming. ``mean_active_tps`` is the mean ``tps_ewma`` over them.
+  Continuous batching gives every decoding session one token per step, so this is one number for
+  the whole engine; every pool's floor compares against it.
+* **Aggregate tps**: generated tokens per second of the whole engine over the last
+  ``aggregate_window_s``, from per-step token counts (see ``RateWindow``). ``prefill_tps`` is the
+  same for computed prompt tokens (pool materializations included).
+* **Context**: ``ctx_used`` = tokens of the session's context (pool prefix + own suffix + generated),
+  ``ctx_total`` = the engine's per-sequence context limit, ``ctx_headroom_tokens`` =
+  ``min(ctx_total - ctx_used, free KV cells)`` where free KV cells = free pages plus pages the
+  engine would reclaim (idle sessions' own pages, evictable pools). ``compaction_pressure`` (0..1) =
+  ``max(KV occupancy, ctx_used / ctx_total)``: it approaches 1 when either the shared cache or this
+  session's own context is about to run out, so an orchestrator compacts before the wall.
+* **Step cost model** (``StepCostModel``): the wall time of a pure-decode step of batch size B is
+  fitted as ``step_s(B) = a + b*B`` from the engine's measured step stats; admitting one more
+  decoding session scales everyone's experienced tps by ``step_s(B) / step_s(B + 1)``.
+
+Everything here runs on the engine's step thread (listener callbacks, and the facade's ``_call``).
+The math classes take explicit timestamps, so tests drive them with a scripted clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, fields
+from typing import Callable
+
+from .errors import InvalidRequestError
+from .session import SessionState
+
+log = logging.getLogger("opencoti.metrics")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ============================================================================ configuration
+@dataclass(frozen=True)
+class TpsConfig:
+    """Windows of the tps estimators and the time-series history.
+
+    window_tokens / window_s: a session's EWMA uses at most the last ``window_tokens`` intervals
+        and only those within ``window_s`` of its newest token (whichever is smaller).
+    tau_s: time constant of the EWMA weights (None = window_s).
+    min_samples: intervals of the current request before a session stops warming.
+    aggregate_window_s: window of the aggregate (and prefill) throughput.
+    history_interval_s: period of the sampled time series (taken on engine steps).
+    history_len: points kept per session; global_history_len: points of the engine-wide series.
+    max_session_histories: sessions whose series are kept (least recently updated dropped first).
+    """
+
+    window_tokens: int = 128
+    window_s: float = 2.0
+    tau_s: float | None = None
+    min_samples: int = 1
+    aggregate_window_s: float = 2.0
+    history_interval_s: float = 0.5
+    history_len: int = 600
+    global_history_len: int = 7200
+    max_session_histories: int = 256
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise InvalidRequestError(msg)
+
+        check(_is_int(self.window_tokens) and 1 <= self.window_tokens <= 100_000,
+              f"window_tokens must be an integer in [1, 100000], got {self.window_tokens!r}")
+        for name in ("window_s", "aggregate_window_s", "history_interval_s"):
+            v = getattr(self, name)
+            check(_is_number(v) and 0 < v <= 3600, f"{name} must be a number of seconds in (0, 3600], got {v!r}")
+        check(self.tau_s is None or (_is_number(self.tau_s) and 0 < self.tau_s <= 1e9),
+              f"tau_s must be None or a positive number of seconds, got {self.tau_s!r}")
+        check(_is_int(self.min_samples) and 1 <= self.min_samples <= 1000,
+              f"min_samples must be an integer in [1, 1000], got {self.min_samples!r}")
+        for name in ("history_len", "global_history_len", "max_session_histories"):
+            v = getattr(self, name)
+            check(_is_int(v) and 1 <= v <= 1_000_000, f"{name} must be an integer in [1, 1000000], got {v!r}")
+
+    @property
+    def tau(self) -> float:
+        return self.tau_s if self.tau_s is not None else self.window_s
+
+    def updated(self, **kw) -> "TpsConfig":
+        names = {f.name for f in fields(self)}
+        bad = sorted(set(kw) - names)
+        if bad:
+            raise InvalidRequestError(f"unknown tps setting(s) {bad}; known: {sorted(names)}")
+        return TpsConfig(**{**asdict(self), **kw})
+
+
+# ============================================================================ estimators
+class SessionTps:
+    """Experienced decode tps of one session (see the module docstring for the definition)."""
+
+    __slots__ = ("cfg", "_t", "_dt", "last_t", "chain_key", "chain_intervals", "total_tokens", "_cache")
+
+    def __init__(self, cfg: TpsConfig):
+        self.cfg = cfg
+        self._t: deque[float] = deque(maxlen=cfg.window_tokens)  # end time of each interval
+        self._dt: deque[float] = deque(maxlen=cfg.window_tokens)
+        self.last_t: float | None = None
+        self.chain_key: object = None  # identifies the request whose chain is open
+        self.chain_intervals = 0  # intervals of the current request
+        self.total_tokens = 0  # accepted generated tokens, lifetime
+        self._cache: float | None = None
+
+    def reconfigure(self, cfg: TpsConfig) -> None:
+        self.cfg = cfg
+        self._t = deque(self._t, maxlen=cfg.window_tokens)
+        self._dt = deque(self._dt, maxlen=cfg.window_tokens)
+        self._cache = None
+
+    def on_token(self, t: float, chain_key: object = None) -> None:
+        """One accepted generated token at time ``t``. A new ``chain_key`` (a new request) starts a
+        new chain: the interval since the previous request's last token is not a sample."""
+        self.total_tokens += 1
+        if chain_key is not self.chain_key or self.last_t is None:
+            self.chain_key = chain_key
+            self.chain_intervals = 0
+        else:
+            self._t.append(t)
+            self._dt.append(max(t - self.last_t, 1e-9))
+            self.chain_intervals += 1
+            self._cache = None
+        self.last_t = t
+
+    def is_fresh(self, chain_key: object) -> bool:
+        """Has the request ``chain_key`` produced enough intervals to be measured (not warming)?"""
+        return chain_key is self.chain_key and self.chain_intervals >= self.cfg.min_samples
+
+    def value(self) -> float:
+        """The EWMA in tokens/s over the window (0.0 before the first interval)."""
+        if self._cache is not None:
+            return self._cache
+        if not self._t:
+            return 0.0
+        newest = self._t[-1]
+        cut = newest - self.cfg.window_s
+        tau = self.cfg.tau
+        num = den = 0.0
+        for t, dt in zip(reversed(self._t), reversed(self._dt)):
+            if t < cut and num > 0:
+                break
+            w = math.exp(-(newest - t) / tau)
+            num += w
+            den += w * dt
+        self._cache = num / den if den > 0 else 0.0
+        return self._cache
+
+
+class RateWindow:
+    """Events per second over the last ``window_s`` from timestamped counts ``(t, n)``.
+
+    The rate is ``sum(n after b) / (now - t_b)`` where ``b`` is the last entry at or before
+    ``now - window_s`` (the window's left edge; the counts after it were produced in
+    ``(t_b, now]``), or the first entry of the current busy period when there is none (a gap
+    longer than the window starts a new busy period). It decays to 0 once nothing arrives.
+    """
+
+    __slots__ = ("window_s", "_q")
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._q: deque[tuple[float, int]] = deque()
+
+    def add(self, t: float, n: int) -> None:
+        if n > 0:
+            self._q.append((t, n))
+
+    def rate(self, now: float) -> float:
+        q, edge = self._q, now - self.window_s
+        while len(q) >= 2 and q[1][0] <= edge:
+            q.popleft()  # keep one entry at or before the edge: the reference point
+        if len(q) >= 2 and q[0][0] <= edge and q[1][0] - q[0][0] > self.window_s:
+            q.popleft()  # the reference ended an earlier busy period: this one starts at q[0]
+        if len(q) < 2:
+            return 0.0
+        span = now - q[0][0]
+        return sum(n for _, n in list(q)[1:]) / span if span > 0 else 0.0
+
+
+class StepCostModel:
+    """Wall time of a pure-decode step as a function of the batch size: ``step_s(B) = a + b*B``.
+
+    Each pure-decode step (no prefill tokens) of batch size B updates an EWMA of ``total_s`` for
+    that B; ``fit()`` is a least-squares line through those per-B means (each weighted by its
+    sample count, capped). With fewer than two distinct batch sizes the slope is unknown and
+    ``ratio`` falls back to the flat-aggregate model ``n / (n + k)`` (a = 0), which is the
+    pessimistic end: it assumes every extra session costs a full share of the step.
+    """
+
+    def __init__(self, alpha: float = 0.2, max_weight: int = 32):
+        self.alpha = alpha
+        self.max_weight = max_weight
+        self.per_batch: dict[int, list[float]] = {}  # B -> [ewma_s, count]
+        self._fit: tuple[float, float] | None = None
+        self._dirty = False
+
+    def observe(self, batch_size: int, num_prefill_tokens: int, total_s: float) -> None:
+        if batch_size < 1 or num_prefill_tokens or total_s <= 0:
+            return
+        e = self.per_batch.get(batch_size)
+        if e is None:
+            self.per_batch[batch_size] = [total_s, 1]
+        else:
+            e[0] += self.alpha * (total_s - e[0])
+            e[1] += 1
+        self._dirty = True
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) with a, b >= 0, or None with fewer than two batch sizes observed."""
+        if not self._dirty:
+            return self._fit
+        self._dirty = False
+        pts = [(b, e[0], min(e[1], self.max_weight)) for b, e in self.per_batch.items()]
+        if len(pts) < 2:
+            self._fit = None
+            return None
+        sw = sum(w for _, _, w in pts)
+        mx = sum(w * x for x, _, w in pts) / sw
+        my = sum(w * y for _, y, w in pts) / sw
+        sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+        sxy = sum(w * (x - mx) * (y - my) for x, y, w in pts)
+        b = sxy / sxx if sxx > 0 else 0.0
+        a = my - b * mx
+        if b < 0:  # noise: a bigger batch measured faster; treat extra sessions as free
+            a, b = my, 0.0
+        if a < 0:  # line through the origin instead
+            a = 0.0
+            b = sum(w * x * y for x, y, w in pts) / sum(w * x * x for x, _, w in pts)
+        self._fit = (a, b)
+        return self._fit
+
+    def step_s(self, batch_size: int) -> float | None:
+        f = self.fit()
+        return None if f is None else f[0] + f[1] * batch_size
+
+    def ratio(self, n: int, k: int = 1) -> float:
+        """Factor on a session's tps when the decode batch grows from n to n + k (<= 1)."""
+        if n <= 0:
+            return 1.0
+        f = self.fit()
+        if f is None or f[0] + f[1] * (n + k) <= 0:
+            return n / (n + k)
+        a, b = f
+        return (a + b * n) / (a + b * (n + k))
+
+    def as_dict(self) -> dict:
+        f = self.fit()
+        return {"a_s": f[0] if f else None, "b_s_per_session": f[1] if f else None,
+                "per_batch_step_s": {b: e[0] for b, e in sorted(self.per_batch.items())},
+                "model": "step_s(B) = a + b*B" if f else "n/(n+1) (one batch size observed)"}
+
+
+# ============================================================================ engine adapter
+@dataclass
+class Activity:
+    """Who is decoding right now (engine-wide)."""
+
+    mean_active_tps: float | None  # None when no session is active
+    n_active: int  # decoding, measured
+    n_warming: int  # in flight, not measured yet
+    n_decoding: int  # decode batch size (active + warming that are decoding)
+    tps_by_session: dict  # session_id -> tps of active sessions
+
+
+class Metrics:
+    """Listens to the engine core and answers tps / context / counter questions.
+
+    Installed by ``Engine.__init__``; all methods run on the step thread.
+    """
+
+    def __init__(self, core, config: TpsConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
+                 wall_clock: Callable[[], float] = time.time):
+        self.core = core
+        self.cfg = config or TpsConfig()
+        self.clock = clock  # the clock of the core's token events (time.perf_counter)
+        self.wall_clock = wall_clock
+        self.meters: dict[str, SessionTps] = {}
+        self.aggregate = RateWindow(self.cfg.aggregate_window_s)
+        self.prefill = RateWindow(self.cfg.aggregate_window_s)
+        self.step_model = StepCostModel()
+        self._step_tokens = 0
+        self.totals = {"decode_steps": 0, "prefill_tokens_computed": 0, "generated_tokens": 0}
+        self.pool_counters: dict[int, dict] = {}
+        self.history: deque[dict] = deque(maxlen=self.cfg.global_history_len)
+        self.session_history: OrderedDict[str, deque] = OrderedDict()
+        self._last_hist = -math.inf
+        self.listener_errors = 0
+        core.listeners.append(self._on_event)
+
+    def configure(self, **kw) -> dict:
+        """Change the windows (validated); existing samples are kept and re-read with the new windows."""
+        cfg = self.cfg.updated(**kw)
+        self.cfg = cfg
+        for m in self.meters.values():
+            m.reconfigure(cfg)
+        self.aggregate.window_s = self.prefill.window_s = cfg.aggregate_window_s
+        self.history = deque(self.history, maxlen=cfg.global_history_len)
+        for sid, h in self.session_history.items():
+            self.session_history[sid] = deque(h, maxlen=cfg.history_len)
+        return asdict(cfg)
+
+    # ---------------------------------------------------------------- events (step thread)
+    def _on_event(self, event: str, data: dict) -> None:
+        try:
+            if event == "token":
+                self._on_token(data["job"], data["now"])
+            elif event == "step":
+                self._on_step(data["stats"])
+            elif event == "submit":
+                self._on_submit(data["job"])
+        except Exception:  # noqa: BLE001 - metrics must never take a request down
+            self.listener_errors += 1
+            log.exception("metrics listener failed on %r", event)
+
+    def _pool_counter(self, pool_id: int) -> dict:
+        c = self.pool_counters.get(pool_id)
+        if c is None:
+            c = self.pool_counters[pool_id] = {"queries": 0, "prefix_cache_hits": 0, "prompt_tokens": 0,
+                                               "cached_prompt_tokens": 0, "generated_tokens": 0}
+        return c
+
+    def _on_submit(self, job) -> None:
+        info = job.info
+        if info is None or info.pool_id is None:
+            return
+        c = self._pool_counter(info.pool_id)
+        c["queries"] += 1
+        c["prompt_tokens"] += info.prompt_tokens
+        c["cached_prompt_tokens"] += info.cached_prefix_tokens
+        if info.cached_prefix_tokens > 0:
+            c["prefix_cache_hits"] += 1
+
+    def _on_token(self, job, now: float) -> None:
+        session = job.session
+        if session is None:
+            return
+        m = self.meters.get(session.session_id)
+        if m is None:
+            m = self.meters[session.session_id] = SessionTps(self.cfg)
+        m.on_token(now, job)
+        self._step_tokens += 1
+        self.totals["generated_tokens"] += 1
+        if session.pool_id is not None:
+            self._pool_counter(session.pool_id)["generated_tokens"] += 1
+
+    def _on_step(self, stats) -> None:
+        now = self.clock()
+        if self._step_tokens:
+            self.aggregate.add(now, self._step_tokens)
+            self._step_tokens = 0
+        if stats.num_prefill_tokens:
+            self.prefill.add(now, stats.num_prefill_tokens)
+            self.totals["prefill_tokens_computed"] += stats.num_prefill_tokens
+        if stats.num_seqs:
+            self.totals["decode_steps"] += 1 if stats.num_decode else 0
+            self.step_model.observe(stats.num_seqs if stats.num_decode == stats.num_seqs else 0,
+                                    stats.num_prefill_tokens, stats.total_s)
+        if now - self._last_hist >= self.cfg.history_interval_s:
+            self._last_hist = now
+            self._sample_history(now)
+
+    # ---------------------------------------------------------------- queries (step thread)
+    def _generation_jobs(self):
+        sch = self.core.scheduler
+        for job in list(sch.running) + list(sch.waiting):
+            if job.params is not None and job.session is not None and job.finish_reason is None:
+                yield job
+
+    def session_tps(self, session_id: str, job=None) -> float:
+        """tps_ewma as reported: 0 while warming, the last value when idle."""
+        m = self.meters.get(session_id)
+        if m is None:
+            return 0.0
+        if job is not None and not m.is_fresh(job):
+            return 0.0
+        return m.value()
+
+    def activity(self) -> Activity:
+        tps: dict[str, float] = {}
+        n_warming = n_decoding = 0
+        for job in self._generation_jobs():
+            sid = job.session.session_id
+            m = self.meters.get(sid)
+            fresh = m is not None and m.is_fresh(job)
+            decoding = job.state == SessionState.DECODE and job.started
+            if decoding:
+                n_decoding += 1
+            if decoding and fresh:
+                tps[sid] = m.value()
+            elif not fresh:
+                n_warming += 1
+        mean = sum(tps.values()) / len(tps) if tps else None
+        return Activity(mean, len(tps), n_warming, n_decoding, tps)
+
+    def kv_cells(self, keep_pool=None) -> dict:
+        """KV cells (tokens) of the engine: total, free (free pages plus what ``reclaim`` would free
+        on demand: idle sessions' own pages and evictable pools, except ``keep_pool`` and its
+        ancestors, which a new session on ``keep_pool`` would use), and reserved (pages running
+        requests still need to reach their max_tokens). ``available`` = free - reserved."""
+        core, kv = self.core, self.core.kv
+        ps = core.page_size
+        now = time.monotonic()
+        keep = set()
+        while keep_pool is not None:
+            keep.add(keep_pool.pool_id)
+            keep_pool = keep_pool.parent
+        reclaimable = sum(len(s.seq.owned_pages) for s in core.sessions.values() if s.is_idle and s.seq.page_table)
+        reclaimable += sum(len(p.seq.owned_pages) for p in core.tree.pools.values()
+                           if p.residency == "resident" and not p.pinned and p.pool_id not in keep
+                           and not core._auto_pinned(p, now))
+        reserved = 0
+        for job in self._generation_jobs():
+            if job.params.max_tokens is None:
+                continue
+            final = min(job.prompt_len + job.params.max_tokens, core.max_context)
+            have = len(job.seq.page_table) if job.started else job.timings.cache_n // ps
+            reserved += max(0, -(-final // ps) - have)
+        total = kv.num_pages * ps
+        free = (kv.num_free + reclaimable) * ps
+        return {"total": total, "free": free, "reserved": reserved * ps,
+                "available": max(0, free - reserved * ps), "free_now": kv.num_free * ps}
+
+    def session_row(self, s, cells: dict) -> dict:
+        job = s.job
+        ctx_used = len(job.seq.tokens) if job is not None else len(s.seq.tokens)
+        ctx_total = self.core.max_context
+        occupancy = 1.0 - cells["free"] / cells["total"] if cells["total"] else 1.0
+        return {
+            "session_id": s.session_id,
+            "pool_id": s.pool_id,
+            "tps_ewma": self.session_tps(s.session_id, job),
+            "warming": job is not None and not (s.session_id in self.meters and self.meters[s.session_id].is_fresh(job)),
+            "ctx_used": ctx_used,
+            "ctx_total": ctx_total,
+            "ctx_headroom_tokens": max(0, min(ctx_total - ctx_used, cells["free"])),
+            "compaction_pressure": _clamp01(max(occupancy, ctx_used / ctx_total if ctx_total else 1.0)),
+            "generated_tokens": self.meters[s.session_id].total_tokens if s.session_id in self.meters else 0,
+            "state": s.state.value,
+        }
+
+    def snapshot(self) -> dict:
+        """``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [...]}`` (spec §4.3) plus
+        ``n_active``, ``prefill_tps``, KV cells and the engine-wide ``compaction_pressure``."""
+        now = self.clock()
+        act = self.activity()
+        cells = self.kv_cells()
+        rows = [self.session_row(s, cells) for _, s in sorted(self.core.sessions.items())]
+        occupancy = 1.0 - cells["free"] / cells["total"] if cells["total"] else 1.0
+        return {
+            "ts": self.wall_clock(),
+            "aggregate_tps": self.aggregate.rate(now),
+            "mean_active_tps": act.mean_active_tps if act.mean_active_tps is not None else 0.0,
+            "n_active": act.n_active,
+            "n_warming": act.n_warming,
+            "n_decoding": act.n_decoding,
+            "prefill_tps": self.prefill.rate(now),
+            "kv_free_cells": cells["free"],
+            "kv_total_cells": cells["total"],
+            "compaction_pressure": _clamp01(max([occupancy] + [r["compaction_pressure"] for r in rows])),
+            "sessions": rows,
+        }
+
+    # ---------------------------------------------------------------- history
+    def _sample_history(self, now: float) -> None:
+        act = self.activity()
+        ts = self.wall_clock()
+        self.history.append({"ts": ts, "aggregate_tps": self.aggregate.rate(now),
+                             "mean_active_tps": act.mean_active_tps, "n_active": act.n_active,
+                             "n_warming": act.n_warming, "n_decoding": act.n_decoding,
+                             "prefill_tps": self.prefill.rate(now)})
+        for job in self._generation_jobs():
+            s = job.session
+            h = self.session_history.get(s.session_id)
+            if h is None:
+                h = self.session_history[s.session_id] = deque(maxlen=self.cfg.history_len)
+                while len(self.session_history) > self.cfg.max_session_histories:
+                    self.session_history.popitem(last=False)
+            else:
+                self.session_history.move_to_end(s.session_id)
+            h.append({"ts": ts, "tps_ewma": act.tps_by_session.get(s.session_id, 0.0),
+                      "ctx_used": len(job.seq.tokens), "pool_id": s.pool_id, "state": job.state.value})
+        for sid in [sid for sid in self.meters if sid not in self.core.sessions]:
+            del self.meters[sid]  # released sessions (their history stays, bounded)
+
+    def history_view(self, session_id: str | None = None, since: float | None = None) -> dict:
+        """The sampled time series: engine-wide points and per-session points (``ts`` >= since)."""
+        def cut(points):
+            return [dict(p) for p in points if since is None or p["ts"] >= since]
+
+        if session_id is not None:
+            return {"session_id": session_id, "points": cut(self.session_history.get(session_id, ()))}
+        return {"interval_s": self.cfg.history_interval_s, "aggregate": cut(self.history),
+                "sessions": {sid: cut(h) for sid, h in self.session_history.items()}}
+
+    # ---------------------------------------------------------------- counters & exposition
+    def counters(self) -> dict:
+        """Lifetime counters: engine totals and per pool (kept after a pool is released)."""
+        core = self.core
+        totals = {**core.counters, **self.totals}
+        pools = {}
+        for pid, c in sorted(self.pool_counters.items()):
+            pool = core.tree.pools.get(pid)
+            pools[pid] = {**c, "live": pool is not None}
+        return {"totals": totals, "pools": pools}
+
+    def prometheus(self) -> str:
+        """Prometheus text exposition (labels: pool only, never session — cardinality, spec §4.3)."""
+        core = self.core
+        act = self.activity()
+        now = self.clock()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, v in samples:
+                lines.append(f"{name}{labels} {float(v):.6g}")
+
+        per_pool: dict[int, float] = {}
+        per_pool_sessions: dict[int, int] = {}
+        for job in self._generation_jobs():
+            pid = job.session.pool_id
+            if pid is not None and job.session.session_id in act.tps_by_session:
+                per_pool[pid] = per_pool.get(pid, 0.0) + act.tps_by_session[job.session.session_id]
+        live = sorted(core.tree.pools.values(), key=lambda p: p.pool_id)
+        for p in live:
+            per_pool_sessions[p.pool_id] = len(p.sessions)
+        lab = lambda pid: f'{{pool="{pid}"}}'  # noqa: E731
+        metric("opencoti_polykv:aggregate_tps", "gauge", "Engine decode tokens/s (recent window)",
+               [("", self.aggregate.rate(now))])
+        metric("opencoti_polykv:mean_active_tps", "gauge", "Mean experienced decode tps of active sessions",
+               [("", act.mean_active_tps or 0.0)])
+        metric("opencoti_polykv:sessions_warming", "gauge", "Sessions in flight without a tps sample yet",
+               [("", act.n_warming)])
+        metric("opencoti_polykv:gen_throughput_tps", "gauge", "Sum of experienced decode tps per pool",
+               [(lab(p.pool_id), per_pool.get(p.pool_id, 0.0)) for p in live])
+        metric("opencoti_polykv:pool_kv_bytes", "gauge", "KV bytes a pool owns (its [D, L) range)",
+               [(lab(p.pool_id), len(p.seq.owned_pages) * core.kv.page_bytes) for p in live])
+        metric("opencoti_polykv:pool_sessions", "gauge", "Sessions attached to a pool",
+               [(lab(p.pool_id), per_pool_sessions[p.pool_id]) for p in live])
+        metric("opencoti_polykv:prefix_cache_hits_total", "counter", "Requests that reused cached prefix tokens",
+               [(lab(pid), c["prefix_cache_hits"]) for pid, c in sorted(self.pool_counters.items())])
+        metric("opencoti_polykv:queries_total", "counter", "Requests attached to a pool",
+               [(lab(pid), c["queries"]) for pid, c in sorted(self.pool_counters.items())])
+        for key in ("prompt_tokens", "cached_prompt_tokens", "generated_tokens"):
+            metric(f"opencoti_{key}_total", "counter", f"Lifetime {key.replace('_', ' ')}",
+                   [("", core.counters[key])])
+        return "\n".join(lines) + "\n"
+
+
+def _clamp01(x: float) -> float:
+    return 0.0 if x < 0 else 1.0 if x > 1 else float(x)
