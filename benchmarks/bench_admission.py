@@ -5,8 +5,12 @@ An orchestrator loop spawns a new session on one pool whenever it believes capac
 checking once per ``--tick`` (1 s). Each spawned session decodes ``--tokens`` tokens (greedy,
 ignore_eos) and is released when done; ``--tasks`` sessions are spawned in all. The tps floor is
 chosen so that exactly ``--fit`` concurrent sessions stay above it (from a calibration measured
-first in the same process: per-session decode tps with n = 1 .. fit+1 concurrent sessions; the
-floor is the midpoint between tps(fit) and tps(fit+1)).
+first in the same process: per-session decode tps with n = 1 .. ``--calibrate-max`` concurrent
+sessions; the floor is the midpoint between tps(fit) and tps(fit+1)). ``--fit`` defaults to the
+largest k whose calibration curve decreases strictly through k+1: per-session tps is not
+monotonic in the batch size on every machine (on a 2-core CPU the lm_head matmul is ~2x slower
+for 2-3 rows than for 4), and "the number that fits" is the largest n such that every batch
+size up to n stays above the floor (a ramp passes through all of them).
 
 Two policies, same engine, each on a fresh pool (ours runs first, so it starts with a cold
 step-cost model):
@@ -162,7 +166,9 @@ def summarize(policy, floor, t0, t_end, wall0, hist, timeline, decisions, events
 
 def main() -> int:
     p = common.base_parser(__doc__.split("\n")[0])
-    p.add_argument("--fit", type=int, default=4, help="sessions that should fit above the floor")
+    p.add_argument("--fit", type=int, default=None,
+                   help="sessions that should fit above the floor (default: from the calibration curve)")
+    p.add_argument("--calibrate-max", type=int, default=5, help="calibrate n = 1 .. this many sessions")
     p.add_argument("--tasks", type=int, default=8, help="sessions spawned per policy run")
     p.add_argument("--tokens", type=int, default=200, help="tokens each session decodes")
     p.add_argument("--tick", type=float, default=1.0, help="orchestrator tick (s)")
@@ -177,13 +183,18 @@ def main() -> int:
     eng = common.make_engine(args, kv_budget_tokens=16384)
     eng.configure_tps(history_interval_s=0.1)
     eng.generate("warm up", params=greedy(8))
-    cal = {}
-    if args.floor is None:
-        cal = calibrate(eng, args.fit + 1, args.calibration_tokens)
-        floor = (cal[args.fit] + cal[args.fit + 1]) / 2
-    else:
-        floor = args.floor
-    log(f"floor {floor:.2f} tok/s per session (fit = {args.fit})")
+    n_max = max(args.calibrate_max, (args.fit or 0) + 1)
+    cal = calibrate(eng, n_max, args.calibration_tokens)
+    if args.fit is None:
+        args.fit = 1
+        while args.fit + 1 < n_max and cal[args.fit + 2] < cal[args.fit + 1]:
+            args.fit += 1
+    floor = args.floor if args.floor is not None else (cal[args.fit] + cal[args.fit + 1]) / 2
+    fits = 0
+    while fits < n_max and cal[fits + 1] >= floor:
+        fits += 1
+    args.fit = fits
+    log(f"floor {floor:.2f} tok/s per session: {fits} session(s) fit")
     runs = {}
     for policy in ("ours", "naive"):
         log(f"ramp: {policy} ({args.tasks} sessions x {args.tokens} tokens, tick {args.tick} s)")

@@ -9,7 +9,7 @@ from .config import EngineConfig, SamplingParams
 from .engine import AsyncTokenStream, Engine, TokenStream
 from .errors import (CapacityError, ConflictError, ContextLengthError, EngineClosedError, InvalidRequestError,
                      ModelLoadError, NotFoundError, OpencotiError, PoolBusyError, PoolContractError,
-                     PoolNotFoundError, SessionBusyError, SessionNotFoundError)
+                     PoolNotFoundError, PoolSaturatedError, SessionBusyError, SessionNotFoundError)
 from .results import GenerationResult, PoolInfo, RequestInfo, TokenDelta
 
 __all__ = [
@@ -17,5 +17,5 @@ __all__ = [
     "GenerationResult", "PoolInfo", "RequestInfo", "TokenDelta",
     "OpencotiError", "InvalidRequestError", "ContextLengthError", "NotFoundError", "SessionNotFoundError",
     "PoolNotFoundError", "ConflictError", "PoolContractError", "PoolBusyError", "SessionBusyError",
-    "CapacityError", "EngineClosedError", "ModelLoadError",
+    "CapacityError", "EngineClosedError", "ModelLoadError", "PoolSaturatedError",
 ]

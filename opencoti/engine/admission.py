@@ -552,11 +552,10 @@ class AdmissionController:
 
     def _on_step(self) -> None:
         now = self.clock()
-        if self._settling:
-            for pid in set(self._settling.values()):
-                st = self.states.get(pid)
-                if st is not None and st.settle is not None and now >= st.settle.t_admit + st.policy.settle_max_ms / 1e3:
-                    self._expire(st, now, self.metrics.activity().mean_active_tps)
+        for pid in set(self._settling.values()):
+            st = self.states.get(pid)
+            if st is not None and st.settle is not None and st.settle_remaining_s(now) == 0.0:
+                self._expire(st, now, self.metrics.activity().mean_active_tps)
         if now - self._last_tick < 0.25:
             return
         self._last_tick = now

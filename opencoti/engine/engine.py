@@ -342,8 +342,15 @@ class Engine:
         return self._call(lambda: self.core.pool_info(self.core.tree.get(pool_id)))
 
     def pools(self) -> dict:
-        """The pool tree (spec §4.2)."""
-        return self._call(self.core.pools_status)
+        """The pool tree (spec §4.2), each session with its live ``tps_ewma``."""
+        def run():
+            st = self.core.pools_status()
+            tps = {x["session_id"]: x["tps_ewma"] for x in self._metrics.snapshot()["sessions"]}
+            for p in st["pools"]:
+                for sess in p["sessions"]:
+                    sess["tps_ewma"] = tps.get(sess["session_id"], 0.0)
+            return st
+        return self._call(run)
 
     def pin_pool(self, pool_id: int) -> PoolInfo:
         return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, True)))

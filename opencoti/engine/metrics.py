@@ -32,9 +32,10 @@ Definitions (what every number means):
   engine would reclaim (idle sessions' own pages, evictable pools). ``compaction_pressure`` (0..1) =
   ``max(KV occupancy, ctx_used / ctx_total)``: it approaches 1 when either the shared cache or this
   session's own context is about to run out, so an orchestrator compacts before the wall.
-* **Step cost model** (``StepCostModel``): the wall time of a pure-decode step of batch size B is
-  fitted as ``step_s(B) = a + b*B`` from the engine's measured step stats; admitting one more
-  decoding session scales everyone's experienced tps by ``step_s(B) / step_s(B + 1)``.
+* **Step cost model** (``StepCostModel``): the wall time of a pure-decode step of batch size B,
+  from the engine's measured step stats: the measured per-B EWMA where B was seen, else a
+  least-squares line ``a + b*B``; admitting one more decoding session scales everyone's
+  experienced tps by ``min(1, step_s(B) / step_s(B + 1))``.
 
 Everything here runs on the engine's step thread (listener callbacks, and the facade's ``_call``).
 The math classes take explicit timestamps, so tests drive them with a scripted clock.
@@ -210,18 +211,20 @@ class RateWindow:
 
 
 class StepCostModel:
-    """Wall time of a pure-decode step as a function of the batch size: ``step_s(B) = a + b*B``.
+    """Wall time of a pure-decode step as a function of the batch size B.
 
-    Each pure-decode step (no prefill tokens) of batch size B updates an EWMA of ``total_s`` for
-    that B; ``fit()`` is a least-squares line through those per-B means (each weighted by its
-    sample count, capped). With fewer than two distinct batch sizes the slope is unknown and
-    ``ratio`` falls back to the flat-aggregate model ``n / (n + k)`` (a = 0), which is the
-    pessimistic end: it assumes every extra session costs a full share of the step.
+    Each pure-decode step (no prefill tokens) of batch size B updates an EWMA of its ``total_s``.
+    ``step_s(B)`` is that measured EWMA once B was seen ``min_count`` times (real hardware is not
+    linear: on CPU a batch of 4 can be faster than a batch of 3), else the least-squares line
+    ``a + b*B`` through the per-B means (each weighted by its sample count, capped). With no line
+    yet (fewer than two batch sizes seen) ``ratio`` falls back to the flat-aggregate model
+    ``n / (n + k)`` (a = 0), the pessimistic end: every extra session costs a full share.
     """
 
-    def __init__(self, alpha: float = 0.2, max_weight: int = 32):
+    def __init__(self, alpha: float = 0.2, max_weight: int = 32, min_count: int = 3):
         self.alpha = alpha
         self.max_weight = max_weight
+        self.min_count = min_count
         self.per_batch: dict[int, list[float]] = {}  # B -> [ewma_s, count]
         self._fit: tuple[float, float] | None = None
         self._dirty = False
@@ -262,18 +265,20 @@ class StepCostModel:
         return self._fit
 
     def step_s(self, batch_size: int) -> float | None:
+        e = self.per_batch.get(batch_size)
+        if e is not None and e[1] >= self.min_count:
+            return e[0]
         f = self.fit()
         return None if f is None else f[0] + f[1] * batch_size
 
     def ratio(self, n: int, k: int = 1) -> float:
-        """Factor on a session's tps when the decode batch grows from n to n + k (<= 1)."""
+        """Factor (<= 1) on a session's tps when the decode batch grows from n to n + k."""
         if n <= 0:
             return 1.0
-        f = self.fit()
-        if f is None or f[0] + f[1] * (n + k) <= 0:
+        now_s, then_s = self.step_s(n), self.step_s(n + k)
+        if now_s is None or then_s is None or then_s <= 0:
             return n / (n + k)
-        a, b = f
-        return (a + b * n) / (a + b * (n + k))
+        return min(1.0, now_s / then_s)
 
     def as_dict(self) -> dict:
         f = self.fit()
@@ -454,6 +459,7 @@ class Metrics:
 
     def session_row(self, s, cells: dict) -> dict:
         job = s.job
+        meter = self.meters.get(s.session_id)
         ctx_used = len(job.seq.tokens) if job is not None else len(s.seq.tokens)
         ctx_total = self.core.max_context
         occupancy = 1.0 - cells["free"] / cells["total"] if cells["total"] else 1.0
@@ -461,12 +467,12 @@ class Metrics:
             "session_id": s.session_id,
             "pool_id": s.pool_id,
             "tps_ewma": self.session_tps(s.session_id, job),
-            "warming": job is not None and not (s.session_id in self.meters and self.meters[s.session_id].is_fresh(job)),
+            "warming": job is not None and not (meter is not None and meter.is_fresh(job)),
             "ctx_used": ctx_used,
             "ctx_total": ctx_total,
             "ctx_headroom_tokens": max(0, min(ctx_total - ctx_used, cells["free"])),
             "compaction_pressure": _clamp01(max(occupancy, ctx_used / ctx_total if ctx_total else 1.0)),
-            "generated_tokens": self.meters[s.session_id].total_tokens if s.session_id in self.meters else 0,
+            "generated_tokens": meter.total_tokens if meter is not None else 0,
             "state": s.state.value,
         }
 

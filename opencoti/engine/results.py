@@ -16,6 +16,7 @@ class RequestInfo:
     cached_prefix_tokens: int  # cache_n: prompt tokens reused (pool and/or session cache)
     prompt_tokens: int
     rematerialized_pools: list[int] = field(default_factory=list)
+    admission: dict | None = None  # the admission decision for requests to enforced pools
 
 
 @dataclass

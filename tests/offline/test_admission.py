@@ -608,4 +608,3 @@ def test_pool_state_settle_remaining():
     assert st.settle_remaining_s(12.0) == pytest.approx(3.0) and st.settle_remaining_s(20.0) == 0.0
     row = st.end_settle(12.0, 4.0, fold=True)
     assert row["drop"] == pytest.approx(1.0) and st.last_settled_mean == 4.0 and st.settle is None
-    assert isinstance(AdmissionController.poll_s, float)
