@@ -73,9 +73,11 @@ def pools_by_id(eng) -> dict[int, dict]:
 
 
 def tree_snapshot(eng) -> dict:
-    """pools() without the access timestamps (for 'nothing changed' assertions)."""
+    """pools() without the access timestamps and live tps (for 'nothing changed' assertions)."""
     st = eng.pools()
     st["pools"] = [{k: v for k, v in p.items() if k != "last_access_ts"} for p in st["pools"]]
+    for p in st["pools"]:
+        p["sessions"] = [{k: v for k, v in x.items() if k != "tps_ewma"} for x in p["sessions"]]
     return st
 
 
