@@ -213,7 +213,7 @@ def main() -> int:
     ratio = (ours["time_under_floor_s"] / naive["time_under_floor_s"]) if naive["time_under_floor_s"] else None
     ok_ratio = ours["time_under_floor_s"] <= 0.5 * naive["time_under_floor_s"] + 1e-9
     ok_over = ours["max_sessions"] - args.fit <= 1
-    print(f"\ncalibration (per-session tps by concurrency): "
+    print("\ncalibration (per-session tps by concurrency): "
           + ", ".join(f"{n}: {v:.2f}" for n, v in cal.items()))
     print(f"ours / naive time under floor: {fmt(ratio)} (target <= 0.5: {'PASS' if ok_ratio else 'FAIL'}); "
           f"ours overshoot {ours['max_sessions'] - args.fit} (target <= 1: {'PASS' if ok_over else 'FAIL'})")

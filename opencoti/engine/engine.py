@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -22,7 +21,7 @@ from .admission import AdmissionController
 from .attention import select_backend
 from .config import EngineConfig, SamplingParams
 from .core import EngineCore
-from .errors import EngineClosedError, InvalidRequestError, OpencotiError, SessionBusyError
+from .errors import EngineClosedError, InvalidRequestError, SessionBusyError
 from .kv.pages import PagePool
 from .metrics import Metrics
 from .results import GenerationResult, PoolInfo, RequestInfo, TokenDelta

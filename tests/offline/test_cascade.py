@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from opencoti.engine import EngineConfig, SamplingParams
+from opencoti.engine import SamplingParams
 from opencoti.engine.attention.base import SeqBatchEntry, build_metadata
 from opencoti.engine.attention.cascade import build_cascade_plan
 from opencoti.engine.attention.torch_backend import TorchAttentionBackend

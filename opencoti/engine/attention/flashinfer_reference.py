@@ -89,7 +89,7 @@ class _ReferenceWrapper:
 class _ReferenceMultiLevel:
     """Plays MultiLevelCascadeAttentionWrapper: levels over the same rows, the last one causal."""
 
-    def __init__(self, kernels: "ReferenceKernels", num_levels: int):
+    def __init__(self, kernels: ReferenceKernels, num_levels: int):
         self.kernels = kernels
         self.levels = [_ReferenceWrapper("prefill") for _ in range(num_levels)]
 
@@ -113,8 +113,13 @@ class ReferenceKernels:
     name = "reference"
     version = "torch-reference"
 
-    def __init__(self):
+    def __init__(self, supported_dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)):
+        self.supported_dtypes = tuple(supported_dtypes)
         self.created: list = []
+
+    @property
+    def num_wrappers(self) -> int:
+        return sum(len(w.levels) if isinstance(w, _ReferenceMultiLevel) else 1 for w in self.created)
 
     def prefill(self, *, use_tensor_cores: bool = True) -> _ReferenceWrapper:
         w = _ReferenceWrapper("prefill")

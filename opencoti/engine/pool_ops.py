@@ -1,0 +1,341 @@
+"""Pool lifecycle and tree status, as a mixin of EngineCore (step thread only).
+
+create / fork (extend or copy-free branch, zero-copy from a session) / pin / evict (and
+transparent re-materialization) / flush / release (leaves first; KV lives on while sessions use
+it) / compaction by re-fork; the pool tree report with KV bytes by ownership; the integrity
+check. Every operation validates everything before it mutates anything.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence as Seq
+
+from .errors import CapacityError, InvalidRequestError, PoolBusyError, PoolContractError, SessionBusyError
+from .kv.pools import Pool, Residency, common_prefix_len, prefix_hashes
+from .results import PoolInfo
+from .session import Job, Session
+
+
+class PoolOpsMixin:
+    """Needs from EngineCore: kv, tree, sessions, scheduler, config, page_size, max_context,
+    listeners, and its helpers (_check_tokens, _check_fits, _share_prefix, reclaim, _detach,
+    _session_pool, _auto_pinned, _sessions_in_use, get_session, release_session)."""
+
+    def _ensure_resident(self, pool: Pool) -> list[Pool]:
+        """Pools to wait for before using ``pool``; starts re-materialization of evicted ones."""
+        if pool.residency == Residency.RESIDENT:
+            return []
+        waits = []
+        if pool.residency == Residency.EVICTED:
+            waits = self._ensure_resident(pool.parent) if pool.parent is not None else []
+            pool.residency = Residency.MATERIALIZING
+            pool.rematerializations += 1
+            self._enqueue_materialization(pool, waits, lambda p: None)
+        return waits + [pool]  # ancestors first
+
+    def _enqueue_materialization(self, pool: Pool, waits: list[Pool], done: Callable) -> Job:
+        job = Job(seq=pool.seq, params=None, emit=lambda ev: None, pool=pool, wait_for=list(waits),
+                  prompt_len=pool.prefix_len, max_context=self.max_context)
+        job.on_done = done
+
+        def start() -> bool:
+            parent = pool.parent
+            d = pool.branch_pos if parent is not None else 0
+            table = self._share_prefix(parent.seq.page_table, d) if d else []
+            if table is None:
+                return False
+            pool.seq.page_table = table
+            pool.seq.num_cached = d
+            pool.seq.num_borrowed_pages = d // self.page_size
+            return True
+
+        job.start_plan = start
+        self.scheduler.add(job)
+        return job
+
+    def _on_prefilled(self, job: Job) -> None:
+        pool = job.pool
+        pool.residency = Residency.RESIDENT
+        pool.last_access = time.time()
+        for fn in self.listeners:
+            fn("materialized", {"pool": pool})
+        job.on_done(pool)
+
+    def _fail_materialization(self, job: Job, error: Exception) -> None:
+        pool = job.pool
+        self.kv.decref(pool.seq.page_table)
+        pool.seq.page_table = []
+        pool.seq.num_cached = 0
+        if pool.rematerializations:
+            pool.residency = Residency.EVICTED
+        else:
+            self._unlink(pool)
+        job.on_done(error)
+
+    def _tokens_from_session(self, session_id: str) -> tuple[Session, list[int]]:
+        s = self.get_session(session_id)
+        if s.job is not None:
+            raise SessionBusyError(f"session {session_id!r} is serving a request; snapshot it when idle")
+        if not s.seq.num_cached:
+            raise InvalidRequestError(f"session {session_id!r} has no cached context to snapshot")
+        return s, s.seq.cached_tokens
+
+    def create_pool(self, done: Callable, *, tokens: Seq[int] | None = None, from_session: str | None = None,
+                    pinned: bool = False, label: str = "") -> Pool | None:
+        """Create a root pool (from_session of a pooled session forks that pool, zero-copy)."""
+        if (tokens is None) == (from_session is None):
+            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
+        if from_session is not None:
+            s, toks = self._tokens_from_session(from_session)
+            parent = self._session_pool(s)
+            if parent is not None and parent.residency == Residency.RESIDENT:
+                d = s.seq.num_borrowed_pages * self.page_size
+                return self.fork_pool(done, parent.pool_id, d, from_session=from_session, pinned=pinned,
+                                      label=label, allow_empty=False)
+            self.tree.check_budget()
+            self._check_fits(len(toks), 0, "pool prefix")
+            if s.seq.num_borrowed_pages == 0:
+                self._reserve_partial_page(len(toks), s)
+            pool = self.tree.add(None, 0, list(toks), label)
+            pool.pinned = bool(pinned)
+            if s.seq.num_borrowed_pages == 0:
+                self._adopt_session_pages(pool, s, 0)
+                done(pool)
+            else:  # its cache borrows a released pool's pages: compute the copy instead
+                self._enqueue_materialization(pool, [], done)
+            return pool
+        toks = self._check_tokens(list(tokens), "pool tokens")
+        self._check_fits(len(toks), 0, "pool prefix")
+        self.tree.check_budget()
+        pool = self.tree.add(None, 0, toks, label)
+        pool.pinned = bool(pinned)
+        self._enqueue_materialization(pool, [], done)
+        return pool
+
+    def fork_pool(self, done: Callable, parent_id: int, branch_pos: int, *, tokens: Seq[int] | None = None,
+                  from_session: str | None = None, pinned: bool = False, label: str = "",
+                  allow_empty: bool = False) -> Pool:
+        """Fork: ``branch_pos == parent.L`` extends, ``< parent.L`` branches. Token-exact contract."""
+        parent = self.tree.get(parent_id)
+        if (tokens is None) == (from_session is None):
+            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
+        d = branch_pos
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise InvalidRequestError(f"branch_pos must be a non-negative integer, got {d!r}")
+        if d > parent.prefix_len:
+            raise InvalidRequestError(f"branch_pos {d} is beyond pool {parent_id}'s prefix_len {parent.prefix_len}")
+        session = None
+        if from_session is not None:
+            session, toks = self._tokens_from_session(from_session)
+            toks = list(toks)
+        else:
+            toks = self._check_tokens(list(tokens), "pool tokens")
+        if len(toks) <= d and not allow_empty:
+            raise InvalidRequestError(
+                f"the fork's own range is empty: tokens cover [0, {len(toks)}) but branch_pos is {d}; "
+                "pass the full prefix [0, L) with L > branch_pos")
+        if d and parent.hash_at(d) != _hash_prefix(toks, d):
+            at = common_prefix_len(toks[:d], parent.tokens[:d])
+            raise PoolContractError(
+                f"prefix contract violated: tokens[0:{d}] differ from pool {parent_id}'s tokens at position {at}")
+        self._check_fits(len(toks), 0, "pool prefix")
+        self.tree.check_budget()
+        # ---- commit
+        # Zero-copy only when the session borrows exactly the parent's pages below D and owns the
+        # rest: then every page keeps exactly one owner after the pool adopts them.
+        full = d // self.page_size
+        zero_copy = (session is not None and parent.residency == Residency.RESIDENT
+                     and session.seq.num_borrowed_pages == full
+                     and (full == 0 or session.pool_id == parent.pool_id)
+                     and session.seq.page_table[:full] == parent.seq.page_table[:full])
+        if zero_copy:
+            self._reserve_partial_page(len(toks), session)
+        waits = self._ensure_resident(parent) if not zero_copy else []
+        pool = self.tree.add(parent, d, toks, label)
+        pool.pinned = bool(pinned)
+        parent.last_access = time.time()
+        if zero_copy:
+            self._adopt_session_pages(pool, session, d)
+            done(pool)
+        else:
+            self._enqueue_materialization(pool, waits, done)
+        return pool
+
+    def _reserve_partial_page(self, n_tokens: int, keep: Session) -> None:
+        """Check (before committing) that a snapshot's partial last page can be copied."""
+        if n_tokens % self.page_size and not self.kv.can_allocate(1):
+            self.reclaim(1, keep=keep)
+            if not self.kv.can_allocate(1):
+                raise CapacityError("no free KV page for the snapshot's partial last page", retry_after=1.0)
+
+    def _adopt_session_pages(self, pool: Pool, s: Session, d: int) -> None:
+        """from_session: the pool takes the session's cached pages by refcount (zero-copy) and the
+        session becomes a leaf of the new pool."""
+        n = pool.prefix_len
+        table = self._share_prefix(s.seq.page_table, n, keep=s)
+        if table is None:
+            raise CapacityError("no free KV page for the snapshot's partial page", retry_after=1.0)
+        pool.seq.page_table = table
+        pool.seq.num_cached = n
+        pool.seq.num_borrowed_pages = d // self.page_size
+        pool.residency = Residency.RESIDENT
+        self._detach(s)
+        s.pool_id = pool.pool_id
+        pool.sessions.add(s.session_id)
+        s.seq.num_borrowed_pages = n // self.page_size
+        s.seq.num_shared_tokens = n
+
+    def pin_pool(self, pool_id: int, pinned: bool) -> Pool:
+        pool = self.tree.get(pool_id)
+        pool.pinned = pinned
+        return pool
+
+    def evict_pool(self, pool_id: int) -> Pool:
+        pool = self.tree.get(pool_id)
+        if pool.pinned:
+            raise PoolBusyError(f"pool {pool_id} is pinned; unpin it first")
+        if pool.live_children or self._sessions_in_use(pool):
+            raise PoolBusyError(f"pool {pool_id} has {len(pool.live_children)} resident child pools and "
+                                f"{len(pool.sessions)} sessions attached; it stays resident while they use it")
+        if pool.residency == Residency.RESIDENT:
+            self._evict_pool(pool)
+        elif pool.residency == Residency.MATERIALIZING:
+            raise PoolBusyError(f"pool {pool_id} is materializing")
+        return pool
+
+    def _evict_pool(self, pool: Pool) -> None:
+        self.kv.decref(pool.seq.page_table)
+        pool.seq.page_table = []
+        pool.seq.num_cached = 0
+        pool.seq.num_borrowed_pages = 0
+        pool.residency = Residency.EVICTED
+
+    def flush_pool(self, pool_id: int) -> int:
+        pool = self.tree.get(pool_id)
+        n = 0
+        for sid in list(pool.sessions):
+            s = self.sessions.get(sid)
+            if s is not None and s.is_idle:
+                self.release_session(sid)
+                n += 1
+        return n
+
+    def release_pool(self, pool_id: int) -> None:
+        pool = self.tree.get(pool_id)
+        live = [c.pool_id for c in pool.children if c.residency != Residency.RELEASED]
+        if live:
+            raise PoolBusyError(f"pool {pool_id} has child pools {live}; release them first (leaves first)")
+        if pool.residency == Residency.MATERIALIZING:
+            raise PoolBusyError(f"pool {pool_id} is materializing")
+        self._unlink(pool)
+
+    def _unlink(self, pool: Pool) -> None:
+        self.tree.pools.pop(pool.pool_id, None)
+        pool.residency = Residency.RELEASED
+        self.tree.released[pool.pool_id] = pool
+        self._maybe_reap(pool)
+
+    def _maybe_reap(self, pool: Pool) -> None:
+        """A released pool's KV lives until its sessions and released children are gone."""
+        while pool is not None and pool.residency == Residency.RELEASED and not pool.sessions and not pool.children:
+            self.kv.decref(pool.seq.page_table)
+            pool.seq.page_table = []
+            self.tree.released.pop(pool.pool_id, None)
+            parent = pool.parent
+            if parent is not None and pool in parent.children:
+                parent.children.remove(pool)
+                if not parent.children and not parent.sessions:
+                    parent.grace_until = time.monotonic() + self.config.pool_grace_ttl_s
+            pool = parent
+
+    def move_session(self, session_id: str, pool_id: int, release_from: int | None, keep: int | None) -> list[int]:
+        """Compaction: the session's context is replaced by the new pool's prefix. Its old KV is
+        dropped; the pools it leaves behind are released up to (not including) ``keep`` when nothing
+        else uses them. Returns the released pool ids."""
+        s = self.get_session(session_id)
+        if s.job is not None:
+            raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
+        pool = self.tree.get(pool_id)
+        self._drop_session_kv(s)
+        s.pool_id = pool.pool_id
+        pool.sessions.add(s.session_id)
+        released = []
+        p = self.tree.pools.get(release_from) if release_from is not None else None
+        while (p is not None and p.pool_id != keep and p is not pool and not p.sessions and not p.pinned
+               and not any(c.residency != Residency.RELEASED for c in p.children)):
+            parent = p.parent
+            self.release_pool(p.pool_id)
+            released.append(p.pool_id)
+            p = parent
+        return released
+
+    # ======================================================================== status
+    def session_info(self, s: Session) -> dict:
+        return {
+            "session_id": s.session_id,
+            "pool_id": s.pool_id,
+            "suffix_n_tokens": len(s.seq.tokens) - s.seq.num_shared_tokens,
+            "marginal_kv_bytes": len(s.seq.owned_pages) * self.kv.page_bytes,
+            "ctx_used": len(s.seq.tokens),
+            "ctx_total": self.max_context,
+            "state": s.state.value,
+        }
+
+    def pool_info(self, pool: Pool) -> PoolInfo:
+        now = time.monotonic()
+        own = len(pool.seq.owned_pages) * self.kv.page_bytes
+        sessions = [self.session_info(self.sessions[sid]) for sid in sorted(pool.sessions) if sid in self.sessions]
+        subtree = own + sum(x["marginal_kv_bytes"] for x in sessions)
+        kids = [c for c in pool.children if c.residency != Residency.RELEASED]
+        for c in pool.children:
+            subtree += self.pool_info(c).subtree_kv_bytes
+        return PoolInfo(
+            pool_id=pool.pool_id, parent=pool.parent.pool_id if pool.parent else None, branch_pos=pool.branch_pos,
+            prefix_len=pool.prefix_len, own_len=pool.own_len, own_kv_bytes=own, subtree_kv_bytes=subtree,
+            residency=pool.residency.value, pinned=pool.pinned, auto_pinned=self._auto_pinned(pool, now),
+            orphaned_pin=pool.pinned and not pool.sessions and not kids,
+            last_access_ts=pool.last_access, children=[c.pool_id for c in kids], sessions=sessions,
+            rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label)
+
+    def pools_status(self) -> dict:
+        return {
+            "pools": [self.pool_info(p).as_dict() for p in sorted(self.tree.pools.values(), key=lambda p: p.pool_id)],
+            "tree_depth": self.tree.depth(),
+            "pools_used": self.tree.num_used,
+            "pools_max": self.tree.max_pools,
+            "kv_pages_total": self.kv.num_pages,
+            "kv_pages_used": self.kv.num_used,
+            "kv_bytes_used": self.kv.num_used * self.kv.page_bytes,
+            "page_size": self.page_size,
+        }
+
+    def check_integrity(self) -> None:
+        """Refcounts match the page tables, and every used page has exactly one owner."""
+        holders = [p.seq.page_table for p in self.tree.pools.values()]
+        holders += [p.seq.page_table for p in self.tree.released.values()]
+        holders += [s.seq.page_table for s in self.sessions.values()]
+        self.kv.check_integrity(holders)
+        owned: list[int] = []
+        for p in list(self.tree.pools.values()) + list(self.tree.released.values()):
+            owned += p.seq.owned_pages
+        for s in self.sessions.values():
+            owned += s.seq.owned_pages
+        assert len(owned) == len(set(owned)), "a page has two owners"
+        assert len(owned) == self.kv.num_used, (
+            f"ownership: {len(owned)} owned pages != {self.kv.num_used} pages in use")
+        for s in self.sessions.values():
+            pool = self._session_pool(s)
+            if s.seq.num_borrowed_pages:
+                assert pool is not None, f"session {s.session_id} borrows pages without a pool"
+                n = s.seq.num_borrowed_pages
+                assert s.seq.page_table[:n] == pool.seq.page_table[:n], f"session {s.session_id} borrow mismatch"
+        for p in self.tree.pools.values():
+            if p.residency == Residency.RESIDENT and p.parent is not None:
+                n = p.seq.num_borrowed_pages
+                assert p.seq.page_table[:n] == p.parent.seq.page_table[:n], f"pool {p.pool_id} borrow mismatch"
+
+
+
+def _hash_prefix(tokens: Seq[int], n: int) -> bytes:
+    return prefix_hashes(tokens[:n])[-1]
