@@ -1,4 +1,4 @@
-"""`opencoti` command line: demo (the main job), chat, bench."""
+"""`opencoti` command line: demo (the main job), serve, chat, bench."""
 
 from __future__ import annotations
 
@@ -66,12 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     d.set_defaults(fn=cmd_demo)
+    sv = sub.add_parser("serve", help="HTTP server: llama.cpp/OpenAI-compatible API + /polykv control plane")
+    from .server.serve import add_arguments as _serve_arguments
+    _serve_arguments(sv)
+    sv.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     b.add_argument("name", help="benchmark name (engine, pools, all)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)
+
+
+def cmd_serve(args) -> int:
+    from .server.serve import run
+    return run(args)
 
 
 def cmd_bench(args) -> int:

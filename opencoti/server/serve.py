@@ -1,0 +1,109 @@
+"""``opencoti serve``: one Engine behind the HTTP API, run by uvicorn.
+
+The socket opens at once; the model loads in the background (``/health`` answers 503 until it is
+ready). SIGINT/SIGTERM shut down gracefully: no new connections, live tps streams end, in-flight
+generations get ``--graceful-timeout`` seconds to finish (a stream still open then ends with an
+SSE error event and its request is cancelled), the engine stops, and the process exits with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf path or tiny:<arch> "
+                                                     "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("OPENCOTI_API_KEY"),
+                   help="require this key (Authorization: Bearer / X-Api-Key) on every route but /health "
+                        "(default: $OPENCOTI_API_KEY)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache size in tokens")
+    kv.add_argument("--kv-budget-mib", type=float, default=None, help="KV cache size in MiB")
+    p.add_argument("--max-pools", type=int, default=16, help="pool budget (default 16)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--parallel", "-np", type=int, default=64, help="sessions decoding at once (default 64)")
+    p.add_argument("--ctx-size", "-c", type=int, default=None, help="context length per sequence (default: the model's)")
+    p.add_argument("--batch-tokens", type=int, default=512, help="tokens computed per step at most (default 512)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--threads", "-t", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--pool-grace-ttl", type=float, default=30.0, help="seconds an interior pool stays pinned after "
+                                                                      "its last descendant leaves (default 30)")
+    p.add_argument("--n-predict", "-n", type=int, default=-1,
+                   help="default max tokens when a request gives none (-1 = until EOS / context)")
+    p.add_argument("--alias", default=None, help="model id reported by /v1/models")
+    p.add_argument("--tps-interval-ms", type=float, default=500.0, help="GET /polykv/tps SSE period (default 500)")
+    p.add_argument("--max-body-mib", type=float, default=16.0, help="request body limit (default 16 MiB)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow CORS from ORIGIN (repeatable; '*' for any). Off by default")
+    p.add_argument("--graceful-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on shutdown (default 5)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from ..engine import Engine, EngineConfig
+    from ..engine.errors import OpencotiError
+    from .app import ServerConfig, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("opencoti.server")
+    try:
+        engine_config = EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+            kv_budget_tokens=args.kv_budget_tokens, kv_budget_mib=args.kv_budget_mib, max_pools=args.max_pools,
+            max_running=args.parallel, max_context=args.ctx_size, max_batch_tokens=args.batch_tokens,
+            num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl)
+        server_config = ServerConfig(
+            api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
+            cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,
+            default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias)
+        if server_config.tps_interval_ms < 50:
+            raise OpencotiError("--tps-interval-ms must be >= 50")
+        if args.n_predict == 0:
+            raise OpencotiError("--n-predict must be -1 or a positive number")
+    except OpencotiError as e:
+        print(f"opencoti serve: {e}", file=sys.stderr)
+        return 2
+
+    def load() -> Engine:
+        return Engine(engine_config, progress=lambda msg: log.info("%s", msg))
+
+    app = create_app(engine_factory=load, config=server_config)
+    state = app.state.server
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            # Like uvicorn's, without re-raising the signal after shutdown: a requested stop exits 0.
+            # live /polykv/tps streams end now; generation streams end (with an SSE error event)
+            # just before uvicorn's graceful timeout would cancel them mid-chunk
+            state.begin_stop(max(0.0, args.graceful_timeout - 0.5))
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            for srv in self.servers:
+                for sock in srv.sockets:
+                    host, port = sock.getsockname()[:2]
+                    # one machine-readable line (tests and scripts wait for it)
+                    print(f"opencoti serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=args.graceful_timeout, access_log=args.log_level == "debug",
+                                   lifespan="on"))
+    server.run()
+    if state.load_error is not None:
+        return 1
+    return 0
