@@ -87,8 +87,45 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
+def _onednn_linear_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Proj:
+    """``y = x @ W.T + b`` with the fastest kernel for the device.
+
+    On CPU the weight is pre-packed once into oneDNN's blocked layout: the GEMM then streams the
+    weights without re-packing them every call. Measured on the 2-core target machine (fp32,
+    SmolLM2 shapes, per decode step): F.linear 32 ms, x @ W.T (pre-transposed) 23 ms, pre-packed
+    oneDNN 10 ms at batch 1, and 55 / 48 / 14.5 ms at batch 8 (docs/benchmarks.md). Elsewhere
+    (CUDA) it is a plain matmul with the weight stored transposed.
+    """
+
+    __slots__ = ("weight_t", "packed", "bias", "out_features", "nbytes")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.out_features = weight.shape[0]
+        self.bias = bias
+        self.nbytes = weight.numel() * weight.element_size()
+        self.packed = self.weight_t = None
+        if weight.device.type == "cpu" and _onednn_linear_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+                return
+            except RuntimeError:  # an unsupported dtype for this CPU: fall back
+                self.packed = None
+        self.weight_t = weight.t().contiguous()  # [in, out]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
 class _Layer:
-    __slots__ = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w", "q_norm", "k_norm")
+    __slots__ = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm")
 
 
 class LlamaForward:
@@ -106,34 +143,28 @@ class LlamaForward:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
 
-        # Projection weights are stored transposed, [in, out] (x @ W): on CPU, MKL's GEMM with
-        # this layout streams the weights ~1.3x faster than F.linear's [out, in] for the small
-        # batches of decode (measured on the target machine; see docs/benchmarks.md).
-        def wt(*names: str) -> torch.Tensor:
-            return torch.cat([w(n) for n in names], 0).t().contiguous()
+        def proj(*names: str, bias: bool = False) -> Proj:
+            weight = torch.cat([w(n + ".weight") for n in names], 0)
+            b = torch.cat([w(n + ".bias") for n in names], 0).contiguous() if bias else None
+            return Proj(weight, b)
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")
         if "lm_head.weight" in state_dict and not d.tie_word_embeddings:
-            self.lm_head_t = wt("lm_head.weight")  # [hidden, V]
+            self.lm_head = proj("lm_head")  # hidden -> V
         else:
-            self.lm_head_t = self.embed.t().contiguous()
+            self.lm_head = Proj(self.embed, None)
         self.layers: list[_Layer] = []
         for i in range(d.num_layers):
             p = f"model.layers.{i}."
             layer = _Layer()
             layer.in_norm = w(p + "input_layernorm.weight")
             layer.post_norm = w(p + "post_attention_layernorm.weight")
-            layer.qkv_w = wt(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                             p + "self_attn.v_proj.weight")  # [hidden, q + 2kv]
-            if d.qkv_bias:
-                layer.qkv_b = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
-                                         w(p + "self_attn.v_proj.bias")], 0).contiguous()
-            else:
-                layer.qkv_b = None
-            layer.o_w = wt(p + "self_attn.o_proj.weight")  # [q, hidden]
-            layer.gate_up_w = wt(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")  # [hidden, 2I]
-            layer.down_w = wt(p + "mlp.down_proj.weight")  # [I, hidden]
+            layer.qkv = proj(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj",
+                             bias=d.qkv_bias)  # hidden -> q + 2kv
+            layer.o = proj(p + "self_attn.o_proj")  # q -> hidden
+            layer.gate_up = proj(p + "mlp.gate_proj", p + "mlp.up_proj")  # hidden -> 2I
+            layer.down = proj(p + "mlp.down_proj")  # I -> hidden
             if d.qk_norm:
                 layer.q_norm = w(p + "self_attn.q_norm.weight")
                 layer.k_norm = w(p + "self_attn.k_norm.weight")
@@ -149,12 +180,14 @@ class LlamaForward:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding rows excluded, lm_head included)."""
-        n = self.lm_head_t.numel() + self.final_norm.numel()
+        elem = self.final_norm.element_size()
+        n = self.lm_head.nbytes + self.final_norm.numel() * elem
         for L in self.layers:
-            for t in (L.in_norm, L.post_norm, L.qkv_w, L.qkv_b, L.o_w, L.gate_up_w, L.down_w, L.q_norm, L.k_norm):
+            n += sum(p.nbytes for p in (L.qkv, L.o, L.gate_up, L.down))
+            for t in (L.in_norm, L.post_norm, L.qkv.bias, L.q_norm, L.k_norm):
                 if t is not None:
-                    n += t.numel()
-        return n * self.lm_head_t.element_size()
+                    n += t.numel() * elem
+        return n
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -175,9 +208,7 @@ class LlamaForward:
         eps = d.rms_norm_eps
         for i, L in enumerate(self.layers):
             hs = _rms_norm(x, L.in_norm, eps)
-            qkv = hs @ L.qkv_w  # [T, q + 2kv]
-            if L.qkv_b is not None:
-                qkv = qkv + L.qkv_b
+            qkv = L.qkv(hs)  # [T, q + 2kv]
             q = qkv[:, :q_size].view(T, h, hd)
             k = qkv[:, q_size:q_size + kv_size].view(T, hkv, hd)
             v = qkv[:, q_size + kv_size:].view(T, hkv, hd)
@@ -187,12 +218,12 @@ class LlamaForward:
             q = _rotate(q, cos, sin)
             k = _rotate(k, cos, sin)
             attn = backend.forward(i, q, k, v.contiguous(), k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
-            x = x + attn.view(T, q_size) @ L.o_w
+            x = x + L.o(attn.view(T, q_size))
             hs = _rms_norm(x, L.post_norm, eps)
-            gate_up = hs @ L.gate_up_w  # [T, 2I]
+            gate_up = L.gate_up(hs)  # [T, 2I]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ L.down_w
+            x = x + L.down(F.silu(gate) * up)
         if logits_rows is None or logits_rows.numel() == 0:
             return None
         x = _rms_norm(x.index_select(0, logits_rows), self.final_norm, eps)
-        return (x @ self.lm_head_t).float()  # [B_out, V]
+        return self.lm_head(x).float()  # [B_out, V]
