@@ -325,7 +325,10 @@ class Metrics:
         core.listeners.append(self._on_event)
 
     def configure(self, **kw) -> dict:
-        """Change the windows (validated); existing samples are kept and re-read with the new windows."""
+        """Change the windows (validated); existing samples are kept and re-read with the new windows.
+        Without arguments, only reads the current settings."""
+        if not kw:
+            return asdict(self.cfg)
         cfg = self.cfg.updated(**kw)
         self.cfg = cfg
         for m in self.meters.values():
