@@ -26,6 +26,8 @@ RESULTS_DIR = BENCH_DIR / "results"
 if str(REPO_ROOT) not in sys.path:  # `import opencoti` from a checkout, wherever we are run from
     sys.path.insert(0, str(REPO_ROOT))
 
+import opencoti  # noqa: E402,F401 - before torch: sets OMP_WAIT_POLICY=PASSIVE for everything measured here
+
 
 # ============================================================================ command line
 def base_parser(description: str) -> argparse.ArgumentParser:
