@@ -4,67 +4,63 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
-
-
-def _progress(msg: str) -> None:
-    print(f"[opencoti] {msg}", file=sys.stderr, flush=True)
 
 
 def cmd_demo(args) -> int:
-    """Multi-session generation on the bundled model: several agents share one system-prompt pool,
-    decode concurrently, and we print their answers and tokens/s."""
-    from .engine import Engine, EngineConfig, SamplingParams
+    """The main job: a LangGraph multi-agent run on the bundled model (or ``--server``) that builds a
+    pool tree, fans out under a tps floor, nests, branches, compacts and gathers, with a live view and
+    a report (markdown + charts) written to ``--out``."""
+    from .demo import DemoConfig, run_demo
+    from .demo.live import make_view
+    from .engine.errors import OpencotiError
 
-    t0 = time.perf_counter()
-    eng = Engine(EngineConfig(model=args.model, page_size=16), progress=_progress)
-    print(f"loaded {eng.model_name} in {time.perf_counter() - t0:.1f}s "
-          f"(KV cache: {eng.kv.num_pages} pages x {eng.kv.page_size} tokens)")
-    system = ("You are a helpful assistant in a team of agents. Answer in one or two short sentences. "
-              "Be precise and factual.")
-    root = eng.create_pool(messages=[{"role": "system", "content": system}])
-    print(f"root pool {root.pool_id}: {root.prefix_len} tokens, {root.own_kv_bytes / 1024:.0f} KiB KV")
-    questions = ["What is the capital of France?", "Name a primary color.", "What does a CPU do?",
-                 "Why is the sky blue?", "What is 12 times 12?", "Who wrote Hamlet?",
-                 "What is photosynthesis?", "What is the boiling point of water?"][: args.agents]
-    results = [None] * len(questions)
-
-    def agent(i: int) -> None:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": questions[i]}]
-        results[i] = eng.generate(messages=msgs, pool_id=root.pool_id, session_id=f"agent-{i}",
-                                  params=SamplingParams(temperature=0.0 if args.seed is None else 0.7,
-                                                        seed=args.seed, max_tokens=args.max_tokens))
-
-    t1 = time.perf_counter()
-    threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(questions))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t1
-    total = 0
-    for q, r in zip(questions, results):
-        total += len(r.token_ids)
-        tm = r.timings
-        print(f"\n[{r.session_id}] Q: {q}\n  A: {r.text.strip()}\n  cache_n={tm['cache_n']} prompt_n={tm['prompt_n']} "
-              f"generated={len(r.token_ids)} decode {tm['predicted_per_second']:.1f} tok/s")
-    st = eng.pools()
-    print(f"\n{len(questions)} agents, {total} tokens in {wall:.1f}s: aggregate {total / wall:.1f} tok/s")
-    print(f"KV in use: {st['kv_bytes_used'] / 2**20:.1f} MiB ({st['kv_pages_used']} pages)")
-    eng.check_integrity()
-    eng.shutdown()
+    cfg = DemoConfig(agents=args.agents, floor=args.floor, max_tokens=args.max_tokens, seed=args.seed, out=args.out,
+                     model=args.model, server=args.server, api_key=args.api_key, num_threads=args.threads,
+                     charts=not args.no_charts)
+    view = make_view(plain=True if args.plain else None)
+    try:
+        res = run_demo(cfg, view=view)
+    except (OpencotiError, ValueError) as e:
+        print(f"opencoti demo: {e}", file=sys.stderr)
+        return 1
+    s = res.summary
+    kv = s["kv"].get("at_peak") or {}
+    tt = s["ttft"]
+    lines = [f"done in {res.wall_s:.1f} s (model load {res.load_s:.1f} s); report: {res.paths['report']}"]
+    if kv.get("used"):
+        lines.append(f"KV at the busiest moment: {kv['used'] / 2**20:.1f} MiB in use, "
+                     f"{kv['without_sharing'] / 2**20:.1f} MiB without sharing")
+    base = tt["control"] or tt["full_prefill"]
+    if tt["attach"] and base:
+        lines.append(f"TTFT: {tt['attach']['median_ms']:.0f} ms attached to a pool (median) vs "
+                     f"{base['median_ms']:.0f} ms full prefill")
+    waited = s["admission"]["agents_that_waited"]
+    lines.append(f"floor {res.run['config']['floor']:g} tok/s: {s['concurrency']['max_decoding']} sessions decoding "
+                 f"at most, {len(waited)} agents waited for capacity; {len(s['compactions'])} compaction(s)")
+    for r in s["cross_check"]:
+        if not r["match"]:
+            lines.append(f"warning: {r['name']} differs from the engine's counter ({r['report']} vs {r['engine']})")
+    for ln in lines:
+        view.print(ln)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="opencoti", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="multi-agent run on the bundled model")
-    d.add_argument("--model", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
-    d.add_argument("--agents", type=int, default=8)
-    d.add_argument("--max-tokens", type=int, default=48)
+    d = sub.add_parser("demo", help="the main job: a multi-agent LangGraph run with a live view and a report")
+    d.add_argument("--agents", type=int, default=6, help="sub-agents fanned out on the task pool (default 6)")
+    d.add_argument("--floor", type=float, default=None,
+                   help="per-session tps floor (default: 0.75 x the lead agent's solo decode speed measured in the run)")
+    d.add_argument("--max-tokens", type=int, default=48, help="tokens per answer at most (default 48)")
     d.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
+    d.add_argument("--out", default="demo-report", help="folder for the report (default ./demo-report)")
+    d.add_argument("--model", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
+    d.add_argument("--server", default=None, metavar="URL", help="run against a running `opencoti serve` instead")
+    d.add_argument("--api-key", default=None, help="the server's API key (with --server)")
+    d.add_argument("--threads", type=int, default=None, help="torch CPU threads (in-process)")
+    d.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
+    d.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     d.set_defaults(fn=cmd_demo)
     sv = sub.add_parser("serve", help="HTTP server: llama.cpp/OpenAI-compatible API + /polykv control plane")
     from .server.serve import add_arguments as _serve_arguments

@@ -1,0 +1,1002 @@
+#!/usr/bin/env python
+"""Shared-prefix fan-out: opencoti vs the alternatives users would pick, in one run (issue 8).
+
+Workload: a shared prefix of P tokens (an agent system prompt with tool definitions, from
+bench_pools), N sessions, each with its own Q=32-token user turn and G=64 greedy generated
+tokens (ignore EOS). All N sessions are "spawned" at t0 (a fan-out); everything needed from
+scratch (the prefix KV included) happens after t0 and counts.
+
+Systems, all on the bundled model (transformers loads the engine's converted HF directory),
+float32, the same token ids:
+
+  opencoti-pool     create a pool from the prefix, then N sessions attach (pool_id) and run
+                    concurrently (continuous batching, shared-prefix attention where it pays)
+  opencoti-nopool   N fresh sessions, no pool: each computes prefix + suffix itself
+  hf-recompute      transformers generate(), one session at a time, prefix recomputed each time
+  hf-copy           transformers' prompt-reuse recipe: prefix into a DynamicCache once, then per
+                    session copy.deepcopy(cache) + generate(past_key_values=copy)
+  hf-batch          transformers generate() on the N prompts as one batch (no padding needed:
+                    every prompt has exactly P+Q tokens)
+  hf-cb             transformers continuous batching, generate_batch() (paged cache, prefix block
+                    sharing on), its cache sized for the workload (see CB_NOTE)
+
+Metrics (per system, P, N): total wall time (t0 to the last token of the last session), TTFT
+p50/p95 (first token of each session - t0), per-session decode tok/s ((G-1) / (last - first
+token), median over sessions), aggregate decode tok/s (N(G-1) / time during which at least one
+session was decoding), peak KV bytes (see KV_DEFINITION). The scheduling/Python overhead of the
+engine at N = 8 comes from its per-step StepStats (model_s vs total_s, and the step-loop period),
+and a torch.profiler run splits one decode step into GEMMs, attention, other model ops and the
+non-model parts (scheduling, metadata, sampling, token handling).
+
+Targets (P=1024, N=8): wall time >= 5x faster than hf-recompute and hf-copy, >= 2x faster than
+hf-batch and hf-cb; peak KV >= 4.5x less than hf-copy (ideal 5.0x); overhead <= 15% of step time.
+
+Run: .venv/bin/python benchmarks/bench_fanout.py [--quick]   (or: opencoti bench fanout)
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (puts the repository root on sys.path)
+from bench_engine import _TokenClock, load_transformers  # noqa: E402
+from bench_pools import QUESTIONS, build_prefix, build_suffix  # noqa: E402
+from common import check_mark, fmt, log, now, print_table, ratio  # noqa: E402
+
+ALL_SYSTEMS = ["opencoti-pool", "opencoti-nopool", "hf-recompute", "hf-copy", "hf-batch", "hf-cb"]
+HF_PER_SESSION = ["hf-recompute", "hf-copy"]
+HF_BATCHED = ["hf-batch", "hf-cb"]
+LABELS = {
+    "opencoti-pool": "opencoti, pool + attached sessions",
+    "opencoti-nopool": "opencoti, sessions only (no pool)",
+    "hf-recompute": "transformers generate, per session, prefix recomputed",
+    "hf-copy": "transformers generate, prefix cache deep-copied per session",
+    "hf-batch": "transformers generate, one padded batch",
+    "hf-cb": "transformers generate_batch (continuous batching)",
+}
+
+KV_DEFINITION = (
+    "Peak KV bytes held for the workload, every session's cache kept after its request (a multi-agent "
+    "server keeps sessions for their next turn; the engine does too, until release). opencoti: KV pages "
+    "in use (engine.kv.num_used x page_bytes, pool pages included, read every 10 ms without going through "
+    "the step thread) minus the value before the run. hf-recompute / hf-copy / hf-batch: bytes of the key "
+    "and value tensors of the live DynamicCaches (hf-copy: the prefix template too, until the last copy is "
+    "made). hf-cb: bytes of the cache blocks in use (1 - free capacity) x cache size, polled while running; "
+    "its whole preallocated cache is reported separately.")
+CB_NOTE = (
+    "transformers' continuous batching sizes its paged cache from device memory when num_blocks is not "
+    "given; on CPU that means most of RAM, and it sizes its attention masks by the whole cache: an 8-session "
+    "trial took ~10x longer. We give it the cache the workload needs: page_size 256 (its "
+    "default), num_blocks = ceil(N(P+Q+G)/256) + 2, max_batch_tokens 512 (our engine's default), prefix "
+    "block sharing on (its default).")
+
+
+# ============================================================================ timing helpers
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [a, b] intervals."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100])."""
+    vals = sorted(values)
+    if len(vals) == 1:
+        return vals[0]
+    pos = (len(vals) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def finish_run(system: str, P: int, N: int, G: int, first: list[float], last: list[float],
+               token_ids: list[list[int]], peak_kv: int, extra: dict) -> dict:
+    """Metrics of one run from per-session first/last token times (seconds since t0)."""
+    decode = [(G - 1) / (b - a) if b > a else None for a, b in zip(first, last)]
+    decode_time = union_length(list(zip(first, last)))
+    return {
+        "system": system, "prefix": P, "sessions": N, "gen": G,
+        "wall_s": max(last),
+        "ttft_p50_s": percentile(first, 50), "ttft_p95_s": percentile(first, 95),
+        "ttft_s": first, "last_token_s": last,
+        "per_session_decode_tps": statistics.median(d for d in decode if d is not None) if any(decode) else None,
+        "per_session_decode_tps_all": decode,
+        "aggregate_decode_tps": N * (G - 1) / decode_time if decode_time > 0 else None,
+        "end_to_end_tps": N * G / max(last),
+        "peak_kv_bytes": peak_kv,
+        "generated": [len(t) for t in token_ids],
+        "token_ids": token_ids,
+        "loadavg": os.getloadavg(),
+        **extra,
+    }
+
+
+# ============================================================================ opencoti
+class PagePoller:
+    """Peak of ``engine.kv.num_used`` (an int read; no command on the step thread)."""
+
+    def __init__(self, engine, interval: float = 0.01):
+        self.engine, self.interval = engine, interval
+        self.peak = engine.kv.num_used
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.engine.kv.num_used)
+
+    def __enter__(self) -> "PagePoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.engine.kv.num_used)
+
+
+def run_opencoti(engine, prefix: list[int], suffixes: list[list[int]], G: int, use_pool: bool, tag: str) -> dict:
+    """N concurrent streams released together; with ``use_pool`` the pool is created first
+    (after t0: computing the prefix is part of the workload)."""
+    from opencoti.engine import SamplingParams
+
+    N, P = len(suffixes), len(prefix)
+    go = threading.Event()
+    times: list[list[float]] = [[] for _ in range(N)]
+    results: list = [None] * N
+    errors: list[BaseException] = []
+    pool_id: list[int | None] = [None]
+    steps: list[tuple] = []
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "step":
+            st = data["stats"]
+            steps.append((now(), st.num_seqs, st.num_tokens, st.num_decode, st.model_s, st.total_s,
+                          engine.backend.last_used_cascade))
+
+    def worker(i: int) -> None:
+        try:
+            go.wait()
+            s = engine.stream(prefix + suffixes[i], params=SamplingParams.greedy(G, ignore_eos=True),
+                              session_id=f"{tag}-{i}", pool_id=pool_id[0])
+            for _ in s:
+                times[i].append(now())
+            results[i] = s.result
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(N)]
+    for t in threads:
+        t.start()
+    base_pages = engine.kv.num_used
+    engine.core.listeners.append(on_event)
+    try:
+        with PagePoller(engine) as poller:
+            t0 = now()
+            if use_pool:
+                pool_id[0] = engine.create_pool(tokens=prefix, label=tag).pool_id
+            t_pool = now() - t0
+            go.set()
+            for t in threads:
+                t.join()
+    finally:
+        engine.core.listeners.remove(on_event)
+    for i in range(N):
+        try:
+            engine.release_session(f"{tag}-{i}")
+        except Exception:  # noqa: BLE001 - never created
+            pass
+    if pool_id[0] is not None:
+        engine.release_pool(pool_id[0])
+    engine.check_integrity()
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}") from errors[0]
+    if any(len(ts) != G for ts in times):
+        raise RuntimeError(f"a session got {[len(ts) for ts in times]} tokens, wanted {G}")
+    left = engine.kv.num_used - base_pages
+    steps_rel = [(ts - t0, *rest) for ts, *rest in steps]
+    return finish_run(
+        "opencoti-pool" if use_pool else "opencoti-nopool", P, N, G,
+        [ts[0] - t0 for ts in times], [ts[-1] - t0 for ts in times], [r.token_ids for r in results],
+        (poller.peak - base_pages) * engine.kv.page_bytes,
+        {"pool_create_s": t_pool if use_pool else None,
+         "cache_n": [r.timings["cache_n"] for r in results],
+         "steps": steps_rel, "kv_pages_left_after_release": left})
+
+
+def step_overhead(run: dict) -> dict:
+    """Scheduling/Python overhead from the engine's StepStats, over the steps in which all N
+    sessions decode (one token each, no prefill), the first such step excluded (it overlaps with
+    admission bookkeeping). in-step: 1 - model_s / total_s (total_s = scheduler.step());
+    loop: 1 - model_s / (time between consecutive step ends), which adds the step thread's
+    command handling, listeners and metrics."""
+    N = run["sessions"]
+    steps = run["steps"]
+    idx = [i for i, s in enumerate(steps) if s[1] == N and s[2] == N and s[3] == N]
+    idx = idx[1:] or idx
+    if not idx:
+        return {"decode_steps": 0}
+    model = [steps[i][4] for i in idx]
+    total = [steps[i][5] for i in idx]
+    periods = [(steps[i][0] - steps[i - 1][0], steps[i][4]) for i in idx if i > 0 and steps[i - 1][3] == N
+               and steps[i - 1][1] == N]
+    all_model = sum(s[4] for s in steps)
+    all_total = sum(s[5] for s in steps)
+    return {
+        "decode_steps": len(idx),
+        "cascade_steps": sum(1 for i in idx if steps[i][6]),
+        "model_ms_median": 1e3 * statistics.median(model),
+        "step_ms_median": 1e3 * statistics.median(total),
+        "period_ms_median": 1e3 * statistics.median(p for p, _ in periods) if periods else None,
+        "overhead_in_step": 1 - sum(model) / sum(total),
+        "overhead_loop": 1 - sum(m for _, m in periods) / sum(p for p, _ in periods) if periods else None,
+        "overhead_in_step_all_steps": 1 - all_model / all_total if all_total else None,
+    }
+
+
+# ============================================================================ transformers
+def cache_bytes(cache) -> int:
+    """Bytes of the key and value tensors of a DynamicCache."""
+    if cache is None:
+        return 0
+    n = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None:
+                n += t.numel() * t.element_size()
+    return n
+
+
+def hf_gen_config(model, G: int):
+    from transformers import GenerationConfig
+
+    eos = model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return GenerationConfig(do_sample=False, max_new_tokens=G, min_new_tokens=G, num_beams=1,
+                            eos_token_id=eos, pad_token_id=eos, return_dict_in_generate=True)
+
+
+def cache_kwarg(model) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name still works, with a warning)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def hf_generate(model, ids_2d, G: int, past=None):
+    """One generate() call; returns (token ids per row, time of each generated step, the cache)."""
+    import torch
+
+    input_ids = torch.tensor(ids_2d, dtype=torch.long)
+    clock = _TokenClock()
+    kw = {cache_kwarg(model): past} if past is not None else {}
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=hf_gen_config(model, G), streamer=clock, **kw)
+    gen = out.sequences[:, input_ids.shape[1]:].tolist()
+    times = clock.times[1:]  # the first put() is the prompt
+    if any(len(g) != G for g in gen) or len(times) != G:
+        raise RuntimeError(f"transformers generated {[len(g) for g in gen]} tokens ({len(times)} timed), wanted {G}")
+    cache = getattr(out, "cache", None)
+    return gen, times, cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def run_hf_recompute(model, prefix, suffixes, G: int) -> dict:
+    N, P = len(suffixes), len(prefix)
+    caches, first, last, ids = [], [], [], []
+    t0 = now()
+    for s in suffixes:
+        gen, times, cache = hf_generate(model, [prefix + s], G)
+        caches.append(cache)  # the session keeps its cache
+        first.append(times[0] - t0)
+        last.append(times[-1] - t0)
+        ids.append(gen[0])
+    peak = sum(cache_bytes(c) for c in caches)
+    return finish_run("hf-recompute", P, N, G, first, last, ids, peak,
+                      {"attn_implementation": model.config._attn_implementation})
+
+
+def run_hf_copy(model, prefix, suffixes, G: int) -> dict:
+    """transformers' documented prompt reuse: the prefix into a DynamicCache once, then per
+    session ``copy.deepcopy`` of it and ``generate(past_key_values=copy)`` on prefix + suffix."""
+    import torch
+    from transformers import DynamicCache
+
+    N, P = len(suffixes), len(prefix)
+    caches, first, last, ids = [], [], [], []
+    peak = 0
+    t0 = now()
+    template = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prefix], dtype=torch.long), use_cache=True, **{cache_kwarg(model): template})
+    t_template = now() - t0
+    for i, s in enumerate(suffixes):
+        cache = copy.deepcopy(template)
+        if i == N - 1:
+            template = None  # nothing needs it any more
+        gen, times, cache = hf_generate(model, [prefix + s], G, past=cache)
+        caches.append(cache)
+        peak = max(peak, cache_bytes(template) + sum(cache_bytes(c) for c in caches))
+        first.append(times[0] - t0)
+        last.append(times[-1] - t0)
+        ids.append(gen[0])
+    return finish_run("hf-copy", P, N, G, first, last, ids, peak, {"prefix_cache_s": t_template})
+
+
+def run_hf_batch(model, prefix, suffixes, G: int) -> dict:
+    N, P = len(suffixes), len(prefix)
+    t0 = now()
+    gen, times, cache = hf_generate(model, [prefix + s for s in suffixes], G)
+    first = [times[0] - t0] * N
+    last = [times[-1] - t0] * N
+    return finish_run("hf-batch", P, N, G, first, last, gen, cache_bytes(cache), {})
+
+
+def run_hf_cb(model, prefix, suffixes, G: int) -> dict:
+    """``generate_batch`` as transformers implements it (continuous_batching_context_manager +
+    add_requests + get_result), with the cache's blocks in use polled between results."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:  # other layouts: generate_batch builds the same hints
+        WorkloadHints = None  # noqa: N806
+
+    N, P = len(suffixes), len(prefix)
+    Q = len(suffixes[0])
+    page = 256
+    cbc = ContinuousBatchingConfig(page_size=page, num_blocks=-(-N * (P + Q + G) // page) + 2, max_batch_tokens=512)
+    gcfg = GenerationConfig(do_sample=False, max_new_tokens=G, eos_token_id=-1, pad_token_id=0)
+    inputs = [prefix + s for s in suffixes]
+    hints = WorkloadHints(max_prompt_length=P + Q, max_generated_length=G, num_requests=N) if WorkloadHints else None
+    results: dict = {}
+    peak_used = 0
+    cache_total = None
+    prefix_hits: list[int] = []
+    with torch.no_grad():
+        t0 = now()
+        with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cbc,
+                                                       block=True, timeout=5, workload_hints=hints) as manager:
+            attn_impl = model.config._attn_implementation  # what CB switched the model to
+            probe = CBStepProbe(model)
+            try:
+                ids = manager.add_requests(inputs=inputs, max_new_tokens=G, record_timestamps=True)
+                cache = manager.batch_processor.cache if manager.batch_processor is not None else None
+                while len(results) < N:
+                    r = manager.get_result(timeout=0.01)
+                    bp = manager.batch_processor
+                    if bp is not None:
+                        cache = bp.cache
+                        total = cache.num_sectors * cache.bytes_per_sector
+                        cache_total = total
+                        peak_used = max(peak_used, int(round((1 - cache.compute_free_capacity(relative=True)) * total)))
+                    if r is not None and r.is_finished():
+                        results[r.request_id] = r
+                    elif r is None and not manager.is_running():
+                        raise RuntimeError("transformers continuous batching stopped before finishing")
+                t_end = now()
+            finally:
+                probe.remove()
+        if cache is not None:
+            prefix_hits = list(getattr(cache, "_bench_prefix_hits", []))
+    outs = [results[i] for i in ids]
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"transformers continuous batching failed: {errors[0]}")
+    first = [o.timestamps[0] - t0 for o in outs]
+    last = [o.timestamps[-1] - t0 for o in outs]
+    gen = [list(o.generated_tokens) for o in outs]
+    if any(len(g) != G for g in gen):
+        raise RuntimeError(f"transformers continuous batching generated {[len(g) for g in gen]} tokens, wanted {G}")
+    return finish_run("hf-cb", P, N, G, first, last, gen, peak_used,
+                      {"cache_allocated_bytes": cache_total, "cb_prefix_hit_tokens": prefix_hits,
+                       "attn_implementation": attn_impl, "cb_decode": probe.decode_summary(N),
+                       "call_s": t_end - t0, "cb_config": {"page_size": page, "num_blocks": cbc.num_blocks,
+                                                             "max_batch_tokens": 512}})
+
+
+class CBStepProbe:
+    """Times transformers CB's generation steps and the attention calls inside them (the attention
+    function the model resolves per call, under the key CB switched it to), and keeps the shapes of
+    each step's last attention call. Two perf_counter calls per layer: negligible."""
+
+    def __init__(self, model):
+        from transformers.generation.continuous_batching import continuous_api as ca
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.steps: list[tuple[float, float, tuple | None]] = []  # (step s, attention s, (q shape, k shape))
+        self._attn_s, self._shapes = 0.0, None
+        self._cls, self._fns = ca.ContinuousBatchProcessor, ALL_ATTENTION_FUNCTIONS
+        self._key = model.config._attn_implementation
+        self._orig_step, self._orig_attn = self._cls._generation_step, self._fns[self._key]
+        probe = self
+
+        def step(bp, m):
+            probe._attn_s, probe._shapes = 0.0, None
+            t = time.perf_counter()
+            r = probe._orig_step(bp, m)
+            probe.steps.append((time.perf_counter() - t, probe._attn_s, probe._shapes))
+            return r
+
+        def attention(module, query, key, value, attention_mask, *a, **kw):
+            t = time.perf_counter()
+            r = probe._orig_attn(module, query, key, value, attention_mask, *a, **kw)
+            probe._attn_s += time.perf_counter() - t
+            probe._shapes = (tuple(query.shape), tuple(key.shape))
+            return r
+
+        self._cls._generation_step = step
+        self._fns[self._key] = attention
+
+    def remove(self) -> None:
+        self._cls._generation_step = self._orig_step
+        self._fns[self._key] = self._orig_attn
+
+    def decode_summary(self, n: int) -> dict:
+        """Steps whose query holds exactly n tokens (all n sessions decoding), the first one excluded."""
+        dec = [x for x in self.steps if x[2] is not None and x[2][0][-2] == n][1:]
+        if not dec:
+            return {"decode_steps": 0}
+        return {"decode_steps": len(dec), "step_ms_median": 1e3 * statistics.median(x[0] for x in dec),
+                "attention_ms_median": 1e3 * statistics.median(x[1] for x in dec),
+                "attention_shapes_q_k": dec[-1][2], "steps": len(self.steps)}
+
+
+def instrument_cb_prefix_hits() -> None:
+    """Record how many prompt tokens each CB request found in the shared cache (informational)."""
+    try:
+        from transformers.generation.continuous_batching import cache as cb_cache
+    except ImportError:
+        return
+    cls = cb_cache.PagedAttentionCache
+    if getattr(cls, "_bench_wrapped", False):
+        return
+    orig = cls.search_prefix_match
+
+    def search_prefix_match(self, request_id, prompt_ids):
+        n = orig(self, request_id, prompt_ids)
+        self.__dict__.setdefault("_bench_prefix_hits", []).append(int(n))
+        return n
+
+    cls.search_prefix_match = search_prefix_match
+    cls._bench_wrapped = True
+
+
+# ============================================================================ profiler
+def profile_step_breakdown(engine, prefix, suffixes, G: int) -> dict:
+    """One opencoti-pool run under torch.profiler (started on the step thread, where the engine
+    computes), each part of a step wrapped in a record_function label. Only steps in which all N
+    sessions decode are split: GEMMs (the outermost mm/addmm/linear-like ops outside attention,
+    oneDNN's packed linear included), attention (the backend's forward), attention planning,
+    other model ops (norms, RoPE, SiLU, embedding, residuals), the forward's own Python (self time
+    of the forward between its ops), and outside the model: scheduling, attention metadata,
+    sampling, token handling (detokenize, stop strings, streaming) and the rest of
+    scheduler.step()."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import opencoti.engine.scheduler as sched_mod
+
+    core = engine.core
+    sch = core.scheduler
+    model, backend, sampler = engine.model, engine.backend, sch.sampler
+
+    def wrap(label: str, fn):
+        def inner(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return inner
+
+    patches = [(sch, "step"), (sch, "schedule"), (sch, "on_token"), (model, "forward"), (backend, "plan"),
+               (backend, "forward"), (sampler, "sample")]
+    labels = {"step": "fanout::step", "schedule": "fanout::schedule", "on_token": "fanout::on_token",
+              "forward": None, "plan": "fanout::attn_plan", "sample": "fanout::sample"}
+    originals = [(obj, name, obj.__dict__.get(name)) for obj, name in patches]
+    orig_meta = sched_mod.build_metadata
+    for obj, name in patches:
+        label = labels[name] or ("fanout::model" if obj is model else "fanout::attention")
+        setattr(obj, name, wrap(label, getattr(obj, name)))
+    sched_mod.build_metadata = wrap("fanout::metadata", orig_meta)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    try:
+        engine._call(prof.start)  # the profiler only sees the thread it was started on
+        run = run_opencoti(engine, prefix, suffixes, G, True, "prof")
+        engine._call(prof.stop)
+    finally:
+        for obj, name, orig in originals:
+            if orig is None:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, orig)
+        sched_mod.build_metadata = orig_meta
+    N = len(suffixes)
+    step_evts = sorted((e for e in prof.events() if e.name == "fanout::step"), key=lambda e: e.time_range.start)
+    stats = run["steps"]
+    if len(step_evts) != len(stats):
+        log(f"profiler: {len(step_evts)} step events vs {len(stats)} step stats; matching by order")
+    gemm_names = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul",
+                  "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mkldnn_linear",
+                  "onednn::qlinear_pointwise", "aten::_mkldnn_linear"}
+    parts_sum: dict[str, float] = {}
+    n_steps = 0
+    gemm_seen: dict[str, float] = {}
+
+    attn_ops: dict[str, float] = {}
+
+    def attn_walk(ev) -> None:  # self time of every op inside attention, by name
+        for ch in ev.cpu_children:
+            attn_ops[ch.name] = attn_ops.get(ch.name, 0.0) + ch.self_cpu_time_total
+            attn_walk(ch)
+
+    def walk(ev, inside_attn: bool, acc: dict) -> None:
+        for ch in ev.cpu_children:
+            if ch.name == "fanout::attention":
+                acc["attention"] += ch.cpu_time_total
+                acc["attention_self"] += ch.self_cpu_time_total
+                attn_walk(ch)
+                walk(ch, True, acc)
+                continue
+            if ch.name == "fanout::attn_plan":
+                acc["attn_plan"] += ch.cpu_time_total
+                continue
+            if not inside_attn and (ch.name in gemm_names or "linear" in ch.name or ch.name.endswith("_mm")):
+                # count the outermost GEMM-like op once (its children are part of it)
+                acc["gemm"] += ch.cpu_time_total
+                gemm_seen[ch.name] = gemm_seen.get(ch.name, 0.0) + ch.cpu_time_total
+                continue
+            walk(ch, inside_attn, acc)
+
+    for k, ev in enumerate(step_evts):
+        if k >= len(stats) or k == 0:
+            continue
+        s = stats[k]
+        if not (s[1] == N and s[2] == N and s[3] == N):
+            continue
+        acc = {"step": ev.cpu_time_total, "model": 0.0, "model_self": 0.0, "attention": 0.0, "attention_self": 0.0,
+               "attn_plan": 0.0, "gemm": 0.0, "schedule": 0.0, "metadata": 0.0, "sample": 0.0, "on_token": 0.0}
+        for ch in ev.cpu_children:
+            key = {"fanout::model": "model", "fanout::schedule": "schedule", "fanout::metadata": "metadata",
+                   "fanout::sample": "sample", "fanout::on_token": "on_token"}.get(ch.name)
+            if key is None:
+                continue
+            acc[key] += ch.cpu_time_total
+            if key == "model":
+                acc["model_self"] += ch.self_cpu_time_total
+                walk(ch, False, acc)
+        n_steps += 1
+        for key, v in acc.items():
+            parts_sum[key] = parts_sum.get(key, 0.0) + v
+    if not n_steps:
+        return {"decode_steps": 0}
+    avg = {k: v / n_steps / 1e3 for k, v in parts_sum.items()}  # us -> ms per step
+    model_other = avg["model"] - avg["attention"] - avg["attn_plan"] - avg["gemm"] - avg["model_self"]
+    rest = avg["step"] - avg["model"] - avg["schedule"] - avg["metadata"] - avg["sample"] - avg["on_token"]
+    parts_ms = {"gemm": avg["gemm"], "attention": avg["attention"], "attention_plan": avg["attn_plan"],
+                "model_other_ops": model_other, "model_python": avg["model_self"], "schedule": avg["schedule"],
+                "metadata": avg["metadata"], "sampling": avg["sample"], "token_handling": avg["on_token"],
+                "step_rest": rest}
+    top = sorted(((e.key, e.self_cpu_time_total / 1e3) for e in prof.key_averages()),
+                 key=lambda x: -x[1])[:15]
+    return {
+        "decode_steps": n_steps, "sessions": N, "prefix": len(prefix),
+        "step_ms": avg["step"], "model_ms": avg["model"], "parts_ms": parts_ms,
+        "parts_share": {k: v / avg["step"] for k, v in parts_ms.items()},
+        "non_model_share": 1 - avg["model"] / avg["step"],
+        "attention_python_ms": avg["attention_self"],
+        "attention_ops_ms": dict(sorted(((k, v / n_steps / 1e3) for k, v in attn_ops.items()),
+                                        key=lambda x: -x[1])[:12]),
+        "gemm_ops_ms_total": {k: v / 1e3 for k, v in gemm_seen.items()},
+        "top_ops_self_ms_whole_run": top,
+        "note": "profiled run (profiler overhead inflates the Python-heavy parts); per decode step, averaged",
+    }
+
+
+# ============================================================================ driver
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Sessions with identical greedy tokens, and the mean length of the agreeing prefix."""
+    same, pref = 0, []
+    for x, y in zip(a, b):
+        same += x == y
+        n = 0
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            n += 1
+        pref.append(n)
+    return {"identical_sessions": same, "sessions": len(a), "mean_agreeing_tokens": statistics.mean(pref)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--prefix", type=int, nargs="+", default=[256, 1024, 2048], help="shared prefix sizes P")
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="session counts N")
+    p.add_argument("--suffix", type=int, default=32, help="per-session suffix tokens Q")
+    p.add_argument("--gen", type=int, default=64, help="generated tokens per session G")
+    p.add_argument("--target-prefix", type=int, default=1024)
+    p.add_argument("--target-sessions", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds at the target point, systems interleaved (median reported); the other points run once")
+    p.add_argument("--systems", nargs="+", default=ALL_SYSTEMS, choices=ALL_SYSTEMS)
+    p.add_argument("--baseline-points", default="light", choices=["target", "light", "cross", "full"],
+                   help="where the systems other than opencoti-pool run (opencoti-pool always runs the whole "
+                        "grid): 'target' = only the target point; 'light' = the target point plus N = 1 at "
+                        "every P; 'cross' = light plus every N at the target P (the per-session transformers "
+                        "recipes up to the target N); 'full' = the whole grid (hours on 2 cores)")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler step breakdown")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument("--plot-dir", default=str(common.REPO_ROOT / "docs" / "img"), help="where the PNGs go")
+    p.add_argument("--report-only", metavar="JSON", default=None,
+                   help="measure nothing: write the markdown tables and PNGs from an existing results JSON")
+    args = p.parse_args(argv)
+    if args.report_only:
+        path = Path(args.report_only)
+        write_outputs(json.loads(path.read_text()), path, args)
+        return 0
+    if args.quick:
+        args.prefix, args.sessions = [256, 512], [1, 4]
+        args.target_prefix, args.target_sessions = 512, 4
+        args.gen, args.repeats = 8, 1
+    if args.target_prefix not in args.prefix:
+        args.prefix = sorted({*args.prefix, args.target_prefix})
+    if args.target_sessions not in args.sessions:
+        args.sessions = sorted({*args.sessions, args.target_sessions})
+    if max(args.sessions) > len(QUESTIONS) or min(args.sessions) < 1:
+        p.error(f"--sessions must be in [1, {len(QUESTIONS)}]")
+    if min(args.prefix) < 1 or args.suffix < 8 or args.gen < 2 or args.repeats < 1:
+        p.error("--prefix >= 1, --suffix >= 8, --gen >= 2 and --repeats >= 1")
+    common.set_threads(args.threads)
+
+    import torch
+
+    t_start = now()
+    machine = common.machine_info()
+    log(f"machine: {common.describe_machine(machine)}")
+    Q, G = args.suffix, args.gen
+    TP, TN = args.target_prefix, args.target_sessions
+    maxP, maxN = max(args.prefix), max(args.sessions)
+    engine = common.make_engine(args, kv_budget_tokens=maxN * (maxP + Q + G) + maxP + 4096, max_pools=16,
+                                max_running=max(64, maxN), pool_grace_ttl_s=0.0)
+    log(f"engine loaded in {engine.load_seconds:.1f}s ({engine.model_name}, {engine.dtype}, {engine.device}); "
+        f"KV {engine.kv.num_pages} pages x {engine.kv.page_size} tokens, {engine.kv.page_bytes} B/page; "
+        f"cascade={engine.backend.cascade}")
+    hf = None
+    if any(s.startswith("hf-") for s in args.systems):
+        hf = load_transformers(engine.loaded.model_dir, args.dtype)
+        instrument_cb_prefix_hits()
+    bytes_per_token = engine.kv.page_bytes // engine.kv.page_size
+    prefixes = {}
+    for P in args.prefix:
+        prefixes[P], _ = build_prefix(engine, P)
+    suffixes = [build_suffix(engine, q, Q) for q in QUESTIONS[:maxN]]
+
+    runners = {
+        "opencoti-pool": lambda P, N, tag: run_opencoti(engine, prefixes[P], suffixes[:N], G, True, tag),
+        "opencoti-nopool": lambda P, N, tag: run_opencoti(engine, prefixes[P], suffixes[:N], G, False, tag),
+        "hf-recompute": lambda P, N, tag: run_hf_recompute(hf, prefixes[P], suffixes[:N], G),
+        "hf-copy": lambda P, N, tag: run_hf_copy(hf, prefixes[P], suffixes[:N], G),
+        "hf-batch": lambda P, N, tag: run_hf_batch(hf, prefixes[P], suffixes[:N], G),
+        "hf-cb": lambda P, N, tag: run_hf_cb(hf, prefixes[P], suffixes[:N], G),
+    }
+
+    def points_for(system: str) -> list[tuple[int, int]]:
+        grid = [(P, N) for P in args.prefix for N in args.sessions]
+        if system == "opencoti-pool" or args.baseline_points == "full":
+            return grid
+        n1 = min(args.sessions)
+        pts = {(TP, TN)}
+        if args.baseline_points in ("light", "cross"):
+            pts |= {(TP, n1)} | {(P, n1) for P in args.prefix}  # N = 1: the single-session cost at every P
+        if args.baseline_points == "cross":  # every N at the target P (per-session recipes: up to the target N)
+            pts |= {(TP, N) for N in args.sessions if system not in HF_PER_SESSION or N <= TN}
+        return sorted(pts, key=lambda x: grid.index(x))
+
+    # ---------------------------------------------------------------- warm-up
+    log("warm-up (every system once, small)")
+    wP = min(args.prefix)
+    for system in args.systems:
+        runners[system](wP, min(2, maxN), f"warm-{system}")
+    gc.collect()
+
+    runs: list[dict] = []
+
+    def do(system: str, P: int, N: int, tag: str) -> dict:
+        t = now()
+        r = runners[system](P, N, tag)
+        r["repeat_tag"] = tag
+        runs.append(r)
+        log(f"{system:16s} P={P:5d} N={N:2d}: wall {r['wall_s']:7.2f}s, TTFT p50 {r['ttft_p50_s']:6.2f}s, "
+            f"agg decode {fmt(r['aggregate_decode_tps'], 1)} tok/s, peak KV {r['peak_kv_bytes'] / 2**20:7.1f} MiB "
+            f"({now() - t:.0f}s, load {os.getloadavg()[0]:.2f})")
+        gc.collect()
+        return r
+
+    # ---------------------------------------------------------------- target point, interleaved rounds
+    t_target = now()
+    for rep in range(args.repeats):
+        order = args.systems if rep % 2 == 0 else list(reversed(args.systems))
+        log(f"target P={TP} N={TN}: round {rep + 1}/{args.repeats}")
+        for system in order:
+            do(system, TP, TN, f"t{rep}-{system}")
+    secs_target = now() - t_target
+
+    # ---------------------------------------------------------------- the rest of the grid (1 repeat)
+    t_grid = now()
+    for P in args.prefix:
+        for N in args.sessions:
+            if (P, N) == (TP, TN):
+                continue
+            for system in args.systems:
+                if (P, N) in points_for(system):
+                    do(system, P, N, f"g-{system}-{P}-{N}")
+    secs_grid = now() - t_grid
+
+    # ---------------------------------------------------------------- profiler at the target N
+    profile = None
+    if not args.no_profile and "opencoti-pool" in args.systems:
+        log(f"profiler: opencoti-pool P={TP} N={TN}")
+        profile = profile_step_breakdown(engine, prefixes[TP], suffixes[:TN], G)
+
+    # ---------------------------------------------------------------- summaries
+    summary: dict[str, dict] = {}
+    for r in runs:
+        summary.setdefault(r["system"], {}).setdefault(f"{r['prefix']}x{r['sessions']}", []).append(r)
+
+    def med(system: str, P: int, N: int, key: str):
+        rs = summary.get(system, {}).get(f"{P}x{N}", [])
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    table: list[dict] = []
+    for system in args.systems:
+        for key, rs in summary.get(system, {}).items():
+            P, N = rs[0]["prefix"], rs[0]["sessions"]
+            table.append({"system": system, "prefix": P, "sessions": N, "repeats": len(rs),
+                          **{k: med(system, P, N, k) for k in ("wall_s", "ttft_p50_s", "ttft_p95_s",
+                                                               "per_session_decode_tps", "aggregate_decode_tps",
+                                                               "end_to_end_tps", "peak_kv_bytes")}})
+
+    ours = "opencoti-pool"
+    t_wall = med(ours, TP, TN, "wall_s")
+    targets = {}
+    for other, goal in [("hf-recompute", 5.0), ("hf-copy", 5.0), ("hf-batch", 2.0), ("hf-cb", 2.0),
+                        ("opencoti-nopool", None)]:
+        if other in args.systems:
+            rr = ratio(med(other, TP, TN, "wall_s"), t_wall)
+            targets[f"wall_vs_{other}"] = {"ratio": rr, "target": goal,
+                                           "pass": None if goal is None or rr is None else rr >= goal}
+    if "hf-copy" in args.systems:
+        rr = ratio(med("hf-copy", TP, TN, "peak_kv_bytes"), med(ours, TP, TN, "peak_kv_bytes"))
+        targets["peak_kv_vs_hf-copy"] = {"ratio": rr, "target": 4.5, "pass": rr is not None and rr >= 4.5,
+                                         "ideal": TN * (TP + Q + G) / (TP + TN * (Q + G))}
+    target_runs = summary.get(ours, {}).get(f"{TP}x{TN}", [])
+    overheads = [step_overhead(r) for r in target_runs]
+    ov = {k: statistics.median(o[k] for o in overheads if o.get(k) is not None)
+          for k in ("overhead_in_step", "overhead_loop", "model_ms_median", "step_ms_median", "period_ms_median",
+                    "overhead_in_step_all_steps") if any(o.get(k) is not None for o in overheads)}
+    ov["per_run"] = overheads
+    targets["overhead_at_target_N"] = {"in_step": ov.get("overhead_in_step"), "loop": ov.get("overhead_loop"),
+                                       "target": 0.15,
+                                       "pass": ov.get("overhead_loop") is not None and ov["overhead_loop"] <= 0.15}
+
+    # greedy agreement with opencoti-pool at the target point (informational)
+    agree = {}
+    base_ids = target_runs[0]["token_ids"] if target_runs else None
+    for system in args.systems:
+        rs = summary.get(system, {}).get(f"{TP}x{TN}", [])
+        if rs and base_ids is not None and system != ours:
+            agree[system] = agreement(base_ids, rs[0]["token_ids"])
+
+    # ---------------------------------------------------------------- print
+    mib = 2**20
+    print(f"\nopencoti shared-prefix fan-out benchmark: {engine.model_name}, dtype {args.dtype}, device "
+          f"{engine.device}, page size {engine.kv.page_size}, Q={Q} suffix, G={G} generated tokens")
+    print(f"machine: {common.describe_machine(machine)}")
+    rows = []
+    for system in args.systems:
+        rows.append([LABELS[system], med(system, TP, TN, "wall_s"), med(system, TP, TN, "ttft_p50_s"),
+                     med(system, TP, TN, "ttft_p95_s"), med(system, TP, TN, "per_session_decode_tps"),
+                     med(system, TP, TN, "aggregate_decode_tps"),
+                     (med(system, TP, TN, "peak_kv_bytes") or 0) / mib,
+                     ratio(med(system, TP, TN, "wall_s"), t_wall)])
+    print_table(["system", "wall s", "TTFT p50 s", "TTFT p95 s", "per-sess dec tok/s", "agg dec tok/s",
+                 "peak KV MiB", "wall / ours"], rows,
+                title=f"target point P={TP}, N={TN} (median of {args.repeats}, systems interleaved per round)")
+    if (TP, TN, Q, G) != (1024, 8, 32, 64):
+        print("  (the targets are defined for P=1024, N=8, Q=32, G=64; shown here for orientation only)")
+    for name, t in targets.items():
+        if name == "overhead_at_target_N":
+            print(f"  scheduling/Python overhead at N={TN}: in-step {fmt(t['in_step'] and 100 * t['in_step'], 1)}%, "
+                  f"step loop {fmt(t['loop'] and 100 * t['loop'], 1)}%   target <= 15%: "
+                  f"{'PASS' if t['pass'] else 'FAIL'}")
+        elif t["target"] is not None:
+            extra = f" (ideal {t['ideal']:.2f}x)" if "ideal" in t else ""
+            print(f"  {name}: {fmt(t['ratio'])}x   target >= {t['target']}x{extra}: "
+                  f"{check_mark(t['ratio'], t['target'])}")
+        else:
+            print(f"  {name}: {fmt(t['ratio'])}x (what pooling buys)")
+    if agree:
+        print("  greedy agreement with opencoti-pool at the target: " + ", ".join(
+            f"{k} {v['identical_sessions']}/{v['sessions']} identical (mean {v['mean_agreeing_tokens']:.0f} tokens)"
+            for k, v in agree.items()))
+    cb_runs = summary.get("hf-cb", {}).get(f"{TP}x{TN}", [])
+    if cb_runs:
+        cbd = cb_runs[0].get("cb_decode") or {}
+        print(f"  hf-cb prefix-cache hits (tokens per request): {cb_runs[0].get('cb_prefix_hit_tokens')}; "
+              f"cache allocated {(cb_runs[0].get('cache_allocated_bytes') or 0) / mib:.0f} MiB; decode step "
+              f"{fmt(cbd.get('step_ms_median'), 0)} ms of which attention {fmt(cbd.get('attention_ms_median'), 0)} ms "
+              f"(q, k shapes {cbd.get('attention_shapes_q_k')})")
+    grid_rows = [[f"{r['system']} P={r['prefix']} N={r['sessions']}", r["wall_s"], r["ttft_p50_s"], r["ttft_p95_s"],
+                  r["per_session_decode_tps"], r["aggregate_decode_tps"], (r["peak_kv_bytes"] or 0) / mib]
+                 for r in sorted(table, key=lambda r: (args.systems.index(r["system"]), r["prefix"], r["sessions"]))]
+    print_table(["run", "wall s", "TTFT p50 s", "TTFT p95 s", "per-sess dec tok/s", "agg dec tok/s", "peak KV MiB"],
+                grid_rows, title="all measured points (median over repeats where repeated)")
+    if profile and profile.get("decode_steps"):
+        print_table(["part of a decode step", "ms", "share"],
+                    [[k, v, f"{100 * profile['parts_share'][k]:.1f}%"] for k, v in profile["parts_ms"].items()]
+                    + [["step (scheduler.step)", profile["step_ms"], "100%"]],
+                    title=f"torch.profiler, opencoti-pool P={TP} N={TN}, {profile['decode_steps']} decode steps "
+                          f"(profiled: Python-heavy parts inflated)")
+    print(f"\n  time: target {secs_target:.0f}s, grid {secs_grid:.0f}s")
+
+    def strip(r: dict) -> dict:
+        return {k: v for k, v in r.items() if k not in ("token_ids",)}
+
+    payload = {
+        "config": {"model": engine.model_name, "model_dir": engine.loaded.model_dir, "dtype": args.dtype,
+                   "device": str(engine.device), "page_size": engine.kv.page_size,
+                   "kv_bytes_per_token": bytes_per_token, "prefix": args.prefix, "sessions": args.sessions,
+                   "suffix": Q, "gen": G, "target": {"prefix": TP, "sessions": TN}, "repeats": args.repeats,
+                   "systems": args.systems, "baseline_points": args.baseline_points,
+                   "points": {s: points_for(s) for s in args.systems}, "quick": args.quick,
+                   "cascade": engine.backend.cascade, "max_batch_tokens": engine.config.max_batch_tokens,
+                   "torch_threads": torch.get_num_threads()},
+        "machine": machine,
+        "labels": LABELS,
+        "definitions": {
+            "t0": "the moment the fan-out starts: before the pool is created (opencoti-pool) / the prefix cache "
+                  "is computed (hf-copy) / the first request is made",
+            "wall_s": "t0 to the last token of the last session",
+            "ttft": "first token of a session - t0 (sequential recipes: includes waiting for earlier sessions)",
+            "per_session_decode_tps": "(G-1) / (last token - first token) of a session; median over sessions",
+            "aggregate_decode_tps": "N(G-1) / length of the union of the sessions' [first token, last token] "
+                                    "intervals (time during which at least one session was decoding)",
+            "end_to_end_tps": "N*G / wall_s",
+            "peak_kv_bytes": KV_DEFINITION,
+            "hf_cb": CB_NOTE,
+            "overhead": step_overhead.__doc__,
+            "profile": profile_step_breakdown.__doc__,
+        },
+        "targets": targets,
+        "overhead": ov,
+        "profile": profile,
+        "greedy_agreement_with_opencoti_pool": agree,
+        "table": table,
+        "runs": [strip(r) for r in runs],
+        "seconds": {"target": secs_target, "grid": secs_grid, "total": now() - t_start},
+        "loadavg_end": os.getloadavg(),
+    }
+    path = common.write_json("fanout", payload, args.out)
+    print(f"\nwrote {path} ({now() - t_start:.0f}s total)")
+    engine.shutdown()
+    write_outputs(json.loads(path.read_text()), path, args)
+    return 0
+
+
+def write_outputs(payload: dict, json_path: Path, args) -> None:
+    """The markdown tables (next to the JSON, .md) and, unless --no-plots, the PNGs."""
+    md = json_path.with_suffix(".md")
+    md.write_text(markdown_report(payload))
+    print(f"wrote {md}")
+    if not args.no_plots:
+        try:
+            import plots
+
+            for png in plots.plot_fanout(payload, Path(args.plot_dir)):
+                print(f"wrote {png}")
+        except ImportError as e:
+            log(f"plots skipped ({e}); pip install matplotlib")
+
+
+def markdown_report(d: dict) -> str:
+    """The tables of docs/benchmarks.md's fan-out section, from a results JSON."""
+    cfg = d["config"]
+    TP, TN = cfg["target"]["prefix"], cfg["target"]["sessions"]
+    mib = 2**20
+    rows = {(r["system"], r["prefix"], r["sessions"]): r for r in d["table"]}
+    base = rows.get(("opencoti-pool", TP, TN))
+
+    def f(x, digits=2):
+        return fmt(x, digits) if x is not None else "–"
+
+    out = [f"Target point P = {TP}, N = {TN}, Q = {cfg['suffix']}, G = {cfg['gen']} "
+           f"(median of {cfg['repeats']} interleaved rounds):", "",
+           "| system | wall s | TTFT p50 s | TTFT p95 s | per-session decode tok/s | aggregate decode tok/s "
+           "| peak KV MiB | wall vs opencoti-pool |", "|---|---|---|---|---|---|---|---|"]
+    for system in cfg["systems"]:
+        r = rows.get((system, TP, TN))
+        if r is None:
+            continue
+        out.append(f"| {d['labels'][system]} | {f(r['wall_s'])} | {f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | "
+                   f"{f(r['per_session_decode_tps'], 1)} | {f(r['aggregate_decode_tps'], 1)} | "
+                   f"{f(r['peak_kv_bytes'] / mib, 1)} | "
+                   f"{f(ratio(r['wall_s'], base['wall_s']) if base else None)}x |")
+    out += ["", "| target | measured | goal | |", "|---|---|---|---|"]
+    for name, t in d["targets"].items():
+        if name == "overhead_at_target_N":
+            out.append(f"| scheduling/Python overhead at N = {TN} (step loop; in-step) | "
+                       f"{f(100 * t['loop'], 1)}%; {f(100 * t['in_step'], 1)}% | ≤ 15% | "
+                       f"{'PASS' if t['pass'] else 'FAIL'} |")
+        elif t["target"] is None:
+            out.append(f"| {name.replace('_', ' ')} (what pooling buys) | {f(t['ratio'])}x | – | |")
+        else:
+            ideal = f" (ideal {t['ideal']:.2f}x)" if "ideal" in t else ""
+            out.append(f"| {name.replace('_', ' ')} | {f(t['ratio'])}x | ≥ {t['target']}x{ideal} | "
+                       f"{check_mark(t['ratio'], t['target'])} |")
+    per_round = [r for r in d["runs"] if r["prefix"] == TP and r["sessions"] == TN and r["repeat_tag"].startswith("t")]
+    if per_round:
+        out += ["", "Per round (wall s; load average at the start of each run):", "",
+                "| system | " + " | ".join(f"round {i + 1}" for i in range(cfg["repeats"])) + " |",
+                "|---|" + "---|" * cfg["repeats"]]
+        for system in cfg["systems"]:
+            rs = [r for r in per_round if r["system"] == system]
+            out.append(f"| {system} | " + " | ".join(f"{r['wall_s']:.1f} ({r['loadavg'][0]:.1f})" for r in rs) + " |")
+    out += ["", "opencoti with a pool over the whole grid (one run per point except the target):", "",
+            "| P | N | wall s | TTFT p50 s | TTFT p95 s | per-session tok/s | aggregate tok/s | peak KV MiB | "
+            "ideal KV MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    bpt = cfg["kv_bytes_per_token"]
+    for (system, P, N), r in sorted(rows.items(), key=lambda x: (x[0][1], x[0][2])):
+        if system != "opencoti-pool":
+            continue
+        ideal = (P + N * (cfg["suffix"] + cfg["gen"])) * bpt / mib
+        out.append(f"| {P} | {N} | {f(r['wall_s'])} | {f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | "
+                   f"{f(r['per_session_decode_tps'], 1)} | {f(r['aggregate_decode_tps'], 1)} | "
+                   f"{f(r['peak_kv_bytes'] / mib, 1)} | {ideal:.1f} |")
+    others = sorted(((s, P, N) for (s, P, N) in rows if s != "opencoti-pool" and (P, N) != (TP, TN)),
+                    key=lambda x: (x[2], x[1], cfg["systems"].index(x[0])))
+    if others:
+        out += ["", "The alternatives away from the target point (one run each):", "",
+                "| system | P | N | wall s | TTFT p50 s | per-session tok/s | aggregate tok/s | peak KV MiB |",
+                "|---|---|---|---|---|---|---|---|"]
+        for key in others:
+            r = rows[key]
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {f(r['wall_s'])} | {f(r['ttft_p50_s'])} | "
+                       f"{f(r['per_session_decode_tps'], 1)} | {f(r['aggregate_decode_tps'], 1)} | "
+                       f"{f(r['peak_kv_bytes'] / mib, 1)} |")
+    prof = d.get("profile") or {}
+    if prof.get("decode_steps"):
+        out += ["", f"Decode step at P = {prof['prefix']}, N = {prof['sessions']} under torch.profiler "
+                f"({prof['decode_steps']} steps, mean per step):", "", "| part | ms | share |", "|---|---|---|"]
+        for k, v in prof["parts_ms"].items():
+            out.append(f"| {k.replace('_', ' ')} | {v:.2f} | {100 * prof['parts_share'][k]:.1f}% |")
+        out.append(f"| **step (scheduler.step)** | **{prof['step_ms']:.2f}** | 100% |")
+        out += ["", "Inside attention (self time per step): " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in list(prof.get("attention_ops_ms", {}).items())[:5])]
+    m = d["machine"]
+    out += ["", f"Machine: {m['cpu']}, {m['cpu_affinity'] or m['cpu_count']} cores, torch {m['torch']} "
+            f"({cfg['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}; "
+            f"load average at start {'/'.join(f'{x:.2f}' for x in m['loadavg'])}, at end "
+            f"{'/'.join(f'{x:.2f}' for x in d['loadavg_end'])}; commit {str(m['git']['commit'])[:10]}"
+            f"{' (dirty)' if m['git']['dirty'] else ''}; run time {d['seconds']['total'] / 60:.1f} min."]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    _rc = main()
+    if _rc:  # no SystemExit on success: `opencoti bench all` runs the next benchmark in this process
+        sys.exit(_rc)

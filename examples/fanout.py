@@ -1,0 +1,111 @@
+"""Fan out sub-agents under a tps floor (spec §7 Journey A, §14.3 pacing).
+
+plan: a root pool holds the system prompt; a child pool extends it with the task brief (nesting).
+Each sub-task is sent (``Send``) to a worker subgraph whose first node is a ``CapacityGateNode``
+sharing one ``SpawnPacer``: a worker starts only while the pool admits under its floor and never
+while the pool is settling from the previous spawn. gather: the answers are collected, the pools
+released.
+
+    input:  {"brief": "...", "subtasks": ["...", "..."], "floor_tps": 5.0}
+    output: {"results": [{"subtask", "answer", "session_tps"}, ...], ...}
+
+Run: ``langgraph dev --config examples/langgraph.json`` (``OPENCOTI_BASE_URL`` for a remote
+``opencoti serve``, else an in-process engine on ``OPENCOTI_MODEL``).
+"""
+
+import operator
+import uuid
+from typing import Annotated, Optional, TypedDict
+
+from langchain_core.messages import HumanMessage, SystemMessage
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
+
+from opencoti.langgraph import CapacityGateNode, PolyKVState, SpawnPacer, model_from_env
+
+SYSTEM = "You are a research sub-agent. Answer the sub-task in two sentences."
+
+model = model_from_env(temperature=0, max_tokens=48)
+client = model.polykv_client
+pacer = SpawnPacer(claim_timeout_s=10)
+
+
+class FanOutState(PolyKVState, total=False):
+    brief: str
+    subtasks: list[str]
+    floor_tps: Optional[float]
+    root_pool_id: Optional[int]
+    results: Annotated[list, operator.add]
+
+
+class WorkerState(PolyKVState, total=False):
+    brief: str
+    subtask: str
+    results: Annotated[list, operator.add]
+
+
+class WorkerOutput(TypedDict):
+    results: Annotated[list, operator.add]
+
+
+def brief_messages(brief: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task brief: {brief}"}]
+
+
+def plan(state: FanOutState) -> dict:
+    root = client.create_pool(messages=brief_messages("")[:1], label="system")
+    task = client.fork_pool(root.pool_id, messages=brief_messages(state.get("brief", "")), label="brief")
+    if state.get("floor_tps"):
+        client.set_admission(task.pool_id, target_tps_per_session=float(state["floor_tps"]), mode="enforced",
+                             on_saturation="queue")
+    return {"root_pool_id": root.pool_id, "pool_id": task.pool_id}
+
+
+def fan_out(state: FanOutState) -> list[Send]:
+    return [Send("worker", {"brief": state.get("brief", ""), "subtask": s, "pool_id": state["pool_id"]})
+            for s in state.get("subtasks") or []]
+
+
+def work(state: WorkerState) -> dict:
+    msgs = [SystemMessage(SYSTEM), HumanMessage(f"Task brief: {state['brief']}"),
+            HumanMessage(f"Sub-task: {state['subtask']}")]
+    sid = state.get("session_id") or f"sub-{uuid.uuid4().hex[:8]}"
+    answer = model.invoke(msgs, pool_id=state["pool_id"], session_id=sid)
+    client.release_session(sid)
+    return {"results": [{"subtask": state["subtask"], "answer": answer.text,
+                         "session_tps": answer.response_metadata.get("session_tps"),
+                         "cached_prefix_tokens": answer.response_metadata.get("cached_prefix_tokens")}]}
+
+
+def skipped(state: WorkerState) -> dict:
+    return {"results": [{"subtask": state["subtask"], "answer": None, "skipped": state.get("reason")}]}
+
+
+worker_builder = StateGraph(WorkerState, output_schema=WorkerOutput)
+worker_builder.add_node("gate", CapacityGateNode(client, spawn="work", hold="skipped", on_hold="wait",
+                                                 max_wait_s=120, pacer=pacer))
+worker_builder.add_node("work", work)
+worker_builder.add_node("skipped", skipped)
+worker_builder.add_edge(START, "gate")
+worker_builder.add_edge("work", END)
+worker_builder.add_edge("skipped", END)
+worker = worker_builder.compile()
+
+
+def gather(state: FanOutState) -> dict:
+    for pid in (state.get("pool_id"), state.get("root_pool_id")):  # leaves first
+        if pid is not None:
+            client.flush_pool(pid)
+            client.release_pool(pid)
+    return {}
+
+
+builder = StateGraph(FanOutState)
+builder.add_node("plan", plan)
+builder.add_node("worker", worker)
+builder.add_node("gather", gather)
+builder.add_edge(START, "plan")
+builder.add_conditional_edges("plan", fan_out, ["worker"])
+builder.add_edge("worker", "gather")
+builder.add_edge("gather", END)
+graph = builder.compile()

@@ -1,0 +1,105 @@
+"""Graph state for PolyKV-aware graphs: a TypedDict mixin and its reducers.
+
+    class State(PolyKVMessagesState):
+        task: str
+
+The keys surface live PolyKV capacity into the graph so conditional edges can branch on it:
+``pool_id`` (the pool the graph's model calls attach to), ``session_id``, ``headroom_sessions``,
+``mean_active_tps``, ``compaction_pressure``, ``ctx_headroom_tokens`` (written by
+``CapacityGateNode`` and by ``polykv_update(message)`` after a model call), plus the gate's
+``capacity_ok`` / ``reason`` / ``settling``. Every key has a reducer, so parallel branches
+(``Send`` fan-out) may write them in the same step without a conflict.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, TypedDict
+
+from langchain_core.messages import AIMessage, AnyMessage, BaseMessage
+from langgraph.graph.message import add_messages
+
+
+def keep_latest(current: Any, update: Any) -> Any:
+    """The newest non-None value (None never erases a known value)."""
+    return current if update is None else update
+
+
+def keep_min(current: Optional[float], update: Optional[float]) -> Optional[float]:
+    """The smaller of two values (None = unknown): e.g. the tightest headroom seen by parallel branches."""
+    if current is None:
+        return update
+    if update is None:
+        return current
+    return min(current, update)
+
+
+def keep_max(current: Optional[float], update: Optional[float]) -> Optional[float]:
+    """The larger of two values (None = unknown): e.g. the worst compaction pressure."""
+    if current is None:
+        return update
+    if update is None:
+        return current
+    return max(current, update)
+
+
+def append_list(current: Optional[list], update: Any) -> list:
+    """Concatenate (a single item is appended); for results gathered from a fan-out."""
+    current = list(current or [])
+    if update is None:
+        return current
+    if isinstance(update, list):
+        return current + update
+    return current + [update]
+
+
+class PolyKVState(TypedDict, total=False):
+    """PolyKV keys to mix into a graph's state (all optional)."""
+
+    pool_id: Annotated[Optional[int], keep_latest]
+    """The pool the graph's model calls attach to (moved by ``CompactionNode``)."""
+    root_pool_id: Annotated[Optional[int], keep_latest]
+    """The stable ancestor (system + tools) that compaction re-forks."""
+    session_id: Annotated[Optional[str], keep_latest]
+    """The session the graph's model calls run in."""
+    capacity_ok: Annotated[Optional[bool], keep_latest]
+    """The last capacity gate's decision."""
+    reason: Annotated[Optional[str], keep_latest]
+    """Why (the capacity report's reason)."""
+    settling: Annotated[Optional[bool], keep_latest]
+    """The pool is absorbing its last admit."""
+    headroom_sessions: Annotated[Optional[int], keep_latest]
+    """How many more sessions fit the pool (None: unbounded)."""
+    mean_active_tps: Annotated[Optional[float], keep_latest]
+    """Mean experienced decode tps of the active sessions."""
+    session_tps: Annotated[Optional[float], keep_latest]
+    """The last model call's session tps."""
+    compaction_pressure: Annotated[Optional[float], keep_latest]
+    """0..1: how close the session / KV is to the wall (compact before 1)."""
+    ctx_headroom_tokens: Annotated[Optional[int], keep_latest]
+    """Tokens the session can still grow by."""
+
+
+class PolyKVMessagesState(PolyKVState, total=False):
+    """``PolyKVState`` plus LangGraph's ``messages`` channel."""
+
+    messages: Annotated[list[AnyMessage], add_messages]
+    """The conversation."""
+
+
+_METADATA_KEYS = ("pool_id", "session_id", "session_tps", "compaction_pressure", "ctx_headroom_tokens")
+
+
+def polykv_update(message: BaseMessage | None) -> dict:
+    """State update from a model answer's ``response_metadata`` (pool, session, tps, pressure)."""
+    if not isinstance(message, AIMessage):
+        return {}
+    md = message.response_metadata or {}
+    return {k: md[k] for k in _METADATA_KEYS if md.get(k) is not None}
+
+
+def capacity_update(cap: Any) -> dict:
+    """State update from a capacity report (``opencoti.client.Capacity`` or its dict)."""
+    d = cap.model_dump() if hasattr(cap, "model_dump") else dict(cap)
+    return {"capacity_ok": bool(d.get("can_admit")), "reason": d.get("reason"), "settling": bool(d.get("settling")),
+            "headroom_sessions": d.get("headroom_sessions"), "mean_active_tps": d.get("mean_active_tps"),
+            "compaction_pressure": d.get("compaction_pressure")}

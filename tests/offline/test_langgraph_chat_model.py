@@ -1,0 +1,284 @@
+"""OpencotiChatModel: the langchain-tests standard unit suite, the pure converters, tool-call
+parsing and aggregation on scripted model outputs (the tiny model emits random tokens), and the
+model on both transports (in-process Engine and HTTP against the server app)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_tests.unit_tests import ChatModelUnitTests
+from pydantic import BaseModel, Field
+from starlette.testclient import TestClient
+
+from opencoti.client import ChatChunk, GenerationInfo, PolyKVClient, PoolSaturatedError, SessionStatus, Usage
+from opencoti.client import ToolCall as ClientToolCall
+from opencoti.engine import SamplingParams
+from opencoti.langgraph import OpencotiChatModel, convert_messages, format_tool_choice
+from opencoti.server import create_app
+from opencoti.server.tools import ToolStreamFilter, parse_tool_choice, tool_choice_prefill, tool_names
+
+
+# ============================================================================ the standard suite
+class TestOpencotiStandard(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return OpencotiChatModel
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"base_url": "http://127.0.0.1:9", "model": "smollm2"}
+
+    @property
+    def init_from_env_params(self):
+        return ({"OPENCOTI_BASE_URL": "http://10.0.0.1:8080", "OPENCOTI_API_KEY": "k"}, {},
+                {"base_url": "http://10.0.0.1:8080", "api_key": "k"})
+
+
+
+# ============================================================================ converters
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+class Answer(BaseModel):
+    """An answer."""
+
+    value: int = Field(description="the number")
+
+
+def test_convert_messages():
+    msgs = [SystemMessage("sys"), HumanMessage([{"type": "text", "text": "a"}, "b"]),
+            AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}]),
+            ToolMessage("3", tool_call_id="c1"), AIMessage("It is 3.")]
+    out = convert_messages(msgs)
+    assert out[0] == {"role": "system", "content": "sys"} and out[1] == {"role": "user", "content": "ab"}
+    assert out[2]["tool_calls"] == [{"id": "c1", "type": "function",
+                                     "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
+    assert out[3] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+    assert out[4] == {"role": "assistant", "content": "It is 3."}
+    with pytest.raises(ValueError, match="text only"):
+        convert_messages([HumanMessage([{"type": "image_url", "image_url": {"url": "x"}}])])
+
+
+def test_format_tool_choice():
+    assert format_tool_choice("add") == {"type": "function", "function": {"name": "add"}}
+    assert format_tool_choice("any") == format_tool_choice(True) == "required"
+    assert format_tool_choice("auto") == "auto" and format_tool_choice(None) is None
+    with pytest.raises(ValueError):
+        format_tool_choice(3)
+
+
+def test_bind_tools_forwards_choice_and_kwargs():
+    m = OpencotiChatModel(base_url="http://127.0.0.1:9")
+    bound = m.bind_tools([add, Answer], tool_choice="add", pool_id=4, parallel_tool_calls=False)
+    kw = bound.kwargs
+    assert [t["function"]["name"] for t in kw["tools"]] == ["add", "Answer"]
+    assert kw["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert kw["pool_id"] == 4 and kw["parallel_tool_calls"] is False
+    with pytest.raises(ValueError, match="not among"):
+        m.bind_tools([add], tool_choice="nope")
+    assert m._get_ls_params(model="other")["ls_model_name"] == "other"
+    with pytest.raises(ValueError):
+        OpencotiChatModel(base_url="http://x", engine=object())
+
+
+# ============================================================================ scripted outputs
+class ScriptedClient:
+    """A PolyKVClient stand-in whose 'model' writes a scripted text, turned into chat events by the
+    server's own tool-call stream filter (the same code both transports run)."""
+
+    def __init__(self, deltas: list[str], finish: str = "stop"):
+        self.deltas, self.finish = deltas, finish
+        self.requests: list[dict] = []
+        self.released: list[str] = []
+
+    def _events(self, messages, **req):
+        self.requests.append({"messages": messages, **req})
+        tools = req.get("tools")
+        choice = parse_tool_choice(req.get("tool_choice"), tools)
+        filt = ToolStreamFilter(choice, tool_names(tools), tool_choice_prefill(choice))
+        info = GenerationInfo(session_id=req.get("session_id") or "anon-1", pool_id=req.get("pool_id"),
+                              cached_prefix_tokens=7)
+        yield ChatChunk(info=info)
+        for d in self.deltas:
+            text = filt.feed(d)
+            if text:
+                yield ChatChunk(content=text)
+        content, calls = filt.finish()
+        if content:
+            yield ChatChunk(content=content)
+        if calls:
+            yield ChatChunk(tool_calls=[ClientToolCall(id=c.id, name=c.name, arguments=c.arguments, index=i)
+                                        for i, c in enumerate(calls)])
+        yield ChatChunk(info=info, finish_reason="tool_calls" if calls else self.finish,
+                        usage=Usage(prompt_tokens=20, completion_tokens=len(self.deltas), total_tokens=20 + len(
+                            self.deltas), cached_tokens=7), timings={"predicted_per_second": 50.0, "cache_n": 7},
+                        model="scripted")
+
+    def chat_stream(self, messages, **req):
+        return self._events(messages, **req)
+
+    def session_status(self, session_id):
+        return SessionStatus(session_id=session_id, tps_ewma=42.0, ctx_headroom_tokens=100, compaction_pressure=0.25)
+
+    def release_session(self, session_id):
+        self.released.append(session_id)
+
+
+class AsyncScripted(ScriptedClient):
+    def chat_stream(self, messages, **req):
+        async def gen():
+            for ev in self._events(messages, **req):
+                yield ev
+        return gen()
+
+    async def session_status(self, session_id):
+        return super().session_status(session_id)
+
+    async def release_session(self, session_id):
+        super().release_session(session_id)
+
+
+CALL_TEXT = ['Let me add. <tool', '_call>\n{"name": "add", ', '"arguments": {"a": 2, "b": 3}}\n</tool_call>']
+
+
+def scripted_model(deltas, **kw) -> tuple[OpencotiChatModel, ScriptedClient, AsyncScripted]:
+    sc, ac = ScriptedClient(deltas), AsyncScripted(deltas)
+    return OpencotiChatModel(client=sc, async_client=ac, **kw), sc, ac
+
+
+def test_scripted_tool_call_streams_and_aggregates():
+    m, sc, _ = scripted_model(CALL_TEXT, temperature=0)
+    chunks = list(m.bind_tools([add]).stream("add 2 and 3"))
+    # content before a call streams as it comes (the space before the tag included)
+    assert "".join(c.content for c in chunks).strip() == "Let me add."
+    call_chunks = [c for c in chunks if c.tool_call_chunks]
+    assert call_chunks[0].tool_call_chunks[0]["name"] == "add"
+    assert chunks[-1].chunk_position == "last" and chunks[-1].usage_metadata["input_token_details"]["cache_read"] == 7
+    full = sum(chunks[1:], chunks[0])
+    assert full.tool_calls[0]["name"] == "add" and full.tool_calls[0]["args"] == {"a": 2, "b": 3}
+    msg = m.bind_tools([add]).invoke([HumanMessage("add 2 and 3")])
+    assert isinstance(msg, AIMessage) and msg.content.strip() == "Let me add."
+    assert msg.tool_calls == [{"name": "add", "args": {"a": 2, "b": 3}, "id": msg.tool_calls[0]["id"],
+                               "type": "tool_call"}]
+    md = msg.response_metadata
+    assert md["finish_reason"] == "tool_calls" and md["session_tps"] == 42.0 and md["ctx_headroom_tokens"] == 100
+    assert md["compaction_pressure"] == 0.25 and md["cached_prefix_tokens"] == 7 and md["session_id"] == "anon-1"
+    assert md["model_name"] == "scripted" and md["timings"]["cache_n"] == 7
+    assert msg.usage_metadata == {"input_tokens": 20, "output_tokens": 3, "total_tokens": 23,
+                                  "input_token_details": {"cache_read": 7}}
+    assert sc.released == ["anon-1", "anon-1"]  # anonymous sessions are released
+    assert sc.requests[0]["temperature"] == 0 and sc.requests[0]["tools"][0]["function"]["name"] == "add"
+
+
+def test_scripted_async_and_named_sessions():
+    m, sc, ac = scripted_model(["Hello", " there"], session_id="agent-1", pool_id=3)
+    msg = asyncio.run(m.ainvoke("hi", max_tokens=5))
+    assert msg.content == "Hello there" and msg.response_metadata["session_id"] == "agent-1"
+    assert msg.response_metadata["pool_id"] == 3 and ac.released == []  # a named session is kept
+    assert ac.requests[0]["max_tokens"] == 5 and ac.requests[0]["pool_id"] == 3
+
+    async def collect():
+        return [c async for c in m.astream("hi", pool_id=9)]
+
+    chunks = asyncio.run(collect())
+    assert "".join(c.content for c in chunks) == "Hello there" and ac.requests[-1]["pool_id"] == 9
+
+
+def test_scripted_bare_json_and_forced_choice():
+    m, sc, _ = scripted_model(['{"name": "add", "arguments": {"a": 1, "b": 1}}'])
+    assert m.bind_tools([add]).invoke("x").tool_calls[0]["args"] == {"a": 1, "b": 1}
+    # a forced tool: the server prefilled the call's opening, the model writes the arguments
+    m2, sc2, _ = scripted_model(['{"a": 4,', ' "b": 5}}\n</tool_call>'])
+    msg = m2.bind_tools([add], tool_choice="add").invoke("x")
+    assert msg.tool_calls[0]["args"] == {"a": 4, "b": 5}
+    assert sc2.requests[0]["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+
+
+def test_scripted_structured_output():
+    m, sc, _ = scripted_model(['{"value": 42}}\n</tool_call>'])
+    assert m.with_structured_output(Answer).invoke("x") == Answer(value=42)
+    assert sc.requests[0]["tool_choice"] == {"type": "function", "function": {"name": "Answer"}}
+    raw = m.with_structured_output(Answer, include_raw=True).invoke("x")
+    assert raw["parsed"] == Answer(value=42) and raw["parsing_error"] is None
+    m2, _, _ = scripted_model(['Sure: {"value": 7}'])
+    assert m2.with_structured_output(Answer, method="json_mode").invoke("x") == Answer(value=7)
+    dict_schema = {"title": "Pick", "description": "pick", "type": "object",
+                   "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    m3, _, _ = scripted_model(['{"n": 3}}</tool_call>'])
+    assert m3.with_structured_output(dict_schema).invoke("x") == {"n": 3}
+
+
+# ============================================================================ real transports (tiny model)
+@pytest.fixture(params=["engine", "http"])
+def model(request, engine):
+    if request.param == "engine":
+        yield OpencotiChatModel(engine=engine, temperature=0, max_tokens=6)
+    else:
+        app = create_app(engine)
+        with TestClient(app, raise_server_exceptions=False) as tc:
+            yield OpencotiChatModel(base_url="http://testserver", http_client=tc, temperature=0, max_tokens=6,
+                                    http_async_client=httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                                                        base_url="http://testserver"))
+
+
+def test_model_on_both_transports(model, engine):
+    pool = model.polykv_client.create_pool(messages=[{"role": "system", "content": "Be brief."}])
+    msgs = [SystemMessage("Be brief."), HumanMessage("hi")]
+    a = model.invoke(msgs, pool_id=pool.pool_id, session_id="s1")
+    assert a.usage_metadata["input_token_details"]["cache_read"] == pool.prefix_len
+    assert a.response_metadata["pool_id"] == pool.pool_id and a.response_metadata["session_id"] == "s1"
+    assert a.response_metadata["model_name"] == engine.model_name
+    assert a.response_metadata["ctx_headroom_tokens"] > 0 and 0 <= a.response_metadata["compaction_pressure"] <= 1
+    b = model.invoke(msgs + [a, HumanMessage("more")], session_id="s1")  # the session's cache is reused
+    assert b.usage_metadata["input_token_details"]["cache_read"] > pool.prefix_len
+    chunks = list(model.stream(msgs, pool_id=pool.pool_id))
+    assert chunks[-1].response_metadata["finish_reason"] in ("stop", "length")
+    c = asyncio.run(model.ainvoke(msgs, pool_id=pool.pool_id))
+    assert c.usage_metadata["input_token_details"]["cache_read"] == pool.prefix_len
+    assert len(model.batch([msgs, msgs])) == 2
+    forced = model.bind_tools([add], tool_choice="add").invoke("add 1 and 2")
+    assert len(forced.tool_calls) + len(forced.invalid_tool_calls) == 1  # random weights: args may be junk
+    model.polykv_client.release_session("s1")
+    sessions = [s["session_id"] for s in engine.tps_snapshot()["sessions"]]
+    assert sessions == []  # anonymous sessions were released
+    model.polykv_client.release_pool(pool.pool_id)
+
+
+def test_model_raises_pool_saturated(engine):
+    prefix = engine.tokenize("shared prefix for the saturated pool")
+    pool = engine.create_pool(tokens=prefix)
+    engine.set_admission(pool.pool_id, target_tps_per_session=1e6, mode="enforced", settle_tokens=4)
+    s = engine.stream(prefix + [5, 6], params=SamplingParams.greedy(450, ignore_eos=True), pool_id=pool.pool_id,
+                      session_id="bg")
+    for i, _ in enumerate(s):
+        if i == 8:
+            break
+    bg = threading.Thread(target=lambda: [None for _ in s])
+    bg.start()
+    try:
+        with TestClient(create_app(engine), raise_server_exceptions=False) as tc:
+            for m in (OpencotiChatModel(engine=engine, max_retries=0, max_tokens=2),
+                      OpencotiChatModel(base_url="http://testserver", http_client=tc, max_retries=0, max_tokens=2)):
+                with pytest.raises(PoolSaturatedError) as ei:
+                    m.invoke("x", pool_id=pool.pool_id)
+                assert ei.value.retry_after
+                ok = m.invoke("x", pool_id=pool.pool_id, overcommit=True)
+                assert ok.response_metadata["pool_id"] == pool.pool_id
+    finally:
+        engine.release_session("bg")
+        bg.join(60)
+
+
+def test_client_is_shared_with_tools(engine):
+    m = OpencotiChatModel(engine=engine)
+    assert isinstance(m.polykv_client, PolyKVClient) and m.polykv_client is m.polykv_client
+    assert json.loads(m.model_dump_json())["base_url"] is None  # the engine is not serialized
