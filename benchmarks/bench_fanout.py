@@ -865,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                    "systems": args.systems, "baseline_points": args.baseline_points,
                    "points": {s: points_for(s) for s in args.systems}, "quick": args.quick,
                    "cascade": engine.backend.cascade, "max_batch_tokens": engine.config.max_batch_tokens,
-                   "torch_threads": torch.get_num_threads()},
+                   "torch_threads": torch.get_num_threads(),
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
         "machine": machine,
         "labels": LABELS,
         "definitions": {
