@@ -33,8 +33,11 @@ class PagePool:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
         self.refcount = [0] * num_pages
-        # Pop from the end: low page ids are handed out first (nicer to read in tests / dumps).
+        # Kept sorted descending while clean and popped from the end, so a multi-page allocation
+        # gets an ascending run of ids when one is free: attention then reads a pool's pages as
+        # a zero-copy slice instead of gathering them every layer.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free_sorted = True
 
     # ---- sizes -------------------------------------------------------------------------
     @staticmethod
@@ -67,6 +70,9 @@ class PagePool:
             raise ValueError("n must be >= 0")
         if n > len(self._free):
             raise CapacityError(f"KV cache exhausted: need {n} pages, {len(self._free)} free")
+        if n > 1 and not self._free_sorted:
+            self._free.sort(reverse=True)
+            self._free_sorted = True
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self.refcount[p] = 1
@@ -86,6 +92,7 @@ class PagePool:
             self.refcount[p] = rc
             if rc == 0:
                 self._free.append(p)
+                self._free_sorted = False
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one page's K/V in every layer (used for the partial last page of a shared prefix)."""
