@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_arguments(sv)
     sv.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark from benchmarks/")
-    b.add_argument("name", help="benchmark name (engine, pools, all)")
+    b.add_argument("name", help="benchmark name (engine, pools, cascade, admission, fanout, all)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
@@ -84,7 +84,7 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "benchmarks"
-    names = ["engine", "pools"] if args.name == "all" else [args.name]
+    names = ["engine", "pools", "cascade", "admission", "fanout"] if args.name == "all" else [args.name]
     for name in names:
         path = root / f"bench_{name}.py"
         if not path.exists():
