@@ -107,6 +107,21 @@ def _opencoti_block(info: RequestInfo) -> dict:
     return out
 
 
+async def _start_tracked(request, state: ServerState, tokens, params, body):
+    """Start a generation with its latency tracker: (stream, tracker), or the 499 response when
+    the client went away before the request was accepted."""
+    tracker = _Tracker(state)
+    try:
+        stream = await _start(request, state, tokens, params, body)
+    except ClientDisconnected:
+        tracker.done(None)
+        return Response(status_code=499)
+    except BaseException:
+        tracker.done(None)
+        raise
+    return stream, tracker
+
+
 class _Tracker:
     """Per-request latency metrics (TTFT, inter-token latency, end-to-end)."""
 
@@ -229,15 +244,10 @@ async def completion(request: Request, body: CompletionRequest):
     tokens, prompt_text = await run_in_threadpool(_prompt_tokens, state, body.prompt)
     n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
     params = sampling_params(state, body, n_predict, body.n_probs or None)
-    tracker = _Tracker(state)
-    try:
-        stream = await _start(request, state, tokens, params, body)
-    except ClientDisconnected:
-        tracker.done(None)
-        return Response(status_code=499)
-    except BaseException:
-        tracker.done(None)
-        raise
+    started = await _start_tracked(request, state, tokens, params, body)
+    if isinstance(started, Response):
+        return started
+    stream, tracker = started
     info = stream.info
     headers = info_headers(info)
     if not body.stream:
@@ -292,15 +302,10 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest):
     params = sampling_params(state, body, body.max_tokens, body.logprobs)
     if body.echo and prompt_text is None:
         prompt_text = await run_in_threadpool(state.require_engine().detokenize, tokens)
-    tracker = _Tracker(state)
-    try:
-        stream = await _start(request, state, tokens, params, body)
-    except ClientDisconnected:
-        tracker.done(None)
-        return Response(status_code=499)
-    except BaseException:
-        tracker.done(None)
-        raise
+    started = await _start_tracked(request, state, tokens, params, body)
+    if isinstance(started, Response):
+        return started
+    stream, tracker = started
     info = stream.info
     headers = info_headers(info)
     cid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), state.model_name
@@ -381,15 +386,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     tokens, tchoice, prefill, names = await run_in_threadpool(_chat_prompt, state, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    tracker = _Tracker(state)
-    try:
-        stream = await _start(request, state, tokens, params, body)
-    except ClientDisconnected:
-        tracker.done(None)
-        return Response(status_code=499)
-    except BaseException:
-        tracker.done(None)
-        raise
+    started = await _start_tracked(request, state, tokens, params, body)
+    if isinstance(started, Response):
+        return started
+    stream, tracker = started
     info = stream.info
     headers = info_headers(info)
     cid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), state.model_name
