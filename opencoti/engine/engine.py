@@ -55,12 +55,39 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, *, progress: Callable[[str], None] | None = None,
                  loaded=None):
+        self.config = config or EngineConfig()
+        self.device = _resolve_device(self.config.device)
+        self.dtype = _resolve_dtype(self.config.dtype, self.device)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        # All torch work — weight packing, KV allocation, every step — runs on the step thread, so
+        # one OpenMP team serves the engine (measured: decode ~1.5x faster than building the
+        # weights on the caller's thread and stepping on another).
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(ready, progress, loaded), name="opencoti-step",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            ready.result()
+        except BaseException:
+            self._closed = True
+            self._thread.join(timeout=30)
+            raise
+
+    def _run(self, ready: Future, progress, loaded) -> None:
+        try:
+            self._build(progress, loaded)
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor
+            ready.set_exception(e)
+            return
+        ready.set_result(None)
+        self._loop()
+
+    def _build(self, progress, loaded) -> None:
         from .model.llama import LlamaForward
         from .model.loader import load_model
 
-        self.config = config = config or EngineConfig()
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        config = self.config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
@@ -94,10 +121,6 @@ class Engine:
         self._admission = AdmissionController(self, self._metrics)  # installs core.admission_gate
         self.model_name = self.loaded.name
         self.load_seconds = time.perf_counter() - t0
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="opencoti-step", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_default(cls, **overrides) -> "Engine":
