@@ -6,11 +6,20 @@
 """
 
 from .config import EngineConfig, SamplingParams
-from .engine import AsyncTokenStream, Engine, TokenStream
 from .errors import (CapacityError, ConflictError, ContextLengthError, EngineClosedError, InvalidRequestError,
                      ModelLoadError, NotFoundError, OpencotiError, PoolBusyError, PoolContractError,
                      PoolNotFoundError, PoolSaturatedError, SessionBusyError, SessionNotFoundError)
 from .results import GenerationResult, PoolInfo, RequestInfo, TokenDelta
+
+_LAZY = ("Engine", "TokenStream", "AsyncTokenStream")  # torch is imported with them, on first use
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import engine as _engine_module
+        return getattr(_engine_module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Engine", "EngineConfig", "SamplingParams", "TokenStream", "AsyncTokenStream",
