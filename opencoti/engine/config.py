@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .errors import InvalidRequestError
 
@@ -38,6 +38,17 @@ class SamplingParams:
     stop_token_ids: extra token ids that end generation (besides the model's EOS).
     ignore_eos: keep generating past EOS.
     logprobs: number of top alternatives to report per token (None = no logprobs).
+    logit_bias: token id -> bias added to its logit (-inf bans the token); applied before the filters.
+    repeat_penalty: llama.cpp's repetition penalty for tokens in the penalty window (1 = off):
+        positive logits are divided by it, negative ones multiplied.
+    repeat_last_n: the penalty window in tokens (-1 = the whole context, 0 = penalties off).
+    presence_penalty: subtracted once from the logit of every token in the window (0 = off).
+    frequency_penalty: subtracted per occurrence of a token in the window (0 = off).
+    penalty_scope: "context" (llama.cpp: the last repeat_last_n tokens of prompt + output) or
+        "output" (OpenAI: the generated tokens only, the window still bounded by repeat_last_n).
+    post_sampling_probs: report logprobs under the distribution after the sampling filters
+        (llama.cpp's post_sampling_probs) instead of the raw model distribution.
+    constraint: a ConstraintSpec (JSON Schema, grammar, regex, tool calls) the output must match.
     """
 
     temperature: float = 0.8
@@ -50,6 +61,14 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_scope: str = "context"
+    post_sampling_probs: bool = False
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         _check(_is_number(self.temperature) and 0 <= self.temperature <= 100,
@@ -76,6 +95,35 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_TOP_LOGPROBS),
                f"logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        bias = self.logit_bias if self.logit_bias is not None else {}
+        _check(isinstance(bias, Mapping), "logit_bias must map token ids to biases")
+        for tok, b in bias.items():
+            _check(_is_int(tok) and tok >= 0, f"logit_bias keys must be non-negative token ids, got {tok!r}")
+            _check(_is_number(b) or b == -math.inf,
+                   f"logit_bias for token {tok} must be a finite number or -inf (ban), got {b!r}")
+        self.logit_bias = dict(bias)
+        _check(_is_number(self.repeat_penalty) and 0 < self.repeat_penalty <= 100,
+               f"repeat_penalty must be a number in (0, 100], got {self.repeat_penalty!r}")
+        _check(_is_int(self.repeat_last_n) and self.repeat_last_n >= -1,
+               f"repeat_last_n must be an integer >= -1 (-1 = whole context, 0 = off), got {self.repeat_last_n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_number(v) and -100 <= v <= 100, f"{name} must be a number in [-100, 100], got {v!r}")
+        _check(self.penalty_scope in ("context", "output"),
+               f"penalty_scope must be 'context' or 'output', got {self.penalty_scope!r}")
+        _check(isinstance(self.post_sampling_probs, bool), "post_sampling_probs must be a boolean")
+        if self.constraint is not None:
+            from .constraints import ConstraintSpec
+
+            _check(isinstance(self.constraint, ConstraintSpec), "constraint must be a ConstraintSpec")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
 
     @property
     def is_greedy(self) -> bool:

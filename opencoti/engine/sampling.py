@@ -17,15 +17,21 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from .config import SamplingParams
+from .constraints import compute_masks
+from .sampling_post import post_sampling_logprobs
+from .sampling_state import SamplerState, process_logits
+from .sampling_text import IncrementalDetokenizer, StopStringMatcher
 
 __all__ = [
     "SampleOutput",
     "Sampler",
+    "SamplerState",
     "make_generator",
     "StopStringMatcher",
     "IncrementalDetokenizer",
@@ -89,16 +95,22 @@ class Sampler:
     candidates, so a seeded row's tokens depend only on its own logits and parameters.
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, prefetch_masks: bool = True):
         # used by sampled rows given no generator
         self._fallback_generator = make_generator(seed, seed)
+        self.prefetch_masks = prefetch_masks
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     def sample(
         self,
         logits: torch.Tensor,  # [B, V]
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        states: Sequence[SamplerState | None] | None = None,
     ) -> SampleOutput:
+        """One token per row. ``states``: per-row ``SamplerState`` (constraint, penalties, bias) or
+        None; each state is advanced with its row's token."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         num_rows, vocab_size = logits.shape
@@ -109,6 +121,14 @@ class Sampler:
             return SampleOutput([], None, None)
         if logits.dtype != torch.float32:
             logits = logits.float()
+        raw = logits  # logprobs are reported under the model's distribution
+        if states is not None and len(states) != num_rows:
+            raise ValueError(f"got {num_rows} logit rows and {len(states)} sampler states")
+        with_state = states is not None and any(s is not None for s in states)
+        if with_state:
+            self._wait_prefetch()
+            logits = logits.clone()
+            process_logits(logits, params, states)
         device = logits.device
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [B]
 
@@ -153,9 +173,40 @@ class Sampler:
             token_ids[rows] = self._sample_unsorted(
                 logits.index_select(0, rows), [params[i] for i in part], [uniforms[i] for i in part])
 
+        if with_state:
+            chosen = token_ids.tolist()
+            for st, tok in zip(states, chosen):
+                if st is not None:
+                    st.accept(tok)
+            self._prefetch(states)
         if not any(p.logprobs is not None for p in params):
             return SampleOutput(token_ids.tolist(), None, None)
-        return self._with_logprobs(logits, params, token_ids)
+        out = self._with_logprobs(raw, params, token_ids)
+        if any(p.post_sampling_probs and p.logprobs is not None for p in params):
+            post_sampling_logprobs(logits, params, token_ids, out.logprobs, out.top_logprobs)
+        return out
+
+    # -- masks off the critical path ----------------------------------------------------------
+
+    def _prefetch(self, states: Sequence[SamplerState | None]) -> None:
+        """Start computing the next masks of the constrained rows on a helper thread: llguidance
+        releases the GIL, so this overlaps the next forward pass; ``sample`` waits for it."""
+        if not self.prefetch_masks:
+            return
+        todo = [s.constraint for s in states if s is not None and s.constrained]
+        if not todo:
+            return
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="opencoti-masks")
+        self._pending = self._mask_thread.submit(compute_masks, todo)
+
+    def _wait_prefetch(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - masks not ready are computed in line
+                pass
 
     # -- sampled paths ------------------------------------------------------------------------
 
@@ -325,118 +376,3 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.T
     frac = ((target - lower) / (upper - lower)).clamp_(0.0, 1.0)
     frac = torch.minimum(frac, torch.nextafter(torch.ones_like(frac), torch.zeros_like(frac)))
     return idx.squeeze(1), frac
-
-
-class StopStringMatcher:
-    """Incremental stop-string detection for streamed text.
-
-    `feed` returns the text that is safe to emit now, holding back any suffix that could be the
-    start of a stop string. A stop is reported at the first point where some stop string has
-    appeared in full (so the result is the same however the text is chunked, as if fed one
-    character at a time); if several complete at the same point, the longest one (which starts
-    earliest) wins. The emitted text then ends right before the stop string and nothing after it
-    is ever emitted.
-    """
-
-    def __init__(self, stop: Sequence[str]):
-        if isinstance(stop, str):
-            stop = (stop,)
-        self._stops = tuple(s for s in stop if s)
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
-        self._held = ""
-        self.stopped = False
-        self.matched: str | None = None  # the stop string that ended generation
-
-    def feed(self, new_text: str) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        if not self._stops:
-            return new_text, False
-        text = self._held + new_text
-        best_end = best_start = -1
-        for s in self._stops:
-            start = text.find(s)
-            if start < 0:
-                continue
-            end = start + len(s)
-            if best_end < 0 or end < best_end or (end == best_end and start < best_start):
-                best_end, best_start, self.matched = end, start, s
-        if best_end >= 0:
-            self.stopped = True
-            self._held = ""
-            return text[:best_start], True
-        hold = self._hold_length(text)
-        self._held = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
-
-    def flush(self) -> str:
-        """The held-back text, at the end of generation (empty once a stop string was hit)."""
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
-
-    def _hold_length(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self._stops:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into a stream of text, like vLLM / TGI.
-
-    Each step decodes only a small window: the tokens from `prefix_offset` (a few tokens of
-    context, so decoders that drop a leading space or merge across tokens see their neighbours)
-    to the end, and emits what that decode adds over the decode of the context alone. A token
-    whose text ends in an incomplete UTF-8 sequence (the decoder returns a trailing U+FFFD) is
-    held back until a later token completes it.
-
-    decode: ids -> text (e.g. `lambda ids: tokenizer.decode(ids, skip_special_tokens=True)`).
-    prompt_ids: the tokens before the first pushed one (only the last `context_tokens` are used).
-    """
-
-    def __init__(
-        self,
-        decode: Callable[[Sequence[int]], str],
-        prompt_ids: Sequence[int] = (),
-        context_tokens: int = 5,
-    ):
-        self._decode = decode
-        # Only ids from prefix_offset on are kept: memory and decode cost stay O(window).
-        self._ids: list[int] = list(prompt_ids[-context_tokens:]) if context_tokens > 0 else []
-        self._prefix_offset = 0  # start of the context window in self._ids
-        self._read_offset = len(self._ids)  # first id whose text has not been emitted
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes (possibly "")."""
-        self._ids.append(token_id)
-        window = self._ids[self._prefix_offset:]
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(window)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            out = new_text[len(prefix_text):]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            self._trim()
-            return out
-        return ""
-
-    def flush(self) -> str:
-        """The text of held-back tokens (an incomplete sequence decodes as U+FFFD)."""
-        if self._read_offset >= len(self._ids):
-            return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._trim()
-        return new_text[len(prefix_text):]
-
-    def _trim(self) -> None:
-        if self._prefix_offset:
-            del self._ids[:self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0

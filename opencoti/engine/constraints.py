@@ -1,0 +1,351 @@
+"""Grammar-constrained decoding: JSON Schema, GBNF / Lark grammars, regexes and tool calls.
+
+Built on llguidance (a Rust library with Python bindings and no Python dependencies): a grammar
+compiles lazily in about a millisecond and the token mask of one step costs tens of
+microseconds on a 49k vocabulary, so masks are computed per step, only for constrained rows.
+
+* ``ConstraintSpec``: what a request is constrained to. Validated on construction (the grammar is
+  compiled without a tokenizer), so a bad schema / grammar / regex is an ``InvalidRequestError``
+  that names the problem, raised before the engine accepts the request.
+* ``Constraint``: the per-request runtime state (an llguidance matcher over the model's
+  tokenizer). ``prefix`` is text already forced into the output (e.g. a tool-call prefill), fed
+  to the matcher first; ``trigger`` makes the constraint lazy: the output is free until the
+  trigger text appears, and from the trigger on it must match the grammar (tool_choice=auto).
+* ``compute_masks`` / ``apply_masks``: one batched mask computation (llguidance's executor, which
+  releases the GIL, so it can run on a helper thread while the next forward pass runs) and the
+  in-place masking of the logit rows.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .errors import InvalidRequestError
+
+__all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]
+
+# JSON layout the constraint allows: the separators models write by habit (json.dumps style) and
+# no free whitespace, so a small model cannot wander off into endless newlines.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_KINDS = ("json_schema", "json_object", "grammar", "regex", "tool_calls")
+_MAX_SOURCE_CHARS = 1 << 20
+
+
+def _llg():
+    import llguidance  # imported on first use: unconstrained engines never load it
+
+    return llguidance
+
+
+def _validate(grammar: str, what: str) -> None:
+    llg = _llg()
+    try:
+        msg = llg.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RuntimeError) as exc:  # API-level rejection of the input
+        raise InvalidRequestError(f"invalid {what}: {exc}") from None
+    if msg:
+        raise InvalidRequestError(f"invalid {what}: {msg.strip()}")
+
+
+def _schema_dict(schema: Any, what: str) -> dict | bool:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(f"{what} must be a JSON object, got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{what} is not JSON-serializable: {exc}") from None
+    if len(text) > _MAX_SOURCE_CHARS:
+        raise InvalidRequestError(f"{what} is too large ({len(text)} characters, at most {_MAX_SOURCE_CHARS})")
+    return schema
+
+
+def _with_options(schema: dict | bool) -> dict:
+    """The schema with our JSON layout options (the schema's own x-guidance options win)."""
+    if schema is True:
+        schema = {}
+    if schema is False:
+        schema = {"not": {}}
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **own}}
+
+
+def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
+    """anyOf over the allowed tools: {"name": <const>, "arguments": <the tool's parameters>}."""
+    options = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters")
+        params = {"type": "object"} if params is None else _schema_dict(params, f"tool {fn['name']!r} parameters")
+        what = f"JSON schema for the parameters of tool {fn['name']!r}"
+        _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(params)), what)
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    if not options:
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools")
+    return {"anyOf": options} if len(options) > 1 else options[0]
+
+
+def tool_calls_lark(tools: Sequence[dict], name: str | None = None, parallel: bool = True) -> str:
+    """Lark grammar of one (or, with ``parallel``, several) Hermes-style tool calls:
+    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
+    schema = _with_options(_tool_call_schema(tools, name))
+    block = "block: " + json.dumps(TOOL_CALL_OPEN + "\n") + " call " + json.dumps("\n" + TOOL_CALL_CLOSE)
+    start = 'start: block ("\\n" block)*' if parallel else "start: block"
+    return "\n".join([start, block, "call: %json " + json.dumps(schema)])
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request's output must match (see the module docstring).
+
+    kind: json_schema | json_object | grammar (llama.cpp GBNF or llguidance Lark) | regex | tool_calls
+    source: the schema (dict or JSON text), the grammar / regex text, or for tool_calls a dict
+        {"tools": [...], "name": str | None, "parallel": bool}.
+    prefix: output text already forced (e.g. a tool-call prefill): fed to the grammar first.
+    trigger: lazy constraint: free text until ``trigger`` appears in the output; the grammar
+        applies from the trigger's first character on.
+    """
+
+    kind: str
+    source: Any = None
+    prefix: str = ""
+    trigger: str | None = None
+    grammar: str = field(default="", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise InvalidRequestError(f"constraint kind must be one of {'|'.join(_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.prefix, str) or (self.trigger is not None and (not isinstance(self.trigger, str)
+                                                                               or not self.trigger)):
+            raise InvalidRequestError("constraint prefix must be a string and trigger a non-empty string")
+        if self.grammar:
+            return  # copied from a validated spec
+        llg = _llg()
+        if self.kind == "json_schema":
+            schema = _schema_dict(self.source, "JSON schema")
+            grammar = llg.LLMatcher.grammar_from_json_schema(_with_options(schema))
+            what = "JSON schema"
+        elif self.kind == "json_object":
+            grammar = llg.LLMatcher.grammar_from_json_schema(_with_options({"type": "object"}))
+            what = "JSON object constraint"
+        elif self.kind == "regex":
+            if not isinstance(self.source, str) or not self.source:
+                raise InvalidRequestError("regex must be a non-empty string")
+            grammar, what = llg.LLMatcher.grammar_from_regex(self.source), "regex"
+        elif self.kind == "grammar":
+            grammar, what = _grammar_text(self.source), "grammar"
+        else:
+            src = self.source if isinstance(self.source, dict) else {}
+            tools = src.get("tools")
+            if not isinstance(tools, (list, tuple)) or not tools:
+                raise InvalidRequestError("a tool-call constraint needs a non-empty list of tools")
+            lark = tool_calls_lark(tools, src.get("name"), bool(src.get("parallel", True)))
+            grammar, what = llg.LLMatcher.grammar_from_lark(lark), "tool-call grammar"
+        _validate(grammar, what)
+        object.__setattr__(self, "grammar", grammar)
+
+    # ---- constructors
+    @classmethod
+    def json_schema(cls, schema: Any, **kw) -> "ConstraintSpec":
+        return cls("json_schema", schema, **kw)
+
+    @classmethod
+    def json_object(cls, **kw) -> "ConstraintSpec":
+        return cls("json_object", None, **kw)
+
+    @classmethod
+    def gbnf(cls, text: str, **kw) -> "ConstraintSpec":
+        return cls("grammar", text, **kw)
+
+    @classmethod
+    def regex(cls, pattern: str, **kw) -> "ConstraintSpec":
+        return cls("regex", pattern, **kw)
+
+    @classmethod
+    def tool_calls(cls, tools: Sequence[dict], name: str | None = None, parallel: bool = True,
+                   lazy: bool = False, prefix: str = "") -> "ConstraintSpec":
+        """Tool calls in the Hermes form; ``lazy``: the model may answer in text, and once it opens
+        a ``<tool_call>`` the call is constrained (tool_choice=auto)."""
+        return cls("tool_calls", {"tools": list(tools), "name": name, "parallel": parallel}, prefix=prefix,
+                   trigger=TOOL_CALL_OPEN if lazy else None)
+
+
+def _grammar_text(source: Any) -> str:
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidRequestError("grammar must be a non-empty string")
+    if len(source) > _MAX_SOURCE_CHARS:
+        raise InvalidRequestError(f"grammar is too large ({len(source)} characters, at most {_MAX_SOURCE_CHARS})")
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(source)  # GBNF (llama.cpp) is converted; Lark passes through
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain Exception on bad GBNF
+        raise InvalidRequestError(f"invalid grammar: {exc}") from None
+    return _llg().LLMatcher.grammar_from_lark(lark)
+
+
+# ============================================================================ tokenizer bridge
+_tok_lock = threading.Lock()
+
+
+def llg_tokenizer(tokenizer) -> Any:
+    """The llguidance tokenizer for an engine ``Tokenizer`` (built once, cached on it; ~0.5 s for
+    a 49k BPE vocabulary)."""
+    cached = getattr(tokenizer, "_llg_tokenizer", None)
+    if cached is not None:
+        return cached
+    with _tok_lock:
+        cached = getattr(tokenizer, "_llg_tokenizer", None)
+        if cached is None:
+            cached = _build_llg_tokenizer(tokenizer)
+            tokenizer._llg_tokenizer = cached
+    return cached
+
+
+def _build_llg_tokenizer(tokenizer) -> Any:
+    llg = _llg()
+    eos = list(tokenizer.eos_token_ids)
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    if hf is not None:
+        import llguidance.hf
+
+        try:
+            return llguidance.hf.from_tokenizer(hf, n_vocab=tokenizer.vocab_size, eos_token=eos)
+        except ValueError as exc:
+            raise InvalidRequestError(f"constrained decoding is not available for this tokenizer: {exc}") from None
+    # the built-in byte tokenizer of the tiny test models: ids 0..255 are bytes, then specials
+    specials = getattr(tokenizer, "SPECIALS", ())
+
+    class _Bytes:
+        eos_token_id = eos[0]
+        bos_token_id = tokenizer.bos_token_id
+        tokens = [bytes([i]) for i in range(256)] + [s.encode() for s in specials] + [
+            f"<|reserved_{i}|>".encode() for i in range(256 + len(specials), tokenizer.vocab_size)]
+        special_token_ids = sorted(tokenizer.special_token_ids)
+
+        def __call__(self, s):
+            return tokenizer.encode(s.decode("utf-8", "replace") if isinstance(s, bytes) else s)
+
+    return llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=tokenizer.vocab_size, eos_token=eos)
+
+
+# ============================================================================ runtime
+class Constraint:
+    """One request's matcher. ``mask`` holds the next-token bitmask once computed (``mask_ready``)."""
+
+    __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready")
+
+    def __init__(self, spec: ConstraintSpec, lt: Any):
+        self.spec = spec
+        self.lt = lt
+        self.matcher = None
+        self.dead = False  # gave up (a lazy trigger followed by text the grammar rejects)
+        self._tail = bytearray()
+        self.mask = torch.empty((lt.vocab_size + 31) // 32, dtype=torch.int32)
+        self.mask_ready = False
+        if spec.trigger is None:
+            if not self._start(spec.prefix.encode()):
+                raise InvalidRequestError(f"the forced output prefix {spec.prefix!r} does not match the constraint")
+
+    def _start(self, text: bytes) -> bool:
+        m = _llg().LLMatcher(self.lt, self.spec.grammar, log_level=0)
+        if m.is_error():
+            raise InvalidRequestError(f"invalid constraint: {m.get_error()}")
+        if text and not m.consume_tokens(self.lt.tokenize_bytes(text)):
+            return False
+        self.matcher = m
+        return True
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained."""
+        return self.matcher is not None and not self.dead
+
+    def advance(self, token: int) -> None:
+        """The sampled token (after the mask was applied, or a free one before a lazy trigger)."""
+        self.mask_ready = False
+        if self.dead:
+            return
+        if self.matcher is not None:
+            if not self.matcher.consume_token(token):
+                self.dead = True  # only reachable if the token bypassed the mask (e.g. forced)
+            return
+        self._tail += self.lt.decode_bytes([token])
+        trig = self.spec.trigger.encode()
+        i = self._tail.find(trig)
+        if i < 0:
+            del self._tail[:max(0, len(self._tail) - len(trig) + 1)]
+            return
+        if not self._start(bytes(self._tail[i:])):
+            self.dead = True
+        self._tail = bytearray()
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher is not None and self.matcher.is_stopped()
+
+
+_executor_lock = threading.Lock()
+_executor = None
+
+
+def _mask_executor():
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = _llg().LLExecutor(num_threads=2)
+        return _executor
+
+
+def compute_masks(constraints: Sequence[Constraint]) -> None:
+    """Fill ``c.mask`` for every active constraint (one batched call; releases the GIL)."""
+    todo = [c for c in constraints if c.active and not c.mask_ready]
+    if not todo:
+        return
+    width = todo[0].mask.numel()
+    out = torch.empty((len(todo), width), dtype=torch.int32)
+    _mask_executor().unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(todo)], out.data_ptr(),
+                                             width * 4, len(todo))
+    for i, c in enumerate(todo):
+        c.mask.copy_(out[i])
+        c.mask_ready = True
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: Sequence[torch.Tensor],
+                fallback_ids: Sequence[int]) -> None:
+    """Set the disallowed logits of ``rows`` to -inf in place. A row whose mask allows nothing
+    (a matcher in an error state) may only end: it keeps just ``fallback_ids`` (the EOS ids)."""
+    vocab = logits.shape[1]
+    bits = torch.stack(list(masks))  # [R, W]
+    allowed = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool()  # [R, V]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], dim=1)
+    empty = ~allowed.any(dim=1)
+    if bool(empty.any()):
+        for r in empty.nonzero().flatten().tolist():
+            allowed[r, list(fallback_ids)] = True
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    logits.index_copy_(0, idx, sub)
