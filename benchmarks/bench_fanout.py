@@ -222,7 +222,7 @@ def run_opencoti(engine, prefix: list[int], suffixes: list[list[int]], G: int, u
 def step_overhead(run: dict) -> dict:
     """Scheduling/Python overhead from the engine's StepStats, over the steps in which all N
     sessions decode (one token each, no prefill), the first such step excluded (it overlaps with
-    admission bookkeeping). in-step: 1 - model_s / total_s (total_s = scheduler.step());
+    admission bookkeeping). in-step: 1 - model_s / total_s (total_s = EngineCore.step());
     loop: 1 - model_s / (time between consecutive step ends), which adds the step thread's
     command handling, listeners and metrics."""
     N = run["sessions"]
@@ -488,14 +488,14 @@ def profile_step_breakdown(engine, prefix, suffixes, G: int) -> dict:
     other model ops (norms, RoPE, SiLU, embedding, residuals), the forward's own Python (self time
     of the forward between its ops), and outside the model: scheduling, attention metadata,
     sampling, token handling (detokenize, stop strings, streaming) and the rest of
-    scheduler.step()."""
+    EngineCore.step() (plan, run, apply)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import opencoti.engine.scheduler as sched_mod
+    import opencoti.engine.runner as runner_mod
 
     core = engine.core
     sch = core.scheduler
-    model, backend, sampler = engine.model, engine.backend, sch.sampler
+    model, backend, sampler = engine.model, engine.backend, core.sampler
 
     def wrap(label: str, fn):
         def inner(*a, **k):
@@ -503,16 +503,16 @@ def profile_step_breakdown(engine, prefix, suffixes, G: int) -> dict:
                 return fn(*a, **k)
         return inner
 
-    patches = [(sch, "step"), (sch, "schedule"), (sch, "on_token"), (model, "forward"), (backend, "plan"),
+    patches = [(core, "step"), (sch, "schedule"), (core, "_on_token"), (model, "forward"), (backend, "plan"),
                (backend, "forward"), (sampler, "sample")]
-    labels = {"step": "fanout::step", "schedule": "fanout::schedule", "on_token": "fanout::on_token",
+    labels = {"step": "fanout::step", "schedule": "fanout::schedule", "_on_token": "fanout::on_token",
               "forward": None, "plan": "fanout::attn_plan", "sample": "fanout::sample"}
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name in patches]
-    orig_meta = sched_mod.build_metadata
+    orig_meta = runner_mod.build_metadata
     for obj, name in patches:
         label = labels[name] or ("fanout::model" if obj is model else "fanout::attention")
         setattr(obj, name, wrap(label, getattr(obj, name)))
-    sched_mod.build_metadata = wrap("fanout::metadata", orig_meta)
+    runner_mod.build_metadata = wrap("fanout::metadata", orig_meta)
     prof = profile(activities=[ProfilerActivity.CPU])
     try:
         engine._call(prof.start)  # the profiler only sees the thread it was started on
@@ -524,7 +524,7 @@ def profile_step_breakdown(engine, prefix, suffixes, G: int) -> dict:
                 obj.__dict__.pop(name, None)
             else:
                 setattr(obj, name, orig)
-        sched_mod.build_metadata = orig_meta
+        runner_mod.build_metadata = orig_meta
     N = len(suffixes)
     step_evts = sorted((e for e in prof.events() if e.name == "fanout::step"), key=lambda e: e.time_range.start)
     stats = run["steps"]
@@ -849,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     if profile and profile.get("decode_steps"):
         print_table(["part of a decode step", "ms", "share"],
                     [[k, v, f"{100 * profile['parts_share'][k]:.1f}%"] for k, v in profile["parts_ms"].items()]
-                    + [["step (scheduler.step)", profile["step_ms"], "100%"]],
+                    + [["step (EngineCore.step)", profile["step_ms"], "100%"]],
                     title=f"torch.profiler, opencoti-pool P={TP} N={TN}, {profile['decode_steps']} decode steps "
                           f"(profiled: Python-heavy parts inflated)")
     print(f"\n  time: target {secs_target:.0f}s, grid {secs_grid:.0f}s")
@@ -985,7 +985,7 @@ def markdown_report(d: dict) -> str:
                 f"({prof['decode_steps']} steps, mean per step):", "", "| part | ms | share |", "|---|---|---|"]
         for k, v in prof["parts_ms"].items():
             out.append(f"| {k.replace('_', ' ')} | {v:.2f} | {100 * prof['parts_share'][k]:.1f}% |")
-        out.append(f"| **step (scheduler.step)** | **{prof['step_ms']:.2f}** | 100% |")
+        out.append(f"| **step (EngineCore.step)** | **{prof['step_ms']:.2f}** | 100% |")
         out += ["", "Inside attention (self time per step): " + ", ".join(
             f"{k} {v:.2f} ms" for k, v in list(prof.get("attention_ops_ms", {}).items())[:5])]
     m = d["machine"]

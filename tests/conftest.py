@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OPENCOTI_DEBUG_CHECKS", "1")  # engines check their KV invariants whenever they go idle
 
 
 def _make_engine(**kw):

@@ -154,6 +154,8 @@ class EngineConfig:
     num_threads: torch CPU threads (None = all cores).
     pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
     seed: default RNG seed for requests without one.
+    debug_checks: check the KV invariants each time the step loop goes idle (also on with the
+        environment variable OPENCOTI_DEBUG_CHECKS=1).
     """
 
     model: str | None = None
@@ -172,6 +174,7 @@ class EngineConfig:
     pool_grace_ttl_s: float = 30.0
     seed: int = 0
     cache_dir: str | None = None
+    debug_checks: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -199,5 +202,6 @@ class EngineConfig:
         _check(self.cascade in ("auto", "on", "off"), f"cascade must be auto|on|off, got {self.cascade!r}")
         _check(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
                f"num_threads must be a positive integer, got {self.num_threads!r}")
+        _check(isinstance(self.debug_checks, bool), "debug_checks must be a boolean")
         _check(_is_number(self.pool_grace_ttl_s) and self.pool_grace_ttl_s >= 0,
                f"pool_grace_ttl_s must be >= 0, got {self.pool_grace_ttl_s!r}")

@@ -1,7 +1,7 @@
 """EngineCore: everything that runs on the step thread — requests, sessions, pools, memory.
 
 Nothing here is thread-safe by itself: the Engine facade (engine.py) calls these methods only
-from its single step-loop thread (DESIGN decision 6). Every public operation validates all of
+from its single step-loop thread. Every public operation validates all of
 its input before it mutates anything, so a rejected call leaves the state untouched.
 """
 
@@ -16,11 +16,13 @@ from .config import EngineConfig, SamplingParams
 from .errors import (CapacityError, ContextLengthError, InvalidRequestError, PoolContractError, SessionBusyError, SessionNotFoundError)
 from .kv.pages import PagePool
 from .kv.pools import Pool, PoolTree, Residency, common_prefix_len
+from .kv.tables import KVTables
 from .pool_ops import PoolOpsMixin
 from .results import GenerationResult, RequestInfo, TokenDelta
+from .runner import ModelRunner
 from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
-from .scheduler import Scheduler
-from .session import Job, Sequence, Session
+from .scheduler import Scheduler, StepStats
+from .session import Job, MaterializeJob, Sequence, Session, SessionState
 
 Emit = Callable[[tuple], None]
 _MAX_SESSION_ID = 128
@@ -39,13 +41,13 @@ class EngineCore(PoolOpsMixin):
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.sessions: dict[str, Session] = {}
         self.tree = PoolTree(config.max_pools)
+        self.tables = KVTables(kv)
+        self.tables.reclaim = self.reclaim
         self.sampler = Sampler()
-        self.scheduler = Scheduler(
-            kv=kv, model=model, backend=backend, sampler=self.sampler,
-            max_batch_tokens=config.max_batch_tokens, max_running=config.max_running,
-            reclaim=self.reclaim, on_token=self._on_token, on_prefilled=self._on_prefilled,
-            device=device)
-        self.scheduler.on_stuck = self._on_stuck
+        self.scheduler = Scheduler(tables=self.tables, max_batch_tokens=config.max_batch_tokens,
+                                   max_running=config.max_running, on_stuck=self._on_stuck)
+        self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
+        self.last_step = StepStats()
         self._request_ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
                          "evicted_sessions": 0, "evicted_pools": 0, "preemptions": 0}
@@ -55,6 +57,40 @@ class EngineCore(PoolOpsMixin):
         # Admission hook, called after a request is validated and before anything is committed:
         # gate(pool, session_id, is_new_session, prompt_len, params, overcommit); raising rejects it.
         self.admission_gate: Callable[..., None] | None = None
+
+    # ======================================================================== the step
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> StepStats:
+        """Plan a batch (scheduler), execute it (model runner), apply the results (here)."""
+        t0 = time.perf_counter()
+        stats = StepStats()
+        batch = self.scheduler.schedule()
+        if batch:
+            out = self.runner.execute(batch)
+            self._apply(batch, out)
+            stats.model_s = out.model_s
+            stats.num_seqs = len(batch)
+            stats.num_tokens = out.num_tokens
+            stats.num_decode = sum(1 for _, n in batch if n == 1)
+            stats.num_prefill_tokens = stats.num_tokens - stats.num_decode
+        stats.total_s = time.perf_counter() - t0
+        self.last_step = stats
+        return stats
+
+    def _apply(self, batch: list, out) -> None:
+        for job, n in batch:
+            self.tables.advance(job.seq, n)
+            if isinstance(job, MaterializeJob) and job.num_remaining == 0:
+                self.scheduler.remove(job)
+                self._on_prefilled(job)
+        for i, job in enumerate(out.sampled):
+            lp = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            job.state = SessionState.DECODE
+            self._on_token(job, out.token_ids[i], lp, top)
 
     # ======================================================================== validation
     def _check_tokens(self, tokens, what: str = "prompt") -> list[int]:
@@ -179,23 +215,6 @@ class EngineCore(PoolOpsMixin):
             return None
         return self.tree.pools.get(session.pool_id) or self.tree.released.get(session.pool_id)
 
-    def _share_prefix(self, src_table: list[int], n_tokens: int, keep: Session | None = None) -> list[int] | None:
-        """A new page table sharing ``[0, n_tokens)`` of ``src_table``: full pages by refcount,
-        the partial last page copied (a shared page is never written by two owners).
-        ``keep``: a session whose pages are the source and must survive reclaim."""
-        full, part = divmod(n_tokens, self.page_size)
-        if part and not self.kv.can_allocate(1):
-            self.reclaim(1, keep=keep)
-            if not self.kv.can_allocate(1):
-                return None
-        table = list(src_table[:full])
-        self.kv.incref(table)
-        if part:
-            page = self.kv.allocate(1)[0]
-            self.kv.copy_page(src_table[full], page)
-            table.append(page)
-        return table
-
     def _start_session_job(self, job: Job, use_own: bool, cache_n: int) -> bool:
         session = job.session
         old = session.seq
@@ -213,24 +232,14 @@ class EngineCore(PoolOpsMixin):
             p, src = cache_n, old.page_table
             borrowed = min(old.num_borrowed_pages, p // self.page_size)
         from_own = src is old.page_table
-        full, part = divmod(p, self.page_size)
-        if (from_own and part and full >= old.num_borrowed_pages
-                and self.kv.refcount[src[full]] == 1):
-            # its own cache, and the partial page is its own: truncate in place, no copy, no new page
-            table = src[:full + 1]
-            self.kv.decref(src[full + 1:])
-            old.page_table = []
-        else:
-            table = self._share_prefix(src, p)
-            if table is None:
+        if from_own:  # its own cache: in place when its partial page is its own
+            if not self.tables.continue_from(old, job.seq, p, borrowed):
                 return False
-        if old is not job.seq:
-            self.kv.decref(old.page_table)
-            old.page_table = []
-            old.num_cached = 0
-        job.seq.page_table = table
-        job.seq.num_cached = p
-        job.seq.num_borrowed_pages = borrowed
+        else:
+            if not self.tables.share_into(job.seq, src, p, borrowed):
+                return False
+            if old is not job.seq:
+                self.tables.drop(old)
         # tokens shared with the pool (the suffix is [shared, len)): P from the pool, or as before
         job.seq.num_shared_tokens = min(old.num_shared_tokens, p) if from_own else p
         if session.pool_id is None:
@@ -260,7 +269,7 @@ class EngineCore(PoolOpsMixin):
             text, hit = job.stopper.feed(piece)
             if hit:
                 finish = "stop"
-                job.stopping_word = job.stopper.matched if hasattr(job.stopper, "matched") else ""
+                job.stopping_word = job.stopper.matched
         if finish is None:
             if p.max_tokens is not None and len(job.generated) >= p.max_tokens:
                 finish = "length"
@@ -308,15 +317,13 @@ class EngineCore(PoolOpsMixin):
         """Stop a request (client went away). Its session keeps what was computed."""
         if job.finish_reason is not None:
             return
-        if job.params is None:
+        if not isinstance(job, Job):
             return  # materializations run to completion
-        if not job.started and job.session is not None and job.seq is not job.session.seq:
-            job.seq.page_table = []
         self._finish(job, "cancelled")
 
     def _on_stuck(self, job: Job) -> None:
         """The scheduler cannot give this job a page even alone: end it cleanly."""
-        if job.params is None:
+        if isinstance(job, MaterializeJob):
             self.scheduler.remove(job)
             self._fail_materialization(job, CapacityError("KV cache too small to materialize this pool"))
         elif job.generated:
@@ -358,7 +365,7 @@ class EngineCore(PoolOpsMixin):
         return pool.is_auto_pinned(now, self._sessions_in_use(pool))
 
     def _drop_session_kv(self, s: Session, detach: bool = True) -> None:
-        self.kv.decref(s.seq.page_table)
+        self.tables.drop(s.seq)
         s.seq = Sequence()
         if detach:
             self._detach(s)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -24,7 +25,9 @@ from .core import EngineCore
 from .errors import EngineClosedError, InvalidRequestError, SessionBusyError
 from .kv.pages import PagePool
 from .metrics import Metrics
-from .results import GenerationResult, PoolInfo, RequestInfo, TokenDelta
+from .results import GenerationResult, PoolInfo
+from .session import MaterializeJob
+from .streams import AsyncTokenStream, TokenStream
 
 log = logging.getLogger("opencoti.engine")
 
@@ -60,6 +63,8 @@ class Engine:
         self.dtype = _resolve_dtype(self.config.dtype, self.device)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._debug_checks = self.config.debug_checks or os.environ.get("OPENCOTI_DEBUG_CHECKS", "") not in ("", "0")
+        self._integrity_error: AssertionError | None = None  # first failure of an idle-time check
         # All torch work — weight packing, KV allocation, every step — runs on the step thread, so
         # one OpenMP team serves the engine (measured: decode ~1.5x faster than building the
         # weights on the caller's thread and stepping on another).
@@ -131,9 +136,13 @@ class Engine:
     # ======================================================================== step loop
     def _loop(self) -> None:
         core = self.core
+        busy = False
         while True:
+            if busy and not core.has_work:
+                busy = False
+                self._idle_check()
             try:  # block only when there is nothing to compute
-                cmd = self._cmds.get_nowait() if core.scheduler.has_work else self._cmds.get()
+                cmd = self._cmds.get_nowait() if core.has_work else self._cmds.get()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -150,19 +159,30 @@ class Engine:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if core.scheduler.has_work:
+            if core.has_work:
+                busy = True
                 try:
-                    stats = core.scheduler.step()
+                    stats = core.step()
                     for fn in core.listeners:
                         fn("step", {"stats": stats})
                 except Exception as e:  # a bug or OOM in a step: fail the batch, keep serving
                     log.exception("engine step failed")
                     self._fail_all(e)
 
+    def _idle_check(self) -> None:
+        """Debug mode: check the KV invariants each time the step loop goes idle (O(pages))."""
+        if not self._debug_checks or self._integrity_error is not None:
+            return
+        try:
+            self.core.check_integrity()
+        except AssertionError as e:
+            log.exception("KV integrity check failed")
+            self._integrity_error = e
+
     def _fail_all(self, error: Exception) -> None:
         core = self.core
         for job in list(core.scheduler.running) + list(core.scheduler.waiting):
-            if job.params is None:
+            if isinstance(job, MaterializeJob):
                 core.scheduler.remove(job)
                 core._fail_materialization(job, error)
             else:
@@ -364,7 +384,7 @@ class Engine:
         return self._call(lambda: self.core.pool_info(self.core.tree.get(pool_id)))
 
     def pools(self) -> dict:
-        """The pool tree (spec §4.2), each session with its live ``tps_ewma``."""
+        """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
         def run():
             st = self.core.pools_status()
             tps = {x["session_id"]: x["tps_ewma"] for x in self._metrics.snapshot()["sessions"]}
@@ -393,7 +413,7 @@ class Engine:
     def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
                         text: str | None = None, messages: list[dict] | None = None,
                         branch_pos: int | None = None, release_old: bool = True) -> dict:
-        """Compaction by re-fork (spec §13.2): fork the stable ancestor with the compacted prefix
+        """Compaction by re-fork: fork the stable ancestor with the compacted prefix
         (e.g. system + summary + recent tail), move the session onto it, release the old pool
         when nothing else uses it. Returns the new pool and KV pages before/after."""
         toks = self._pool_tokens(tokens, text, messages, None, False)
@@ -420,7 +440,11 @@ class Engine:
                 "kv_pages_after": after, "page_bytes": self.kv.page_bytes}
 
     def check_integrity(self) -> None:
-        """Assert the KV refcount and ownership invariants (runs on the step thread)."""
+        """Assert the KV refcount and ownership invariants (runs on the step thread). In debug mode
+        (``EngineConfig.debug_checks`` or OPENCOTI_DEBUG_CHECKS=1) the loop also checks them each
+        time it goes idle; the first failure found there is raised here."""
+        if self._integrity_error is not None:
+            raise self._integrity_error
         self._call(self.core.check_integrity)
 
     def stats(self) -> dict:
@@ -431,7 +455,7 @@ class Engine:
 
     # ======================================================================== tps & admission
     def tps_snapshot(self) -> dict:
-        """Live tps (spec §4.3): ``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [{session_id,
+        """Live tps: ``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [{session_id,
         pool_id, tps_ewma, ctx_used, ctx_total, ctx_headroom_tokens, compaction_pressure, state}]}``."""
         return self._call(self._metrics.snapshot)
 
@@ -452,7 +476,7 @@ class Engine:
         return self._call(self._metrics.prometheus)
 
     def set_admission(self, pool_id: int, **policy) -> dict:
-        """Set (merge) the admission policy of a pool (spec §4.4): target_tps_per_session, mode,
+        """Set (merge) the admission policy of a pool (docs/polykv.md): target_tps_per_session, mode,
         on_saturation, guarantee_min_sessions, settle_tokens, settle_max_ms, queue_timeout_ms."""
         return self._call(self._admission.set_policy, pool_id, **policy)
 
@@ -461,7 +485,7 @@ class Engine:
         return self._call(self._admission.policy, pool_id)
 
     def capacity(self, pool_id: int, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
-        """Whether one more (new) session fits the pool now, and why (spec §4.4, §13.3, §14.2)."""
+        """Whether one more (new) session fits the pool now, and why (docs/polykv.md)."""
         return self._call(self._admission.capacity, pool_id, expected_tokens, session_id)
 
     def admission_events(self, pool_id: int | None = None, since: float | None = None) -> list[dict]:
@@ -470,75 +494,3 @@ class Engine:
 
 
 _STOP = object()
-
-
-class TokenStream:
-    """Iterator over a request's TokenDelta events; ``.info`` is known at once, ``.result`` at the end."""
-
-    def __init__(self, engine: Engine, job, q):
-        self._engine, self._job, self._q = engine, job, q
-        self.info: RequestInfo = job.info
-        self.result: GenerationResult | None = None
-        self._done = False
-        first = q.get()
-        assert first[0] == "start"
-
-    def __iter__(self) -> Iterator[TokenDelta]:
-        return self
-
-    def __next__(self) -> TokenDelta:
-        if self._done:
-            raise StopIteration
-        kind, payload = self._q.get()
-        if kind == "token":
-            return payload
-        self._done = True
-        if kind == "error":
-            raise payload
-        self.result = payload
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop early (e.g. the client disconnected): the request is cancelled."""
-        if not self._done:
-            self._done = True
-            self._engine.cancel(self._job)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class AsyncTokenStream:
-    def __init__(self, engine: Engine, job, q: asyncio.Queue):
-        self._engine, self._job, self._q = engine, job, q
-        self.info: RequestInfo = job.info
-        self.result: GenerationResult | None = None
-        self._done = False
-        self._started = False
-
-    def __aiter__(self) -> AsyncIterator[TokenDelta]:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        if self._done:
-            raise StopAsyncIteration
-        while True:
-            kind, payload = await self._q.get()
-            if kind == "start":
-                continue
-            break
-        if kind == "token":
-            return payload
-        self._done = True
-        if kind == "error":
-            raise payload
-        self.result = payload
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.cancel(self._job)

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 from .errors import InvalidRequestError
-from .session import SessionState
+from .session import Job, SessionState
 
 log = logging.getLogger("opencoti.metrics")
 
@@ -403,7 +403,7 @@ class Metrics:
     def _generation_jobs(self):
         sch = self.core.scheduler
         for job in list(sch.running) + list(sch.waiting):
-            if job.params is not None and job.session is not None and job.finish_reason is None:
+            if isinstance(job, Job) and job.session is not None and job.finish_reason is None:
                 yield job
 
     def session_tps(self, session_id: str, job=None) -> float:

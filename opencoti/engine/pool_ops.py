@@ -14,12 +14,12 @@ from typing import Callable, Sequence as Seq
 from .errors import CapacityError, InvalidRequestError, PoolBusyError, PoolContractError, SessionBusyError
 from .kv.pools import Pool, Residency, common_prefix_len, prefix_hashes
 from .results import PoolInfo
-from .session import Job, Session
+from .session import MaterializeJob, Session
 
 
 class PoolOpsMixin:
-    """Needs from EngineCore: kv, tree, sessions, scheduler, config, page_size, max_context,
-    listeners, and its helpers (_check_tokens, _check_fits, _share_prefix, reclaim, _detach,
+    """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, page_size, max_context,
+    listeners, and its helpers (_check_tokens, _check_fits, reclaim, _detach,
     _session_pool, _auto_pinned, _sessions_in_use, get_session, release_session)."""
 
     def _ensure_resident(self, pool: Pool) -> list[Pool]:
@@ -34,27 +34,19 @@ class PoolOpsMixin:
             self._enqueue_materialization(pool, waits, lambda p: None)
         return waits + [pool]  # ancestors first
 
-    def _enqueue_materialization(self, pool: Pool, waits: list[Pool], done: Callable) -> Job:
-        job = Job(seq=pool.seq, params=None, emit=lambda ev: None, pool=pool, wait_for=list(waits),
-                  prompt_len=pool.prefix_len, max_context=self.max_context)
-        job.on_done = done
+    def _enqueue_materialization(self, pool: Pool, waits: list[Pool], done: Callable) -> MaterializeJob:
+        job = MaterializeJob(seq=pool.seq, pool=pool, on_done=done, wait_for=list(waits))
 
         def start() -> bool:
             parent = pool.parent
             d = pool.branch_pos if parent is not None else 0
-            table = self._share_prefix(parent.seq.page_table, d) if d else []
-            if table is None:
-                return False
-            pool.seq.page_table = table
-            pool.seq.num_cached = d
-            pool.seq.num_borrowed_pages = d // self.page_size
-            return True
+            return not d or self.tables.share_into(pool.seq, parent.seq.page_table, d, d // self.page_size)
 
         job.start_plan = start
         self.scheduler.add(job)
         return job
 
-    def _on_prefilled(self, job: Job) -> None:
+    def _on_prefilled(self, job: MaterializeJob) -> None:
         pool = job.pool
         pool.residency = Residency.RESIDENT
         pool.last_access = time.time()
@@ -62,11 +54,9 @@ class PoolOpsMixin:
             fn("materialized", {"pool": pool})
         job.on_done(pool)
 
-    def _fail_materialization(self, job: Job, error: Exception) -> None:
+    def _fail_materialization(self, job: MaterializeJob, error: Exception) -> None:
         pool = job.pool
-        self.kv.decref(pool.seq.page_table)
-        pool.seq.page_table = []
-        pool.seq.num_cached = 0
+        self.tables.drop(pool.seq)
         if pool.rematerializations:
             pool.residency = Residency.EVICTED
         else:
@@ -164,26 +154,20 @@ class PoolOpsMixin:
 
     def _reserve_partial_page(self, n_tokens: int, keep: Session) -> None:
         """Check (before committing) that a snapshot's partial last page can be copied."""
-        if n_tokens % self.page_size and not self.kv.can_allocate(1):
-            self.reclaim(1, keep=keep)
-            if not self.kv.can_allocate(1):
-                raise CapacityError("no free KV page for the snapshot's partial last page", retry_after=1.0)
+        if not self.tables.can_copy_partial(n_tokens, keep):
+            raise CapacityError("no free KV page for the snapshot's partial last page", retry_after=1.0)
 
     def _adopt_session_pages(self, pool: Pool, s: Session, d: int) -> None:
         """from_session: the pool takes the session's cached pages by refcount (zero-copy) and the
         session becomes a leaf of the new pool."""
         n = pool.prefix_len
-        table = self._share_prefix(s.seq.page_table, n, keep=s)
-        if table is None:
+        if not self.tables.share_into(pool.seq, s.seq.page_table, n, d // self.page_size, keep=s):
             raise CapacityError("no free KV page for the snapshot's partial page", retry_after=1.0)
-        pool.seq.page_table = table
-        pool.seq.num_cached = n
-        pool.seq.num_borrowed_pages = d // self.page_size
         pool.residency = Residency.RESIDENT
         self._detach(s)
         s.pool_id = pool.pool_id
         pool.sessions.add(s.session_id)
-        s.seq.num_borrowed_pages = n // self.page_size
+        self.tables.hand_over(s.seq, n // self.page_size)
         s.seq.num_shared_tokens = n
 
     def pin_pool(self, pool_id: int, pinned: bool) -> Pool:
@@ -205,10 +189,7 @@ class PoolOpsMixin:
         return pool
 
     def _evict_pool(self, pool: Pool) -> None:
-        self.kv.decref(pool.seq.page_table)
-        pool.seq.page_table = []
-        pool.seq.num_cached = 0
-        pool.seq.num_borrowed_pages = 0
+        self.tables.drop(pool.seq)
         pool.residency = Residency.EVICTED
 
     def flush_pool(self, pool_id: int) -> int:
@@ -239,8 +220,7 @@ class PoolOpsMixin:
     def _maybe_reap(self, pool: Pool) -> None:
         """A released pool's KV lives until its sessions and released children are gone."""
         while pool is not None and pool.residency == Residency.RELEASED and not pool.sessions and not pool.children:
-            self.kv.decref(pool.seq.page_table)
-            pool.seq.page_table = []
+            self.tables.drop(pool.seq)
             self.tree.released.pop(pool.pool_id, None)
             parent = pool.parent
             if parent is not None and pool in parent.children:
@@ -312,18 +292,8 @@ class PoolOpsMixin:
 
     def check_integrity(self) -> None:
         """Refcounts match the page tables, and every used page has exactly one owner."""
-        holders = [p.seq.page_table for p in self.tree.pools.values()]
-        holders += [p.seq.page_table for p in self.tree.released.values()]
-        holders += [s.seq.page_table for s in self.sessions.values()]
-        self.kv.check_integrity(holders)
-        owned: list[int] = []
-        for p in list(self.tree.pools.values()) + list(self.tree.released.values()):
-            owned += p.seq.owned_pages
-        for s in self.sessions.values():
-            owned += s.seq.owned_pages
-        assert len(owned) == len(set(owned)), "a page has two owners"
-        assert len(owned) == self.kv.num_used, (
-            f"ownership: {len(owned)} owned pages != {self.kv.num_used} pages in use")
+        holders = [p.seq for p in self.tree.pools.values()] + [p.seq for p in self.tree.released.values()]
+        self.tables.check_integrity(holders + [s.seq for s in self.sessions.values()])
         for s in self.sessions.values():
             pool = self._session_pool(s)
             if s.seq.num_borrowed_pages:

@@ -55,7 +55,7 @@ class GenerationResult:
 
 @dataclass
 class PoolInfo:
-    """A pool as the API reports it (spec §4.2 fields)."""
+    """A pool as the API reports it (fields in docs/polykv.md)."""
 
     pool_id: int
     parent: int | None

@@ -1,11 +1,13 @@
-"""Continuous batching: which jobs compute how many tokens this step, then run and sample.
+"""Continuous batching: which jobs compute how many tokens this step (the plan, nothing else).
 
 Every job computes ``seq.tokens[num_cached:]``; a decoding job has exactly one token left (the
 last sampled one), a prefilling job many. Each step takes every decoding job (one token each)
 and fills the rest of the token budget with prefill chunks, in arrival order. Pages are
-allocated check-then-commit; when they run out the engine reclaims (idle sessions, then idle
-pools, LRU), then new work waits, and as a last resort the newest running job is preempted
-(its pages dropped, recomputed later — results unchanged).
+allocated check-then-commit through the KV tables; when they run out the engine reclaims (idle
+sessions, then idle pools, LRU), then new work waits, and as a last resort the newest running
+job is preempted (its pages dropped, recomputed later — results unchanged).
+
+The model runner (runner.py) executes the plan; the core (core.py) applies its results.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import time
 from collections import deque
 from typing import Callable
 
-import torch
+from .kv.tables import KVTables
+from .session import SessionState, _Work
 
-from .attention.base import SeqBatchEntry, build_metadata
-from .kv.pages import PagePool
-from .session import Job, SessionState
+Batch = list  # [(job, number of tokens to compute this step)]
 
 
 class StepStats:
@@ -30,71 +31,49 @@ class StepStats:
 
 
 class Scheduler:
-    def __init__(self, *, kv: PagePool, model, backend, sampler, max_batch_tokens: int, max_running: int,
-                 reclaim: Callable[[int], int], on_token: Callable[[Job, int, float, list], None],
-                 on_prefilled: Callable[[Job], None], device):
-        self.kv = kv
-        self.model = model
-        self.backend = backend
-        self.sampler = sampler
+    def __init__(self, *, tables: KVTables, max_batch_tokens: int, max_running: int,
+                 on_stuck: Callable[[_Work], None]):
+        self.tables = tables
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.reclaim = reclaim  # frees at least n pages if it can; returns pages freed
-        self.on_token = on_token  # (job, token, logprob, top_logprobs) after sampling
-        self.on_prefilled = on_prefilled  # prefill-only job done
-        self.device = device
-        self.waiting: deque[Job] = deque()
-        self.running: list[Job] = []
+        self.on_stuck = on_stuck  # a job that cannot get pages even alone
+        self.waiting: deque[_Work] = deque()
+        self.running: list[_Work] = []
         self._admit_counter = 0
-        self.last_step = StepStats()
-        self.on_stuck: Callable[[Job], None] | None = None  # a job that cannot get pages even alone
 
     @property
     def has_work(self) -> bool:
         return bool(self.running) or any(self._deps_ready(j) for j in self.waiting)
 
-    def add(self, job: Job) -> None:
+    def add(self, job: _Work) -> None:
         self.waiting.append(job)
 
-    def remove(self, job: Job) -> None:
+    def remove(self, job: _Work) -> None:
         if job in self.running:
             self.running.remove(job)
         elif job in self.waiting:
             self.waiting.remove(job)
 
-    # ---- page helpers ------------------------------------------------------------------
-    def _ensure_pages(self, job: Job, num_tokens: int) -> bool:
-        """Make the job's page table cover num_tokens; check-then-commit with reclaim."""
-        seq = job.seq
-        need = self.kv.pages_for(num_tokens) - len(seq.page_table)
-        if need <= 0:
-            return True
-        if not self.kv.can_allocate(need):
-            self.reclaim(need - self.kv.num_free)
-            if not self.kv.can_allocate(need):
-                return False
-        seq.page_table.extend(self.kv.allocate(need))
-        return True
+    def _ensure_pages(self, job: _Work, num_tokens: int) -> bool:
+        return self.tables.extend(job.seq, num_tokens)
 
-    def preempt(self, job: Job) -> None:
+    def preempt(self, job: _Work) -> None:
         """Drop a running job's KV and requeue it at the front; it recomputes from its tokens."""
         self.running.remove(job)
-        self.kv.decref(job.seq.page_table)
-        job.seq.page_table = []
-        job.seq.num_cached = 0
-        job.seq.num_borrowed_pages = 0
+        self.tables.drop(job.seq)
         job.started = False
         job.state = SessionState.WAITING
         job.num_preemptions += 1
         self.waiting.appendleft(job)
 
     @staticmethod
-    def _deps_ready(job: Job) -> bool:
+    def _deps_ready(job: _Work) -> bool:
         return all(p.residency == "resident" for p in job.wait_for)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> list[tuple[Job, int]]:
-        batch: list[tuple[Job, int]] = []
+    def schedule(self) -> Batch:
+        """The jobs to compute this step and how many tokens each (their pages are allocated)."""
+        batch: Batch = []
         budget = self.max_batch_tokens
         # 1. decode: every running job with one token left
         for job in sorted((j for j in self.running if j.num_remaining == 1), key=lambda j: j.admit_seq):
@@ -149,47 +128,3 @@ class Scheduler:
             if job is not None:
                 self.on_stuck(job)
         return batch
-
-    @torch.inference_mode()
-    def step(self) -> StepStats:
-        t0 = time.perf_counter()
-        stats = StepStats()
-        batch = self.schedule()
-        if not batch:
-            self.last_step = stats
-            return stats
-        entries, ids, logit_rows, sample_jobs = [], [], [], []
-        row = 0
-        for job, n in batch:
-            seq = job.seq
-            entries.append(SeqBatchEntry(seq.page_table, seq.num_cached, n))
-            ids.extend(seq.tokens[seq.num_cached:seq.num_cached + n])
-            row += n
-            if seq.num_cached + n == len(seq.tokens) and job.params is not None:
-                logit_rows.append(row - 1)
-                sample_jobs.append(job)
-        meta = build_metadata(entries, self.kv.page_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device) if logit_rows else None
-        tm = time.perf_counter()
-        logits = self.model.forward(input_ids, meta, self.kv.k_cache, self.kv.v_cache, self.backend, rows)
-        stats.model_s = time.perf_counter() - tm
-        for job, n in batch:
-            job.seq.num_cached += n
-            if job.params is None and job.num_remaining == 0:
-                self.running.remove(job)
-                self.on_prefilled(job)
-        if sample_jobs:
-            out = self.sampler.sample(logits, [j.params for j in sample_jobs], [j.generator for j in sample_jobs])
-            for i, job in enumerate(sample_jobs):
-                lp = out.logprobs[i] if out.logprobs is not None else None
-                top = out.top_logprobs[i] if out.top_logprobs is not None else None
-                job.state = SessionState.DECODE
-                self.on_token(job, out.token_ids[i], lp, top)
-        stats.num_seqs = len(batch)
-        stats.num_tokens = len(ids)
-        stats.num_decode = sum(1 for _, n in batch if n == 1)
-        stats.num_prefill_tokens = stats.num_tokens - stats.num_decode
-        stats.total_s = time.perf_counter() - t0
-        self.last_step = stats
-        return stats

@@ -89,47 +89,52 @@ class Timings:
         }
 
 
-@dataclass
-class Job:
-    """Work for the scheduler: compute ``seq.tokens`` into the cache and optionally sample.
-
-    A generation job samples after its prompt and keeps decoding; a materialization job
-    (``params is None``) computes a pool's prefix and finishes (prefill-only, no sampling).
-    ``reuse`` is the prefix to share when the job starts: (source page table, source tokens, P,
-    borrowed pages); decided when the request is accepted.
-    """
+@dataclass(kw_only=True)
+class _Work:
+    """What the scheduler needs of any job: compute ``seq.tokens[num_cached:]`` into the cache."""
 
     seq: Sequence
-    params: SamplingParams | None
-    emit: Callable[[Any], None]
-    session: Session | None = None
-    pool: Any = None  # the Pool being materialized (materialization jobs)
     wait_for: list = field(default_factory=list)  # pools that must be resident before starting
-    prompt_len: int = 0
     state: SessionState = SessionState.WAITING
     started: bool = False
+    admit_seq: int = 0  # order of admission into the running set (preemption picks the newest)
+    num_preemptions: int = 0
+    t_start: float = 0.0
+    start_plan: Callable[[], bool] | None = None  # sets up the page table; False = not enough pages yet
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.seq.tokens) - self.seq.num_cached
+
+
+@dataclass(kw_only=True)
+class Job(_Work):
+    """A generation request: prefill its prompt, then sample and decode until it finishes."""
+
+    params: SamplingParams
+    emit: Callable[[Any], None]
+    session: Session | None = None
+    prompt_len: int = 0
+    max_context: int = 0
     generated: list[int] = field(default_factory=list)
     generator: Any = None
     detok: Any = None
     stopper: Any = None
     text: str = ""
     logprobs: list = field(default_factory=list)
-    max_context: int = 0
     timings: Timings = field(default_factory=Timings)
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_start: float = 0.0
     t_first_token: float = 0.0
     t_last_token: float = 0.0
     finish_reason: str | None = None
     stopping_word: str = ""
     truncated: bool = False
-    cancelled: bool = False
-    num_preemptions: int = 0
-    admit_seq: int = 0
-    start_plan: Callable[[], bool] | None = None  # sets up the page table; False = not enough pages yet
-    on_done: Callable[[Any], None] | None = None  # materialization: called with the Pool or an exception
-    info: Any = None  # RequestInfo of a generation job
+    info: Any = None  # RequestInfo
 
-    @property
-    def num_remaining(self) -> int:
-        return len(self.seq.tokens) - self.seq.num_cached
+
+@dataclass(kw_only=True)
+class MaterializeJob(_Work):
+    """Computes a pool's prefix into its own pages (prefill only, no sampling), then ``on_done``
+    is called with the Pool, or with an exception when it fails."""
+
+    pool: Any
+    on_done: Callable[[Any], None]

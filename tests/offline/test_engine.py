@@ -265,3 +265,65 @@ def test_tokenize_roundtrip_and_closed_engine(make_engine):
     eng.shutdown()
     with pytest.raises(EngineClosedError):
         eng.generate([1, 2, 3])
+
+
+# ----------------------------------------------------------------------------- KV tables
+def _tables(num_pages: int = 8, page_size: int = 4):
+    from opencoti.engine.kv.tables import KVTables
+    kv = PagePool(num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=1, head_dim=2,
+                  dtype=torch.float32)
+    return kv, KVTables(kv)
+
+
+def test_kv_tables_share_copy_truncate_drop():
+    from opencoti.engine.session import Sequence
+    kv, tables = _tables()
+    a = Sequence(list(range(1, 11)))
+    assert tables.extend(a, 10) and len(a.page_table) == 3
+    tables.advance(a, 10)
+    kv.k_cache[:, a.page_table[1]] = 7.0
+    b = Sequence(list(range(1, 8)))
+    assert tables.share_into(b, a.page_table, 6, borrowed=1)  # one full page shared, the partial one copied
+    assert b.page_table[0] == a.page_table[0] and b.page_table[1] != a.page_table[1]
+    assert kv.refcount[a.page_table[0]] == 2 and bool((kv.k_cache[:, b.page_table[1]] == 7.0).all())
+    tables.check_integrity([a, b])
+    c = Sequence(list(range(1, 7)))
+    old_table = list(a.page_table)
+    assert tables.continue_from(a, c, 6, borrowed=0)  # a's own partial page: truncated in place
+    assert c.page_table == old_table[:2] and a.page_table == [] and kv.num_used == 3
+    tables.check_integrity([a, b, c])
+    with pytest.raises(AssertionError, match="held by 3 page tables"):
+        tables.check_integrity([b, c, c])
+    b.num_borrowed_pages = 0  # b claims the page it shares with c
+    with pytest.raises(AssertionError, match="two owners"):
+        tables.check_integrity([b, c])
+    b.num_borrowed_pages = 1
+    tables.drop(b)
+    tables.drop(c)
+    assert kv.num_used == 0
+    tables.check_integrity([a, b, c])
+
+
+def test_kv_tables_refuse_without_pages():
+    from opencoti.engine.session import Sequence
+    kv, tables = _tables(num_pages=2)
+    a = Sequence(list(range(1, 9)))
+    assert tables.extend(a, 8) and not tables.extend(Sequence([1]), 1)
+    tables.advance(a, 6)
+    b = Sequence(list(range(1, 7)))
+    assert not tables.share_into(b, a.page_table, 6, borrowed=1)  # no page for the partial copy
+    assert b.page_table == [] and kv.refcount == [1, 1]  # nothing changed
+
+
+def test_idle_integrity_check_reports_corruption(make_engine):
+    eng = make_engine(debug_checks=True)
+    eng.generate(_prompt(1, 9), params=SamplingParams.greedy(2), session_id="a")
+    eng.check_integrity()
+    page = eng._call(lambda: eng.core.sessions["a"].seq.page_table[0])
+    eng._call(lambda: eng.kv.refcount.__setitem__(page, eng.kv.refcount[page] + 1))  # a leaked reference
+    eng.generate(_prompt(2, 9), params=SamplingParams.greedy(2))  # the loop goes idle after it: checked there
+    eng._call(lambda: None)  # the loop has gone idle since
+    assert eng._integrity_error is not None
+    with pytest.raises(AssertionError, match="refcount"):
+        eng.check_integrity()
+    eng.shutdown()
