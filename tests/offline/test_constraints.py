@@ -166,7 +166,7 @@ def test_required_and_named_tool_calls_are_valid_calls():
     names = {"get_weather", "get_time"}
     for spec, single in ((ConstraintSpec.tool_calls([WEATHER, TIME], parallel=False), True),
                          (ConstraintSpec.tool_calls([WEATHER, TIME], name="get_time"), False)):
-        outs = run([sp(constraint=spec) for _ in range(4)], seed=11, steps=600)
+        outs = run([sp(constraint=spec) for _ in range(3)], seed=11, steps=600)
         for ids in outs:
             text = TOK.decode(ids)
             content, calls = parse_tool_calls(text, names)
@@ -282,3 +282,62 @@ def test_post_sampling_probs_are_the_filtered_tempered_distribution():
     assert out.top_logprobs[1] == [(65, 0.0)] and out.logprobs[1] == 0.0
     raw = Sampler().sample(logits[:1], [sp(top_k=2, temperature=0.5, logprobs=3)], [make_generator(1, 0)])
     assert len(raw.top_logprobs[0]) == 3 and raw.top_logprobs[0][0][1] < 0  # raw model distribution
+
+
+# ============================================================================ request fields
+from opencoti.engine.constraints_request import (  # noqa: E402
+    constraint_from_request, logit_bias_from_request, penalty_kwargs)
+
+
+def test_logit_bias_request_forms():
+    enc = TOK.encode
+    assert logit_bias_from_request({"65": 2, "66": -1.5}, enc, openai=True) == {65: 2.0, 66: -1.5}
+    assert logit_bias_from_request([[65, 1.0], [66, False]], enc) == {65: 1.0, 66: -math.inf}
+    assert logit_bias_from_request([["ab", -3]], enc) == {97: -3.0, 98: -3.0}  # every token of the string
+    assert logit_bias_from_request({"ab": False}, enc) == {97: -math.inf, 98: -math.inf}
+    assert logit_bias_from_request([[65, 1.0], [65, 2.0]], enc) == {65: 3.0}
+    assert logit_bias_from_request({"65": 500}, enc) == {65: 500.0}  # llama.cpp: no range
+    for bad, msg in (({"65": 101}, r"\[-100, 100\]"), ({"65": True}, "number or false"), ([[65]], "pairs"),
+                     ("x", "object"), ({"": 1}, "non-empty"), ({"65": math.nan}, "number or false")):
+        with pytest.raises(InvalidRequestError, match=msg):
+            logit_bias_from_request(bad, enc, openai=True)
+
+
+def test_penalty_semantics_per_route():
+    assert penalty_kwargs(presence_penalty=0.5, openai=True) == {
+        "presence_penalty": 0.5, "penalty_scope": "output", "repeat_last_n": -1}
+    assert penalty_kwargs(repeat_penalty=1.1, repeat_last_n=32) == {"repeat_penalty": 1.1, "repeat_last_n": 32}
+    with pytest.raises(InvalidRequestError, match=r"\[-2, 2\]"):
+        penalty_kwargs(frequency_penalty=3.0, openai=True)
+    assert penalty_kwargs(frequency_penalty=3.0) == {"frequency_penalty": 3.0}  # llama.cpp: no range
+
+
+def test_constraint_from_request_fields():
+    js = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    c = constraint_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": js,
+                                                                                        "strict": True}})
+    assert c.kind == "json_schema" and c.source == js
+    assert constraint_from_request(response_format={"type": "json_object"}).kind == "json_object"
+    assert constraint_from_request(response_format={"type": "json_object", "schema": js}).kind == "json_schema"
+    assert constraint_from_request(response_format={"type": "text"}) is None
+    assert constraint_from_request(json_schema=js).kind == "json_schema"
+    assert constraint_from_request(grammar='root ::= "a"').kind == "grammar"
+    auto = constraint_from_request(tool_mode="auto", tools=[WEATHER])
+    assert auto.kind == "tool_calls" and auto.trigger == "<tool_call>"
+    req = constraint_from_request(tool_mode="required", tool_name="get_time", tools=[WEATHER, TIME],
+                                  prefill='<tool_call>\n{"name": "get_time", "arguments": ')
+    assert req.kind == "tool_calls" and req.trigger is None and req.source["name"] == "get_time"
+    assert constraint_from_request(tool_mode="none", tools=[WEATHER]) is None
+    either = constraint_from_request(response_format={"type": "json_object"}, tool_mode="auto", tools=[WEATHER])
+    (answer,) = run([sp(constraint=either)], seed=21, free_text=b"{}")
+    assert json.loads(TOK.decode(answer)) == {}
+    (call,) = run([sp(constraint=either)], seed=22, steps=600, free_text=b"<tool_call>")
+    assert parse_tool_calls(TOK.decode(call), {"get_weather"})[1], TOK.decode(call)
+    for kw, msg in ((dict(json_schema=js, grammar='root ::= "a"'), "at most one"),
+                    (dict(response_format={"type": "xml"}), "xml"),
+                    (dict(response_format={"type": "json_schema", "json_schema": {}}), "json_schema"),
+                    (dict(response_format="json"), "object"),
+                    (dict(grammar='root ::= "a"', tool_mode="auto", tools=[WEATHER]), "cannot be combined"),
+                    (dict(json_schema={"type": "strnig"}), "strnig")):
+        with pytest.raises(InvalidRequestError, match=msg):
+            constraint_from_request(**kw)
