@@ -21,6 +21,7 @@ from .pool_ops import PoolOpsMixin
 from .results import GenerationResult, RequestInfo, TokenDelta
 from .runner import ModelRunner
 from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
+from .sampling_state import SamplerState
 from .scheduler import Scheduler, StepStats
 from .session import Job, MaterializeJob, Sequence, Session, SessionState
 
@@ -160,6 +161,8 @@ class EngineCore(PoolOpsMixin):
                     f"position {common_prefix_len(prompt[:n], pool.tokens[:n])}")
         if self.admission_gate is not None:
             self.admission_gate(pool, session_id, session is None, len(prompt), params, overcommit)
+        # grammar, logit bias and penalties checked against the model (no side effect)
+        sampler_state = SamplerState.for_request(params, prompt, self.tokenizer, self.vocab_size)
         # ---- everything validated: commit
         if session is None:
             session = Session(session_id or f"s-{uuid.uuid4().hex[:12]}")
@@ -191,6 +194,7 @@ class EngineCore(PoolOpsMixin):
         job.generator = make_generator(params.seed, self.config.seed) if not params.is_greedy else None
         job.detok = IncrementalDetokenizer(self.tokenizer.decode)
         job.stopper = StopStringMatcher(params.stop)
+        job.sampler_state = sampler_state
         cache_n = max(pool_p, own_p)
         job.timings.cache_n = cache_n
         use_own = own_p >= pool_p and own_p > 0

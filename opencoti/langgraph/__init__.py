@@ -1,4 +1,5 @@
-"""opencoti for LangGraph: a chat model, pool-control tools, capacity-gated spawning, compaction.
+"""opencoti for LangGraph: a chat model, pool-control tools, capacity-gated spawning, compaction,
+pools that survive restarts, and middleware for ``create_agent``.
 
     from opencoti.langgraph import OpencotiChatModel, polykv_tools, CapacityGateNode, CompactionNode
     model = OpencotiChatModel(engine=engine)            # or base_url="http://127.0.0.1:8080"
@@ -7,16 +8,21 @@ The same graph runs against an in-process ``Engine`` or a remote ``opencoti serv
 model's (or client's) construction changes. See docs/langgraph.md.
 """
 
-from .chat_model import (OpencotiChatModel, convert_message_to_dict, convert_messages, format_tool_choice, model_from_env,
-                         response_metadata, usage_metadata)
+from .chat_model import DEFAULT_MAX_TOKENS, OpencotiChatModel
+from .convert import (convert_message_to_dict, convert_messages, format_tool_choice, response_metadata,
+                      usage_metadata)
+from .lazy import LazyEngine, model_from_env, shared_engine
 from .nodes import CapacityGateNode, CompactionNode, SpawnPacer
+from .pools import PoolSpec, aensure_pool, ensure_pool, merge_pools, pool_spec, track_pool
 from .state import (PolyKVMessagesState, PolyKVState, append_list, capacity_update, keep_latest, keep_max, keep_min,
                     polykv_update)
 from .tools import polykv_tools
 
 __all__ = [
-    "OpencotiChatModel", "model_from_env", "polykv_tools", "CapacityGateNode", "CompactionNode", "SpawnPacer",
+    "OpencotiChatModel", "DEFAULT_MAX_TOKENS", "model_from_env", "shared_engine", "LazyEngine",
+    "polykv_tools", "CapacityGateNode", "CompactionNode", "SpawnPacer",
     "PolyKVState", "PolyKVMessagesState", "polykv_update", "capacity_update",
     "keep_latest", "keep_min", "keep_max", "append_list",
+    "PoolSpec", "pool_spec", "track_pool", "ensure_pool", "aensure_pool", "merge_pools",
     "convert_message_to_dict", "convert_messages", "format_tool_choice", "response_metadata", "usage_metadata",
 ]

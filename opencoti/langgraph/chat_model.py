@@ -8,12 +8,11 @@
 Streaming is the primitive: ``_stream``/``_astream`` turn the client's chat events into
 ``AIMessageChunk``s (content deltas, complete tool calls as ``tool_call_chunks``, and a last chunk
 with ``usage_metadata`` and ``response_metadata``); ``_generate``/``_agenerate`` aggregate them.
-The message converters are pure module-level functions (unit-tested directly).
+The message converters live in ``convert`` and the parameter rules in ``params``.
 """
 
 from __future__ import annotations
 
-import json
 from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
@@ -21,11 +20,8 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import (BaseChatModel, LangSmithParams, agenerate_from_stream,
                                                         generate_from_stream)
-from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
-                                     SystemMessage, ToolMessage)
-from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
-from langchain_core.exceptions import OutputParserException
+from langchain_core.language_models.model_profile import ModelProfile
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
@@ -33,149 +29,18 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env, secret_from_env
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from ..client import AsyncPolyKVClient, ChatChunk, GenerationInfo, PolyKVClient, SessionStatus
+from ..client import AsyncPolyKVClient, ChatChunk, GenerationInfo, OpencotiError, PolyKVClient, SessionStatus
+from .convert import (chunk_from_event, convert_message_to_dict, convert_messages, format_tool_choice,  # noqa: F401
+                      parse_json_answer, response_metadata, usage_metadata)
+from .params import build_extra, client_params, model_profile, split_call_kwargs
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
-
-# Per-call keyword arguments that go into the chat request (everything else is ignored).
-_REQUEST_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "pool_id", "session_id", "overcommit",
-                 "shared_prefix_n_tokens", "temperature", "max_tokens", "top_p", "top_k", "min_p", "seed", "stop",
-                 "ignore_eos")
+DEFAULT_MAX_TOKENS = 1024
+"""Tokens an answer may have at most unless ``max_tokens`` says otherwise (``None``: no limit)."""
 
 
-# ============================================================================ converters (pure)
-def _text_of(content: Any, where: str) -> str:
-    """Message content (a string or a list of text blocks) as one string."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for block in content or ():
-        if isinstance(block, str):
-            parts.append(block)
-        elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
-        elif isinstance(block, dict) and block.get("type") in ("tool_use", "tool_call", "reasoning", "thinking"):
-            continue  # represented elsewhere (tool_calls) or not sent back to the model
-        else:
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"{where}: opencoti models take text only; got a {kind!r} content block")
-    return "".join(parts)
-
-
-def convert_message_to_dict(message: BaseMessage) -> dict:
-    """A LangChain message -> an OpenAI chat message (what the server and the engine render)."""
-    if isinstance(message, SystemMessage):
-        return {"role": "system", "content": _text_of(message.content, "system message")}
-    if isinstance(message, HumanMessage):
-        return {"role": "user", "content": _text_of(message.content, "human message")}
-    if isinstance(message, AIMessage):
-        out: dict[str, Any] = {"role": "assistant", "content": _text_of(message.content, "ai message")}
-        calls = [{"id": tc.get("id") or f"call_{i}", "type": "function",
-                  "function": {"name": tc["name"], "arguments": json.dumps(tc.get("args") or {}, ensure_ascii=False)}}
-                 for i, tc in enumerate(message.tool_calls)]
-        calls += [{"id": tc.get("id") or f"call_invalid_{i}", "type": "function",
-                   "function": {"name": tc.get("name") or "", "arguments": tc.get("args") or ""}}
-                  for i, tc in enumerate(message.invalid_tool_calls) if tc.get("name")]
-        if calls:
-            out["tool_calls"] = calls
-        return out
-    if isinstance(message, ToolMessage):
-        content = message.content
-        text = content if isinstance(content, str) else (
-            _text_of(content, "tool message") if isinstance(content, list) else json.dumps(content))
-        return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
-    if isinstance(message, ChatMessage):
-        role = {"human": "user", "ai": "assistant"}.get(message.role, message.role)
-        return {"role": role, "content": _text_of(message.content, f"{role} message")}
-    raise ValueError(f"unsupported message type {type(message).__name__}")
-
-
-def convert_messages(messages: Sequence[BaseMessage]) -> list[dict]:
-    """LangChain messages -> OpenAI chat messages."""
-    return [convert_message_to_dict(m) for m in messages]
-
-
-def format_tool_choice(tool_choice: Any) -> Any:
-    """LangChain's ``tool_choice`` -> OpenAI's: a tool name -> that function, ``"any"``/True ->
-    ``"required"``; ``"auto"``/``"none"``/``"required"`` and dicts pass through."""
-    if tool_choice is None or tool_choice is False:
-        return None
-    if tool_choice is True or tool_choice == "any":
-        return "required"
-    if isinstance(tool_choice, str):
-        if tool_choice in ("auto", "none", "required"):
-            return tool_choice
-        return {"type": "function", "function": {"name": tool_choice}}
-    if isinstance(tool_choice, dict):
-        return tool_choice
-    raise ValueError(f"unsupported tool_choice {tool_choice!r}: a tool name, 'auto', 'none', 'any', 'required', "
-                     "True, or an OpenAI tool_choice dict")
-
-
-def chunk_from_event(event: ChatChunk) -> AIMessageChunk | None:
-    """A client chat event -> an AIMessageChunk (None for the start event, which carries nothing
-    to add to the message; the end is built by ``final_chunk``)."""
-    if event.tool_calls:
-        return AIMessageChunk(content=event.content, tool_call_chunks=[
-            tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=c.index) for c in event.tool_calls])
-    if event.content:
-        return AIMessageChunk(content=event.content)
-    return None
-
-
-def usage_metadata(event: ChatChunk) -> UsageMetadata | None:
-    """Token counts, with the prompt tokens read from the KV cache as ``input_token_details.cache_read``."""
-    u = event.usage
-    if u is None:
-        return None
-    return UsageMetadata(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
-                         total_tokens=u.total_tokens, input_token_details=InputTokenDetails(cache_read=u.cached_tokens))
-
-
-def response_metadata(end: ChatChunk, info: GenerationInfo | None, status: SessionStatus | None,
-                      model_name: str | None) -> dict:
-    """The ``response_metadata`` of a finished answer: PolyKV placement, live session health, timings."""
-    info = end.info or info
-    timings = end.timings or {}
-    md: dict[str, Any] = {
-        "model_name": model_name or end.model or "opencoti",
-        "model_provider": "opencoti",
-        "finish_reason": end.finish_reason or "stop",
-        "pool_id": info.pool_id if info else None,
-        "session_id": info.session_id if info else None,
-        "cached_prefix_tokens": info.cached_prefix_tokens if info else timings.get("cache_n"),
-        "session_tps": status.tps_ewma if status and status.tps_ewma else timings.get("predicted_per_second"),
-        "ctx_headroom_tokens": status.ctx_headroom_tokens if status else None,
-        "compaction_pressure": status.compaction_pressure if status else None,
-        "timings": timings,
-    }
-    if info is not None and info.sessions_remaining is not None:
-        md["sessions_remaining"] = info.sessions_remaining
-    if info is not None and info.admission_warning:
-        md["admission_warning"] = info.admission_warning
-    return md
-
-
-def parse_json_answer(message: BaseMessage, schema: type | None = None) -> Any:
-    """The first JSON object in an answer's text (small models often write a sentence around it),
-    validated into ``schema`` when it is a pydantic class."""
-    text = message.text if isinstance(message, BaseMessage) else str(message)
-    decoder = json.JSONDecoder()
-    for i, ch in enumerate(text):
-        if ch != "{":
-            continue
-        try:
-            value, _ = decoder.raw_decode(text[i:])
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            return schema.model_validate(value) if schema is not None else value
-    raise OutputParserException(f"no JSON object in the answer: {text[:200]!r}", llm_output=text)
-
-
-# ============================================================================ the model
 class OpencotiChatModel(BaseChatModel):
     """Chat model served by opencoti: in-process (``engine=``) or over HTTP (``base_url=``).
 
@@ -218,12 +83,14 @@ class OpencotiChatModel(BaseChatModel):
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
 
     model_name: str | None = Field(default=None, alias="model")
-    """Model id for traces and ``response_metadata`` (default: what the server reports). One engine
+    """Model id for traces and ``response_metadata`` (default: the served model's). One engine
     serves one model, so this does not select a model."""
     temperature: float | None = None
     """Sampling temperature; 0 is greedy (server default 0.8)."""
-    max_tokens: int | None = None
-    """Tokens to generate at most (None: until end of turn or the context is full)."""
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS,
+                                   validation_alias=AliasChoices("max_tokens", "max_completion_tokens", "num_predict"))
+    """Tokens to generate at most (default 1024; None: until end of turn or the context is full).
+    Also accepted as ``max_completion_tokens`` (ChatOpenAI) and ``num_predict`` (ChatOllama)."""
     top_p: float | None = None
     """Nucleus sampling (server default 0.95)."""
     top_k: int | None = None
@@ -234,6 +101,19 @@ class OpencotiChatModel(BaseChatModel):
     """Sampling seed: the same seed, prompt and parameters give the same answer."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Strings that end generation (not included in the output)."""
+    frequency_penalty: float | None = None
+    """Penalize tokens by how often they already appear (OpenAI semantics; the engine validates it)."""
+    presence_penalty: float | None = None
+    """Penalize tokens that already appear (OpenAI semantics; the engine validates it)."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further chat request fields sent as they are (e.g. ``repeat_penalty``, ``logit_bias``,
+    ``response_format``); names the server does not know are refused."""
+    extra_body: dict[str, Any] | None = None
+    """Like ``model_kwargs`` (ChatOpenAI's name for fields added to the request body)."""
+    stream_usage: bool = True
+    """Report token usage (``usage_metadata``) on answers, streamed or not."""
+    default_headers: dict[str, str] | None = None
+    """HTTP headers sent with every request (over HTTP)."""
     pool_id: int | None = None
     """Attach every request to this PolyKV pool (the shared prefix is found automatically)."""
     session_id: str | None = None
@@ -249,10 +129,11 @@ class OpencotiChatModel(BaseChatModel):
     engine: Any = Field(default=None, exclude=True)
     """An in-process ``opencoti.engine.Engine`` (instead of ``base_url``)."""
     base_url: str | None = Field(default_factory=from_env("OPENCOTI_BASE_URL", default=None))
-    """URL of a running ``opencoti serve`` (env ``OPENCOTI_BASE_URL``; default http://127.0.0.1:8080)."""
+    """URL of a running ``opencoti serve`` (env ``OPENCOTI_BASE_URL``, not read when ``engine`` is
+    given; default http://127.0.0.1:8080)."""
     api_key: SecretStr | None = Field(default_factory=secret_from_env("OPENCOTI_API_KEY", default=None))
     """The server's API key (env ``OPENCOTI_API_KEY``)."""
-    timeout: float | None = 120.0
+    timeout: float | None = Field(default=120.0, alias="request_timeout")
     """Seconds per HTTP request (None: no timeout)."""
     max_retries: int = 2
     """Retries of requests refused with 429 / 503 + Retry-After, or that could not be sent."""
@@ -269,6 +150,13 @@ class OpencotiChatModel(BaseChatModel):
 
     _sync: PolyKVClient | None = PrivateAttr(default=None)
     _async: AsyncPolyKVClient | None = PrivateAttr(default=None)
+    _served_name: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _build_extra(cls, values: Any) -> Any:
+        """ChatOpenAI/ChatOllama names; unknown arguments -> ``model_kwargs`` (with a warning) or refused."""
+        return build_extra(cls, values)
 
     @model_validator(mode="after")
     def _check_transport(self) -> "OpencotiChatModel":
@@ -276,6 +164,8 @@ class OpencotiChatModel(BaseChatModel):
             raise ValueError("give engine= (in-process) or base_url= (HTTP), not both")
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1 (None: no limit)")
         return self
 
     # ---------------------------------------------------------------- clients
@@ -284,6 +174,11 @@ class OpencotiChatModel(BaseChatModel):
             return {"engine": self.engine, "max_retries": self.max_retries}
         return {"base_url": self.base_url or DEFAULT_BASE_URL, "timeout": self.timeout, "max_retries": self.max_retries,
                 "api_key": self.api_key.get_secret_value() if self.api_key else None}
+
+    def _with_headers(self, client: Any) -> Any:
+        if self.default_headers and self.engine is None:
+            client.headers = {**self.default_headers, **(getattr(client, "headers", None) or {})}
+        return client
 
     @property
     def polykv_client(self) -> PolyKVClient:
@@ -294,7 +189,7 @@ class OpencotiChatModel(BaseChatModel):
             kw = self._client_kwargs()
             if self.http_client is not None and self.engine is None:
                 kw["http_client"] = self.http_client
-            self._sync = PolyKVClient(**kw)
+            self._sync = self._with_headers(PolyKVClient(**kw))
         return self._sync
 
     @property
@@ -306,13 +201,37 @@ class OpencotiChatModel(BaseChatModel):
             kw = self._client_kwargs()
             if self.http_async_client is not None and self.engine is None:
                 kw["http_client"] = self.http_async_client
-            self._async = AsyncPolyKVClient(**kw)
+            self._async = self._with_headers(AsyncPolyKVClient(**kw))
         return self._async
 
     # ---------------------------------------------------------------- LangChain plumbing
     @property
     def _llm_type(self) -> str:
         return "opencoti"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["opencoti", "langgraph", "chat_model"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "OPENCOTI_API_KEY"}
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        return model_profile(self.engine)
+
+    def served_model_name(self) -> str | None:
+        """The served model's id (asked once; None when the server cannot be reached)."""
+        if self._served_name is None:
+            try:
+                self._served_name = self.polykv_client.model_name()
+            except Exception:  # noqa: BLE001 - a trace label must never fail the call
+                return None
+        return self._served_name
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -322,9 +241,9 @@ class OpencotiChatModel(BaseChatModel):
                 "seed": self.seed, "stop": self.stop, "pool_id": self.pool_id}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        name = kwargs.get("model") if isinstance(kwargs.get("model"), str) else self.model_name
         params = LangSmithParams(ls_provider="opencoti", ls_model_type="chat",
-                                 ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str)
-                                 else (self.model_name or "opencoti"))
+                                 ls_model_name=name or self.served_model_name() or "opencoti")
         temperature = kwargs.get("temperature", self.temperature)
         if temperature is not None:
             params["ls_temperature"] = temperature
@@ -336,36 +255,79 @@ class OpencotiChatModel(BaseChatModel):
             params["ls_stop"] = list(stop)
         return params
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> dict:
+    # ---------------------------------------------------------------- token counting (the served tokenizer)
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` by the served model's tokenizer (``/tokenize`` over HTTP)."""
+        return self.polykv_client.tokenize(text)
+
+    def get_num_tokens(self, text: str) -> int:
+        return len(self.get_token_ids(text))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Sequence[dict[str, Any] | type | Callable | BaseTool] | None = None) -> int:
+        """Tokens of ``messages`` (+ ``tools``) as the served model's chat template renders them
+        (``/apply-template`` + ``/tokenize`` over HTTP), without the generation prompt."""
+        client = self.polykv_client
+        msgs = convert_messages(messages)
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        try:
+            text = client.apply_template(msgs, formatted, add_generation_prompt=False)
+        except OpencotiError:
+            # a template that refuses this message sequence on its own (e.g. roles must alternate):
+            # count each message rendered alone
+            return sum(len(client.tokenize(client.apply_template([m], None, add_generation_prompt=False)))
+                       for m in msgs)
+        return len(client.tokenize(text))
+
+    # ---------------------------------------------------------------- requests
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> tuple[dict, dict]:
+        """(client kwargs incl. ``messages`` and ``extra_body``, the model's own per-call options)."""
         req: dict[str, Any] = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
                                "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
-                               "pool_id": self.pool_id, "session_id": self.session_id,
-                               "overcommit": self.overcommit}
-        req.update({k: v for k, v in kwargs.items() if k in _REQUEST_KEYS})
+                               "frequency_penalty": self.frequency_penalty,
+                               "presence_penalty": self.presence_penalty, "pool_id": self.pool_id,
+                               "session_id": self.session_id, "overcommit": self.overcommit}
+        extra = {**self.model_kwargs, **(self.extra_body or {})}
+        call, call_extra, own = split_call_kwargs(kwargs, set(type(self).model_fields))
+        req.update(call)
+        extra.update(call_extra)
         if stop is not None:
             req["stop"] = stop
         if "tool_choice" in req:
             req["tool_choice"] = format_tool_choice(req["tool_choice"])
-        req = {k: v for k, v in req.items() if v is not None}
+        if "max_tokens" in extra:
+            req["max_tokens"] = extra.pop("max_tokens")
+        req = {k: v for k, v in req.items() if v is not None or k == "max_tokens"}
+        if req.get("max_tokens") is None:
+            req.pop("max_tokens", None)
+        # what the client takes by name goes by name; the rest of the request travels in the body
+        takes = client_params()
+        for k in [k for k in req if k not in takes]:
+            extra[k] = req.pop(k)
+        if extra:
+            req["extra_body"] = extra
         req["messages"] = convert_messages(messages)
-        return req
+        return req, own
 
     def _should_release(self, req: dict) -> bool:
         return self.release_anonymous_sessions and not req.get("session_id")
 
     def _final(self, end: ChatChunk, info: GenerationInfo | None, status: SessionStatus | None,
-               model_override: Any) -> ChatGenerationChunk:
-        name = model_override if isinstance(model_override, str) else self.model_name
+               own: dict) -> ChatGenerationChunk:
+        override = own.get("model")
+        name = override if isinstance(override, str) else self.model_name
+        if end.model and self._served_name is None:
+            self._served_name = end.model
         md = response_metadata(end, info, status, name)
-        msg = AIMessageChunk(content="", usage_metadata=usage_metadata(end), response_metadata=md,
-                             chunk_position="last")
+        usage = usage_metadata(end) if own.get("stream_usage", self.stream_usage) else None
+        msg = AIMessageChunk(content="", usage_metadata=usage, response_metadata=md, chunk_position="last")
         return ChatGenerationChunk(message=msg, generation_info={"finish_reason": md["finish_reason"],
                                                                  "model_name": md["model_name"]})
 
     # ---------------------------------------------------------------- streaming (the primitive)
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        req = self._request(messages, stop, kwargs)
+        req, own = self._request(messages, stop, kwargs)
         client = self.polykv_client
         msgs = req.pop("messages")
         info: GenerationInfo | None = None
@@ -377,7 +339,7 @@ class OpencotiChatModel(BaseChatModel):
                     status = None
                     if self.include_session_status and info is not None and info.session_id:
                         status = client.session_status(info.session_id)
-                    yield self._final(ev, info, status, kwargs.get("model"))
+                    yield self._final(ev, info, status, own)
                     continue
                 msg = chunk_from_event(ev)
                 if msg is not None:
@@ -393,7 +355,7 @@ class OpencotiChatModel(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        req = self._request(messages, stop, kwargs)
+        req, own = self._request(messages, stop, kwargs)
         client = self.async_polykv_client
         msgs = req.pop("messages")
         info: GenerationInfo | None = None
@@ -405,7 +367,7 @@ class OpencotiChatModel(BaseChatModel):
                     status = None
                     if self.include_session_status and info is not None and info.session_id:
                         status = await client.session_status(info.session_id)
-                    yield self._final(ev, info, status, kwargs.get("model"))
+                    yield self._final(ev, info, status, own)
                     continue
                 msg = chunk_from_event(ev)
                 if msg is not None:
@@ -491,23 +453,22 @@ async def _aquietly(fn: Callable, *args) -> None:
         pass
 
 
-# ============================================================================ from the environment
-_ENGINES: dict[str, Any] = {}
+def _quietly(fn: Callable, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - best-effort cleanup (the session may be gone already)
+        pass
 
 
-def model_from_env(**fields: Any) -> OpencotiChatModel:
-    """An ``OpencotiChatModel`` chosen by the environment, for graphs served by ``langgraph dev``:
-    ``OPENCOTI_BASE_URL`` set -> over HTTP (with ``OPENCOTI_API_KEY``); otherwise an in-process
-    engine on ``OPENCOTI_MODEL`` (default: the bundled model; ``tiny:llama`` for tests), made once
-    per process and shared by every graph."""
-    import os
-    if os.environ.get("OPENCOTI_BASE_URL"):
-        return OpencotiChatModel(**fields)
-    name = os.environ.get("OPENCOTI_MODEL") or "default"
-    eng = _ENGINES.get(name)
-    if eng is None or eng.is_closed:
-        from ..engine import Engine, EngineConfig
-        kv = os.environ.get("OPENCOTI_KV_BUDGET_TOKENS")
-        eng = _ENGINES[name] = Engine(EngineConfig(model=None if name == "default" else name,
-                                                   kv_budget_tokens=int(kv) if kv else None))
-    return OpencotiChatModel(engine=eng, **fields)
+async def _aquietly(fn: Callable, *args) -> None:
+    try:
+        await fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def __getattr__(name: str) -> Any:
+    if name == "model_from_env":  # moved to .lazy (kept importable from here)
+        from .lazy import model_from_env
+        return model_from_env
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

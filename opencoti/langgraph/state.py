@@ -7,7 +7,8 @@ The keys surface live PolyKV capacity into the graph so conditional edges can br
 ``pool_id`` (the pool the graph's model calls attach to), ``session_id``, ``headroom_sessions``,
 ``mean_active_tps``, ``compaction_pressure``, ``ctx_headroom_tokens`` (written by
 ``CapacityGateNode`` and by ``polykv_update(message)`` after a model call), plus the gate's
-``capacity_ok`` / ``reason`` / ``settling``. Every key has a reducer, so parallel branches
+``capacity_ok`` / ``reason`` / ``settling``, and ``pools``: what each pool is, so that a missing
+pool can be re-created (see ``opencoti.langgraph.pools``). Every key has a reducer, so parallel branches
 (``Send`` fan-out) may write them in the same step without a conflict.
 """
 
@@ -18,9 +19,14 @@ from typing import Annotated, Any, Optional, TypedDict
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage
 from langgraph.graph.message import add_messages
 
+from .pools import PoolSpec, merge_pools
+
 
 def keep_latest(current: Any, update: Any) -> Any:
-    """The newest non-None value (None never erases a known value)."""
+    """The newest non-None value (None never erases a known value, so parallel branches that do
+    not know a key do not clear it). To reset a key to None, bypass the reducer:
+    ``{"pool_id": Overwrite(None)}`` (``langgraph.types.Overwrite``; ``{"__overwrite__": null}``
+    over the LangGraph REST API)."""
     return current if update is None else update
 
 
@@ -77,6 +83,11 @@ class PolyKVState(TypedDict, total=False):
     """0..1: how close the session / KV is to the wall (compact before 1)."""
     ctx_headroom_tokens: Annotated[Optional[int], keep_latest]
     """Tokens the session can still grow by."""
+    pools: Annotated[dict[str, PoolSpec], merge_pools]
+    """What each pool the graph uses is (prefix, parent, branch position), by pool id, so that
+    ``ensure_pool`` can re-create it after a restart (``track_pool`` records one)."""
+    pools_recreated: Annotated[list[dict], append_list]
+    """Pools re-created by ``ensure_pool``: ``{old_pool_id, pool_id, label, prefix_len}``."""
 
 
 class PolyKVMessagesState(PolyKVState, total=False):

@@ -2,21 +2,38 @@
 ``capacity``, ``release_pool`` as LangChain tools with pydantic argument schemas.
 
     tools = polykv_tools(client)                  # a PolyKVClient / AsyncPolyKVClient / Engine / OpencotiChatModel
-    model.bind_tools(tools); ToolNode(tools)
+    model.bind_tools(tools); ToolNode(tools)      # or create_agent(model, tools=[*my_tools, *tools])
 
-Each tool returns a JSON-able dict. Errors of the control plane (unknown pool, prefix contract
-violated, a pool with children, ...) come back to the model as the tool's error text instead of
-failing the graph.
+Each tool returns a JSON-able dict, sync or async. Errors of the control plane (unknown pool,
+prefix contract violated, a pool with children, ...) come back to the model as the tool's error
+text instead of failing the graph. Run by a ``ToolNode`` (or ``create_agent``), the tools also
+keep ``state["pools"]`` (``opencoti.langgraph.pools``): the pools they create are recorded, the
+ones they release forgotten, and a pool id the model gives that is gone (an engine or server
+restart) is re-created from the record and used instead — the answer says so
+(``"recreated": [...]``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Optional
+import json
+from typing import Any, Generator, Optional
 
+from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool, ToolException
-from pydantic import BaseModel, Field
+from langgraph.prebuilt import ToolRuntime
+from langgraph.types import Command
+from pydantic import BaseModel, ConfigDict, Field
 
-from ..client import AsyncPolyKVClient, OpencotiError, PolyKVClient
+from ..client import OpencotiError
+from ._clients import client_pair
+from .pools import POOLS_KEY, aensure_pool, ensure_pool, merge_pools, pool_spec
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    runtime: ToolRuntime = Field(None)
+    """Injected by ToolNode / create_agent (the graph state, the tool call id); not shown to the model."""
 
 
 class ChatMessageArg(BaseModel):
@@ -26,7 +43,7 @@ class ChatMessageArg(BaseModel):
     content: str = Field(description="the message text")
 
 
-class CreatePoolArgs(BaseModel):
+class CreatePoolArgs(_Args):
     """Create a root pool: a shared, immutable prefix other agents can attach to."""
 
     messages: Optional[list[ChatMessageArg]] = Field(
@@ -37,7 +54,7 @@ class CreatePoolArgs(BaseModel):
     label: str = Field("", description="a free-form label")
 
 
-class ForkPoolArgs(BaseModel):
+class ForkPoolArgs(_Args):
     """Fork a pool: extend it (a sub-task context for sub-agents) or branch it (a different toolset)."""
 
     parent_pool_id: int = Field(description="the pool to fork")
@@ -50,43 +67,29 @@ class ForkPoolArgs(BaseModel):
     label: str = Field("", description="a free-form label")
 
 
-class PoolIdArgs(BaseModel):
+class PoolIdArgs(_Args):
     """A pool."""
 
     pool_id: int = Field(description="the pool id")
 
 
-class PoolStatusArgs(BaseModel):
+class PoolStatusArgs(_Args):
     """Status of one pool (with its subtree), or of the whole pool tree."""
 
     pool_id: Optional[int] = Field(None, description="the pool id; omit for the whole tree")
 
 
-class SessionTpsArgs(BaseModel):
+class SessionTpsArgs(_Args):
     """Live decode speed: one session's, or the engine-wide summary."""
 
     session_id: Optional[str] = Field(None, description="the session id; omit for the engine-wide summary")
 
 
-class CapacityArgs(BaseModel):
+class CapacityArgs(_Args):
     """Whether one more sub-agent (a new session) fits a pool now, and why."""
 
     pool_id: int = Field(description="the pool the new sub-agent would attach to")
     expected_tokens: Optional[int] = Field(None, description="tokens the new sub-agent is expected to use")
-
-
-def _resolve(client: Any) -> tuple[PolyKVClient | None, AsyncPolyKVClient | None]:
-    from .chat_model import OpencotiChatModel
-    if isinstance(client, OpencotiChatModel):
-        return client.polykv_client, client.async_polykv_client
-    if isinstance(client, PolyKVClient):
-        return client, None
-    if isinstance(client, AsyncPolyKVClient):
-        return None, client
-    if hasattr(client, "create_pool") and hasattr(client, "capacity") and hasattr(client, "tps_snapshot"):
-        return PolyKVClient(engine=client), AsyncPolyKVClient(engine=client)
-    raise TypeError(f"polykv_tools needs a PolyKVClient, AsyncPolyKVClient, Engine or OpencotiChatModel, "
-                    f"got {type(client).__name__}")
 
 
 def _messages(msgs: Optional[list[ChatMessageArg]]) -> Optional[list[dict]]:
@@ -120,103 +123,149 @@ def _capacity_summary(cap) -> dict:
     return {k: d.get(k) for k in keys}
 
 
-def _wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(**kw):
+# ============================================================================ the tools, as steps
+# Each tool is a generator of steps -- ("call", method, args, kwargs) -> the client's answer,
+# ("ensure", pool_id) -> the live id -- returning (answer, pools update); the sync and the async
+# driver run the same steps.
+Steps = Generator[tuple, Any, tuple[dict, dict]]
+
+
+def _source(messages, text, from_session) -> dict:
+    return {k: v for k, v in (("messages", _messages(messages)), ("text", text), ("from_session", from_session))
+            if v is not None}
+
+
+def _create_pool(messages=None, text=None, from_session=None, pinned=False, label="") -> Steps:
+    src = _source(messages, text, from_session)
+    pool = yield ("call", "create_pool", (), {**src, "pinned": pinned, "label": label})
+    return _pool_summary(pool), _record(pool, src)
+
+
+def _fork_pool(parent_pool_id, messages=None, text=None, from_session=None, branch_pos=None, label="") -> Steps:
+    parent = yield ("ensure", parent_pool_id)
+    src = _source(messages, text, from_session)
+    pool = yield ("call", "fork_pool", (parent,), {**src, "branch_pos": branch_pos, "label": label})
+    return _pool_summary(pool), _record(pool, src)
+
+
+def _pool_status(pool_id=None) -> Steps:
+    if pool_id is None:
+        tree = yield ("call", "pools", (), {})
+        return {"pools": [_pool_summary(p) for p in tree.pools], "tree_depth": tree.tree_depth,
+                "kv_pages_used": tree.kv_pages_used, "kv_pages_total": tree.kv_pages_total}, {}
+    live = yield ("ensure", pool_id)
+    return _pool_summary((yield ("call", "pool", (live,), {}))), {}
+
+
+def _session_tps(session_id=None) -> Steps:
+    return _tps_summary((yield ("call", "tps", (), {})), session_id), {}
+
+
+def _capacity(pool_id, expected_tokens=None) -> Steps:
+    live = yield ("ensure", pool_id)
+    return _capacity_summary((yield ("call", "capacity", (live,), {"expected_tokens": expected_tokens}))), {}
+
+
+def _release_pool(pool_id) -> Steps:
+    yield ("call", "release_pool", (pool_id,), {})
+    return {"pool_id": pool_id, "released": True}, {str(pool_id): None}
+
+
+def _record(pool, src: dict) -> dict:
+    if "from_session" in src:
+        return {str(pool.pool_id): pool_spec(pool, from_session=src["from_session"])}
+    return {str(pool.pool_id): pool_spec(pool, **src)} if src else {}
+
+
+# ============================================================================ drivers
+def _state(runtime: Any) -> dict:
+    st = getattr(runtime, "state", None) if runtime is not None else None
+    return st if isinstance(st, dict) else {}
+
+
+def _finish(name: str, runtime: Any, answer: dict, pools: dict, moved: list[dict]) -> Any:
+    if moved:
+        answer = {**answer, "recreated": moved}
+    if runtime is None or getattr(runtime, "tool_call_id", None) is None or not (pools or moved):
+        return answer
+    update: dict[str, Any] = {POOLS_KEY: pools} if pools else {}
+    if moved:
+        update["pools_recreated"] = moved
+    update["messages"] = [ToolMessage(json.dumps(answer, default=str), tool_call_id=runtime.tool_call_id, name=name)]
+    return Command(update=update)
+
+
+def _sync_tool(name: str, steps, clients) -> Any:
+    def run(runtime: Any = None, **kw):
+        state, pools, moved = _state(runtime), {}, []
+        gen, result = steps(**kw), None
         try:
-            return fn(**kw)
+            while True:
+                step = gen.send(result)
+                if step[0] == "ensure":
+                    result, upd = ensure_pool(clients.sync, {**state, POOLS_KEY: merge_pools(state.get(POOLS_KEY),
+                                                                                           pools)}, step[1])
+                    pools.update(upd.get(POOLS_KEY) or {})
+                    moved += upd.get("pools_recreated") or []
+                else:
+                    result = getattr(clients.sync, step[1])(*step[2], **step[3])
+        except StopIteration as stop:
+            answer, recorded = stop.value
         except OpencotiError as e:
             raise ToolException(f"{type(e).__name__}: {e}") from e
+        return _finish(name, runtime, answer, {**pools, **recorded}, moved)
     return run
 
 
-def _awrap(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def run(**kw):
+def _async_tool(name: str, steps, clients) -> Any:
+    async def run(runtime: Any = None, **kw):
+        state, pools, moved = _state(runtime), {}, []
+        gen, result = steps(**kw), None
         try:
-            return await fn(**kw)
+            while True:
+                step = gen.send(result)
+                if step[0] == "ensure":
+                    result, upd = await aensure_pool(clients.aio, {
+                        **state, POOLS_KEY: merge_pools(state.get(POOLS_KEY), pools)}, step[1])
+                    pools.update(upd.get(POOLS_KEY) or {})
+                    moved += upd.get("pools_recreated") or []
+                else:
+                    result = await getattr(clients.aio, step[1])(*step[2], **step[3])
+        except StopIteration as stop:
+            answer, recorded = stop.value
         except OpencotiError as e:
             raise ToolException(f"{type(e).__name__}: {e}") from e
+        return _finish(name, runtime, answer, {**pools, **recorded}, moved)
     return run
+
+
+_SPECS = [
+    ("create_pool", _create_pool, CreatePoolArgs,
+     "Create a shared prefix pool (system prompt, tools, a task brief) that sub-agents attach to; "
+     "they then pay only for their own suffix. Returns the pool (pool_id, prefix_len, ...)."),
+    ("fork_pool", _fork_pool, ForkPoolArgs,
+     "Fork a pool: extend it with a sub-task context (give the FULL prefix: the parent's messages plus the "
+     "new ones), or branch at an earlier position for a different toolset. Returns the child pool."),
+    ("pool_status", _pool_status, PoolStatusArgs,
+     "Status of a pool (prefix length, KV bytes, attached sessions, children) or of the whole pool tree."),
+    ("session_tps", _session_tps, SessionTpsArgs,
+     "Live decode speed (tokens/s) and context headroom of a session, or the engine-wide summary."),
+    ("capacity", _capacity, CapacityArgs,
+     "Whether one more sub-agent fits a pool under its tps floor and KV/context headroom, and why. "
+     "Check it before spawning; when 'settling' is true, wait instead of spawning."),
+    ("release_pool", _release_pool, PoolIdArgs,
+     "Release a pool you no longer need (release child pools first)."),
+]
 
 
 def polykv_tools(client: Any, *, include: Optional[list[str]] = None) -> list[BaseTool]:
     """The pool-control tools over ``client`` (a PolyKVClient, AsyncPolyKVClient, Engine or
-    OpencotiChatModel). ``include``: only these tool names."""
-    sync, aio = _resolve(client)
-
-    # ------------------------------------------------------------ sync implementations
-    def create_pool(messages=None, text=None, from_session=None, pinned=False, label=""):
-        return _pool_summary(sync.create_pool(messages=_messages(messages), text=text, from_session=from_session,
-                                              pinned=pinned, label=label))
-
-    def fork_pool(parent_pool_id, messages=None, text=None, from_session=None, branch_pos=None, label=""):
-        return _pool_summary(sync.fork_pool(parent_pool_id, messages=_messages(messages), text=text,
-                                            from_session=from_session, branch_pos=branch_pos, label=label))
-
-    def pool_status(pool_id=None):
-        if pool_id is None:
-            tree = sync.pools()
-            return {"pools": [_pool_summary(p) for p in tree.pools], "tree_depth": tree.tree_depth,
-                    "kv_pages_used": tree.kv_pages_used, "kv_pages_total": tree.kv_pages_total}
-        return _pool_summary(sync.pool(pool_id))
-
-    def session_tps(session_id=None):
-        return _tps_summary(sync.tps(), session_id)
-
-    def capacity(pool_id, expected_tokens=None):
-        return _capacity_summary(sync.capacity(pool_id, expected_tokens=expected_tokens))
-
-    def release_pool(pool_id):
-        sync.release_pool(pool_id)
-        return {"pool_id": pool_id, "released": True}
-
-    # ------------------------------------------------------------ async implementations
-    async def acreate_pool(messages=None, text=None, from_session=None, pinned=False, label=""):
-        return _pool_summary(await aio.create_pool(messages=_messages(messages), text=text,
-                                                   from_session=from_session, pinned=pinned, label=label))
-
-    async def afork_pool(parent_pool_id, messages=None, text=None, from_session=None, branch_pos=None, label=""):
-        return _pool_summary(await aio.fork_pool(parent_pool_id, messages=_messages(messages), text=text,
-                                                 from_session=from_session, branch_pos=branch_pos, label=label))
-
-    async def apool_status(pool_id=None):
-        if pool_id is None:
-            tree = await aio.pools()
-            return {"pools": [_pool_summary(p) for p in tree.pools], "tree_depth": tree.tree_depth,
-                    "kv_pages_used": tree.kv_pages_used, "kv_pages_total": tree.kv_pages_total}
-        return _pool_summary(await aio.pool(pool_id))
-
-    async def asession_tps(session_id=None):
-        return _tps_summary(await aio.tps(), session_id)
-
-    async def acapacity(pool_id, expected_tokens=None):
-        return _capacity_summary(await aio.capacity(pool_id, expected_tokens=expected_tokens))
-
-    async def arelease_pool(pool_id):
-        await aio.release_pool(pool_id)
-        return {"pool_id": pool_id, "released": True}
-
-    specs = [
-        ("create_pool", create_pool, acreate_pool, CreatePoolArgs,
-         "Create a shared prefix pool (system prompt, tools, a task brief) that sub-agents attach to; "
-         "they then pay only for their own suffix. Returns the pool (pool_id, prefix_len, ...)."),
-        ("fork_pool", fork_pool, afork_pool, ForkPoolArgs,
-         "Fork a pool: extend it with a sub-task context (give the FULL prefix: the parent's messages plus the "
-         "new ones), or branch at an earlier position for a different toolset. Returns the child pool."),
-        ("pool_status", pool_status, apool_status, PoolStatusArgs,
-         "Status of a pool (prefix length, KV bytes, attached sessions, children) or of the whole pool tree."),
-        ("session_tps", session_tps, asession_tps, SessionTpsArgs,
-         "Live decode speed (tokens/s) and context headroom of a session, or the engine-wide summary."),
-        ("capacity", capacity, acapacity, CapacityArgs,
-         "Whether one more sub-agent fits a pool under its tps floor and KV/context headroom, and why. "
-         "Check it before spawning; when 'settling' is true, wait instead of spawning."),
-        ("release_pool", release_pool, arelease_pool, PoolIdArgs,
-         "Release a pool you no longer need (release child pools first)."),
-    ]
-    tools: list[BaseTool] = []
-    for name, fn, afn, schema, description in specs:
-        if include is not None and name not in include:
-            continue
-        tools.append(StructuredTool.from_function(
-            func=_wrap(fn) if sync is not None else None, coroutine=_awrap(afn) if aio is not None else None,
-            name=name, description=description, args_schema=schema, handle_tool_error=True))
-    return tools
+    OpencotiChatModel), usable with ``invoke`` and ``ainvoke``. ``include``: only these tool names."""
+    clients = client_pair(client)
+    names = [n for n, *_ in _SPECS]
+    if include is not None and (bad := sorted(set(include) - set(names))):
+        raise ValueError(f"unknown tool names {bad}; the tools are {names}")
+    return [StructuredTool.from_function(func=_sync_tool(name, steps, clients),
+                                         coroutine=_async_tool(name, steps, clients), name=name,
+                                         description=description, args_schema=schema, handle_tool_error=True)
+            for name, steps, schema, description in _SPECS if include is None or name in include]

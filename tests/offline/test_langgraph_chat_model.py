@@ -21,7 +21,7 @@ from opencoti.client import ToolCall as ClientToolCall
 from opencoti.engine import SamplingParams
 from opencoti.langgraph import OpencotiChatModel, convert_messages, format_tool_choice
 from opencoti.server import create_app
-from opencoti.server.tools import ToolStreamFilter, parse_tool_choice, tool_choice_prefill, tool_names
+from opencoti.engine.tool_calls import ToolStreamFilter, parse_tool_choice, tool_choice_prefill, tool_names
 
 
 # ============================================================================ the standard suite
@@ -39,6 +39,30 @@ class TestOpencotiStandard(ChatModelUnitTests):
         return ({"OPENCOTI_BASE_URL": "http://10.0.0.1:8080", "OPENCOTI_API_KEY": "k"}, {},
                 {"base_url": "http://10.0.0.1:8080", "api_key": "k"})
 
+    @pytest.mark.xfail(strict=True, raises=ValueError,
+                       reason="upstream limit: langchain-core's load(allowed_objects='all') admits only the partner "
+                              "classes listed in langchain_core.load.mapping (the round trip naming the class is "
+                              "test_serdes_round_trip)")
+    def test_serdes(self, model, snapshot):
+        super().test_serdes(model, snapshot)
+
+
+def test_serdes_round_trip():
+    """dumpd -> load with the class named, as a user loads a third-party model."""
+    import os
+    from unittest import mock
+
+    from langchain_core.load import dumpd, load
+    with mock.patch.dict(os.environ, {"OPENCOTI_API_KEY": "sekrit"}):
+        model = OpencotiChatModel(base_url="http://127.0.0.1:9", model="smollm2", num_predict=64,
+                                  model_kwargs={"repeat_penalty": 1.0})
+        ser = dumpd(model)
+        assert ser["id"] == ["opencoti", "langgraph", "chat_model", "OpencotiChatModel"]
+        assert ser["kwargs"]["api_key"] == {"id": ["OPENCOTI_API_KEY"], "lc": 1, "type": "secret"}
+        assert "sekrit" not in str(ser)  # the secret itself is never written
+        back = load(ser, valid_namespaces=["opencoti"], allowed_objects=[OpencotiChatModel], secrets_from_env=True)
+    assert isinstance(back, OpencotiChatModel) and back.dict() == model.dict()
+    assert back.max_tokens == 64 and back.api_key.get_secret_value() == "sekrit"
 
 
 # ============================================================================ converters

@@ -1,0 +1,318 @@
+"""``CapacityGateNode`` and ``SpawnPacer``: spawn a sub-agent only while its pool has room.
+
+* ``CapacityGateNode``: reads the pool's capacity and routes to a spawn node or a hold node with
+  ``Command(update=..., goto=...)``; can wait (poll with backoff, honouring ``settling``) or
+  ``interrupt()`` until the pool has room. Its return annotation names both targets, so the
+  drawn graph shows its edges. It runs natively in sync (``invoke``) and async (``ainvoke``)
+  graphs, with a sync or an async client.
+* ``SpawnPacer``: spec §14.3 pacing shared by the gates of a fan-out: one spawn decision at a
+  time per pool, never while the pool is settling, and the next decision only once the server has
+  seen the previous spawn's session (so it judges a measurement that includes it). A pool without
+  a tps floor is not paced: every gate spawns at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from types import MethodType
+from typing import Any, Callable, Generator, Literal
+
+from langchain_core.runnables import RunnableLambda
+from langgraph.constants import END
+from langgraph.types import Command, interrupt
+
+from ..client import Capacity
+from ._clients import client_pair
+from .pools import aensure_pool, ensure_pool
+from .state import capacity_update
+
+
+# ============================================================================ pacing
+class SpawnPacer:
+    """Serializes spawn decisions per pool (spec §14.3) — on pools that have a tps floor.
+
+    A gate that uses a pacer takes the pool's turn, waits until the pool admits and is settled
+    (no settle window open, no warming session), and on "spawn" keeps the turn until the server
+    has seen the new session (attached, or an ``admit`` event for it) or ``claim_timeout_s``
+    passes; only then may the next gate decide. Share one pacer between the gates of a fan-out
+    (it is thread-safe, and works under ``ainvoke`` too). On a pool with no floor
+    (``target_tps_per_session`` None) there is nothing to protect: gates spawn at once, unpaced.
+    """
+
+    def __init__(self, claim_timeout_s: float = 10.0, claim_poll_s: float = 0.05):
+        self.claim_timeout_s = claim_timeout_s
+        self.claim_poll_s = claim_poll_s
+        self._locks: dict[int, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._tasks: set = set()
+        self.log: list[dict] = []
+        """Every decision: ``{t, pool_id, decision, settling, n_warming, can_admit, reason, paced}``."""
+
+    def _lock(self, pool_id: int) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(pool_id, threading.Lock())
+
+    def acquire(self, pool_id: int, timeout: float | None) -> bool:
+        """Take the pool's turn (False on timeout)."""
+        return self._lock(pool_id).acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+
+    def release(self, pool_id: int) -> None:
+        self._lock(pool_id).release()
+
+    def record(self, pool_id: int, decision: str, cap: Capacity, paced: bool = True) -> None:
+        with self._guard:
+            self.log.append({"t": time.monotonic(), "pool_id": pool_id, "decision": decision,
+                             "settling": cap.settling, "n_warming": cap.n_warming, "can_admit": cap.can_admit,
+                             "reason": cap.reason, "paced": paced})
+
+    def claim(self, client: Any, pool_id: int, session_id: str) -> None:
+        """Keep the turn until the server knows ``session_id`` (in a watcher thread), then release it."""
+        client = client_pair(client).sync
+        since = time.time() - 1.0
+
+        def arrived() -> bool:
+            # attached now, or admitted since the claim (a short request may be over already)
+            if client.capacity(pool_id, session_id=session_id).known_session:
+                return True
+            return any(e.get("session_id") == session_id for e in client.events(pool_id, since=since))
+
+        def watch():
+            deadline = time.monotonic() + self.claim_timeout_s
+            try:
+                while time.monotonic() < deadline:
+                    try:
+                        if arrived():
+                            return
+                    except Exception:  # noqa: BLE001 - the pool went away: nothing to wait for
+                        return
+                    time.sleep(self.claim_poll_s)
+            finally:
+                self.release(pool_id)
+
+        threading.Thread(target=watch, name=f"opencoti-pacer-{pool_id}", daemon=True).start()
+
+    def aclaim(self, client: Any, pool_id: int, session_id: str) -> None:
+        """``claim`` for async graphs: the watcher is a task on the running loop."""
+        aio = client_pair(client).aio
+        since = time.time() - 1.0
+
+        async def watch():
+            deadline = time.monotonic() + self.claim_timeout_s
+            try:
+                while time.monotonic() < deadline:
+                    try:
+                        if (await aio.capacity(pool_id, session_id=session_id)).known_session:
+                            return
+                        if any(e.get("session_id") == session_id for e in await aio.events(pool_id, since=since)):
+                            return
+                    except Exception:  # noqa: BLE001
+                        return
+                    await asyncio.sleep(self.claim_poll_s)
+            finally:
+                self.release(pool_id)
+
+        task = asyncio.get_running_loop().create_task(watch())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+# ============================================================================ capacity gate
+HoldMode = Literal["route", "wait", "interrupt"]
+
+
+class CapacityGateNode(RunnableLambda):
+    """Route to ``spawn`` when the pool has room for one more session, else to ``hold``.
+
+    ``CapacityGateNode(client, spawn="worker", hold="wait_a_bit")`` reads
+    ``capacity(state["pool_id"])`` and returns ``Command(update={capacity_ok, headroom_sessions,
+    mean_active_tps, reason, settling, compaction_pressure, session_id?}, goto=spawn | hold)``.
+    ``client``: a PolyKVClient, AsyncPolyKVClient, Engine or OpencotiChatModel (either graph kind).
+    A pool that is gone is re-created from ``state["pools"]`` (``ensure_pool``), and the update
+    moves ``pool_id`` to it.
+
+    on_hold: ``"route"`` goes to ``hold`` at once; ``"wait"`` polls (backoff from
+        ``poll_interval_s`` to ``max_poll_interval_s``; while the pool is settling it sleeps until
+        the settle window ends) for up to ``max_wait_s``, then goes to ``hold``; ``"interrupt"``
+        calls ``interrupt(<capacity report>)`` and re-checks when resumed, until the pool admits.
+    require_settled: on a pool with a tps floor, besides ``can_admit``, wait for the pool to be
+        settled (no settle window, no warming session) before spawning (spec §14.3; True by default).
+    pool_id: a fixed pool (default: ``state[pool_key]``).
+    expected_tokens: tokens a new session is expected to use (an int, or a function of the state),
+        checked against the context and KV (the context arm).
+    pacer: a ``SpawnPacer`` shared by the gates of a fan-out; on spawn the gate assigns
+        ``state[session_key]`` (a new id when the state has none), which the spawned agent must
+        use for its model calls, so the pacer can see it arrive.
+    """
+
+    def __init__(self, client: Any, *, spawn: str, hold: str = END, on_hold: HoldMode = "route",
+                 pool_id: int | None = None, pool_key: str = "pool_id",
+                 expected_tokens: int | Callable[[dict], int | None] | None = None, require_settled: bool = True,
+                 max_wait_s: float = 60.0, poll_interval_s: float = 0.1, max_poll_interval_s: float = 2.0,
+                 backoff: float = 1.6, pacer: SpawnPacer | None = None, session_key: str = "session_id",
+                 session_prefix: str = "agent"):
+        if on_hold not in ("route", "wait", "interrupt"):
+            raise ValueError(f"on_hold must be route | wait | interrupt, got {on_hold!r}")
+        self.clients = client_pair(client)
+        self.spawn, self.hold, self.on_hold = spawn, hold, on_hold
+        self.pool_id, self.pool_key = pool_id, pool_key
+        self.expected_tokens = expected_tokens
+        self.require_settled = require_settled
+        self.max_wait_s, self.poll_interval_s = max_wait_s, poll_interval_s
+        self.max_poll_interval_s, self.backoff = max_poll_interval_s, backoff
+        self.pacer, self.session_key, self.session_prefix = pacer, session_key, session_prefix
+        super().__init__(self._run, afunc=self._arun, name=f"capacity_gate_{spawn}")
+        self.__name__ = f"capacity_gate_{spawn}"
+        # The graph builder reads the return annotation of __call__ to draw the edges: give this
+        # instance one naming its own two targets.
+        targets = tuple(dict.fromkeys((spawn, hold)))
+
+        def __call__(self_, state):
+            return type(self_).__call__(self_, state)
+
+        __call__.__annotations__ = {"state": dict, "return": Command[Literal[targets]]}
+        self.__call__ = MethodType(__call__, self)
+
+    def __call__(self, state: dict) -> Command:
+        return self._run(state)
+
+    @property
+    def client(self):
+        """The sync client."""
+        return self.clients.sync
+
+    # ---------------------------------------------------------------- decisions
+    def admits(self, cap: Capacity) -> bool:
+        """Spawn now? ``can_admit``; on a pool with a floor and ``require_settled``, also no
+        settle window / warming session."""
+        if not cap.can_admit:
+            return False
+        if cap.target_tps_per_session is None or not self.require_settled:
+            return True
+        if not cap.guaranteed:
+            return not cap.settling and cap.n_warming == 0
+        return not cap.settling
+
+    def _pool(self, state: dict) -> int:
+        pid = self.pool_id if self.pool_id is not None else state.get(self.pool_key)
+        if pid is None:
+            raise ValueError(f"CapacityGateNode: no pool (give pool_id= or set state[{self.pool_key!r}])")
+        return pid
+
+    def _expected(self, state: dict) -> int | None:
+        e = self.expected_tokens
+        return e(state) if callable(e) else e
+
+    def check(self, state: dict) -> Capacity:
+        """One capacity report for the state's pool."""
+        return self.clients.sync.capacity(self._pool(state), expected_tokens=self._expected(state))
+
+    def _sleep_for(self, cap: Capacity, attempt: int) -> float:
+        if cap.settling and cap.settle_remaining_ms > 0:
+            return min(cap.settle_remaining_ms / 1e3 + 0.01, self.max_poll_interval_s)
+        return min(self.poll_interval_s * self.backoff ** attempt, self.max_poll_interval_s)
+
+    def _steps(self, state: dict, pool_id: int) -> Generator[tuple, Any, tuple[Capacity, bool, dict]]:
+        """The decision as steps (``("capacity",)``, ``("sleep", s)``, ``("acquire", timeout)``,
+        ``("claim", session_id)``) run by the sync or the async driver."""
+        deadline = time.monotonic() + (self.max_wait_s if self.on_hold == "wait" else 0.0)
+        expected = self._expected(state)
+        cap = yield ("capacity", pool_id, expected)
+        paced = self.pacer is not None and cap.target_tps_per_session is not None
+        if paced:
+            got = yield ("acquire", pool_id, max(0.0, deadline - time.monotonic())
+                         if self.on_hold != "interrupt" else 0.0)
+            if not got:
+                cap = cap.model_copy(update={"can_admit": False, "reason": "another spawn is being admitted"})
+                self.pacer.record(pool_id, "hold", cap)
+                return cap, False, {}
+            cap = yield ("capacity", pool_id, expected)
+        attempt = 0
+        try:
+            while not self.admits(cap) and self.on_hold == "wait" and time.monotonic() < deadline:
+                if self.pacer is not None:
+                    self.pacer.record(pool_id, "wait", cap, paced)
+                yield ("sleep", max(0.0, min(self._sleep_for(cap, attempt), deadline - time.monotonic())))
+                attempt += 1
+                cap = yield ("capacity", pool_id, expected)
+        except BaseException:
+            if paced:
+                self.pacer.release(pool_id)
+            raise
+        ok = self.admits(cap)
+        if self.pacer is not None:
+            self.pacer.record(pool_id, "spawn" if ok else "hold", cap, paced)
+        if not ok:
+            if paced:
+                self.pacer.release(pool_id)
+            return cap, False, {}
+        extra: dict = {}
+        if self.pacer is not None:
+            sid = state.get(self.session_key) or f"{self.session_prefix}-{uuid.uuid4().hex[:12]}"
+            extra[self.session_key] = sid
+            if paced:
+                yield ("claim", pool_id, sid)
+        return cap, True, extra
+
+    def decide(self, state: dict) -> tuple[Capacity, bool, dict]:
+        """(report, spawn?, extra state update) — the gate without the routing (sync)."""
+        live, moved = ensure_pool(self.clients.sync, state, self._pool(state))
+        gen, result = self._steps({**state, **moved}, live), None
+        try:
+            while True:
+                step = gen.send(result)
+                result = None
+                if step[0] == "capacity":
+                    result = self.clients.sync.capacity(step[1], expected_tokens=step[2])
+                elif step[0] == "sleep":
+                    time.sleep(step[1])
+                elif step[0] == "acquire":
+                    result = self.pacer.acquire(step[1], step[2])
+                elif step[0] == "claim":
+                    self.pacer.claim(self.clients.sync, step[1], step[2])
+        except StopIteration as stop:
+            cap, ok, extra = stop.value
+        return cap, ok, {**moved, **extra}
+
+    async def adecide(self, state: dict) -> tuple[Capacity, bool, dict]:
+        """``decide`` for async graphs."""
+        live, moved = await aensure_pool(self.clients.aio, state, self._pool(state))
+        gen, result = self._steps({**state, **moved}, live), None
+        try:
+            while True:
+                step = gen.send(result)
+                result = None
+                if step[0] == "capacity":
+                    result = await self.clients.aio.capacity(step[1], expected_tokens=step[2])
+                elif step[0] == "sleep":
+                    await asyncio.sleep(step[1])
+                elif step[0] == "acquire":
+                    result = await asyncio.to_thread(self.pacer.acquire, step[1], step[2])
+                elif step[0] == "claim":
+                    self.pacer.aclaim(self.clients.aio, step[1], step[2])
+        except StopIteration as stop:
+            cap, ok, extra = stop.value
+        return cap, ok, {**moved, **extra}
+
+    def _command(self, cap: Capacity, ok: bool, extra: dict) -> Command:
+        return Command(update={**capacity_update(cap), **extra}, goto=self.spawn if ok else self.hold)
+
+    def _interrupt(self, cap: Capacity) -> None:
+        interrupt({"reason": cap.reason, "pool_id": cap.pool_id, "capacity": cap.model_dump(),
+                   "message": "pool has no capacity for another session; resume to re-check"})
+
+    def _run(self, state: dict) -> Command:
+        cap, ok, extra = self.decide(state)
+        while not ok and self.on_hold == "interrupt":
+            self._interrupt(cap)
+            cap, ok, extra = self.decide(state)
+        return self._command(cap, ok, extra)
+
+    async def _arun(self, state: dict) -> Command:
+        cap, ok, extra = await self.adecide(state)
+        while not ok and self.on_hold == "interrupt":
+            self._interrupt(cap)
+            cap, ok, extra = await self.adecide(state)
+        return self._command(cap, ok, extra)
