@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     from .server.serve import add_arguments as _serve_arguments
     _serve_arguments(sv)
     sv.set_defaults(fn=cmd_serve)
+    cl = sub.add_parser("cluster", help="several engine replicas behind one endpoint (Ray Serve; the cluster extra)")
+    cl_sub = cl.add_subparsers(dest="cluster_cmd", required=True)
+    cls = cl_sub.add_parser("serve", help="N replicas with pool- and prefix-affine routing")
+    from .cluster.serve import add_arguments as _cluster_arguments
+    _cluster_arguments(cls)
+    cls.set_defaults(fn=cmd_cluster_serve)
     b = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     b.add_argument("name", help="benchmark name (engine, pools, cascade, admission, fanout, all)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -76,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_serve(args) -> int:
     from .server.serve import run
+    return run(args)
+
+
+def cmd_cluster_serve(args) -> int:
+    from .cluster.serve import run
     return run(args)
 
 

@@ -154,6 +154,8 @@ class EngineConfig:
     num_threads: torch CPU threads (None = all cores).
     pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
     seed: default RNG seed for requests without one.
+    pool_id_base: pool ids are pool_id_base+1, +2, ... (0: ids 1, 2, ...). A cluster gives each
+        engine its own range so that ids stay unique across engines and say which one holds a pool.
     debug_checks: check the KV invariants each time the step loop goes idle (also on with the
         environment variable OPENCOTI_DEBUG_CHECKS=1).
     """
@@ -174,6 +176,7 @@ class EngineConfig:
     pool_grace_ttl_s: float = 30.0
     seed: int = 0
     cache_dir: str | None = None
+    pool_id_base: int = 0
     debug_checks: bool = False
 
     def __post_init__(self) -> None:
@@ -203,5 +206,7 @@ class EngineConfig:
         _check(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
                f"num_threads must be a positive integer, got {self.num_threads!r}")
         _check(isinstance(self.debug_checks, bool), "debug_checks must be a boolean")
+        _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,
+               f"pool_id_base must be an integer in [0, 2**53 - 2**32), got {self.pool_id_base!r}")
         _check(_is_number(self.pool_grace_ttl_s) and self.pool_grace_ttl_s >= 0,
                f"pool_grace_ttl_s must be >= 0, got {self.pool_grace_ttl_s!r}")

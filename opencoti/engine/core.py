@@ -41,7 +41,7 @@ class EngineCore(PoolOpsMixin):
         self.vocab_size = model.dims.vocab_size
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.sessions: dict[str, Session] = {}
-        self.tree = PoolTree(config.max_pools)
+        self.tree = PoolTree(config.max_pools, id_base=config.pool_id_base)
         self.tables = KVTables(kv)
         self.tables.reclaim = self.reclaim
         self.sampler = Sampler()

@@ -101,11 +101,11 @@ class Pool:
 class PoolTree:
     """Id allocation, the pool budget and tree links."""
 
-    def __init__(self, max_pools: int):
+    def __init__(self, max_pools: int, id_base: int = 0):
         self.max_pools = max_pools
         self.pools: dict[int, Pool] = {}  # live pools (not RELEASED)
         self.released: dict[int, Pool] = {}  # released, KV still referenced by sessions
-        self._next_id = 1
+        self._next_id = id_base + 1  # ids are id_base+1, id_base+2, ... (a cluster gives each engine its own range)
 
     @property
     def num_used(self) -> int:
