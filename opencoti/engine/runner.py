@@ -59,4 +59,5 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, jobs: list[Job]):
         """The one call into the sampler (row i of ``logits`` belongs to ``jobs[i]``)."""
-        return self.sampler.sample(logits, [j.params for j in jobs], [j.generator for j in jobs])
+        return self.sampler.sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
+                                   [j.sampler_state for j in jobs])

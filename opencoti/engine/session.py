@@ -129,6 +129,7 @@ class Job(_Work):
     stopping_word: str = ""
     truncated: bool = False
     info: Any = None  # RequestInfo
+    sampler_state: Any = None  # SamplerState: constraint matcher, penalty window, logit bias
 
 
 @dataclass(kw_only=True)

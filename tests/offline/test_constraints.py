@@ -341,3 +341,30 @@ def test_constraint_from_request_fields():
                     (dict(json_schema={"type": "strnig"}), "strnig")):
         with pytest.raises(InvalidRequestError, match=msg):
             constraint_from_request(**kw)
+
+
+# ============================================================================ through the engine
+def test_engine_constrained_generation_with_preemption_free_batching(engine):
+    """Four constrained requests and one plain one decode together in the tiny engine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = ConstraintSpec.json_schema(PERSON)
+    params = [sp(constraint=spec, seed=s, max_tokens=300) for s in range(4)] + [sp(seed=9, max_tokens=20)]
+    with ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(lambda p: engine.generate("Make a person:", params=p), params))
+    for r in results[:4]:
+        assert r.stop_reason == "eos", r
+        check_person(json.loads(r.text))
+    alone = engine.generate("Make a person:", params=params[4])
+    assert results[4].token_ids == alone.token_ids  # the plain request is not affected by its neighbours
+
+
+def test_engine_rejects_bad_sampler_settings_before_accepting(engine):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.generate("x", params=SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(InvalidRequestError, match="does not match the constraint"):
+        engine.generate("x", params=SamplingParams(constraint=ConstraintSpec.regex("a", prefix="b")))
+    stats = engine.stats()
+    assert stats["requests"] == 0 and stats["sessions"] == 0  # nothing was accepted
+    r = engine.generate("x", params=SamplingParams.greedy(4, logit_bias={t: -math.inf for t in range(V) if t != 65}))
+    assert set(r.token_ids) <= {65} | EOS
