@@ -135,10 +135,11 @@ def _matches(pool: Any, spec: dict, parent_id: Optional[int]) -> bool:
     return parent_id is None or spec.get("branch_pos") is None or pool.branch_pos == spec["branch_pos"]
 
 
-def _plan(specs: dict, pid: int, remap: dict[int, int], key: tuple,
+def _plan(specs: dict, pid: int, remap: dict[int, int], made: list[int], key: tuple,
           depth: int = 0) -> Generator[tuple[str, dict], Any, int]:
     """Yields client operations (``(op, kwargs)``, sent back their results; ``pool`` answers None
-    for a missing pool) and returns the live id of pool ``pid``; fills ``remap`` old -> new."""
+    for a missing pool) and returns the live id of pool ``pid``; fills ``remap`` old -> new and
+    ``made`` (the old ids re-created)."""
     if pid in remap:
         return remap[pid]
     if depth > 64:
@@ -153,7 +154,7 @@ def _plan(specs: dict, pid: int, remap: dict[int, int], key: tuple,
     if _matches(found, spec, spec.get("parent")):
         return pid
     parent = spec.get("parent")
-    parent_live = (yield from _plan(specs, parent, remap, key, depth + 1)) if parent is not None else None
+    parent_live = (yield from _plan(specs, parent, remap, made, key, depth + 1)) if parent is not None else None
     if parent_live != parent and _matches(found, spec, parent_live):
         remap[pid] = pid
         return pid
@@ -176,6 +177,7 @@ def _plan(specs: dict, pid: int, remap: dict[int, int], key: tuple,
         new = yield ("fork_pool", {"parent_id": parent_live, "branch_pos": spec.get("branch_pos"), **src,
                                    "pinned": bool(spec.get("pinned")), "label": spec.get("label") or ""})
     remap[pid] = new.pool_id
+    made.append(pid)
     with _GUARD:
         _RECREATED.setdefault(key, {})[fp] = new.pool_id
     log.warning("pool %s (%r, %d tokens) was gone: re-created as pool %s", pid, spec.get("label") or "",
@@ -183,22 +185,22 @@ def _plan(specs: dict, pid: int, remap: dict[int, int], key: tuple,
     return new.pool_id
 
 
-def _update(state: dict, specs: dict, remap: dict[int, int]) -> dict:
+def _update(state: dict, specs: dict, remap: dict[int, int], made: list[int]) -> dict:
     moved = {o: n for o, n in remap.items() if o != n}
-    if not moved:
+    if not moved and not made:
         return {}
     pools: dict[str, Any] = {str(o): None for o in moved}
     for k, s in specs.items():
         pid = int(k)
-        if pid in moved or s.get("parent") in moved:
+        if pid in remap or s.get("parent") in remap:
             new = dict(s)
-            new["pool_id"] = moved.get(pid, pid)
-            if s.get("parent") in moved:
-                new["parent"] = moved[s["parent"]]
+            new["pool_id"] = remap.get(pid, pid)
+            if s.get("parent") in remap:
+                new["parent"] = remap[s["parent"]]
             pools[str(new["pool_id"])] = new
     upd: dict[str, Any] = {POOLS_KEY: pools, RECREATED_KEY: [
-        {"old_pool_id": o, "pool_id": n, "label": specs[str(o)].get("label") or "",
-         "prefix_len": specs[str(o)].get("prefix_len")} for o, n in moved.items()]}
+        {"old_pool_id": o, "pool_id": remap[o], "label": specs[str(o)].get("label") or "",
+         "prefix_len": specs[str(o)].get("prefix_len")} for o in made]}
     for key in _POOL_KEYS:
         if state.get(key) in moved:
             upd[key] = moved[state[key]]
@@ -222,11 +224,12 @@ def ensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, *,
     pid = _target(state, pool_id, key)
     specs = dict(state.get(POOLS_KEY) or {})
     remap: dict[int, int] = {}
+    made: list[int] = []
     tkey = _transport(client)
     with _GUARD:
         lock = _LOCKS.setdefault(tkey, threading.Lock())
     with lock:
-        gen = _plan(specs, pid, remap, tkey)
+        gen = _plan(specs, pid, remap, made, tkey)
         result: Any = None
         try:
             while True:
@@ -234,7 +237,7 @@ def ensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, *,
                 result = _sync_op(client, op, kw)
         except StopIteration as stop:
             live = stop.value
-    return live, _update(state, specs, remap)
+    return live, _update(state, specs, remap, made)
 
 
 async def aensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, *,
@@ -245,12 +248,13 @@ async def aensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, 
     pid = _target(state, pool_id, key)
     specs = dict(state.get(POOLS_KEY) or {})
     remap: dict[int, int] = {}
+    made: list[int] = []
     tkey = _transport(client)
     lkey = (tkey, id(asyncio.get_running_loop()))
     with _GUARD:
         lock = _ALOCKS.setdefault(lkey, asyncio.Lock())
     async with lock:
-        gen = _plan(specs, pid, remap, tkey)
+        gen = _plan(specs, pid, remap, made, tkey)
         result: Any = None
         try:
             while True:
@@ -258,7 +262,7 @@ async def aensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, 
                 result = await _async_op(client, op, kw)
         except StopIteration as stop:
             live = stop.value
-    return live, _update(state, specs, remap)
+    return live, _update(state, specs, remap, made)
 
 
 def _sync_op(client: PolyKVClient, op: str, kw: dict) -> Any:

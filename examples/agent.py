@@ -1,0 +1,63 @@
+"""A ReAct agent (``create_agent``) with ordinary tools plus the pool tools, on opencoti.
+
+``PolyKVMiddleware`` puts the system prompt + tools in a shared pool and runs each thread's model
+calls in one session, so the second turn of a thread reuses the KV of the first: its
+``usage_metadata["input_token_details"]["cache_read"]`` covers the whole first turn, not only the
+system prompt.
+
+    langgraph dev                       # serves `agent` (and the other examples) from this folder
+    python agent.py                     # two turns on one thread, with a checkpointer
+
+    input:  {"messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+"""
+
+from langchain.agents import create_agent
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+
+from opencoti.langgraph import model_from_env, polykv_tools
+from opencoti.langgraph.agent import PolyKVMiddleware
+
+SYSTEM = "You are a helpful assistant. Use a tool when it helps, then answer in one sentence."
+
+model = model_from_env(temperature=0, max_tokens=96)  # in-process engine, loaded in the background
+
+
+@tool
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"It is sunny and 22 degrees Celsius in {city}."
+
+
+@tool
+def add(a: float, b: float) -> float:
+    """Add two numbers."""
+    return a + b
+
+
+TOOLS = [get_weather, add, *polykv_tools(model)]
+
+
+def build(checkpointer=None):
+    """The agent; ``langgraph dev`` brings its own checkpointer, a script passes one."""
+    return create_agent(model, tools=TOOLS, system_prompt=SYSTEM, middleware=[PolyKVMiddleware()],
+                        checkpointer=checkpointer)
+
+
+graph = build()
+
+
+def main() -> None:
+    agent = build(InMemorySaver())
+    config = {"configurable": {"thread_id": "demo"}}
+    for question in ("What is the weather in Paris?", "And in Rome?"):
+        out = agent.invoke({"messages": [{"role": "user", "content": question}]}, config)
+        answer = out["messages"][-1]
+        usage = answer.usage_metadata or {}
+        print(f"> {question}\n{answer.text}\n  input tokens {usage.get('input_tokens')}, read from the KV cache "
+              f"{usage.get('input_token_details', {}).get('cache_read')} (pool {out.get('pool_id')}, "
+              f"session {out.get('session_id')})")
+
+
+if __name__ == "__main__":
+    main()
