@@ -1,0 +1,177 @@
+"""KV of a token range on disk: save a pool's own KV ``[D, L)`` from its pages, load it back.
+
+File format (``<pool_id>.kv``): a 4 KiB-aligned header (magic, JSON: dtype, shape, the hash of the
+pool's tokens, so a file never loads into another prefix) followed by K then V as
+``[num_layers, n_tokens, num_kv_heads, head_dim]`` raw little-endian arrays. Written to a
+temporary file, fsync'ed, then renamed: a reader sees a complete file or none. Loading maps the
+file (``np.memmap``) and copies token rows straight into the pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger("opencoti.engine.persist")
+
+MAGIC = b"OPENCOTI-KV1\n"
+HEADER = 4096
+
+_NP = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}  # bf16 travels as raw 16-bit words
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    return hashlib.blake2b(np.asarray(tokens, dtype="<u4").tobytes(), digest_size=16).hexdigest()
+
+
+def _slots(page_table: Sequence[int], page_size: int, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(start, end)
+    pages = torch.tensor(list(page_table), dtype=torch.long)[pos // page_size]
+    return pages.to(device), (pos % page_size).to(device)
+
+
+def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies (on the CPU) of the K and V of positions ``[start, end)``: ``[layers, n, H, D]`` each."""
+    pages, slots = _slots(page_table, kv.page_size, start, end, kv.k_cache.device)
+    return tuple(c[:, pages, slots].contiguous().cpu() for c in (kv.k_cache, kv.v_cache))  # type: ignore[return-value]
+
+
+def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int]) -> int:
+    """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written."""
+    path = Path(path)
+    head = json.dumps({"dtype": str(k.dtype).replace("torch.", ""), "shape": list(k.shape), "start": start,
+                       "end": start + k.shape[1], "tokens": tokens_digest(tokens)}).encode()
+    if len(MAGIC) + len(head) + 1 > HEADER:
+        raise ValueError("KV file header too large")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write((MAGIC + head + b"\n").ljust(HEADER, b"\0"))
+        for t in (k, v):
+            if t.dtype == torch.bfloat16:
+                t = t.view(torch.int16)
+            f.write(t.numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return HEADER + 2 * k.numel() * k.element_size()
+
+
+def save_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, end: int,
+            tokens: Sequence[int]) -> int:
+    """Write the KV of positions ``[start, end)`` held in ``page_table``; returns the bytes written."""
+    k, v = snapshot_kv(kv, page_table, start, end)
+    return write_kv(path, k, v, start, tokens)
+
+
+def read_header(path: str | os.PathLike) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER)
+    except OSError:
+        return None
+    if not raw.startswith(MAGIC):
+        return None
+    try:
+        return json.loads(raw[len(MAGIC):].split(b"\n", 1)[0])
+    except ValueError:
+        return None
+
+
+def load_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, end: int,
+            tokens: Sequence[int]) -> bool:
+    """Copy the saved KV of ``[start, end)`` into ``page_table``'s slots. False (and nothing
+    written) when the file is missing or does not match (other tokens, dtype or shape)."""
+    head = read_header(path)
+    dtype = _NP.get(kv.dtype)
+    shape = [kv.num_layers, end - start, kv.num_kv_heads, kv.head_dim]
+    if (head is None or dtype is None or head.get("shape") != shape or head.get("start") != start
+            or head.get("dtype") != str(kv.dtype).replace("torch.", "") or head.get("tokens") != tokens_digest(tokens)):
+        return False
+    count = int(np.prod(shape))
+    try:
+        mm = np.memmap(path, dtype=dtype, mode="r", offset=HEADER, shape=(2, *shape))
+    except (OSError, ValueError):
+        return False
+    if mm.size != 2 * count:
+        return False
+    pages, slots = _slots(page_table, kv.page_size, start, end, kv.k_cache.device)
+    for i, cache in enumerate((kv.k_cache, kv.v_cache)):
+        src = torch.from_numpy(np.array(mm[i]))  # one read into a writable buffer
+        if kv.dtype == torch.bfloat16:
+            src = src.view(torch.bfloat16)
+        cache[:, pages, slots] = src.to(cache.device, non_blocking=False)
+    return True
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class KvWriter:
+    """Writes and removes KV files on its own thread, in the order asked (the step thread only
+    takes the snapshot, a memory copy)."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.errors = 0
+
+    def _put(self, item) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="opencoti-kv-writer", daemon=True)
+            self._thread.start()
+        self._q.put(item)
+
+    def save(self, path: Path, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int]) -> None:
+        self._put(("save", path, k, v, start, list(tokens)))
+
+    def drop(self, path: Path) -> None:
+        self._put(("drop", path))
+
+    def flush(self) -> None:
+        """Wait until everything asked so far is on disk."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._q.put(("flush", done))
+            done.wait()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            try:
+                if item[0] == "save":
+                    write_kv(*item[1:])
+                elif item[0] == "drop":
+                    item[1].unlink(missing_ok=True)
+                else:
+                    item[1].set()
+            except OSError as e:
+                self.errors += 1
+                log.warning("KV file %s: %s", item[1], e)

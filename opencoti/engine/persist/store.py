@@ -1,0 +1,245 @@
+"""StateStore: the engine's durable state in one SQLite database (WAL, one transaction per change).
+
+What is kept: the pool tree (tokens, parent, branch position, label, pin, owner, admission
+policy), named sessions (tokens, pool, owner) and the id high-water mark, so ids are never handed
+out twice, across restarts too. KV is not kept here (see ``kvfile``). SQLite's atomic commit makes
+the database consistent at any instant: a process killed mid-write (kill -9) leaves either the
+whole transaction or none of it. ``synchronous=FULL`` makes every acknowledged change survive a
+power loss too.
+
+One process at a time: the directory is locked (``flock``) while a store is open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..errors import OpencotiError
+
+SCHEMA_VERSION = 1
+DB_NAME = "state.sqlite3"
+LOCK_NAME = "lock"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS pools (
+    pool_id INTEGER PRIMARY KEY,
+    parent INTEGER REFERENCES pools(pool_id),
+    branch_pos INTEGER NOT NULL,
+    tokens BLOB NOT NULL,
+    label TEXT NOT NULL DEFAULT '',
+    pinned INTEGER NOT NULL DEFAULT 0,
+    tenant TEXT,
+    admission TEXT,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    tenant TEXT,
+    pool_id INTEGER,
+    tokens BLOB NOT NULL,
+    updated REAL NOT NULL
+);
+"""
+
+
+class StateDirError(OpencotiError):
+    """The state directory cannot be used (locked by another process, another model, unreadable)."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def decode_tokens(blob: bytes) -> list[int]:
+    return np.frombuffer(blob, dtype="<u4").astype(np.int64).tolist()
+
+
+@dataclass
+class PoolRecord:
+    pool_id: int
+    parent: int | None
+    branch_pos: int
+    tokens: list[int]
+    label: str = ""
+    pinned: bool = False
+    tenant: str | None = None
+    admission: dict | None = None  # the policy fields set on the pool (None = defaults)
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    tokens: list[int]
+    pool_id: int | None = None
+    tenant: str | None = None
+
+
+@dataclass
+class Snapshot:
+    pools: list[PoolRecord]  # ascending ids: every parent comes before its children
+    sessions: list[SessionRecord]
+    next_pool_id: int
+
+
+class StateStore:
+    """The SQLite file of one state directory. Not thread-safe: the engine's step thread owns it."""
+
+    def __init__(self, directory: str | os.PathLike, *, identity: dict | None = None):
+        self.dir = Path(directory).expanduser()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StateDirError(f"cannot create the state directory {self.dir}: {e}") from e
+        self._lock_fd = self._lock()
+        try:
+            self.db = sqlite3.connect(str(self.dir / DB_NAME), isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self._durable = True
+            self.db.execute("PRAGMA foreign_keys=ON")
+            with self.transaction():
+                for stmt in _SCHEMA.strip().split(";"):
+                    if stmt.strip():
+                        self.db.execute(stmt)
+                self._check_meta(identity or {})
+        except sqlite3.Error as e:
+            self.close()
+            raise StateDirError(f"cannot open the state database in {self.dir}: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- open / close
+    def _lock(self) -> int:
+        import fcntl
+
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StateDirError(f"the state directory {self.dir} is in use by another process"
+                                + (f" (pid {other})" if other else "")
+                                + "; give each server its own --state-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def _check_meta(self, identity: dict) -> None:
+        meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
+        version = int(meta.get("schema_version", SCHEMA_VERSION))
+        if version != SCHEMA_VERSION:
+            raise StateDirError(f"the state directory {self.dir} has schema version {version}; this opencoti "
+                                f"reads version {SCHEMA_VERSION}")
+        stored = json.loads(meta["identity"]) if "identity" in meta else None
+        if stored is not None and identity and stored != identity:
+            raise StateDirError(
+                f"the state directory {self.dir} holds pools of another model ({stored}, this engine is "
+                f"{identity}); their tokens mean nothing to this model: use another --state-dir")
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('next_pool_id', '1')")
+        if identity:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('identity', ?)", (json.dumps(identity, sort_keys=True),))
+
+    def close(self) -> None:
+        db = getattr(self, "db", None)
+        if db is not None:
+            try:
+                db.close()
+            finally:
+                self.db = None
+        if getattr(self, "_lock_fd", None) is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self.db is None
+
+    def set_durable(self, durable: bool) -> None:
+        """FULL: the next commits survive a power loss; NORMAL: a crash of the process only (WAL)."""
+        if durable != self._durable:
+            self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._durable = durable
+
+    # ---------------------------------------------------------------- transactions
+    class _Tx:
+        def __init__(self, db):
+            self.db = db
+
+        def __enter__(self):
+            self.db.execute("BEGIN IMMEDIATE")
+            return self
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is None:
+                self.db.execute("COMMIT")
+            else:
+                self.db.execute("ROLLBACK")
+            return False
+
+    def transaction(self) -> "_Tx":
+        """``with store.transaction(): ...``: all or nothing (BEGIN IMMEDIATE ... COMMIT)."""
+        return StateStore._Tx(self.db)
+
+    # ---------------------------------------------------------------- reads
+    def load(self) -> Snapshot:
+        rows = self.db.execute("SELECT pool_id, parent, branch_pos, tokens, label, pinned, tenant, admission, created "
+                               "FROM pools ORDER BY pool_id").fetchall()
+        pools = [PoolRecord(pool_id=r[0], parent=r[1], branch_pos=r[2], tokens=decode_tokens(r[3]), label=r[4],
+                            pinned=bool(r[5]), tenant=r[6], admission=json.loads(r[7]) if r[7] else None,
+                            created=r[8]) for r in rows]
+        srows = self.db.execute("SELECT session_id, tenant, pool_id, tokens FROM sessions ORDER BY session_id").fetchall()
+        sessions = [SessionRecord(session_id=r[0], tenant=r[1], pool_id=r[2], tokens=decode_tokens(r[3]))
+                    for r in srows]
+        return Snapshot(pools=pools, sessions=sessions, next_pool_id=self.next_pool_id())
+
+    def next_pool_id(self) -> int:
+        return int(self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
+
+    def pool_ids(self) -> Iterator[int]:
+        return (r[0] for r in self.db.execute("SELECT pool_id FROM pools"))
+
+    # ---------------------------------------------------------------- writes (call inside a transaction)
+    def reserve_pool_ids(self, next_id: int) -> None:
+        """Ids below ``next_id`` are spent for good (the mark only moves up)."""
+        self.db.execute("UPDATE meta SET value = ? WHERE key = 'next_pool_id' AND CAST(value AS INTEGER) < ?",
+                        (str(int(next_id)), int(next_id)))
+
+    def put_pool(self, rec: PoolRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO pools (pool_id, parent, branch_pos, tokens, label, pinned, tenant, admission, "
+            "created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (rec.pool_id, rec.parent, rec.branch_pos, encode_tokens(rec.tokens), rec.label, int(rec.pinned),
+             rec.tenant, json.dumps(rec.admission, sort_keys=True) if rec.admission else None, rec.created))
+        self.reserve_pool_ids(rec.pool_id + 1)
+
+    def update_pool(self, pool_id: int, *, pinned: bool, label: str, admission: dict | None) -> None:
+        self.db.execute("UPDATE pools SET pinned = ?, label = ?, admission = ? WHERE pool_id = ?",
+                        (int(pinned), label, json.dumps(admission, sort_keys=True) if admission else None, pool_id))
+
+    def delete_pool(self, pool_id: int) -> None:
+        self.db.execute("UPDATE sessions SET pool_id = NULL WHERE pool_id = ?", (pool_id,))
+        self.db.execute("DELETE FROM pools WHERE pool_id = ?", (pool_id,))
+
+    def put_session(self, rec: SessionRecord) -> None:
+        self.db.execute("INSERT OR REPLACE INTO sessions (session_id, tenant, pool_id, tokens, updated) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (rec.session_id, rec.tenant, rec.pool_id, encode_tokens(rec.tokens), time.time()))
+
+    def delete_session(self, session_id: str) -> None:
+        self.db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))

@@ -1,0 +1,378 @@
+"""Persister: keeps a StateStore in step with the engine's pool tree and named sessions.
+
+Runs on the engine's step thread only. ``restore()`` (at engine start) brings the stored tree
+back as EVICTED pools (tokens kept, no KV: they re-materialize on first use, or load their KV
+file, see ``kvfile``) and the stored sessions as idle sessions without KV; pool ids continue
+above the stored high-water mark. ``sync()`` (after every engine command, and on the events that
+change the tree between commands) writes what changed in ONE transaction: pools that became
+resident for the first time (a pool is stored once its creation is acknowledged; one that is
+still computing is not, but its id is already spent), pins, labels, admission policies, released
+pools, sessions' tokens and pool after each request. Writes happen before the command's caller
+is answered, so whatever a client was told survives a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+from ..kv.pools import Pool, Residency, prefix_hashes
+from ..session import Sequence, Session
+from . import kvfile
+from .store import PoolRecord, SessionRecord, StateStore
+
+log = logging.getLogger("opencoti.engine.persist")
+
+AUTO_SESSION_ID = re.compile(r"(?:.*:)?s-[0-9a-f]{12}")  # ids the engine made up (optionally tenant-prefixed)
+
+
+def owner_of(obj) -> str | None:
+    return getattr(obj, "tenant", None)
+
+
+class Persister:
+    enabled = True
+
+    def __init__(self, store: StateStore, core, *, admission=None, kv_files: bool = True):
+        self.store = store
+        self.core = core
+        self.admission = admission  # the engine's admission controller (policy dicts), optional
+        self.kv_dir = store.dir / "kv"
+        self.kv_files = kv_files
+        if kv_files:
+            self.kv_dir.mkdir(exist_ok=True)
+        self._pools: dict[int, tuple] = {}  # stored pool id -> (pinned, label, admission)
+        self._sessions: dict[str, tuple] = {}  # stored session id -> (pool_id, len(tokens), id(seq))
+        self._kv_saved: set[int] = set()  # pool ids whose KV file is written (or queued)
+        self.kv_writer = kvfile.KvWriter()
+        self._reserved = 0
+        self._dirty_sessions: set[str] = set()
+        self.stats: dict = {}
+        core.listeners.append(self.on_event)
+
+    # ================================================================== restore
+    def restore(self) -> dict:
+        t0 = time.perf_counter()
+        core, tree = self.core, self.core.tree
+        snap = self.store.load()
+        restored: dict[int, Pool] = {}
+        skipped = []
+        for rec in snap.pools:
+            parent = restored.get(rec.parent) if rec.parent is not None else None
+            why = self._invalid(rec, parent)
+            if why:
+                skipped.append(rec.pool_id)
+                log.warning("state: pool %d not restored: %s", rec.pool_id, why)
+                continue
+            pool = Pool(pool_id=rec.pool_id, parent=parent, branch_pos=rec.branch_pos, seq=Sequence(rec.tokens),
+                        hashes=prefix_hashes(rec.tokens), pinned=rec.pinned, residency=Residency.EVICTED,
+                        label=rec.label)
+            pool.tenant = rec.tenant
+            tree.pools[pool.pool_id] = pool
+            if parent is not None:
+                parent.children.append(pool)
+            restored[pool.pool_id] = pool
+            self._pools[pool.pool_id] = self._pool_key(pool)
+            if rec.admission and self.admission is not None:
+                try:
+                    self.admission.set_policy(pool.pool_id, **rec.admission)
+                except Exception as e:  # noqa: BLE001 - a policy this version rejects: defaults
+                    log.warning("state: admission policy of pool %d not restored: %s", pool.pool_id, e)
+                self._pools[pool.pool_id] = self._pool_key(pool)
+        tree._next_id = max(tree._next_id, snap.next_pool_id, max(restored, default=0) + 1)
+        self._reserved = snap.next_pool_id
+        n_sessions = 0
+        for rec in snap.sessions:
+            if rec.session_id in core.sessions:
+                continue
+            s = Session(rec.session_id)
+            s.seq = Sequence(rec.tokens)  # no KV: the next request recomputes what it needs
+            s.tenant = rec.tenant
+            pool = restored.get(rec.pool_id) if rec.pool_id is not None else None
+            if pool is not None:
+                s.pool_id = pool.pool_id
+                pool.sessions.add(s.session_id)
+            core.sessions[s.session_id] = s
+            self._sessions[s.session_id] = self._session_key(s)
+            n_sessions += 1
+        loaded = self._load_pinned_kv() if self.kv_files else 0
+        self.sync()
+        self.stats = {"pools": len(restored), "sessions": n_sessions, "skipped_pools": skipped,
+                      "next_pool_id": tree._next_id, "kv_loaded_pools": loaded,
+                      "seconds": time.perf_counter() - t0}
+        return self.stats
+
+    def _invalid(self, rec: PoolRecord, parent: Pool | None) -> str | None:
+        core = self.core
+        if rec.parent is not None and parent is None:
+            return f"its parent {rec.parent} was not restored"
+        if not rec.tokens:
+            return "no tokens"
+        if max(rec.tokens) >= core.vocab_size:
+            return "a token id is outside this model's vocabulary"
+        if len(rec.tokens) > core.max_context:
+            return f"{len(rec.tokens)} tokens exceed the context length {core.max_context}"
+        if parent is not None:
+            d = rec.branch_pos
+            if not 0 <= d <= parent.prefix_len or rec.tokens[:d] != parent.tokens[:d]:
+                return f"its tokens do not extend pool {parent.pool_id} at branch_pos {d}"
+        elif rec.branch_pos != 0:
+            return "a root pool with branch_pos != 0"
+        return None
+
+    # ================================================================== sync
+    def on_event(self, event: str, data: dict) -> None:
+        if event == "materialized":
+            self.sync()
+        elif event == "finish":  # written once per step (one transaction for every session that finished)
+            s = getattr(data.get("job"), "session", None)
+            if s is not None:
+                self._dirty_sessions.add(s.session_id)
+        elif event == "step" and self._dirty_sessions:
+            self.sync()
+
+    def _pool_key(self, pool: Pool) -> tuple:
+        return (pool.pinned, pool.label, self._policy(pool.pool_id))
+
+    def _policy(self, pool_id: int) -> dict | None:
+        adm = self.admission
+        st = getattr(adm, "states", {}).get(pool_id) if adm is not None else None
+        if st is None:
+            return None
+        d = st.policy.as_dict()
+        default = type(st.policy)().as_dict()
+        changed = {k: v for k, v in d.items() if default.get(k) != v}
+        return changed or None
+
+    @staticmethod
+    def _session_key(s: Session) -> tuple:
+        return (s.pool_id, len(s.seq.tokens), id(s.seq))
+
+    @staticmethod
+    def persistable_session(s: Session) -> bool:
+        return s.job is None and not AUTO_SESSION_ID.fullmatch(s.session_id)
+
+    def sync(self) -> None:
+        """Write every change since the last sync in one transaction (no-op when nothing changed)."""
+        if self.store.closed:
+            return
+        core, tree = self.core, self.core.tree
+        ops = []
+        if tree._next_id > self._reserved:
+            ops.append(("reserve", tree._next_id))
+        live = tree.pools
+        for pid in sorted(live):
+            pool = live[pid]
+            if pid not in self._pools:
+                if pool.residency == Residency.MATERIALIZING and not pool.rematerializations:
+                    continue  # not acknowledged yet
+                if pool.parent is not None and pool.parent.pool_id not in self._pools:
+                    continue  # (cannot happen: a parent is resident first) keep the tree closed
+                ops.append(("put", pool))
+            else:
+                key = self._pool_key(pool)
+                if key != self._pools[pid]:
+                    ops.append(("update", pool, key))
+        for pid in sorted(set(self._pools) - set(live), reverse=True):  # leaves first
+            ops.append(("delete", pid))
+        sessions = core.sessions
+        for sid in set(self._sessions) - set(sessions):
+            ops.append(("sdel", sid))
+        for sid, s in sessions.items():
+            if not self.persistable_session(s):
+                continue
+            key = self._session_key(s)
+            if self._sessions.get(sid) != key or sid in self._dirty_sessions:
+                ops.append(("sput", s, key))
+        self._dirty_sessions.clear()
+        if not ops:
+            return
+        stored = (set(self._pools) | {op[1].pool_id for op in ops if op[0] == "put"}) - \
+            {op[1] for op in ops if op[0] == "delete"}
+        # Pool changes and id reservations are fsync'ed before anyone is told (FULL); a transaction
+        # of session tokens only is durable against a crash of the process, not a power loss (NORMAL).
+        durable = any(op[0] not in ("sput", "sdel") for op in ops)
+        self.store.set_durable(durable)
+        with self.store.transaction():
+            for op in ops:
+                self._apply(op, stored)
+        for op in ops:  # the cache follows only after the commit
+            kind = op[0]
+            if kind == "reserve":
+                self._reserved = op[1]
+            elif kind == "put":
+                self._pools[op[1].pool_id] = self._pool_key(op[1])
+            elif kind == "update":
+                self._pools[op[1].pool_id] = op[2]
+            elif kind == "delete":
+                self._pools.pop(op[1], None)
+                self._drop_kv_file(op[1])
+            elif kind == "sdel":
+                self._sessions.pop(op[1], None)
+            elif kind == "sput":
+                self._sessions[op[1].session_id] = op[2]
+        if self.kv_files:
+            self._save_pinned_kv()
+
+    def _apply(self, op: tuple, stored: set[int]) -> None:
+        st = self.store
+        kind = op[0]
+        if kind == "reserve":
+            st.reserve_pool_ids(op[1])
+        elif kind == "put":
+            p = op[1]
+            st.put_pool(PoolRecord(pool_id=p.pool_id, parent=p.parent.pool_id if p.parent else None,
+                                   branch_pos=p.branch_pos, tokens=list(p.tokens), label=p.label, pinned=p.pinned,
+                                   tenant=owner_of(p), admission=self._policy(p.pool_id)))
+        elif kind == "update":
+            p, key = op[1], op[2]
+            st.update_pool(p.pool_id, pinned=key[0], label=key[1], admission=key[2])
+        elif kind == "delete":
+            st.delete_pool(op[1])
+        elif kind == "sdel":
+            st.delete_session(op[1])
+        elif kind == "sput":
+            s = op[1]
+            pool_id = s.pool_id if s.pool_id in stored else None  # a released pool is not stored
+            st.put_session(SessionRecord(session_id=s.session_id, tokens=list(s.seq.tokens), pool_id=pool_id,
+                                         tenant=owner_of(s)))
+
+    # ================================================================== KV files of pinned pools
+    def _kv_path(self, pool_id: int) -> Path:
+        return self.kv_dir / f"{pool_id}.kv"
+
+    def _pinned_closure(self) -> set[int]:
+        """Pinned pools and their ancestors (a pinned pool keeps its ancestors resident)."""
+        out: set[int] = set()
+        for p in self.core.tree.pools.values():
+            if p.pinned:
+                q = p
+                while q is not None and q.pool_id not in out:
+                    out.add(q.pool_id)
+                    q = q.parent
+        return out
+
+    def _save_pinned_kv(self) -> None:
+        want = self._pinned_closure()
+        for pid in list(self._kv_saved - want):
+            self._drop_kv_file(pid)
+        for pid in sorted(want - self._kv_saved):
+            pool = self.core.tree.pools.get(pid)
+            if pool is None or pool.residency != Residency.RESIDENT or pid not in self._pools:
+                continue
+            k, v = kvfile.snapshot_kv(self.core.kv, pool.seq.page_table, pool.branch_pos, pool.prefix_len)
+            self.kv_writer.save(self._kv_path(pid), k, v, pool.branch_pos, pool.tokens)
+            self._kv_saved.add(pid)
+
+    def _drop_kv_file(self, pool_id: int) -> None:
+        self._kv_saved.discard(pool_id)
+        if self.kv_files:
+            self.kv_writer.drop(self._kv_path(pool_id))
+
+    def _load_pinned_kv(self) -> int:
+        """At restart: load the KV files of pinned pools (and their ancestors), parents first, as far
+        as free pages allow; the rest stays evicted (recomputed on first use)."""
+        n = 0
+        closure = self._pinned_closure()
+        for f in self.kv_dir.glob("*.kv*"):  # half-written files, files of pools gone or no longer pinned
+            stem, _, ext = f.name.partition(".")
+            if ext != "kv" or not stem.isdigit() or int(stem) not in closure:
+                f.unlink(missing_ok=True)
+        for pid in sorted(closure):
+            pool = self.core.tree.pools[pid]
+            if self._kv_path(pid).exists():
+                self._kv_saved.add(pid)  # valid for these tokens (checked when loaded)
+            if pool.parent is not None and pool.parent.residency != Residency.RESIDENT:
+                continue
+            if self.load_pool_kv(pool):
+                n += 1
+        return n
+
+    def load_pool_kv(self, pool: Pool) -> bool:
+        """Make an evicted pool (whose parent is resident) resident from its KV file. False when
+        there is no matching file or no free pages (nothing changed then)."""
+        path = self._kv_path(pool.pool_id)
+        if pool.residency != Residency.EVICTED or not path.exists():
+            return False
+        return self._load_into(pool, path)
+
+    def _load_into(self, pool: Pool, path: Path) -> bool:
+        tables, kv = self.core.tables, self.core.kv
+        parent, d, n = pool.parent, pool.branch_pos, pool.prefix_len
+        if parent is not None and parent.residency != Residency.RESIDENT:
+            return False
+        full = d // kv.page_size
+        if not kv.can_allocate(kv.pages_for(n) - full):  # the borrowed pages are the parent's
+            return False
+        if d and not tables.share_into(pool.seq, parent.seq.page_table, d, full):
+            return False
+        if not tables.extend(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n, pool.tokens):
+            tables.drop(pool.seq)
+            return False
+        tables.advance(pool.seq, n - d)
+        pool.residency = Residency.RESIDENT
+        pool.last_access = time.time()
+        self._kv_saved.add(pool.pool_id)
+        return True
+
+    def after(self, result):
+        """Called by the step loop after each command, before its caller gets ``result``."""
+        try:
+            self.sync()
+        except Exception:  # noqa: BLE001 - retried after the next command (sync writes the difference)
+            log.exception("state: writing the state directory failed")
+        return result
+
+    def close(self) -> None:
+        try:
+            self.sync()
+        finally:
+            self.kv_writer.close()
+            self.store.close()
+
+
+def identity_of(engine) -> dict:
+    """What a state directory must match: token ids only mean something to the same tokenizer."""
+    tok = engine.tokenizer
+    return {"model": engine.loaded.name, "vocab_size": int(engine.core.vocab_size),
+            "eos": sorted(int(t) for t in tok.eos_token_ids)}
+
+
+def attach(engine, state_dir, *, kv_files: bool = True) -> Persister:
+    """Open ``state_dir`` for ``engine`` (on its step thread), restore what it holds, keep it in sync."""
+    store = StateStore(state_dir, identity=identity_of(engine))
+    try:
+        p = Persister(store, engine.core, admission=getattr(engine, "_admission", None), kv_files=kv_files)
+        p.restore()
+    except BaseException:
+        store.close()
+        raise
+    log.info("state: %s restored: %d pools (%d with KV loaded), %d sessions in %.3f s; next pool id %d",
+             store.dir, p.stats["pools"], p.stats["kv_loaded_pools"], p.stats["sessions"], p.stats["seconds"],
+             p.stats["next_pool_id"])
+    return p
+
+
+class Ephemeral:
+    """No state directory: nothing persists."""
+
+    enabled = False
+    stats: dict = {}
+
+    @staticmethod
+    def after(result):
+        return result
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_state(engine) -> Persister | Ephemeral:
+    """The engine's persistence: its ``config.state_dir`` restored and kept in sync, or nothing."""
+    state_dir = engine.config.state_dir
+    return attach(engine, state_dir) if state_dir is not None else Ephemeral()
