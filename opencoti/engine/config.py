@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from .checks import is_int as _is_int, is_number as _is_number
 from .errors import InvalidRequestError
 
 _MAX_TOP_LOGPROBS = 20
@@ -14,14 +14,6 @@ _MAX_TOP_LOGPROBS = 20
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise InvalidRequestError(message)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass

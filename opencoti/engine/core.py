@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
+from .admission.decide import AdmissionPlan
 from .config import EngineConfig, SamplingParams
 from .errors import (CapacityError, ContextLengthError, InvalidRequestError, PoolContractError, SessionBusyError, SessionNotFoundError)
 from .kv.pages import PagePool
@@ -28,6 +30,21 @@ from .session import Job, MaterializeJob, Sequence, Session, SessionState
 
 Emit = Callable[[tuple], None]
 _MAX_SESSION_ID = 128
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated generation request and its admission plan (``EngineCore.prepare``)."""
+
+    plan: AdmissionPlan
+    prompt: list
+    params: SamplingParams
+    emit: Emit
+    session_id: str | None
+    session: Session | None
+    pool: Pool | None
+    shared_prefix_n_tokens: int | None
+    sampler_state: SamplerState | None = None  # constraint / penalties / bias (sampling_state.py)
 
 
 class EngineCore(PoolOpsMixin):
@@ -56,9 +73,6 @@ class EngineCore(PoolOpsMixin):
         # Observability hooks, called on the step thread: (event, data) with events
         # submit {job}, token {job, now}, finish {job}, materialized {pool}, step {stats}.
         self.listeners: list[Callable[[str, dict], None]] = []
-        # Admission hook, called after a request is validated and before anything is committed:
-        # gate(pool, session_id, is_new_session, prompt_len, params, overcommit); raising rejects it.
-        self.admission_gate: Callable[..., None] | None = None
 
     # ======================================================================== the step
     @property
@@ -131,10 +145,16 @@ class EngineCore(PoolOpsMixin):
             raise InvalidRequestError(f"session_id must be a non-empty string of at most {_MAX_SESSION_ID} characters")
 
     # ======================================================================== requests
-    def submit(self, prompt: list[int], params: SamplingParams, emit: Emit, *, session_id: str | None = None,
-               pool_id: int | None = None, shared_prefix_n_tokens: int | None = None,
-               overcommit: bool = False) -> Job:
-        """Accept a generation request (validate everything, then commit)."""
+    def submit(self, prompt: list[int], params: SamplingParams, emit: Emit, **kw) -> Job:
+        """Prepare and commit at once, without admission (the Engine goes through its admission
+        controller: prepare -> decide -> commit)."""
+        return self.commit(self.prepare(prompt, params, emit, **kw))
+
+    def prepare(self, prompt: list[int], params: SamplingParams, emit: Emit, *, session_id: str | None = None,
+                pool_id: int | None = None, shared_prefix_n_tokens: int | None = None,
+                overcommit: bool = False) -> PreparedRequest:
+        """Validate a generation request and plan its admission. No side effect: nothing changes
+        until ``commit`` (called on the same step-thread turn, so the checks still hold)."""
         prompt = self._check_tokens(prompt)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
@@ -160,13 +180,21 @@ class EngineCore(PoolOpsMixin):
                 raise PoolContractError(
                     f"shared_prefix_n_tokens={n} but the prompt differs from pool {pool.pool_id}'s tokens at "
                     f"position {common_prefix_len(prompt[:n], pool.tokens[:n])}")
-        if self.admission_gate is not None:
-            self.admission_gate(pool, session_id, session is None, len(prompt), params, overcommit)
+        plan = AdmissionPlan(
+            pool_id=pool.pool_id if pool is not None else None, session_id=session_id,
+            new_to_pool=pool is not None and (session is None or session.pool_id != pool.pool_id),
+            prompt_len=len(prompt), prefix_len=pool.prefix_len if pool is not None else 0,
+            max_tokens=params.max_tokens, overcommit=bool(overcommit))
         # grammar, logit bias and penalties checked against the model (no side effect)
         sampler_state = SamplerState.for_request(params, prompt, self.tokenizer, self.vocab_size)
-        # grammar, logit bias and penalties checked against the model (no side effect)
-        sampler_state = SamplerState.for_request(params, prompt, self.tokenizer, self.vocab_size)
-        # ---- everything validated: commit
+        return PreparedRequest(plan, prompt, params, emit, session_id, session, pool, shared_prefix_n_tokens,
+                               sampler_state=sampler_state)
+
+    def commit(self, req: PreparedRequest, admission: dict | None = None) -> Job:
+        """Commit a prepared request: create/attach its session and queue its job.
+        ``admission``: the admission decision the request carries (``info.admission``)."""
+        prompt, params, emit, session, pool = req.prompt, req.params, req.emit, req.session, req.pool
+        session_id, shared_prefix_n_tokens = req.session_id, req.shared_prefix_n_tokens
         if session is None:
             session = Session(session_id or f"s-{uuid.uuid4().hex[:12]}")
             self.sessions[session.session_id] = session
@@ -197,8 +225,7 @@ class EngineCore(PoolOpsMixin):
         job.generator = make_generator(params.seed, self.config.seed) if not params.is_greedy else None
         job.detok = IncrementalDetokenizer(self.tokenizer.decode)
         job.stopper = StopStringMatcher(params.stop)
-        job.sampler_state = sampler_state
-        job.sampler_state = sampler_state
+        job.sampler_state = req.sampler_state
         cache_n = max(pool_p, own_p)
         job.timings.cache_n = cache_n
         use_own = own_p >= pool_p and own_p > 0
@@ -207,7 +234,7 @@ class EngineCore(PoolOpsMixin):
         session.last_access = time.monotonic()
         info = RequestInfo(request_id=f"req-{next(self._request_ids)}", session_id=session.session_id,
                            pool_id=session.pool_id, cached_prefix_tokens=cache_n, prompt_tokens=len(prompt),
-                           rematerialized_pools=[p.pool_id for p in waits])
+                           rematerialized_pools=[p.pool_id for p in waits], admission=admission)
         job.info = info
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(prompt)

@@ -123,7 +123,7 @@ class Engine:
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)
         self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
-        self._admission = AdmissionController(self, self._metrics)  # installs core.admission_gate
+        self._admission = AdmissionController(self, self._metrics)  # prepare -> decide -> commit; tick()
         self.model_name = self.loaded.name
         self.load_seconds = time.perf_counter() - t0
 
@@ -141,8 +141,14 @@ class Engine:
             if busy and not core.has_work:
                 busy = False
                 self._idle_check()
-            try:  # block only when there is nothing to compute
-                cmd = self._cmds.get_nowait() if core.has_work else self._cmds.get()
+            adm = self._admission
+            adm.tick()  # admission deadlines: settle windows that ran out, held requests to re-try
+            try:  # block only when there is nothing to compute, and then only until the next deadline
+                if core.has_work:
+                    cmd = self._cmds.get_nowait()
+                else:
+                    wake = adm.next_deadline()
+                    cmd = self._cmds.get() if wake is None else self._cmds.get(timeout=max(0.0, wake - adm.clock()))
             except queue.Empty:
                 cmd = None
             while cmd is not None:

@@ -32,13 +32,9 @@ Definitions (what every number means):
   engine would reclaim (idle sessions' own pages, evictable pools). ``compaction_pressure`` (0..1) =
   ``max(KV occupancy, ctx_used / ctx_total)``: it approaches 1 when either the shared cache or this
   session's own context is about to run out, so an orchestrator compacts before the wall.
-* **Step cost model** (``StepCostModel``): the wall time of a pure-decode step of batch size B,
-  from the engine's measured step stats: the measured per-B EWMA where B was seen, else a
-  least-squares line ``a + b*B``; admitting one more decoding session scales everyone's
-  experienced tps by ``min(1, step_s(B) / step_s(B + 1))``.
 
 Everything here runs on the engine's step thread (listener callbacks, and the facade's ``_call``).
-The math classes take explicit timestamps, so tests drive them with a scripted clock.
+The estimators (``tps``) take explicit timestamps, so tests drive them with a scripted clock.
 """
 
 from __future__ import annotations
@@ -47,244 +43,15 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Callable
 
-from .errors import InvalidRequestError
 from .session import Job, SessionState
+from .tps import RateWindow, SessionTps, TpsConfig
+
+__all__ = ["Activity", "Metrics", "RateWindow", "SessionTps", "TpsConfig"]
 
 log = logging.getLogger("opencoti.metrics")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-# ============================================================================ configuration
-@dataclass(frozen=True)
-class TpsConfig:
-    """Windows of the tps estimators and the time-series history.
-
-    window_tokens / window_s: a session's EWMA uses at most the last ``window_tokens`` intervals
-        and only those within ``window_s`` of its newest token (whichever is smaller).
-    tau_s: time constant of the EWMA weights (None = window_s).
-    min_samples: intervals of the current request before a session stops warming.
-    aggregate_window_s: window of the aggregate (and prefill) throughput.
-    history_interval_s: period of the sampled time series (taken on engine steps).
-    history_len: points kept per session; global_history_len: points of the engine-wide series.
-    max_session_histories: sessions whose series are kept (least recently updated dropped first).
-    """
-
-    window_tokens: int = 128
-    window_s: float = 2.0
-    tau_s: float | None = None
-    min_samples: int = 1
-    aggregate_window_s: float = 2.0
-    history_interval_s: float = 0.5
-    history_len: int = 600
-    global_history_len: int = 7200
-    max_session_histories: int = 256
-
-    def __post_init__(self) -> None:
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                raise InvalidRequestError(msg)
-
-        check(_is_int(self.window_tokens) and 1 <= self.window_tokens <= 100_000,
-              f"window_tokens must be an integer in [1, 100000], got {self.window_tokens!r}")
-        for name in ("window_s", "aggregate_window_s", "history_interval_s"):
-            v = getattr(self, name)
-            check(_is_number(v) and 0 < v <= 3600, f"{name} must be a number of seconds in (0, 3600], got {v!r}")
-        check(self.tau_s is None or (_is_number(self.tau_s) and 0 < self.tau_s <= 1e9),
-              f"tau_s must be None or a positive number of seconds, got {self.tau_s!r}")
-        check(_is_int(self.min_samples) and 1 <= self.min_samples <= 1000,
-              f"min_samples must be an integer in [1, 1000], got {self.min_samples!r}")
-        for name in ("history_len", "global_history_len", "max_session_histories"):
-            v = getattr(self, name)
-            check(_is_int(v) and 1 <= v <= 1_000_000, f"{name} must be an integer in [1, 1000000], got {v!r}")
-
-    @property
-    def tau(self) -> float:
-        return self.tau_s if self.tau_s is not None else self.window_s
-
-    def updated(self, **kw) -> "TpsConfig":
-        names = {f.name for f in fields(self)}
-        bad = sorted(set(kw) - names)
-        if bad:
-            raise InvalidRequestError(f"unknown tps setting(s) {bad}; known: {sorted(names)}")
-        return TpsConfig(**{**asdict(self), **kw})
-
-
-# ============================================================================ estimators
-class SessionTps:
-    """Experienced decode tps of one session (see the module docstring for the definition)."""
-
-    __slots__ = ("cfg", "_t", "_dt", "last_t", "chain_key", "chain_intervals", "total_tokens", "_cache")
-
-    def __init__(self, cfg: TpsConfig):
-        self.cfg = cfg
-        self._t: deque[float] = deque(maxlen=cfg.window_tokens)  # end time of each interval
-        self._dt: deque[float] = deque(maxlen=cfg.window_tokens)
-        self.last_t: float | None = None
-        self.chain_key: object = None  # identifies the request whose chain is open
-        self.chain_intervals = 0  # intervals of the current request
-        self.total_tokens = 0  # accepted generated tokens, lifetime
-        self._cache: float | None = None
-
-    def reconfigure(self, cfg: TpsConfig) -> None:
-        self.cfg = cfg
-        self._t = deque(self._t, maxlen=cfg.window_tokens)
-        self._dt = deque(self._dt, maxlen=cfg.window_tokens)
-        self._cache = None
-
-    def on_token(self, t: float, chain_key: object = None) -> None:
-        """One accepted generated token at time ``t``. A new ``chain_key`` (a new request) starts a
-        new chain: the interval since the previous request's last token is not a sample."""
-        self.total_tokens += 1
-        if chain_key is not self.chain_key or self.last_t is None:
-            self.chain_key = chain_key
-            self.chain_intervals = 0
-        else:
-            self._t.append(t)
-            self._dt.append(max(t - self.last_t, 1e-9))
-            self.chain_intervals += 1
-            self._cache = None
-        self.last_t = t
-
-    def is_fresh(self, chain_key: object) -> bool:
-        """Has the request ``chain_key`` produced enough intervals to be measured (not warming)?"""
-        return chain_key is self.chain_key and self.chain_intervals >= self.cfg.min_samples
-
-    def value(self) -> float:
-        """The EWMA in tokens/s over the window (0.0 before the first interval)."""
-        if self._cache is not None:
-            return self._cache
-        if not self._t:
-            return 0.0
-        newest = self._t[-1]
-        cut = newest - self.cfg.window_s
-        tau = self.cfg.tau
-        num = den = 0.0
-        for t, dt in zip(reversed(self._t), reversed(self._dt)):
-            if t < cut and num > 0:
-                break
-            w = math.exp(-(newest - t) / tau)
-            num += w
-            den += w * dt
-        self._cache = num / den if den > 0 else 0.0
-        return self._cache
-
-
-class RateWindow:
-    """Events per second over the last ``window_s`` from timestamped counts ``(t, n)``.
-
-    The rate is ``sum(n after b) / (now - t_b)`` where ``b`` is the last entry at or before
-    ``now - window_s`` (the window's left edge; the counts after it were produced in
-    ``(t_b, now]``), or the first entry of the current busy period when there is none (a gap
-    longer than the window starts a new busy period). It decays to 0 once nothing arrives.
-    """
-
-    __slots__ = ("window_s", "_q")
-
-    def __init__(self, window_s: float):
-        self.window_s = window_s
-        self._q: deque[tuple[float, int]] = deque()
-
-    def add(self, t: float, n: int) -> None:
-        if n > 0:
-            self._q.append((t, n))
-
-    def rate(self, now: float) -> float:
-        q, edge = self._q, now - self.window_s
-        while len(q) >= 2 and q[1][0] <= edge:
-            q.popleft()  # keep one entry at or before the edge: the reference point
-        if len(q) >= 2 and q[0][0] <= edge and q[1][0] - q[0][0] > self.window_s:
-            q.popleft()  # the reference ended an earlier busy period: this one starts at q[0]
-        if len(q) < 2:
-            return 0.0
-        span = now - q[0][0]
-        return sum(n for _, n in list(q)[1:]) / span if span > 0 else 0.0
-
-
-class StepCostModel:
-    """Wall time of a pure-decode step as a function of the batch size B.
-
-    Each pure-decode step (no prefill tokens) of batch size B updates an EWMA of its ``total_s``.
-    ``step_s(B)`` is that measured EWMA once B was seen ``min_count`` times (real hardware is not
-    linear: on CPU a batch of 4 can be faster than a batch of 3), else the least-squares line
-    ``a + b*B`` through the per-B means (each weighted by its sample count, capped). With no line
-    yet (fewer than two batch sizes seen) ``ratio`` falls back to the flat-aggregate model
-    ``n / (n + k)`` (a = 0), the pessimistic end: every extra session costs a full share.
-    """
-
-    def __init__(self, alpha: float = 0.2, max_weight: int = 32, min_count: int = 3):
-        self.alpha = alpha
-        self.max_weight = max_weight
-        self.min_count = min_count
-        self.per_batch: dict[int, list[float]] = {}  # B -> [ewma_s, count]
-        self._fit: tuple[float, float] | None = None
-        self._dirty = False
-
-    def observe(self, batch_size: int, num_prefill_tokens: int, total_s: float) -> None:
-        if batch_size < 1 or num_prefill_tokens or total_s <= 0:
-            return
-        e = self.per_batch.get(batch_size)
-        if e is None:
-            self.per_batch[batch_size] = [total_s, 1]
-        else:
-            e[0] += self.alpha * (total_s - e[0])
-            e[1] += 1
-        self._dirty = True
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b) with a, b >= 0, or None with fewer than two batch sizes observed."""
-        if not self._dirty:
-            return self._fit
-        self._dirty = False
-        pts = [(b, e[0], min(e[1], self.max_weight)) for b, e in self.per_batch.items()]
-        if len(pts) < 2:
-            self._fit = None
-            return None
-        sw = sum(w for _, _, w in pts)
-        mx = sum(w * x for x, _, w in pts) / sw
-        my = sum(w * y for _, y, w in pts) / sw
-        sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
-        sxy = sum(w * (x - mx) * (y - my) for x, y, w in pts)
-        b = sxy / sxx if sxx > 0 else 0.0
-        a = my - b * mx
-        if b < 0:  # noise: a bigger batch measured faster; treat extra sessions as free
-            a, b = my, 0.0
-        if a < 0:  # line through the origin instead
-            a = 0.0
-            b = sum(w * x * y for x, y, w in pts) / sum(w * x * x for x, _, w in pts)
-        self._fit = (a, b)
-        return self._fit
-
-    def step_s(self, batch_size: int) -> float | None:
-        e = self.per_batch.get(batch_size)
-        if e is not None and e[1] >= self.min_count:
-            return e[0]
-        f = self.fit()
-        return None if f is None else f[0] + f[1] * batch_size
-
-    def ratio(self, n: int, k: int = 1) -> float:
-        """Factor (<= 1) on a session's tps when the decode batch grows from n to n + k."""
-        if n <= 0:
-            return 1.0
-        now_s, then_s = self.step_s(n), self.step_s(n + k)
-        if now_s is None or then_s is None or then_s <= 0:
-            return n / (n + k)
-        return min(1.0, now_s / then_s)
-
-    def as_dict(self) -> dict:
-        f = self.fit()
-        return {"a_s": f[0] if f else None, "b_s_per_session": f[1] if f else None,
-                "per_batch_step_s": {b: e[0] for b, e in sorted(self.per_batch.items())},
-                "model": "step_s(B) = a + b*B" if f else "n/(n+1) (one batch size observed)"}
 
 
 # ============================================================================ engine adapter
@@ -314,7 +81,6 @@ class Metrics:
         self.meters: dict[str, SessionTps] = {}
         self.aggregate = RateWindow(self.cfg.aggregate_window_s)
         self.prefill = RateWindow(self.cfg.aggregate_window_s)
-        self.step_model = StepCostModel()
         self._step_tokens = 0
         self.totals = {"decode_steps": 0, "prefill_tokens_computed": 0, "generated_tokens": 0}
         self.pool_counters: dict[int, dict] = {}
@@ -391,10 +157,8 @@ class Metrics:
         if stats.num_prefill_tokens:
             self.prefill.add(now, stats.num_prefill_tokens)
             self.totals["prefill_tokens_computed"] += stats.num_prefill_tokens
-        if stats.num_seqs:
-            self.totals["decode_steps"] += 1 if stats.num_decode else 0
-            self.step_model.observe(stats.num_seqs if stats.num_decode == stats.num_seqs else 0,
-                                    stats.num_prefill_tokens, stats.total_s)
+        if stats.num_seqs and stats.num_decode:
+            self.totals["decode_steps"] += 1
         if now - self._last_hist >= self.cfg.history_interval_s:
             self._last_hist = now
             self._sample_history(now)

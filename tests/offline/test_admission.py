@@ -1,8 +1,9 @@
-"""Admission control (spec §4.4, §6, §13.3 P6b, §14.2 P7).
+"""Admission control (docs/polykv.md): plan -> decide -> commit.
 
-Three layers: the capacity math on scripted inputs; the controller (settle windows, drop EWMA,
-idle estimate, the gate) on a scripted core with an injectable clock; and the enforced gate on
-real tiny-model engines under decoding load (no timing asserts anywhere).
+Four layers: the capacity maths on scripted inputs; the pure ``decide`` on scripted plans and
+inputs; the controller (settle windows, drop EWMA, idle estimate, deadlines from ``tick``) on a
+scripted core with an injected clock; and the enforced gate on real tiny-model engines under
+decoding load (no timing asserts anywhere).
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ from types import SimpleNamespace
 import pytest
 
 from opencoti.engine import (EngineClosedError, InvalidRequestError, PoolNotFoundError, SamplingParams)
-from opencoti.engine.admission import (REASON_CONTEXT, REASON_FLOOR, REASON_FLOOR_IDLE, REASON_GUARANTEED, REASON_KV,
-                                       REASON_OK, REASON_SETTLING, AdmissionController, AdmissionPolicy,
-                                       CapacityInputs, PoolState, compute_capacity, fold_drop)
+from opencoti.engine.admission import (ADMIT, HOLD, REASON_CONTEXT, REASON_FLOOR, REASON_FLOOR_IDLE,
+                                       REASON_GUARANTEED, REASON_KV, REASON_OK, REASON_QUEUE_TIMEOUT,
+                                       REASON_SETTLING, REJECT, AdmissionController, AdmissionPlan,
+                                       AdmissionPolicy, CapacityInputs, GateInputs, PoolState, compute_capacity,
+                                       decide, fold_drop)
 from opencoti.engine.config import SamplingParams as SP
 from opencoti.engine.errors import PoolSaturatedError
-from opencoti.engine.kv.pools import PoolTree, Residency
+from opencoti.engine.kv.pools import Residency
 from opencoti.engine.metrics import Metrics
-from opencoti.engine.scheduler import StepStats
 from opencoti.engine.session import Job, Sequence, Session, SessionState
+
+from fake_core import FakeCore
 
 FLOOR_REASONS = (REASON_FLOOR, REASON_FLOOR_IDLE)
 
@@ -85,9 +89,8 @@ def test_model_projection_and_measured_projection():
     assert compute_capacity(inputs(policy=p8, drop_ewma=1.5, drop_samples=1))["can_admit"]
     cap = compute_capacity(inputs(policy=p8))
     assert not cap["can_admit"] and cap["reason"] == REASON_FLOOR
-    # a fitted step-cost model replaces n/(n+1)
-    cap = compute_capacity(inputs(ratio=lambda n, k: 0.9))
-    assert cap["projected_mean_tps_model"] == pytest.approx(9.0)
+    # the model stays the conservative n/(n+1) bound whatever the batch: 4 decoding -> 4/5
+    assert compute_capacity(inputs(n_decoding=4))["projected_mean_tps_model"] == pytest.approx(8.0)
     # how many more the floor allows: measured (10 - 5) // 1.5 = 3; model: 10 * 2/(2+k) >= 5 -> k <= 2
     assert compute_capacity(inputs(drop_ewma=1.5, drop_samples=1))["tps_headroom_sessions"] == 3
     assert compute_capacity(inputs())["tps_headroom_sessions"] == 2
@@ -161,34 +164,83 @@ def test_compaction_pressure_bounds():
         assert 0.0 <= cap["compaction_pressure"] <= 1.0
 
 
+# ============================================================================ decide (pure)
+def gate(now=10.0, **kw) -> GateInputs:
+    cap = kw.pop("capacity", None) or inputs(policy=AdmissionPolicy(target_tps_per_session=9.0, mode="enforced"))
+    return GateInputs(cap, now, **kw)
+
+
+PLAN = AdmissionPlan(pool_id=3, session_id="x", new_to_pool=True, prompt_len=30, prefix_len=20, max_tokens=50)
+
+
+def test_decide_ungated_paths():
+    for plan in (AdmissionPlan(None, "x", False, 5), AdmissionPlan(3, "x", False, 30, 20)):
+        d = decide(plan, gate())
+        assert d.action == ADMIT and d.kind == "ungated" and d.info() is None
+    advisory = inputs(policy=AdmissionPolicy(target_tps_per_session=9.0))
+    assert decide(PLAN, gate(capacity=advisory)).kind == "ungated"
+    assert decide(PLAN, None).kind == "ungated"
+    assert PLAN.expected_tokens == 10 + 50
+
+
+def test_decide_reject_warn_queue_and_overcommit():
+    d = decide(PLAN, gate())  # projected 10 * 2/3 < 9
+    assert d.action == REJECT and d.reason == REASON_FLOOR and 0.5 <= d.retry_after <= 60
+    err = d.error(3)
+    assert err.status_code == 429 and "6.67 < 9" in str(err) and err.capacity is d.capacity
+    d = decide(PLAN, gate(soonest_finish_s=3.0))
+    assert d.retry_after == pytest.approx(3.0)
+    warn = inputs(policy=AdmissionPolicy(target_tps_per_session=9.0, mode="enforced", on_saturation="warn"))
+    d = decide(PLAN, gate(capacity=warn))
+    assert d.action == ADMIT and d.kind == "warned" and "saturated" in d.warning
+    assert d.info(12.0) == {"decision": "warned", "reason": REASON_FLOOR, "warning": d.warning,
+                            "sessions_remaining": 0, "projected_mean_tps_if_admitted": pytest.approx(20 / 3),
+                            "held_ms": 12.0}
+    oc = decide(AdmissionPlan(3, "x", True, 30, 20, 50, overcommit=True), gate())
+    assert oc.action == ADMIT and oc.kind == "overcommit" and "overcommit" in oc.warning
+    big = AdmissionPlan(3, "x", True, 30, 20, 5000, overcommit=True)
+    assert decide(big, gate()).reason == REASON_CONTEXT and decide(big, gate()).action == REJECT
+    q = inputs(policy=AdmissionPolicy(target_tps_per_session=9.0, mode="enforced", on_saturation="queue",
+                                      queue_timeout_ms=2000))
+    d = decide(PLAN, gate(capacity=q))
+    assert d.action == HOLD and d.kind == "queued" and d.deadline == pytest.approx(12.0)
+    d = decide(PLAN, gate(now=12.5, capacity=q, held_since=10.0))
+    assert d.action == REJECT and d.reason == REASON_QUEUE_TIMEOUT and "timed out after 2 s" in d.message
+    assert decide(PLAN, gate(capacity=q, can_hold=False)).action == REJECT  # a caller that cannot wait
+
+
+def test_decide_settling_hold_is_bounded_and_fifo_is_kept():
+    settling = inputs(policy=AdmissionPolicy(target_tps_per_session=1.0, mode="enforced", settle_max_ms=500),
+                      settle_remaining_s=0.3)
+    d = decide(PLAN, gate(capacity=settling))
+    assert d.action == HOLD and d.kind == "settling" and d.wake_at == pytest.approx(10.3)
+    # held for settle_max_ms + 1 s already: decided without the settling arm
+    d = decide(PLAN, gate(now=11.6, capacity=settling, held_since=10.0))
+    assert d.action == ADMIT and d.kind == "admitted"
+    ok = inputs(policy=AdmissionPolicy(target_tps_per_session=1.0, mode="enforced"))
+    d = decide(PLAN, gate(capacity=ok, queued_ahead=2))
+    assert d.action == HOLD and d.kind == "behind"
+    d = decide(PLAN, gate(capacity=ok, queued_ahead=2, can_hold=False))
+    assert d.action == REJECT and "2 requests are queued" in d.message
+
+
+def test_guarantee_is_checked_against_the_engine_load():
+    """N pools that each guarantee one session do not force N sessions past the floor."""
+    pol = AdmissionPolicy(target_tps_per_session=9.0, mode="enforced", guarantee_min_sessions=1)
+    idle_engine = inputs(policy=pol, n_pool_sessions=0, n_engine_inflight=0)
+    assert compute_capacity(idle_engine)["reason"] == REASON_GUARANTEED
+    busy_engine = inputs(policy=pol, n_pool_sessions=0, n_engine_inflight=1)  # another pool's session runs
+    cap = compute_capacity(busy_engine)
+    assert not cap["guaranteed"] and cap["reason"] == REASON_FLOOR
+    two = inputs(policy=pol.updated(guarantee_min_sessions=2), n_pool_sessions=1, n_engine_inflight=1)
+    assert compute_capacity(two)["reason"] == REASON_GUARANTEED
+
+
 # ============================================================================ the controller on a scripted core
-class FakeCore:
-    """Enough of EngineCore for Metrics + AdmissionController; every time comes from ``clock``."""
-
-    def __init__(self, num_pages=1000, page_size=4, max_context=1000):
-        self.listeners = []
-        self.admission_gate = None
-        self.sessions = {}
-        self.tree = PoolTree(8)
-        self.page_size = page_size
-        self.max_context = max_context
-        self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=64 * page_size)
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
-        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
-
-    @staticmethod
-    def _auto_pinned(pool, now):
-        return pool.is_auto_pinned(now, bool(pool.sessions))
-
-    def emit(self, event, **data):
-        for fn in self.listeners:
-            fn(event, data)
-
-
 class Harness:
     def __init__(self, **policy):
         self.t = 0.0
-        self.core = core = FakeCore()
+        self.core = core = FakeCore(num_pages=1000, max_context=1000)
         clock = lambda: self.t  # noqa: E731
         self.metrics = Metrics(core, clock=clock, wall_clock=clock)
         self.posted = []
@@ -198,11 +250,20 @@ class Harness:
         self.pool.residency = Residency.RESIDENT
         self.adm.set_policy(self.pool.pool_id, **policy)
 
+    def plan(self, sid, n_prompt=30, max_tokens=100, overcommit=False) -> AdmissionPlan:
+        s = self.core.sessions.get(sid)
+        return AdmissionPlan(self.pool.pool_id, sid, s is None or s.pool_id != self.pool.pool_id, n_prompt,
+                             self.pool.prefix_len, max_tokens, overcommit)
+
     def submit(self, sid, n_prompt=30, max_tokens=100, overcommit=False) -> Job:
-        """What EngineCore.submit does around the gate: validate, gate, commit, 'submit' event."""
+        """What the controller does for a caller that cannot wait: plan, decide, commit (as the core would)."""
         core, pool = self.core, self.pool
         params = SP.greedy(max_tokens)
-        core.admission_gate(pool, sid, sid not in core.sessions, n_prompt, params, overcommit)
+        plan = self.plan(sid, n_prompt, max_tokens, overcommit)
+        d = self.adm.evaluate(plan, self.t)
+        if d.action == REJECT:
+            raise self.adm.rejected(pool.pool_id, d)
+        assert d.action == ADMIT
         s = core.sessions.setdefault(sid, Session(sid))
         job = Job(seq=Sequence(list(range(1, n_prompt + 1))), params=params, emit=lambda ev: None, session=s,
                   prompt_len=n_prompt, max_context=core.max_context)
@@ -211,6 +272,7 @@ class Harness:
         pool.sessions.add(sid)
         core.scheduler.waiting.append(job)
         core.emit("submit", job=job)
+        self.adm.committed(plan, d, job, self.t)
         return job
 
     def run(self, t_end, *rates):
@@ -234,14 +296,11 @@ class Harness:
         self.t = t_end
 
     def finish(self, job):
-        self.core.scheduler.running.remove(job)
-        job.session.job = None
-        job.finish_reason = "length"
-        self.core.emit("finish", job=job)
+        self.core.finish(job)
 
-    def step(self, t):
+    def tick(self, t):
         self.t = t
-        self.core.emit("step", stats=StepStats())
+        self.adm.tick(t)
 
     def cap(self, **kw):
         return self.adm.capacity(self.pool.pool_id, **kw)
@@ -272,9 +331,11 @@ def test_settle_ends_by_time():
     a = h.submit("a")
     h.run(0.3, (a, 10.0))
     assert h.cap()["settle_remaining_ms"] == pytest.approx(200.0)
-    h.step(0.49)
+    assert h.adm.next_deadline() == pytest.approx(0.5)  # the step loop sleeps until then at most
+    h.tick(0.49)
     assert h.adm.states[h.pool.pool_id].settle is not None
-    h.step(0.5)  # the step listener closes it at the deadline, even if nobody asks
+    h.tick(0.5)  # the step loop's tick closes it at the deadline, even if nobody asks
+    assert h.adm.next_deadline() is None
     assert h.adm.states[h.pool.pool_id].settle is None
     (end,) = h.events("settle_end")
     assert end["by"] == "time" and end["settle_ms"] == pytest.approx(500.0)
@@ -466,6 +527,22 @@ def test_enforced_reject_under_load(loaded):
     assert eng._admission.listener_errors == 0 and eng._metrics.listener_errors == 0
 
 
+def test_a_session_moving_onto_an_enforced_pool_is_gated(loaded):
+    """New to the pool is what counts: a known session that moves onto a saturated pool is refused;
+    its next turn on its own pool is a continuation."""
+    eng, pid = loaded
+    other = eng.create_pool(tokens=toks(3, 12))
+    eng.generate(toks(3, 12) + [7], params=greedy(2), pool_id=other.pool_id, session_id="mover")
+    assert not eng.capacity(pid, session_id="mover")["known_session"]  # known to the engine, not to this pool
+    with pytest.raises(PoolSaturatedError) as e:
+        eng.generate(toks(9, 24) + toks(7, 6), params=greedy(4), pool_id=pid, session_id="mover")
+    assert e.value.reason in FLOOR_REASONS
+    row = next(s for s in eng.tps_snapshot()["sessions"] if s["session_id"] == "mover")
+    assert row["pool_id"] == other.pool_id  # refused before anything changed: still on its pool
+    r = eng.generate(toks(3, 12) + [7, 8, 9], params=greedy(2), pool_id=other.pool_id, session_id="mover")
+    assert r.info.admission is None and r.info.cached_prefix_tokens > 0
+
+
 def test_enforced_warn_admits_with_sessions_remaining(loaded):
     eng, pid = loaded
     eng.set_admission(pid, on_saturation="warn")
@@ -537,12 +614,34 @@ def test_queue_holds_fifo_until_capacity_returns_and_times_out(loaded):
 def test_settling_is_a_bounded_hold_not_a_reject(make_engine):
     eng = make_engine()
     pool = eng.create_pool(tokens=toks(9, 24))
-    eng.set_admission(pool.pool_id, mode="enforced", settle_tokens=1_000_000, settle_max_ms=150)
+    eng.set_admission(pool.pool_id, target_tps_per_session=1e-3, mode="enforced", settle_tokens=1_000_000,
+                      settle_max_ms=150)
     thread, _ = _background(eng, pool.pool_id, "first", n=400, min_tokens=1)
     r = eng.generate(toks(9, 24) + toks(6, 6), params=greedy(4), pool_id=pool.pool_id, session_id="second")
     adm = r.info.admission
     assert adm["decision"] == "admitted" and adm["held_ms"] > 0
     assert [e["kind"] for e in eng.admission_events(pool.pool_id) if e["event"] == "hold"] == ["settling"]
+    # the hold's deadline is driven by the step loop: there is no timer thread
+    assert not [t for t in threading.enumerate() if t.name == "opencoti-admission"]
+    thread.join(60)
+
+
+def test_settle_windows_on_a_pool_without_a_floor_measure_but_never_block(make_engine):
+    eng = make_engine()
+    pool = eng.create_pool(tokens=toks(9, 24))
+    eng.set_admission(pool.pool_id, mode="enforced", settle_tokens=1_000_000, settle_max_ms=60_000)
+    thread, _ = _background(eng, pool.pool_id, "first", n=300, min_tokens=1)
+    cap = eng.capacity(pool.pool_id)
+    assert cap["measuring"] and not cap["settling"] and cap["settle_remaining_ms"] > 0
+    assert cap["can_admit"] and cap["reason"] == REASON_OK
+    r = eng.generate(toks(9, 24) + toks(6, 6), params=greedy(4), pool_id=pool.pool_id, session_id="second")
+    assert r.info.admission["decision"] == "admitted" and r.info.admission["held_ms"] == 0.0
+    assert not [e for e in eng.admission_events(pool.pool_id) if e["event"] == "hold"]
+    # advisory pool without any policy: the same, and the report never says "settling"
+    other = eng.create_pool(tokens=toks(3, 12))
+    eng.generate(toks(3, 12) + [5], params=greedy(2), pool_id=other.pool_id, session_id="o1")
+    cap = eng.capacity(other.pool_id)
+    assert not cap["settling"] and cap["can_admit"]
     thread.join(60)
 
 

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams
-from opencoti.engine.config import SamplingParams as SP
-from opencoti.engine.kv.pools import PoolTree
-from opencoti.engine.metrics import Metrics, RateWindow, SessionTps, StepCostModel, TpsConfig
-from opencoti.engine.session import Job, Sequence, Session, SessionState
+from opencoti.engine.metrics import Metrics, RateWindow, SessionTps, TpsConfig
+from opencoti.engine.session import SessionState
+
+from fake_core import FakeCore
 
 
 def greedy(n: int) -> SamplingParams:
@@ -118,33 +118,6 @@ def test_rate_window_steady_start_gap_and_decay():
     assert w.rate(101.0) == pytest.approx(20.0, rel=1e-6)
 
 
-# ============================================================================ StepCostModel
-def test_step_cost_model_fit_and_fallback():
-    m = StepCostModel()
-    assert m.fit() is None
-    m.observe(2, 0, 0.03)
-    assert m.fit() is None and m.ratio(2) == pytest.approx(2 / 3)  # flat-aggregate fallback
-    for _ in range(5):
-        for b in (1, 2, 4):
-            m.observe(b, 0, 0.01 + 0.01 * b)  # a = 10 ms, b = 10 ms per session
-    a, b = m.fit()
-    assert a == pytest.approx(0.01, abs=1e-3) and b == pytest.approx(0.01, abs=1e-3)
-    assert m.ratio(3) == pytest.approx(0.04 / 0.05, rel=0.02)
-    m.observe(8, 37, 5.0)  # a prefill step: ignored
-    m.observe(0, 0, 5.0)
-    assert set(m.per_batch) == {1, 2, 4}
-    # a batch size seen often enough uses its own measured step time (hardware is not linear)
-    for _ in range(3):
-        m.observe(3, 0, 0.08)
-    assert m.step_s(3) == pytest.approx(0.08, rel=0.05)
-    assert m.ratio(2) == pytest.approx(0.03 / 0.08, rel=0.05) and m.ratio(3) == 1.0  # B=4 is faster: capped
-    flat = StepCostModel()
-    for b in (1, 2, 3):
-        flat.observe(b, 0, 0.03 - 0.001 * b)  # noise: bigger batches measured faster
-    assert flat.fit()[1] == 0.0 and flat.ratio(2) == 1.0
-    assert StepCostModel().ratio(0) == 1.0
-
-
 @pytest.mark.parametrize("kw", [{"window_tokens": 0}, {"window_tokens": 1.5}, {"window_s": 0}, {"window_s": math.inf},
                                 {"tau_s": -1.0}, {"min_samples": 0}, {"history_len": 0},
                                 {"aggregate_window_s": "2"}, {"nope": 1}])
@@ -153,50 +126,7 @@ def test_tps_config_validation(kw):
         TpsConfig().updated(**kw)
 
 
-# ============================================================================ Metrics on a scripted core
-class FakeCore:
-    """Just enough of EngineCore for Metrics: sessions, a scheduler's job lists, KV page counts."""
-
-    def __init__(self, num_pages=100, page_size=4, max_context=200):
-        self.listeners = []
-        self.sessions = {}
-        self.tree = PoolTree(8)
-        self.page_size = page_size
-        self.max_context = max_context
-        self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=64 * page_size)
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
-        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
-
-    @staticmethod
-    def _auto_pinned(pool, now):
-        return pool.is_auto_pinned(now, bool(pool.sessions))
-
-    def emit(self, event, **data):
-        for fn in self.listeners:
-            fn(event, data)
-
-    def job(self, sid, n_prompt=10, max_tokens=50, state=SessionState.DECODE):
-        s = self.sessions.get(sid) or Session(sid)
-        self.sessions[sid] = s
-        job = Job(seq=Sequence(list(range(1, n_prompt + 1))), params=SP.greedy(max_tokens), emit=lambda ev: None,
-                  session=s, prompt_len=n_prompt, max_context=self.max_context)
-        job.state, job.started = state, state != SessionState.WAITING
-        s.job, s.seq = job, job.seq
-        (self.scheduler.waiting if state == SessionState.WAITING else self.scheduler.running).append(job)
-        return job
-
-    def token(self, job, t):
-        job.generated.append(7)
-        job.seq.tokens.append(7)
-        self.emit("token", job=job, now=t)
-
-    def finish(self, job):
-        self.scheduler.running.remove(job)
-        job.session.job = None
-        job.finish_reason = "length"
-        self.emit("finish", job=job)
-
-
+# ============================================================================ Metrics on a scripted core (fake_core.py)
 def test_warming_sessions_are_excluded_from_the_mean():
     core = FakeCore()
     clock = SimpleNamespace(t=0.0)

@@ -1,0 +1,162 @@
+"""Capacity maths: from measured inputs at one instant to the capacity report (pure, no state).
+
+A pool's capacity report answers "does one more session fit?" from these arms, checked in order:
+
+1. **Context arm** (hard, never bypassed): ``expected_tokens`` beyond the KV cells available
+   (free + reclaimable - reserved for running requests' remaining ``max_tokens``) or beyond the
+   context left after the pool prefix -> ``"context headroom exhausted"``.
+2. **Guaranteed minimum**: fewer sessions attached to the pool than ``guarantee_min_sessions`` and
+   fewer requests in flight in the whole engine than that -> admit (``"guaranteed minimum"``),
+   bypassing settling, the floor and the KV-headroom arm: an idle engine always admits.
+3. **Settling** (pools with a floor only): after each new-session admit the pool is settling until
+   that session has decoded ``settle_tokens`` tokens or ``settle_max_ms`` passed.
+4. **KV headroom** (``headroom_sessions`` = available cells / the pool's per-session suffix size)
+   and the **tps floor**: the projected mean tps after one more admit must stay >= the floor.
+
+Projection (all tps numbers are *experienced decode tps*, see ``metrics``):
+
+* ``projected_mean_tps_model`` = ``mean * n / (n + 1)`` with n = the current decode batch: the
+  conservative flat-throughput bound (every extra session costs a full share).
+* ``projected_mean_tps_measured`` = ``mean - drop`` once the pool has absorbed >= 1 admit, where
+  ``drop`` is the pool's learned per-admit drop (``forecast.DropForecast``): its mean, raised by
+  its uncertainty (an upper confidence bound) while few or noisy samples exist. The floor uses
+  the measured projection when it exists, else the model.
+* **Idle estimate**: when nothing decodes but the pool has sessions attached and a fresh settled
+  mean, the projection starts from that mean (``projected_idle_estimate: true``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .policy import (IDLE_FRESH_S, REASON_CONTEXT, REASON_FLOOR, REASON_FLOOR_IDLE, REASON_GUARANTEED, REASON_KV,
+                     REASON_OK, REASON_SETTLING, REASON_UNCERTAIN, AdmissionPolicy)
+
+
+@dataclass
+class CapacityInputs:
+    """Everything ``compute_capacity`` needs, measured at one instant (pure data: tests script it)."""
+
+    policy: AdmissionPolicy
+    mean: float | None  # mean_active_tps (engine-wide; None when no session is active)
+    n_active: int = 0
+    n_warming: int = 0
+    n_decoding: int = 0  # decode batch size
+    n_pool_sessions: int = 0  # sessions attached to the pool (idle ones included)
+    n_engine_inflight: int = 0  # generation requests in flight in the whole engine
+    settle_remaining_s: float | None = None  # None: no settle window open
+    drop_ewma: float | None = None  # the learned per-admit drop (mean)
+    drop_bound: float | None = None  # its upper confidence bound (None: same as the mean)
+    drop_samples: int = 0
+    last_settled_mean: float | None = None
+    last_settled_age_s: float | None = None
+    available_cells: int = 0  # free + reclaimable - reserved
+    free_cells: int = 0  # free + reclaimable
+    total_cells: int = 1
+    marginal_tokens: int = 1  # KV tokens one more session of this pool is expected to own
+    expected_tokens: int | None = None
+    context_left: int | None = None  # max_context - pool prefix
+    largest_session_share: float = 0.0  # max ctx_used / ctx_total over the pool's sessions
+    known_session: bool = False
+    idle_fresh_s: float = IDLE_FRESH_S
+
+
+def model_ratio(n: int, k: int = 1) -> float:
+    """The conservative factor on a session's tps when the decode batch grows from n to n + k."""
+    return n / (n + k) if n > 0 else 1.0
+
+
+def compute_capacity(x: CapacityInputs) -> dict:
+    """The capacity report (see the module docstring)."""
+    p = x.policy
+    floor = p.target_tps_per_session
+    model = measured = None
+    idle_estimate = False
+    base, n = x.mean, x.n_decoding
+    if base is None and x.n_pool_sessions > 0 and x.last_settled_mean is not None \
+            and x.last_settled_age_s is not None and x.last_settled_age_s < x.idle_fresh_s:
+        base, n, idle_estimate = x.last_settled_mean, x.n_pool_sessions, True
+    drop = None
+    if x.drop_samples:
+        drop = x.drop_bound if x.drop_bound is not None else x.drop_ewma
+    if base is not None:
+        model = base * model_ratio(max(n, 1))
+        if drop is not None:
+            measured = max(0.0, base - drop)
+    projected = measured if measured is not None else model
+
+    marginal = max(int(x.marginal_tokens), 1)
+    headroom_sessions = max(0, x.available_cells) // marginal
+    kv_headroom_pct = 100.0 * x.free_cells / x.total_cells if x.total_cells else 0.0
+    occupancy = 1.0 - x.free_cells / x.total_cells if x.total_cells else 1.0
+    pressure = min(1.0, max(0.0, occupancy, x.largest_session_share))
+
+    # how many more sessions the floor allows (measured drop when known, else the model)
+    tps_headroom = None
+    if floor is not None and base is not None:
+        if measured is not None:
+            tps_headroom = max(0, int((base - floor) // drop)) if drop > 0 else \
+                (headroom_sessions if base >= floor else 0)
+        else:
+            k = 0
+            while k < 4096 and base * model_ratio(max(n, 1), k + 1) >= floor:
+                k += 1
+            tps_headroom = k
+    sessions_remaining = headroom_sessions if tps_headroom is None else min(headroom_sessions, tps_headroom)
+
+    ctx_limit = x.available_cells if x.context_left is None else min(x.available_cells, x.context_left)
+    context_ok = x.expected_tokens is None or x.expected_tokens <= ctx_limit
+    guaranteed = x.n_pool_sessions < p.guarantee_min_sessions and x.n_engine_inflight < p.guarantee_min_sessions
+    window_open = x.settle_remaining_s is not None
+    settling = window_open and p.has_floor  # a pool without a floor measures but never waits
+    below = floor is not None and projected is not None and projected < floor
+    if not context_ok:
+        can, reason = False, REASON_CONTEXT
+    elif guaranteed:
+        can, reason = True, REASON_GUARANTEED
+    elif settling:
+        can, reason = False, REASON_SETTLING
+    elif headroom_sessions < 1:
+        can, reason = False, REASON_KV
+    elif below:
+        mean_only = measured is not None and x.drop_ewma is not None and base - x.drop_ewma >= floor
+        can = False
+        reason = REASON_FLOOR_IDLE if idle_estimate else REASON_UNCERTAIN if mean_only else REASON_FLOOR
+    else:
+        can, reason = True, REASON_OK
+    return {
+        "can_admit": can,
+        "reason": reason,
+        "projected_mean_tps_if_admitted": projected,
+        "projected_mean_tps_model": model,
+        "projected_mean_tps_measured": measured,
+        "projected_idle_estimate": idle_estimate,
+        "drop_per_admit_ewma": x.drop_ewma,
+        "drop_per_admit_bound": drop,
+        "drop_samples": x.drop_samples,
+        "mean_active_tps": x.mean,
+        "target_tps_per_session": floor,
+        "headroom_sessions": headroom_sessions,
+        "tps_headroom_sessions": tps_headroom,
+        "sessions_remaining": sessions_remaining,
+        "marginal_tokens_per_session": marginal,
+        "kv_headroom_pct": kv_headroom_pct,
+        "kv_free_cells": x.free_cells,
+        "kv_available_cells": max(0, x.available_cells),
+        "kv_total_cells": x.total_cells,
+        "expected_tokens": x.expected_tokens,
+        "context_ok": context_ok,
+        "settling": settling,
+        "measuring": window_open,
+        "settle_remaining_ms": x.settle_remaining_s * 1e3 if window_open else 0.0,
+        "n_active": x.n_active,
+        "n_warming": x.n_warming,
+        "n_decoding": x.n_decoding,
+        "n_pool_sessions": x.n_pool_sessions,
+        "n_engine_inflight": x.n_engine_inflight,
+        "guaranteed": guaranteed and context_ok,
+        "known_session": x.known_session,
+        "compaction_pressure": pressure,
+        "mode": p.mode,
+        "on_saturation": p.on_saturation,
+    }

@@ -1,0 +1,56 @@
+"""A scripted stand-in for EngineCore: just enough for Metrics and the AdmissionController.
+
+Sessions, a scheduler's job lists, KV page counts and a pool tree; every event is emitted by the
+test (``emit``), with the test's own clock, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from opencoti.engine.config import SamplingParams
+from opencoti.engine.kv.pools import PoolTree
+from opencoti.engine.session import Job, Sequence, Session, SessionState
+
+
+class FakeCore:
+    def __init__(self, num_pages=100, page_size=4, max_context=200):
+        self.listeners = []
+        self.sessions = {}
+        self.tree = PoolTree(8)
+        self.page_size = page_size
+        self.max_context = max_context
+        self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=64 * page_size)
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
+
+    @staticmethod
+    def _auto_pinned(pool, now):
+        return pool.is_auto_pinned(now, bool(pool.sessions))
+
+    def emit(self, event, **data):
+        for fn in self.listeners:
+            fn(event, data)
+
+    def job(self, sid, n_prompt=10, max_tokens=50, state=SessionState.DECODE):
+        s = self.sessions.get(sid) or Session(sid)
+        self.sessions[sid] = s
+        job = Job(seq=Sequence(list(range(1, n_prompt + 1))), params=SamplingParams.greedy(max_tokens),
+                  emit=lambda ev: None, session=s, prompt_len=n_prompt, max_context=self.max_context)
+        job.state, job.started = state, state != SessionState.WAITING
+        s.job, s.seq = job, job.seq
+        (self.scheduler.waiting if state == SessionState.WAITING else self.scheduler.running).append(job)
+        return job
+
+    def token(self, job, t):
+        job.generated.append(7)
+        job.seq.tokens.append(7)
+        self.emit("token", job=job, now=t)
+
+    def finish(self, job):
+        for q in (self.scheduler.running, self.scheduler.waiting):
+            if job in q:
+                q.remove(job)
+        job.session.job = None
+        job.finish_reason = "length"
+        self.emit("finish", job=job)
