@@ -45,11 +45,16 @@ def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[to
     return tuple(c[:, pages, slots].contiguous().cpu() for c in (kv.k_cache, kv.v_cache))  # type: ignore[return-value]
 
 
-def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int]) -> int:
-    """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written."""
+def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int], *,
+             extra: dict | None = None, store_tokens: bool = False) -> int:
+    """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written. ``store_tokens``
+    appends the token ids themselves (``read_tokens``); ``extra`` goes into the header."""
     path = Path(path)
-    head = json.dumps({"dtype": str(k.dtype).replace("torch.", ""), "shape": list(k.shape), "start": start,
-                       "end": start + k.shape[1], "tokens": tokens_digest(tokens)}).encode()
+    meta = {"dtype": str(k.dtype).replace("torch.", ""), "shape": list(k.shape), "start": start,
+            "end": start + k.shape[1], "tokens": tokens_digest(tokens), **(extra or {})}
+    if store_tokens:
+        meta["n_tokens_stored"] = len(tokens)
+    head = json.dumps(meta).encode()
     if len(MAGIC) + len(head) + 1 > HEADER:
         raise ValueError("KV file header too large")
     tmp = path.with_name(path.name + ".tmp")
@@ -59,11 +64,34 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
             if t.dtype == torch.bfloat16:
                 t = t.view(torch.int16)
             f.write(t.numpy().data)
+        if store_tokens:
+            f.write(np.asarray(tokens, dtype="<u4").tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    return HEADER + 2 * k.numel() * k.element_size()
+    return HEADER + 2 * k.numel() * k.element_size() + (4 * len(tokens) if store_tokens else 0)
+
+
+def read_tokens(path: str | os.PathLike, head: dict) -> list[int] | None:
+    """The token ids stored after the KV (files written with ``store_tokens``)."""
+    n = head.get("n_tokens_stored")
+    if not isinstance(n, int) or n < 0:
+        return None
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(head.get("dtype"), 0)
+    shape = head.get("shape")
+    if not itemsize or not isinstance(shape, list):
+        return None
+    offset = HEADER + 2 * int(np.prod(shape)) * itemsize
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            raw = f.read(4 * n)
+    except OSError:
+        return None
+    if len(raw) != 4 * n:
+        return None
+    return np.frombuffer(raw, dtype="<u4").astype(np.int64).tolist()
 
 
 def save_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, end: int,

@@ -1,0 +1,148 @@
+"""Save, restore and erase a session's KV cache by file name, like llama.cpp's
+``POST /slots/{id}?action=save|restore|erase`` (there a slot, here a session).
+
+Files live in ``<state_dir>/slots/``; without a state directory these calls answer 501 as
+llama.cpp does without ``--slot-save-path``. A file holds the session's cached tokens and their
+KV (``kvfile`` format with the tokens appended and the model's identity in the header), so a
+restore needs no recomputation: the session gets private pages holding exactly that KV (it is
+detached from its pool; its next request reuses the restored prefix).
+
+Each function takes the :class:`Engine` or a tenant's :class:`TenantEngine` (whose session ids
+it maps) and runs its engine work on the step thread; the file is written and read by the caller.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
+from ..session import Sequence, Session
+from . import kvfile
+from .sync import identity_of
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class SlotsNotSupportedError(OpencotiError):
+    """Slot files need a state directory (HTTP 501, as llama.cpp without ``--slot-save-path``)."""
+
+    status_code = 501
+    error_type = "not_supported_error"
+
+
+def _resolve(engine, session_id: str):
+    """(the Engine, the engine's session id) for an Engine or a TenantEngine."""
+    inner = getattr(engine, "_eng", None)
+    if inner is not None:  # a tenant's view: its session namespace
+        return inner, engine._sid(session_id)
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidRequestError("session_id must be a non-empty string")
+    return engine, session_id
+
+
+def _path(engine, filename) -> Path:
+    state_dir = engine.config.state_dir
+    if state_dir is None:
+        raise SlotsNotSupportedError("this server does not support slot save/restore: start it with --state-dir")
+    if not isinstance(filename, str) or not _NAME.fullmatch(filename) or ".." in filename:
+        raise InvalidRequestError("Invalid filename: use 1-128 characters of A-Z a-z 0-9 . _ - "
+                                  "(no paths), starting with a letter or digit")
+    d = Path(state_dir).expanduser() / "slots"
+    d.mkdir(exist_ok=True)
+    return d / filename
+
+
+def save_session(engine, session_id: str, filename: str) -> dict:
+    """Write the session's cached tokens and their KV to ``filename``."""
+    eng, sid = _resolve(engine, session_id)
+    path = _path(eng, filename)
+    t0 = time.perf_counter()
+
+    def snap():
+        s: Session = eng.core.get_session(sid)
+        if s.job is not None:
+            raise SessionBusyError(f"session {sid!r} is serving a request; save it when idle")
+        n = s.seq.num_cached
+        toks = list(s.seq.tokens[:n])
+        k, v = kvfile.snapshot_kv(eng.kv, s.seq.page_table, 0, n)
+        return toks, k, v
+
+    toks, k, v = _mapped(engine, eng._call, snap)
+    nbytes = kvfile.write_kv(path, k, v, 0, toks, extra={"identity": identity_of(eng)}, store_tokens=True)
+    return {"filename": filename, "n_saved": len(toks), "n_written": nbytes,
+            "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+
+
+def restore_session(engine, session_id: str, filename: str) -> dict:
+    """Replace the session's cache with the tokens and KV saved in ``filename`` (the session is
+    created when it does not exist)."""
+    eng, sid = _resolve(engine, session_id)
+    path = _path(eng, filename)
+    t0 = time.perf_counter()
+    if not path.exists():
+        raise InvalidRequestError(f"no slot file named {filename!r}")
+    head = kvfile.read_header(path)
+    toks = kvfile.read_tokens(path, head) if head is not None else None
+    if head is None or toks is None:
+        raise InvalidRequestError(f"{filename!r} is not a slot file")
+    if head.get("identity") != identity_of(eng):
+        raise InvalidRequestError(f"{filename!r} was saved by another model ({head.get('identity')})")
+    core = eng.core
+
+    def restore():
+        if toks:
+            core._check_tokens(toks, "the saved tokens")
+            core._check_fits(len(toks), 0, "the saved context")
+        s = core.sessions.get(sid)
+        if s is not None and s.job is not None:
+            raise SessionBusyError(f"session {sid!r} is serving a request; restore it when idle")
+        if s is None:
+            core._check_session_id(sid)
+        seq = Sequence(toks)
+        if toks and not core.tables.extend(seq, len(toks)):  # reclaims idle caches when needed
+            raise CapacityError(f"no room for {eng.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
+                                retry_after=1.0)
+        if toks and not kvfile.load_kv(path, eng.kv, seq.page_table, 0, len(toks), toks):
+            core.tables.drop(seq)
+            raise InvalidRequestError(f"{filename!r} does not match this engine's KV layout (dtype or shape)")
+        # ---- committed
+        if s is None:
+            s = Session(sid)
+            core.sessions[sid] = s
+        else:
+            core._drop_session_kv(s)  # its old cache (and pool attachment) is replaced
+        core.tables.advance(seq, len(toks))
+        s.seq = seq
+        s.last_access = time.monotonic()
+        return len(toks)
+
+    n = _mapped(engine, eng._call, restore)
+    return {"filename": filename, "n_restored": n, "n_read": path.stat().st_size,
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+
+
+def erase_session(engine, session_id: str) -> dict:
+    """Drop the session's cached tokens and KV (the session and its pool attachment stay)."""
+    eng, sid = _resolve(engine, session_id)
+    core = eng.core
+
+    def erase():
+        s = core.get_session(sid)
+        if s.job is not None:
+            raise SessionBusyError(f"session {sid!r} is serving a request; erase it when idle")
+        n = len(s.seq.tokens)
+        core._drop_session_kv(s, detach=False)
+        return n
+
+    return {"n_erased": _mapped(engine, eng._call, erase)}
+
+
+def _mapped(engine, fn, *args):
+    """Run ``fn``; a tenant's view rewrites its session ids out of error messages."""
+    try:
+        return fn(*args)
+    except OpencotiError as e:
+        fix = getattr(engine, "_errors", None)
+        raise (fix(e) if fix is not None else e) from None
