@@ -148,6 +148,8 @@ class EngineConfig:
     seed: default RNG seed for requests without one.
     pool_id_base: pool ids are pool_id_base+1, +2, ... (0: ids 1, 2, ...). A cluster gives each
         engine its own range so that ids stay unique across engines and say which one holds a pool.
+    state_dir: where the pool tree, named sessions and id marks persist across restarts (None:
+        nothing persists; see docs/persistence.md).
     debug_checks: check the KV invariants each time the step loop goes idle (also on with the
         environment variable OPENCOTI_DEBUG_CHECKS=1).
     """
@@ -170,6 +172,7 @@ class EngineConfig:
     cache_dir: str | None = None
     pool_id_base: int = 0
     debug_checks: bool = False
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -198,6 +201,8 @@ class EngineConfig:
         _check(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
                f"num_threads must be a positive integer, got {self.num_threads!r}")
         _check(isinstance(self.debug_checks, bool), "debug_checks must be a boolean")
+        _check(self.state_dir is None or (isinstance(self.state_dir, str) and self.state_dir.strip() != ""),
+               f"state_dir must be a directory path or None, got {self.state_dir!r}")
         _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,
                f"pool_id_base must be an integer in [0, 2**53 - 2**32), got {self.pool_id_base!r}")
         _check(_is_number(self.pool_grace_ttl_s) and self.pool_grace_ttl_s >= 0,

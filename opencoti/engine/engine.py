@@ -25,6 +25,7 @@ from .core import EngineCore
 from .errors import EngineClosedError, InvalidRequestError, SessionBusyError
 from .kv.pages import PagePool
 from .metrics import Metrics
+from .persist.sync import open_state, set_owner
 from .results import GenerationResult, PoolInfo
 from .session import MaterializeJob
 from .streams import AsyncTokenStream, TokenStream
@@ -125,6 +126,7 @@ class Engine:
         self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
         self._admission = AdmissionController(self, self._metrics)  # prepare -> decide -> commit; tick()
         self.model_name = self.loaded.name
+        self._persist = open_state(self)  # config.state_dir: restore the stored pools and sessions, keep in sync
         self.load_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -158,7 +160,7 @@ class Engine:
                 fn, args, kwargs, fut = cmd
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(*args, **kwargs))
+                        fut.set_result(self._persist.after(fn(*args, **kwargs)))  # durable before answered
                     except BaseException as e:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
                 try:
@@ -197,6 +199,7 @@ class Engine:
     def _drain_on_close(self) -> None:
         self._fail_all(EngineClosedError("engine shut down"))
         self._admission.close(EngineClosedError("engine shut down"))  # requests held by admission
+        self._persist.close()
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -337,7 +340,7 @@ class Engine:
                                                           add_generation_prompt=add_generation_prompt))
         return None if tokens is None else list(tokens) if isinstance(tokens, (list, tuple)) else tokens
 
-    def _pool_call(self, op: Callable, *args, **kwargs) -> PoolInfo:
+    def _pool_call(self, op: Callable, *args, tenant: str | None = None, **kwargs) -> PoolInfo:
         done: Future = Future()
 
         def on_done(result):
@@ -348,6 +351,7 @@ class Engine:
 
         def run():
             pool = op(on_done, *args, **kwargs)
+            set_owner(pool, tenant)  # the owning tenant (tenancy.py): given, else the parent's
             return pool
 
         self._call(run)
@@ -357,7 +361,7 @@ class Engine:
     def create_pool(self, *, tokens: Seq[int] | None = None, text: str | None = None,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
                     from_session: str | None = None, pinned: bool = False, label: str = "",
-                    add_generation_prompt: bool = False) -> PoolInfo:
+                    add_generation_prompt: bool = False, tenant: str | None = None) -> PoolInfo:
         """Create a root pool and materialize it (prefill only). Returns when it is resident.
 
         ``messages`` are rendered with the chat template (``add_generation_prompt`` False by
@@ -367,12 +371,12 @@ class Engine:
         if toks is not None and from_session is not None:
             raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
         return self._pool_call(self.core.create_pool, tokens=toks, from_session=from_session, pinned=pinned,
-                               label=label)
+                               label=label, tenant=tenant)
 
     def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Seq[int] | None = None,
                   text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
                   from_session: str | None = None, pinned: bool = False, label: str = "",
-                  add_generation_prompt: bool = False) -> PoolInfo:
+                  add_generation_prompt: bool = False, tenant: str | None = None) -> PoolInfo:
         """Fork ``parent_id`` at ``branch_pos`` D (default: the parent's L, i.e. extend).
 
         ``tokens`` (or text/messages) is the child's FULL prefix [0, L); ``tokens[0:D]`` must equal
@@ -384,7 +388,7 @@ class Engine:
         if branch_pos is None:
             branch_pos = self.pool(parent_id).prefix_len
         return self._pool_call(self.core.fork_pool, parent_id, branch_pos, tokens=toks, from_session=from_session,
-                               pinned=pinned, label=label)
+                               pinned=pinned, label=label, tenant=tenant)
 
     def pool(self, pool_id: int) -> PoolInfo:
         return self._call(lambda: self.core.pool_info(self.core.tree.get(pool_id)))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..kv.pools import Pool, Residency, prefix_hashes
 from ..session import Sequence, Session
+from ..tenancy import set_owner  # noqa: F401 - re-exported for the engine (pool owners are persisted)
 from . import kvfile
 from .store import PoolRecord, SessionRecord, StateStore
 

@@ -1,0 +1,250 @@
+"""State directory: the pool tree, named sessions and id marks survive a restart; ids are never reused."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from opencoti.engine import EngineConfig, InvalidRequestError, PoolNotFoundError, SamplingParams
+from opencoti.engine.persist.store import PoolRecord, SessionRecord, StateDirError, StateStore
+
+ROOT = list(range(10, 42))  # 32 tokens: 8 pages of 4
+EXT = ROOT + [5, 6, 7, 8, 9, 11]  # extends ROOT
+BRANCH = ROOT[:18] + [1, 2, 3, 4, 5]  # branches ROOT at 18 (inside a page)
+
+
+def pools_by_id(eng) -> dict:
+    return {p["pool_id"]: p for p in eng.pools()["pools"]}
+
+
+def tokens_of(eng, pid) -> list[int]:
+    return eng._call(lambda: list(eng.core.tree.pools[pid].tokens))
+
+
+# ============================================================================ the store alone
+def test_store_round_trip_lock_and_identity(tmp_path):
+    st = StateStore(tmp_path, identity={"model": "m", "vocab_size": 10})
+    with st.transaction():
+        st.put_pool(PoolRecord(pool_id=3, parent=None, branch_pos=0, tokens=[1, 2, 3], label="x", pinned=True,
+                               tenant="alice", admission={"mode": "enforce"}))
+        st.put_pool(PoolRecord(pool_id=5, parent=3, branch_pos=2, tokens=[1, 2, 9]))
+        st.put_session(SessionRecord("agent", [1, 2, 9, 4], pool_id=5, tenant="alice"))
+    with pytest.raises(StateDirError, match="in use by another process"):
+        StateStore(tmp_path, identity={"model": "m", "vocab_size": 10})
+    with pytest.raises(RuntimeError):  # a failed transaction leaves nothing behind
+        with st.transaction():
+            st.delete_pool(5)
+            raise RuntimeError("boom")
+    st.close()
+    st = StateStore(tmp_path, identity={"model": "m", "vocab_size": 10})
+    snap = st.load()
+    assert [p.pool_id for p in snap.pools] == [3, 5] and snap.next_pool_id == 6
+    assert snap.pools[0].tokens == [1, 2, 3] and snap.pools[0].admission == {"mode": "enforce"}
+    assert snap.pools[0].tenant == "alice" and snap.pools[0].pinned and snap.pools[1].parent == 3
+    assert snap.sessions[0].tokens == [1, 2, 9, 4] and snap.sessions[0].pool_id == 5
+    with st.transaction():
+        st.reserve_pool_ids(4)  # the mark never moves down
+    assert st.next_pool_id() == 6
+    st.close()
+    with pytest.raises(StateDirError, match="another model"):
+        StateStore(tmp_path, identity={"model": "other", "vocab_size": 10})
+
+
+# ============================================================================ restart
+def test_default_engine_is_ephemeral(make_engine, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    eng = make_engine()
+    assert eng.config.state_dir is None and not eng._persist.enabled
+    eng.create_pool(tokens=[1, 2, 3])
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InvalidRequestError, match="state_dir"):
+        EngineConfig(state_dir="")
+
+
+def test_restart_restores_tree_sessions_and_never_reuses_ids(make_engine, tmp_path):
+    state = str(tmp_path / "state")
+    eng = make_engine(state_dir=state)
+    root = eng.create_pool(tokens=ROOT, label="system")
+    ext = eng.fork_pool(root.pool_id, tokens=EXT, label="tools")
+    br = eng.fork_pool(root.pool_id, branch_pos=18, tokens=BRANCH)
+    gone = eng.create_pool(tokens=[7, 7, 7])
+    eng.release_pool(gone.pool_id)
+    eng.set_admission(root.pool_id, target_tps_per_session=2.5, mode="enforced")
+    prompt = BRANCH + [60, 61, 62]
+    before = eng.generate(prompt, pool_id=br.pool_id, session_id="agent-1", params=SamplingParams.greedy(6))
+    eng.generate([3, 4, 5], params=SamplingParams.greedy(2))  # an anonymous session: not kept
+    eng.check_integrity()
+    eng.shutdown()
+
+    eng = make_engine(state_dir=state)
+    st = eng._persist.stats
+    assert st["pools"] == 3 and st["sessions"] == 1 and st["skipped_pools"] == []
+    pools = pools_by_id(eng)
+    assert sorted(pools) == [root.pool_id, ext.pool_id, br.pool_id]
+    assert pools[ext.pool_id]["parent"] == root.pool_id and pools[br.pool_id]["branch_pos"] == 18
+    assert pools[root.pool_id]["label"] == "system" and pools[ext.pool_id]["label"] == "tools"
+    assert {p["residency"] for p in pools.values()} == {"evicted"}
+    assert tokens_of(eng, ext.pool_id) == EXT and tokens_of(eng, br.pool_id) == BRANCH
+    assert [s["session_id"] for s in pools[br.pool_id]["sessions"]] == ["agent-1"]
+    adm = eng.admission(root.pool_id)
+    assert adm["target_tps_per_session"] == 2.5 and adm["mode"] == "enforced"
+    with pytest.raises(PoolNotFoundError):  # a stale id stays a 404 ...
+        eng.pool(gone.pool_id)
+    new = eng.create_pool(tokens=[8, 8, 8])
+    assert new.pool_id > gone.pool_id  # ... and is never handed out again
+    after = eng.generate(prompt, pool_id=br.pool_id, session_id="agent-1", params=SamplingParams.greedy(6))
+    assert after.token_ids == before.token_ids  # re-materialized on first use, same KV
+    assert after.info.rematerialized_pools == [root.pool_id, br.pool_id]
+    eng.check_integrity()
+    eng.release_session("agent-1")
+    eng.release_pool(ext.pool_id)
+    eng.shutdown()
+
+    eng = make_engine(state_dir=state)
+    pools = pools_by_id(eng)
+    assert sorted(pools) == [root.pool_id, br.pool_id, new.pool_id]
+    assert pools[br.pool_id]["sessions"] == []
+    assert eng.create_pool(tokens=[9, 9]).pool_id == new.pool_id + 1
+
+
+def test_pinned_pools_come_back_resident_from_their_kv_files(make_engine, tmp_path):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    root = eng.create_pool(tokens=ROOT)
+    ext = eng.fork_pool(root.pool_id, tokens=EXT, pinned=True)  # keeps its parent resident too
+    other = eng.create_pool(tokens=[4, 5, 6, 7, 8])
+    prompt = EXT + [70, 71]
+    before = eng.generate(prompt, pool_id=ext.pool_id, params=SamplingParams.greedy(6))
+    eng.shutdown()
+    assert sorted(f.name for f in (state / "kv").iterdir()) == [f"{root.pool_id}.kv", f"{ext.pool_id}.kv"]
+
+    eng = make_engine(state_dir=str(state))
+    assert eng._persist.stats["kv_loaded_pools"] == 2
+    pools = pools_by_id(eng)
+    assert pools[root.pool_id]["residency"] == "resident" and pools[ext.pool_id]["residency"] == "resident"
+    assert pools[other.pool_id]["residency"] == "evicted"
+    after = eng.generate(prompt, pool_id=ext.pool_id, params=SamplingParams.greedy(6))
+    assert after.token_ids == before.token_ids and after.info.rematerialized_pools == []
+    assert after.info.cached_prefix_tokens == len(EXT)
+    eng.check_integrity()
+    eng.unpin_pool(ext.pool_id)
+    eng.shutdown()
+    assert list((state / "kv").iterdir()) == []  # unpinned: the files go
+
+    eng = make_engine(state_dir=str(state))
+    assert {p["residency"] for p in eng.pools()["pools"]} == {"evicted"}
+
+
+def test_a_kv_file_of_other_tokens_is_not_loaded(make_engine, tmp_path):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    a = eng.create_pool(tokens=ROOT, pinned=True)
+    b = eng.create_pool(tokens=BRANCH, pinned=True)
+    eng.shutdown()
+    kv = state / "kv"
+    (kv / f"{a.pool_id}.kv").rename(kv / "tmp")  # swap the files: headers name other tokens
+    (kv / f"{b.pool_id}.kv").rename(kv / f"{a.pool_id}.kv")
+    (kv / "tmp").rename(kv / f"{b.pool_id}.kv")
+    eng = make_engine(state_dir=str(state))
+    assert eng._persist.stats["kv_loaded_pools"] == 0
+    assert {p["residency"] for p in eng.pools()["pools"]} == {"evicted"}
+    r = eng.generate(ROOT + [1], pool_id=a.pool_id, params=SamplingParams.greedy(2))
+    assert r.info.rematerialized_pools == [a.pool_id]
+
+
+def test_state_dir_errors(make_engine, tmp_path):
+    state = str(tmp_path / "state")
+    eng = make_engine(state_dir=state)
+    with pytest.raises(StateDirError, match="in use"):  # two engines never share one directory
+        make_engine(state_dir=state)
+    eng.create_pool(tokens=ROOT)
+    eng.shutdown()
+    with pytest.raises(StateDirError, match="another model"):
+        make_engine(state_dir=state, model="tiny:qwen2")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StateDirError, match="cannot create"):
+        make_engine(state_dir=str(tmp_path / "file" / "state"))
+
+
+def test_rows_that_do_not_fit_are_skipped_not_lost(make_engine, tmp_path):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    root = eng.create_pool(tokens=ROOT)
+    child = eng.fork_pool(root.pool_id, tokens=EXT)
+    eng.shutdown()
+    db = sqlite3.connect(state / "state.sqlite3")  # damage the root's tokens behind the engine's back
+    db.execute("UPDATE pools SET tokens = ? WHERE pool_id = ?", (bytes(4 * 3), root.pool_id))
+    db.commit()
+    db.close()
+    eng = make_engine(state_dir=str(state))
+    assert eng._persist.stats["skipped_pools"] == [child.pool_id]  # no longer extends its parent
+    assert sorted(pools_by_id(eng)) == [root.pool_id]
+    assert eng.create_pool(tokens=[1, 2]).pool_id == child.pool_id + 1
+    eng.check_integrity()
+
+
+def test_owner_survives_a_restart(make_engine, tmp_path):
+    from opencoti.engine.tenancy import TenantEngine
+
+    state = str(tmp_path / "state")
+    eng = make_engine(state_dir=state)
+    alice = TenantEngine(eng, "alice")
+    pa = alice.create_pool(tokens=ROOT)
+    alice.generate(ROOT + [3], pool_id=pa.pool_id, session_id="s1", params=SamplingParams.greedy(2))
+    eng.shutdown()
+    eng = make_engine(state_dir=state)
+    alice, bob = TenantEngine(eng, "alice"), TenantEngine(eng, "bob")
+    assert [p["pool_id"] for p in alice.pools()["pools"]] == [pa.pool_id]
+    assert bob.pools()["pools"] == []
+    with pytest.raises(PoolNotFoundError):
+        bob.pool(pa.pool_id)
+    assert [s["session_id"] for s in alice.pool(pa.pool_id).sessions] == ["s1"]
+
+
+# ============================================================================ slot files
+def test_slot_save_restore_erase(make_engine, tmp_path):
+    from opencoti.engine import SessionNotFoundError
+    from opencoti.engine.persist.slots import SlotsNotSupportedError, erase_session, restore_session, save_session
+    from opencoti.engine.tenancy import TenantEngine
+
+    eng = make_engine(state_dir=str(tmp_path / "state"))
+    pool = eng.create_pool(tokens=ROOT)
+    prompt = ROOT + [50, 51, 52]
+    first = eng.generate(prompt, pool_id=pool.pool_id, session_id="a", params=SamplingParams.greedy(5))
+    out = save_session(eng, "a", "a.bin")
+    n = out["n_saved"]
+    assert n == len(prompt) + 4 and out["n_written"] > 0  # the last sampled token has no KV yet
+    for bad in ("../x", "", "a/b", ".hidden", "x" * 200):
+        with pytest.raises(InvalidRequestError, match="Invalid filename"):
+            save_session(eng, "a", bad)
+    with pytest.raises(SessionNotFoundError):
+        save_session(eng, "nobody", "n.bin")
+    # restore into a new session: its whole context comes from the file, nothing recomputed
+    assert restore_session(eng, "b", "a.bin")["n_restored"] == n
+    cont = prompt + first.token_ids + [60]
+    rb = eng.generate(cont, session_id="b", params=SamplingParams.greedy(4))
+    assert rb.info.cached_prefix_tokens == n
+    ra = eng.generate(cont, session_id="a", params=SamplingParams.greedy(4))
+    assert ra.token_ids == rb.token_ids
+    eng.check_integrity()
+    assert erase_session(eng, "b")["n_erased"] == len(cont) + 4
+    rb2 = eng.generate(cont, session_id="b", params=SamplingParams.greedy(4))
+    assert rb2.info.cached_prefix_tokens == 0 and rb2.token_ids == ra.token_ids
+    with pytest.raises(InvalidRequestError, match="no slot file"):
+        restore_session(eng, "b", "missing.bin")
+    (tmp_path / "state" / "slots" / "junk.bin").write_bytes(b"junk")
+    with pytest.raises(InvalidRequestError, match="not a slot file"):
+        restore_session(eng, "b", "junk.bin")
+    # tenants: their own session names, no way to another's session
+    alice, bob = TenantEngine(eng, "alice"), TenantEngine(eng, "bob")
+    assert restore_session(alice, "a", "a.bin")["n_restored"] == n
+    save_session(alice, "a", "alice.bin")
+    with pytest.raises(SessionNotFoundError) as e:
+        save_session(bob, "a", "bob.bin")
+    assert "alice" not in str(e.value)
+    eng.check_integrity()
+    plain = make_engine()
+    plain.generate([1, 2, 3], session_id="a", params=SamplingParams.greedy(1))
+    with pytest.raises(SlotsNotSupportedError, match="--state-dir"):
+        save_session(plain, "a", "a.bin")

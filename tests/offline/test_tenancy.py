@@ -1,0 +1,114 @@
+"""Tenants sharing one engine: pools and sessions are private, listings show only one's own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams, SessionNotFoundError
+from opencoti.engine.tenancy import TenantEngine
+
+SYS = list(range(20, 52))
+
+
+@pytest.fixture
+def views(engine):
+    return engine, TenantEngine(engine, "alice"), TenantEngine(engine, "bob")
+
+
+def test_pools_are_private(views):
+    eng, alice, bob = views
+    pa = alice.create_pool(tokens=SYS, label="alice-system")
+    child = alice.fork_pool(pa.pool_id, tokens=SYS + [3, 4, 5])
+    pb = bob.create_pool(tokens=SYS)
+    assert [p["pool_id"] for p in alice.pools()["pools"]] == [pa.pool_id, child.pool_id]
+    assert [p["pool_id"] for p in bob.pools()["pools"]] == [pb.pool_id]
+    assert alice.pools()["tree_depth"] == 2 and bob.pools()["tree_depth"] == 1
+    assert len(eng.pools()["pools"]) == 3  # the engine itself sees everything
+    pid = pa.pool_id
+    for call in (lambda: bob.pool(pid), lambda: bob.fork_pool(pid, tokens=SYS + [1]), lambda: bob.pin_pool(pid),
+                 lambda: bob.unpin_pool(pid), lambda: bob.evict_pool(pid), lambda: bob.flush_pool(pid),
+                 lambda: bob.release_pool(pid), lambda: bob.admission(pid),
+                 lambda: bob.set_admission(pid, target_tps_per_session=1.0), lambda: bob.capacity(pid),
+                 lambda: bob.admission_events(pid),
+                 lambda: bob.generate(SYS + [9], pool_id=pid, params=SamplingParams.greedy(1)),
+                 lambda: bob.compact_session("x", pid, tokens=SYS)):
+        with pytest.raises(PoolNotFoundError, match=f"pool {pid} not found"):  # exactly as an unknown id
+            call()
+    with pytest.raises(PoolNotFoundError, match="pool 999 not found"):
+        bob.pool(999)
+    assert alice.pool(pid).children == [child.pool_id]
+    assert eng.pool(pid).pinned is False  # bob's attempts changed nothing
+    bob.release_pool(pb.pool_id)
+    alice.release_pool(child.pool_id)
+
+
+def test_sessions_are_per_tenant(views):
+    eng, alice, bob = views
+    pa = alice.create_pool(tokens=SYS)
+    ra = alice.generate(SYS + [7, 8], pool_id=pa.pool_id, session_id="agent-1", params=SamplingParams.greedy(3))
+    rb = bob.generate([5, 6, 7], session_id="agent-1", params=SamplingParams.greedy(3))
+    assert ra.info.session_id == "agent-1" and rb.session_id == "agent-1"
+    assert ra.info.cached_prefix_tokens == len(SYS)
+    assert rb.info.cached_prefix_tokens == 0  # bob's agent-1 is another session
+    assert sorted(eng._call(lambda: list(eng.core.sessions))) == ["alice:agent-1", "bob:agent-1"]
+    assert [s["session_id"] for s in alice.tps_snapshot()["sessions"]] == ["agent-1"]
+    assert [s["pool_id"] for s in bob.tps_snapshot()["sessions"]] == [None]
+    assert [s["session_id"] for s in alice.pool(pa.pool_id).sessions] == ["agent-1"]
+    assert [s["session_id"] for s in alice.pools()["pools"][0]["sessions"]] == ["agent-1"]
+    assert set(alice.tps_history()["sessions"]) <= {"agent-1"}
+    s = alice.stream(SYS + [9], session_id="agent-2", params=SamplingParams.greedy(2))
+    assert s.info.session_id == "agent-2"
+    list(s)
+    assert s.result.info.session_id == "agent-2"
+    anon = bob.generate([1, 2, 3], params=SamplingParams.greedy(1))  # a made-up id, in bob's namespace
+    assert anon.session_id.startswith("s-") and eng._call(lambda: f"bob:{anon.session_id}" in eng.core.sessions)
+    with pytest.raises(SessionNotFoundError) as e:
+        bob.release_session("agent-2")
+    assert "alice" not in str(e.value) and "bob:" not in str(e.value)
+    with pytest.raises(SessionNotFoundError):  # alice's session as bob's snapshot source
+        bob.create_pool(from_session="agent-2")
+    bob.release_session("agent-1")
+    assert eng._call(lambda: "alice:agent-1" in eng.core.sessions)
+    with pytest.raises(InvalidRequestError, match="at most"):
+        alice.generate([1, 2], session_id="x" * 128, params=SamplingParams.greedy(1))
+
+
+def test_snapshot_fork_and_compaction_stay_with_the_owner(views):
+    eng, alice, bob = views
+    pa = alice.create_pool(tokens=SYS)
+    alice.generate(SYS + [3, 4, 5, 6], pool_id=pa.pool_id, session_id="a", params=SamplingParams.greedy(4))
+    snap = alice.create_pool(from_session="a")
+    assert snap.pool_id in {p["pool_id"] for p in alice.pools()["pools"]}
+    out = alice.compact_session("a", pa.pool_id, tokens=SYS + [9, 9])
+    assert out["pool"].pool_id in {p["pool_id"] for p in alice.pools()["pools"]}
+    assert [s["session_id"] for s in out["pool"].sessions] == ["a"]
+    assert bob.pools()["pools"] == [] and bob.admission_events() == []
+    alice.set_admission(pa.pool_id, target_tps_per_session=1.0)
+    assert {e["pool_id"] for e in alice.admission_events()} == {pa.pool_id}
+    assert bob.admission_events() == []
+
+
+def test_async_streams_and_refused_surface(views):
+    eng, alice, bob = views
+
+    async def run():
+        s = await alice.astream([1, 2, 3], session_id="z", params=SamplingParams.greedy(2))
+        assert s.info.session_id == "z"
+        async for _ in s:
+            pass
+        return s.result
+
+    r = asyncio.run(run())
+    assert r.info.session_id == "z"
+    assert alice.tokenize("hi") == eng.tokenize("hi") and alice.max_context == eng.max_context
+    with pytest.raises(AttributeError, match="not available"):
+        alice.core  # noqa: B018 - the engine internals are not part of the view
+    with pytest.raises(AttributeError):
+        alice.set_admission_defaults  # noqa: B018
+    with pytest.raises(InvalidRequestError, match="server-wide"):
+        alice.configure_tps(window_tokens=8)
+    assert alice.configure_tps() == eng.configure_tps()
+    with pytest.raises(InvalidRequestError):
+        TenantEngine(eng, "bad name")
