@@ -248,3 +248,19 @@ def test_slot_save_restore_erase(make_engine, tmp_path):
     plain.generate([1, 2, 3], session_id="a", params=SamplingParams.greedy(1))
     with pytest.raises(SlotsNotSupportedError, match="--state-dir"):
         save_session(plain, "a", "a.bin")
+
+
+def test_a_pool_pinned_while_evicted_gets_its_kv_file_once_resident(make_engine, tmp_path):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    p = eng.create_pool(tokens=ROOT)
+    eng.evict_pool(p.pool_id)
+    eng.pin_pool(p.pool_id)
+    eng._persist.kv_writer.flush()
+    assert list((state / "kv").iterdir()) == []
+    eng.generate(ROOT + [1], pool_id=p.pool_id, params=SamplingParams.greedy(1))  # re-materializes
+    eng._persist.kv_writer.flush()
+    assert [f.name for f in (state / "kv").iterdir()] == [f"{p.pool_id}.kv"]
+    eng.shutdown()
+    eng = make_engine(state_dir=str(state))
+    assert eng.pool(p.pool_id).residency == "resident"

@@ -127,6 +127,8 @@ class Persister:
     def on_event(self, event: str, data: dict) -> None:
         if event == "materialized":
             self.sync()
+            if self.kv_files and data["pool"].pool_id not in self._kv_saved:
+                self._save_pinned_kv()  # e.g. pinned while evicted: its KV exists only now
         elif event == "finish":  # written once per step (one transaction for every session that finished)
             s = getattr(data.get("job"), "session", None)
             if s is not None:
