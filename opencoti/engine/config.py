@@ -143,7 +143,9 @@ class EngineConfig:
     max_context: context length per sequence (default: the model's).
     attention_backend: "auto" | "torch" | "flashinfer".
     cascade: shared-prefix attention "auto" | "on" | "off".
-    num_threads: torch CPU threads (None = all cores).
+    num_threads: torch CPU threads (None = adapted at run time to the cores the engine gets).
+    weights: projection weight format "auto" | "fp32" | "bf16" | "int8" | "int4"; auto = the fastest
+        format that passes the accuracy gate on this machine (see engine/model/weights.py).
     pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
     seed: default RNG seed for requests without one.
     pool_id_base: pool ids are pool_id_base+1, +2, ... (0: ids 1, 2, ...). A cluster gives each
@@ -170,6 +172,7 @@ class EngineConfig:
     pool_grace_ttl_s: float = 30.0
     seed: int = 0
     cache_dir: str | None = None
+    weights: str = "auto"
     pool_id_base: int = 0
     debug_checks: bool = False
     state_dir: str | None = None
@@ -200,6 +203,8 @@ class EngineConfig:
         _check(self.cascade in ("auto", "on", "off"), f"cascade must be auto|on|off, got {self.cascade!r}")
         _check(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
                f"num_threads must be a positive integer, got {self.num_threads!r}")
+        _check(self.weights in ("auto", "fp32", "bf16", "int8", "int4"),
+               f"weights must be auto|fp32|bf16|int8|int4, got {self.weights!r}")
         _check(isinstance(self.debug_checks, bool), "debug_checks must be a boolean")
         _check(self.state_dir is None or (isinstance(self.state_dir, str) and self.state_dir.strip() != ""),
                f"state_dir must be a directory path or None, got {self.state_dir!r}")

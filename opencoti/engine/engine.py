@@ -90,7 +90,7 @@ class Engine:
         self._loop()
 
     def _build(self, progress, loaded) -> None:
-        from .model.llama import LlamaForward
+        from .model.weights import build_forward
         from .model.loader import load_model
 
         config = self.config
@@ -107,8 +107,9 @@ class Engine:
         self.max_context = max_ctx
         if progress:
             progress("preparing weights")
-        self.model = LlamaForward(hf, self.loaded.state_dict, dtype=self.dtype, device=self.device,
-                                  max_positions=max_ctx)
+        self.model = build_forward(self.loaded, weights=config.weights, dtype=self.dtype, device=self.device,
+                                   max_positions=max_ctx, cache_dir=config.cache_dir, progress=progress,
+                                   adapt_threads=config.num_threads is None)
         self.loaded.state_dict = None  # the forward holds its own (fused) copies
         d = self.model.dims
         bpt = PagePool.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, self.dtype)

@@ -1,22 +1,31 @@
 """Our forward pass for Llama-family decoders over the paged KV cache.
 
 Covers Llama (incl. SmolLM2 and llama3 rope scaling), Mistral, Qwen2 (qkv bias) and Qwen3
-(per-head q/k RMSNorm); GQA; tied embeddings. Weights come from a HF state dict; q/k/v and
-gate/up projections are fused into one matmul each (fewer, larger GEMMs: on CPU the op count
-per step matters as much as the FLOPs). transformers is used only to compute RoPE frequencies
-with the exact scaling rules of each architecture.
+(per-head q/k RMSNorm); GQA; tied embeddings. Weights come from a HF state dict (plus, for
+GGUF sources, quantized tensors taken straight from the file); q/k/v and gate/up projections
+are fused into one matmul each (fewer, larger GEMMs: on CPU the op count per step matters as
+much as the FLOPs). Each projection runs a kernel for the weight format (``kernels.py``),
+chosen per shape by measurement (``autotune.py``). transformers is used only to compute RoPE
+frequencies with the exact scaling rules of each architecture.
+
+On CPU, the pre-packed oneDNN fp32 kernel replaced ``F.linear`` / ``x @ W.T``: measured on the
+2-core target machine (SmolLM2 shapes, per decode step) F.linear 32 ms, x @ W.T 23 ms, pre-packed
+oneDNN 10 ms at batch 1, and 55 / 48 / 14.5 ms at batch 8.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..attention.base import AttentionMetadata
+from . import kernels as _kernels
+from .qformats import cat_rows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -87,43 +96,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
-def _onednn_linear_available() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class Proj:
-    """``y = x @ W.T + b`` with the fastest kernel for the device.
-
-    On CPU the weight is pre-packed once into oneDNN's blocked layout: the GEMM then streams the
-    weights without re-packing them every call. Measured on the 2-core target machine (fp32,
-    SmolLM2 shapes, per decode step): F.linear 32 ms, x @ W.T (pre-transposed) 23 ms, pre-packed
-    oneDNN 10 ms at batch 1, and 55 / 48 / 14.5 ms at batch 8 (docs/benchmarks.md). Elsewhere
-    (CUDA) it is a plain matmul with the weight stored transposed.
-    """
-
-    __slots__ = ("weight_t", "packed", "bias", "out_features", "nbytes")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.out_features = weight.shape[0]
-        self.bias = bias
-        self.nbytes = weight.numel() * weight.element_size()
-        self.packed = self.weight_t = None
-        if weight.device.type == "cpu" and _onednn_linear_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
-                return
-            except RuntimeError:  # an unsupported dtype for this CPU: fall back
-                self.packed = None
-        self.weight_t = weight.t().contiguous()  # [in, out]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
-
-
 class _Layer:
     __slots__ = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm")
 
@@ -132,28 +104,63 @@ class LlamaForward:
     """Holds the weights and runs one step over the paged cache."""
 
     def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                 device: torch.device | str, max_positions: int):
+                 device: torch.device | str, max_positions: int, weights: str = "fp32",
+                 quantized: dict | None = None, choose_kernel=None, threads=None):
+        """``weights``: fp32 | bf16 | int8 | int4 (the projections; embeddings and norms stay in
+        ``dtype``). ``quantized``: HF weight name -> an ``Int4Weight``/``Int8Weight``/float tensor
+        used instead of the state dict entry for projections (e.g. GGUF blocks). ``choose_kernel``:
+        ``(fmt, n, k) -> kernel name`` (default: the first kernel that builds). ``threads``: a
+        ``ThreadAdapter`` run around each forward (None = leave torch's thread count alone)."""
         self.config = hf_config
         self.dims = d = ModelDims.from_hf_config(hf_config)
         self.dtype = dtype
         self.device = torch.device(device)
+        self.weights = weights
+        self.threads = threads
+        self.kernel_names: dict[str, str] = {}
+        quantized = quantized or {}
+        candidates = _kernels.candidates(weights, self.device)
+        fallbacks = candidates + (_kernels.candidates("int8", self.device) if weights == "int4" else ()) \
+            + _kernels.candidates("fp32", self.device)
 
         def w(name: str) -> torch.Tensor:
             if name not in state_dict:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def proj(*names: str, bias: bool = False) -> Proj:
-            weight = torch.cat([w(n + ".weight") for n in names], 0)
+        def source(name: str):
+            if name in quantized:
+                return quantized[name]
+            if name not in state_dict:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return state_dict[name]
+
+        def proj(*names: str, bias: bool = False, fmt: str = weights):
+            weight = cat_rows([source(n + ".weight") for n in names])
             b = torch.cat([w(n + ".bias") for n in names], 0).contiguous() if bias else None
-            return Proj(weight, b)
+            n, k = weight.shape
+            name = choose_kernel(fmt, n, k) if choose_kernel is not None else _kernels.candidates(fmt, self.device)[0]
+            kern = None
+            for other in (name, *fallbacks):  # a kernel may not serve this shape (e.g. int4 group size)
+                try:
+                    kern = _kernels.build(other, weight, b, act_dtype=dtype, device=self.device)
+                    break
+                except (RuntimeError, ValueError):
+                    continue
+            if kern is None:
+                raise RuntimeError(f"no kernel serves {weights} weights of shape {n}x{k} on {self.device}")
+            self.kernel_names[f"{n}x{k}"] = f"{fmt}:{kern.name}"
+            return kern
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")
+        # int4 keeps the output projection in int8 (as llama.cpp's Q4 files keep it in Q6_K/Q8_0):
+        # measured on SmolLM2: greedy top-1 agreement with fp32 97 % with an int8 head, 84 % with int4
+        head_fmt = "int8" if weights == "int4" else weights
         if "lm_head.weight" in state_dict and not d.tie_word_embeddings:
-            self.lm_head = proj("lm_head")  # hidden -> V
+            self.lm_head = proj("lm_head", fmt=head_fmt)  # hidden -> V
         else:
-            self.lm_head = Proj(self.embed, None)
+            self.lm_head = proj("model.embed_tokens", fmt=head_fmt)
         self.layers: list[_Layer] = []
         for i in range(d.num_layers):
             p = f"model.layers.{i}."
@@ -184,12 +191,19 @@ class LlamaForward:
         n = self.lm_head.nbytes + self.final_norm.numel() * elem
         for L in self.layers:
             n += sum(p.nbytes for p in (L.qkv, L.o, L.gate_up, L.down))
-            for t in (L.in_norm, L.post_norm, L.qkv.bias, L.q_norm, L.k_norm):
+            for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm):
                 if t is not None:
                     n += t.numel() * elem
         return n
 
-    @torch.inference_mode()
+    @property
+    def weights_info(self) -> dict:
+        """What serves the projections: format, kernel per shape, bytes per step, thread state."""
+        info = {"format": self.weights, "kernels": dict(self.kernel_names), "weight_bytes": self.weight_bytes}
+        if self.threads is not None:
+            info["threads"] = self.threads.state()
+        return info
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, backend, logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         """Compute the step's new tokens and return logits [len(logits_rows), V] (fp32).
@@ -197,6 +211,18 @@ class LlamaForward:
         input_ids [T] int64; k_cache/v_cache [L, P, S, Hkv, D]; logits_rows: which of the T rows
         need logits (None = none, e.g. a prefill-only chunk).
         """
+        if self.threads is None:
+            return self._forward(input_ids, meta, k_cache, v_cache, backend, logits_rows)
+        T = int(input_ids.shape[0])
+        self.threads.before(T)
+        t0 = time.perf_counter()
+        out = self._forward(input_ids, meta, k_cache, v_cache, backend, logits_rows)
+        self.threads.after(T, time.perf_counter() - t0)
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, backend, logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         d = self.dims
         T = input_ids.shape[0]
         h, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
@@ -227,3 +253,32 @@ class LlamaForward:
             return None
         x = _rms_norm(x.index_select(0, logits_rows), self.final_norm, eps)
         return self.lm_head(x).float()  # [B_out, V]
+
+    @torch.inference_mode()
+    def dense_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] (fp32) of one sequence from position 0, causal, without the paged cache
+        (accuracy checks of weight formats; not a serving path)."""
+        d = self.dims
+        T = input_ids.shape[0]
+        h, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
+        q_size, kv_size = h * hd, hkv * hd
+        pos = torch.arange(T, device=self.device)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        x = self.embed.index_select(0, input_ids.to(self.device))
+        eps = d.rms_norm_eps
+        for L in self.layers:
+            qkv = L.qkv(_rms_norm(x, L.in_norm, eps))
+            q = qkv[:, :q_size].view(T, h, hd)
+            k = qkv[:, q_size:q_size + kv_size].view(T, hkv, hd)
+            v = qkv[:, q_size + kv_size:].view(T, hkv, hd)
+            if L.q_norm is not None:
+                q, k = _rms_norm(q, L.q_norm, eps), _rms_norm(k, L.k_norm, eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            rep = h // hkv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                  is_causal=True, scale=self.scale)  # [H, T, D]
+            x = x + L.o(attn.transpose(0, 1).reshape(T, q_size))
+            gate, up = L.gate_up(_rms_norm(x, L.post_norm, eps)).chunk(2, dim=-1)
+            x = x + L.down(F.silu(gate) * up)
+        return self.lm_head(_rms_norm(x, self.final_norm, eps)).float()

@@ -77,6 +77,8 @@ class LoadedModel:
             loads (the reference for tests), or None.
         name: the model name reported by the APIs.
         architecture: one of :data:`SUPPORTED_ARCHITECTURES`.
+        source_gguf: the GGUF file the model came from (its quantized blocks can be used
+            directly by the int4 weight format), or None.
     """
 
     hf_config: Any
@@ -85,6 +87,7 @@ class LoadedModel:
     model_dir: Path | None
     name: str
     architecture: str
+    source_gguf: Path | None = None
 
 
 def load_model(
@@ -221,7 +224,9 @@ def convert_gguf(
 
 def _load_gguf(path: Path, name: str, cache_dir, dtype: torch.dtype, say: Progress) -> LoadedModel:
     converted = convert_gguf(path, cache_dir=cache_dir, name=name, progress=say)
-    return load_hf_dir(converted, dtype=dtype, progress=say, name=name)
+    loaded = load_hf_dir(converted, dtype=dtype, progress=say, name=name)
+    loaded.source_gguf = Path(path)
+    return loaded
 
 
 def _convert_gguf_into(gguf_path: Path, out: Path, name: str, say: Progress) -> None:

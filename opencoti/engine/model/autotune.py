@@ -1,0 +1,168 @@
+"""Per-shape kernel choice by measurement, cached per machine.
+
+For a weight format and a projection shape ``[N, K]``, every kernel that can serve it here
+(``kernels.candidates``) is timed on synthetic weights of that shape at batch 1 and batch 8
+(enough copies to stream more than the last-level cache, as a model's weights do), best of a
+few rounds; the kernel with the smallest ``t(1) + t(8)`` wins. Results are cached in
+``<cache>/autotune.json`` under a key made of the CPU model and flags (or GPU name), the torch
+version and the thread count, so a machine measures each shape once (about a second per shape).
+
+``OPENCOTI_AUTOTUNE=0`` turns measuring off: the first kernel that builds is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import kernels
+
+log = logging.getLogger("opencoti.engine")
+
+STREAM_BYTES = 48 << 20  # synthetic weights per timing pass: more than a typical L3
+MAX_COPIES = 16
+BATCHES = (1, 8)
+
+
+def machine_key(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        model, flags = "", ""
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        model = model or platform.processor() or platform.machine()
+        hw = f"{model} {hashlib.sha256(flags.encode()).hexdigest()[:8]}"
+    return f"{hw} | torch {torch.__version__}"
+
+
+def select(timings: dict[str, list[float]], order: tuple[str, ...]) -> str:
+    """The kernel with the least ``t(1) + t(8)``; ties (and untimed kernels) go by ``order``."""
+    if not timings:
+        raise ValueError("no kernel could be built")
+    return min(timings, key=lambda k: (sum(timings[k]), order.index(k) if k in order else len(order)))
+
+
+class Autotuner:
+    """Chooses and remembers a kernel per (format, shape) for one device and thread count."""
+
+    def __init__(self, device, act_dtype: torch.dtype, cache_file: Path | None = None, measure: bool | None = None):
+        self.device = torch.device(device)
+        self.act_dtype = act_dtype
+        self.cache_file = cache_file
+        if measure is None:
+            measure = os.environ.get("OPENCOTI_AUTOTUNE", "1") not in ("0", "false", "no")
+        self.measure = measure
+        self.key = machine_key(self.device)
+        self._cache = self._load()
+        self._dirty = False
+        self.results: dict[str, dict[str, list[float]]] = {}
+
+    def entry(self, fmt: str, n: int, k: int) -> str:
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        return f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads}"
+
+    def choose(self, fmt: str, n: int, k: int) -> str:
+        """Kernel name for ``fmt`` at shape [n, k] (measured once per machine, then cached)."""
+        order = kernels.candidates(fmt, self.device)
+        entry = self.entry(fmt, n, k)
+        timings = self._cache.get(self.key, {}).get(entry)
+        if timings is None or not set(timings) <= set(order):
+            timings = self._time(fmt, n, k, order) if self.measure else {}
+            if self.measure and timings:
+                self._cache.setdefault(self.key, {})[entry] = timings
+                self._dirty = True
+        self.results[entry] = timings
+        if not timings:  # measuring off, or nothing measurable: the first kernel that builds
+            for name in order:
+                if self._builds(name, n, k):
+                    return name
+            raise RuntimeError(f"no kernel serves {fmt} weights of shape {n}x{k} on {self.device}")
+        return select(timings, order)
+
+    def _builds(self, name: str, n: int, k: int) -> bool:
+        try:
+            kernels.build(name, torch.zeros(n, k), None, act_dtype=self.act_dtype, device=self.device)
+            return True
+        except (RuntimeError, ValueError):
+            return False
+
+    def _time(self, fmt: str, n: int, k: int, order: tuple[str, ...], rounds: int = 5) -> dict[str, list[float]]:
+        """Best-of-``rounds`` seconds per call at each batch size; the candidates take turns within
+        each round, so a burst of load from elsewhere hits them alike."""
+        gen = torch.Generator().manual_seed(n * 131 + k)
+        built: dict[str, list] = {}
+        for name in order:
+            try:
+                first = kernels.build(name, torch.randn(n, k, generator=gen) * 0.02, None, act_dtype=self.act_dtype,
+                                      device=self.device)
+            except (RuntimeError, ValueError) as exc:
+                log.debug("kernel %s can't serve %s %dx%d: %s", name, fmt, n, k, exc)
+                continue
+            copies = max(1, min(MAX_COPIES, STREAM_BYTES // max(first.nbytes, 1)))
+            built[name] = [first] + [kernels.build(name, torch.randn(n, k, generator=gen) * 0.02, None,
+                                                   act_dtype=self.act_dtype, device=self.device)
+                                     for _ in range(copies - 1)]
+        if len(built) == 1:  # nothing to choose from: time it once for the format estimates
+            rounds = 2
+        xs = {b: torch.randn(b, k, device=self.device).to(self.act_dtype) for b in BATCHES}
+        best = {name: [float("inf")] * len(BATCHES) for name in built}
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for name, ks in built.items():  # warm-up
+            for x in xs.values():
+                ks[0](x)
+        for _ in range(rounds):
+            for name, ks in built.items():
+                for i, b in enumerate(BATCHES):
+                    sync()
+                    t0 = time.perf_counter()
+                    for kern in ks:
+                        kern(xs[b])
+                    sync()
+                    best[name][i] = min(best[name][i], (time.perf_counter() - t0) / len(ks))
+        return best
+
+    # ------------------------------------------------------------------ cache file
+    def _load(self) -> dict:
+        if self.cache_file is None:
+            return {}
+        try:
+            data = json.loads(self.cache_file.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def save(self) -> None:
+        if not self._dirty or self.cache_file is None:
+            return
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".autotune-", dir=self.cache_file.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._merge_on_disk(), f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.cache_file)
+            self._dirty = False
+        except OSError as exc:  # a read-only cache is not an error: we measure again next time
+            log.warning("could not write the kernel autotune cache %s: %s", self.cache_file, exc)
+
+    def _merge_on_disk(self) -> dict:
+        disk = self._load()
+        for key, entries in self._cache.items():
+            disk.setdefault(key, {}).update(entries)
+        return disk

@@ -1,0 +1,207 @@
+"""Choosing and building the weight format of the forward pass (``EngineConfig.weights``).
+
+* ``fp32`` | ``bf16`` | ``int8`` | ``int4``: that format for every projection (q/k/v, o,
+  gate/up, down, lm_head); embeddings and norms stay in the activation dtype. Each projection
+  shape gets the fastest kernel of the format on this machine (``autotune.py``).
+* ``auto``: the fastest format that passes the accuracy gate. Models whose projection weights
+  are under ``AUTO_MIN_BYTES`` in fp32 stay fp32 (they sit in cache: nothing to gain). Otherwise
+  each format's step time is estimated from the per-shape kernel timings, an fp32 reference is
+  built, and the formats faster than fp32 are tried fastest first on :data:`GATE_TEXT`: one that
+  keeps perplexity within 3 % of fp32 and agrees with fp32's greedy top-1 on >= 95 % of the
+  positions is kept; if none does, fp32.
+
+GGUF sources: Q4_0 / Q4_1 / Q4_K tensors become int4 directly from their blocks (exact, no
+float round trip); other types and HF checkpoints are quantized from the float weights at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import kernels
+from .autotune import Autotuner
+from .gate_text import GATE_TEXT
+from .llama import LlamaForward, ModelDims
+from .qformats import EXACT_INT4_TYPES, gguf_block_to_int4, permute_rows
+from .threads import ThreadAdapter
+
+log = logging.getLogger("opencoti.engine")
+
+WEIGHT_FORMATS = ("auto",) + kernels.FORMATS
+AUTO_MIN_BYTES = 64 << 20
+GATE_TOKENS = 256
+GATE_PPL_TOLERANCE = 0.03
+GATE_TOP1_MIN = 0.95
+
+_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+def check_format(weights: str) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {'|'.join(WEIGHT_FORMATS)}, got {weights!r}")
+    return weights
+
+
+def gguf_int4_weights(path: str | Path, hf_config) -> dict[str, object]:
+    """HF name -> ``Int4Weight`` for every projection of a GGUF file stored as Q4_0/Q4_1/Q4_K.
+
+    llama-architecture files keep q/k rows in llama.cpp's rotary order; they are put back in HF
+    order (the permutation transformers applies when it dequantizes them)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    dims = ModelDims.from_hf_config(hf_config)
+    out: dict[str, object] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if t.tensor_type.name not in EXACT_INT4_TYPES:
+            continue
+        if t.name == "output.weight":
+            hf = "lm_head.weight"
+        elif t.name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES and parts[3] == "weight":
+            hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+        else:
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        w = gguf_block_to_int4(t.tensor_type.name, np.asarray(t.data), n, k)
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            heads = dims.num_heads if parts[-2] == "attn_q" else dims.num_kv_heads
+            w = permute_rows(w, torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1))
+        out[hf] = w
+    return out
+
+
+def gate_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, top1_positions: int) -> dict:
+    """Perplexity of both on ``ids`` (teacher forcing), their ratio, and the share of the first
+    ``top1_positions`` positions where the greedy (argmax) token is the same."""
+    targets = ids[1:].to(ref_logits.device)
+    ppl_ref = math.exp(torch.nn.functional.cross_entropy(ref_logits[:-1].float(), targets).item())
+    ppl = math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), targets).item())
+    n = min(top1_positions, logits.shape[0])
+    agree = (ref_logits[:n].argmax(-1) == logits[:n].argmax(-1)).float().mean().item()
+    return {"ppl_fp32": ppl_ref, "ppl": ppl, "ppl_ratio": ppl / ppl_ref, "top1_agreement": agree,
+            "tokens": int(ids.shape[0]), "top1_positions": n,
+            "passed": ppl / ppl_ref <= 1 + GATE_PPL_TOLERANCE and agree >= GATE_TOP1_MIN}
+
+
+def _cache_file(cache_dir) -> Path | None:
+    from .loader import cache_root
+
+    try:
+        return cache_root(cache_dir) / "autotune.json"
+    except Exception:  # noqa: BLE001 - no usable cache dir: measure every time
+        return None
+
+
+def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, max_positions: int,
+                  cache_dir=None, progress=None, adapt_threads: bool = True) -> LlamaForward:
+    """The forward pass of ``loaded`` (a ``LoadedModel``) with projection weights in ``weights``.
+
+    ``adapt_threads``: on CPU, a ``ThreadAdapter`` picks the torch thread count around each step
+    (pass False when the thread count was set explicitly). The result's ``weights_info`` says
+    what was chosen and why."""
+    check_format(weights)
+    say = progress or (lambda _msg: None)
+    device = torch.device(device)
+    threads = ThreadAdapter() if adapt_threads and device.type == "cpu" else None
+    tuner = Autotuner(device, dtype, _cache_file(cache_dir))
+    hf, state = loaded.hf_config, loaded.state_dict
+    gguf_path = getattr(loaded, "source_gguf", None)
+    int4_src: dict | None = None
+
+    def make(fmt: str) -> LlamaForward:
+        nonlocal int4_src
+        quantized = None
+        if fmt == "int4" and gguf_path is not None:
+            if int4_src is None:
+                int4_src = gguf_int4_weights(gguf_path, hf)
+            quantized = int4_src
+        return LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
+                            quantized=quantized, choose_kernel=tuner.choose, threads=threads)
+
+    choice: dict = {"requested": weights}
+    if weights != "auto":
+        say(f"preparing {weights} weights")
+        model = make(weights)
+        choice["reason"] = "requested"
+    else:
+        model = _auto(loaded, make, tuner, device, say, choice)
+    tuner.save()
+    model.weights_choice = choice
+    info = model.weights_info
+    msg = (f"weights: {model.weights} ({choice['reason']}); {info['weight_bytes'] / 1e6:.1f} MB per step; "
+           f"kernels {', '.join(f'{s}={k}' for s, k in info['kernels'].items())}")
+    log.info(msg)
+    say(msg)
+    return model
+
+
+def _projection_shapes(hf) -> list[tuple[int, int]]:
+    d = ModelDims.from_hf_config(hf)
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    per_layer = [(q + 2 * kv, d.hidden_size), (d.hidden_size, q), (2 * d.intermediate_size, d.hidden_size),
+                 (d.hidden_size, d.intermediate_size)]
+    return per_layer * d.num_layers + [(d.vocab_size, d.hidden_size)]
+
+
+def _estimate(tuner: Autotuner, fmt: str, counts: dict) -> float | None:
+    """Sum over projections of the chosen kernel's t(1) + t(8) (None when not measured)."""
+    total = 0.0
+    for (n, k), count in counts.items():
+        try:
+            name = tuner.choose(fmt, n, k)
+        except (RuntimeError, ValueError):
+            return None
+        timings = tuner.results.get(tuner.entry(fmt, n, k)) or {}
+        if name not in timings:
+            return None
+        total += count * sum(timings[name])
+    return total
+
+
+def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaForward:
+    hf = loaded.hf_config
+    shapes = _projection_shapes(hf)
+    fp32_bytes = sum(n * k * 4 for n, k in shapes)
+    if fp32_bytes < AUTO_MIN_BYTES:
+        choice["reason"] = f"auto: {fp32_bytes / 2**20:.1f} MiB of fp32 projection weights stay in cache"
+        return make("fp32")
+    say("auto weights: timing the kernels of each format (cached per machine) ...")
+    counts = {s: shapes.count(s) for s in sorted(set(shapes))}
+    est = {f: e for f in kernels.FORMATS if (e := _estimate(tuner, f, counts)) is not None}
+    choice["estimated_step_ms"] = {f: round(v * 1e3 / 2, 2) for f, v in est.items()}  # mean of batch 1 and 8
+    fp32_est = est.get("fp32", float("inf"))
+    order = [f for f in sorted(est, key=est.get) if f != "fp32" and est[f] < fp32_est]
+    if not order:
+        choice["reason"] = "auto: no format is faster than fp32 here"
+        return make("fp32")
+    say("auto weights: building the fp32 reference for the accuracy gate ...")
+    ref = make("fp32")
+    ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:GATE_TOKENS], dtype=torch.long)
+    ref_logits = ref.dense_logits(ids)
+    choice["gate"] = {}
+    for fmt in order:
+        model = make(fmt)
+        m = gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS)
+        choice["gate"][fmt] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+        if m["passed"]:
+            del ref
+            choice["reason"] = (f"auto: fastest format passing the accuracy gate (ppl x{m['ppl_ratio']:.3f}, "
+                                f"top-1 agreement {m['top1_agreement']:.1%} vs fp32)")
+            return model
+        say(f"auto weights: {fmt} fails the accuracy gate (ppl x{m['ppl_ratio']:.3f}, "
+            f"top-1 {m['top1_agreement']:.1%}); trying the next")
+        del model
+    choice["reason"] = "auto: no faster format passes the accuracy gate"
+    return ref
