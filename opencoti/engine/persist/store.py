@@ -58,6 +58,21 @@ class StateDirError(OpencotiError):
     error_type = "server_error"
 
 
+def resolve_state_dir(value: str | None, port: int | None = None) -> str | None:
+    """The state directory of ``opencoti serve``: ``value`` ("none" = keep nothing), else
+    ``$OPENCOTI_STATE_DIR``, else ``state/port-<port>`` under the cache directory (each server its
+    own; a server on a random port, ``--port 0``, keeps nothing by default)."""
+    if value is None:
+        value = os.environ.get("OPENCOTI_STATE_DIR") or None
+    if value is not None:
+        return None if value.strip().lower() in ("none", "") else str(Path(value).expanduser())
+    if not port:
+        return None
+    from ..model.loader import cache_root
+
+    return str(cache_root() / "state" / f"port-{int(port)}")
+
+
 def encode_tokens(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
