@@ -7,6 +7,9 @@ moves the graph's ``pool_id`` there and releases the old working pool, and repla
 
     input:  {"messages": [{"role": "user", "content": "..."}], "threshold": 0.5}
     (send more user messages on the same thread to continue; compaction kicks in as it grows)
+
+The pools are recorded in the state (``track_pool``), so a thread resumed after the engine or the
+server restarted re-creates them (``ensure_pool``; the compaction node does it for the root).
 """
 
 import uuid
@@ -16,7 +19,8 @@ from langchain_core.messages import RemoveMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 
-from opencoti.langgraph import CompactionNode, PolyKVMessagesState, model_from_env, polykv_update
+from opencoti.langgraph import (CompactionNode, PolyKVMessagesState, ensure_pool, model_from_env, polykv_update,
+                                track_pool)
 
 SYSTEM = "You are a friendly assistant. Keep answers short and remember what the user told you."
 
@@ -33,9 +37,9 @@ class ChatState(PolyKVMessagesState, total=False):
 def setup(state: ChatState) -> dict:
     update: dict = {}
     if state.get("root_pool_id") is None:
-        root = client.create_pool(messages=[{"role": "system", "content": SYSTEM}], pinned=True, label="system")
-        update["root_pool_id"] = root.pool_id
-        update["pool_id"] = root.pool_id
+        system = [{"role": "system", "content": SYSTEM}]
+        root = client.create_pool(messages=system, pinned=True, label="system")
+        update.update(root_pool_id=root.pool_id, pool_id=root.pool_id, **track_pool(root, messages=system))
     if not state.get("session_id"):
         update["session_id"] = f"chat-{uuid.uuid4().hex[:8]}"
     msgs = state.get("messages") or []
@@ -54,8 +58,9 @@ def compact(state: ChatState) -> dict:
 
 
 def agent(state: ChatState) -> dict:
-    answer = model.invoke(state["messages"], pool_id=state.get("pool_id"), session_id=state.get("session_id"))
-    return {"messages": [answer], **polykv_update(answer)}
+    pool_id, moved = ensure_pool(client, state)  # re-created if the engine restarted since the last turn
+    answer = model.invoke(state["messages"], pool_id=pool_id, session_id=state.get("session_id"))
+    return {**moved, "messages": [answer], **polykv_update(answer)}
 
 
 builder = StateGraph(ChatState)

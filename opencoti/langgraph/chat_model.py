@@ -176,8 +176,10 @@ class OpencotiChatModel(BaseChatModel):
                 "api_key": self.api_key.get_secret_value() if self.api_key else None}
 
     def _with_headers(self, client: Any) -> Any:
-        if self.default_headers and self.engine is None:
-            client.headers = {**self.default_headers, **(getattr(client, "headers", None) or {})}
+        headers = getattr(client, "headers", None)  # the dict the HTTP transport sends (in place)
+        if self.default_headers and self.engine is None and isinstance(headers, dict):
+            for k, v in self.default_headers.items():
+                headers.setdefault(k, v)
         return client
 
     @property

@@ -276,14 +276,15 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(r.read())
 
 
-def test_langgraph_dev_serves_the_examples(tmp_path):
+@pytest.mark.bundled
+def test_langgraph_dev_serves_the_examples(tmp_path, opencoti_cache):
     exe = Path(sys.executable).with_name("langgraph")
     if not exe.exists():
         pytest.fail("langgraph-cli is not installed (pip install 'langgraph-cli[inmem]'; the dev extra has it)")
     port = _free_port()
-    env = {**os.environ, "OPENCOTI_MODEL": "tiny:llama", "OPENCOTI_KV_BUDGET_TOKENS": "8192",
-           "LANGGRAPH_CLI_NO_ANALYTICS": "1", "LANGSMITH_TRACING": "false"}
+    env = {**os.environ, "LANGGRAPH_CLI_NO_ANALYTICS": "1", "LANGSMITH_TRACING": "false"}
     env.pop("OPENCOTI_BASE_URL", None)
+    env.pop("OPENCOTI_MODEL", None)  # the bundled model (the agent's tools need more context than tiny:llama's)
     log = open(tmp_path / "langgraph-dev.log", "w")
     examples = shutil.copytree(ROOT / "examples", tmp_path / "examples")  # it writes .langgraph_api/ there
     proc = subprocess.Popen([str(exe), "dev", "--no-browser", "--no-reload", "--host", "127.0.0.1", "--port",
@@ -303,7 +304,7 @@ def test_langgraph_dev_serves_the_examples(tmp_path):
             assert time.monotonic() < deadline, "langgraph dev did not start"
             time.sleep(0.5)
         graphs = {a["graph_id"] for a in _post(f"{base}/assistants/search", {})}
-        assert graphs == {"fanout", "branching", "compaction"}
+        assert graphs == {"agent", "fanout", "branching", "compaction"}
         thread = _post(f"{base}/threads", {})
         out = _post(f"{base}/threads/{thread['thread_id']}/runs/wait",
                     {"assistant_id": "compaction", "input": {"messages": [{"role": "user", "content": "hello"}]}})
@@ -313,6 +314,14 @@ def test_langgraph_dev_serves_the_examples(tmp_path):
         out = _post(f"{base}/runs/wait", {"assistant_id": "fanout", "input": {
             "brief": "colours", "subtasks": ["red", "blue"], "floor_tps": 1.0}})
         assert sorted(r["subtask"] for r in out["results"]) == ["blue", "red"], out
+        # the create_agent example: the thread's second turn reads its first from the KV cache
+        thread = _post(f"{base}/threads", {})
+        turns = [_post(f"{base}/threads/{thread['thread_id']}/runs/wait", {"assistant_id": "agent", "input": {
+            "messages": [{"role": "user", "content": q}]}}) for q in ("hello", "and again")]
+        first, second = (t["messages"][-1] for t in turns)
+        assert turns[1]["session_id"] == f"thread-{thread['thread_id']}"
+        assert second["usage_metadata"]["input_token_details"]["cache_read"] >= \
+            first["usage_metadata"]["input_tokens"], turns
     finally:
         proc.terminate()
         try:
@@ -320,3 +329,20 @@ def test_langgraph_dev_serves_the_examples(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.mark.bundled
+def test_agent_example_as_a_script(opencoti_cache):
+    """examples/agent.py on the bundled model, as a user runs it: turn 2 reads turn 1 from the KV cache
+    (through the thread's session; see PolyKVMiddleware)."""
+    env = {**os.environ, "LANGSMITH_TRACING": "false"}
+    for k in ("OPENCOTI_BASE_URL", "OPENCOTI_MODEL"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "agent.py"], cwd=ROOT / "examples", env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import re
+    turns = re.findall(r"input tokens (\d+), read from the KV cache (\d+)", r.stdout)
+    assert len(turns) == 2, r.stdout
+    (in1, _), (in2, read2) = [(int(a), int(b)) for a, b in turns]
+    assert read2 >= in1 and in2 > in1, r.stdout
