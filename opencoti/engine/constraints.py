@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .errors import InvalidRequestError
@@ -329,23 +330,23 @@ def compute_masks(constraints: Sequence[Constraint]) -> None:
         c.mask_ready = True
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: Sequence[torch.Tensor],
                 fallback_ids: Sequence[int]) -> None:
     """Set the disallowed logits of ``rows`` to -inf in place. A row whose mask allows nothing
     (a matcher in an error state) may only end: it keeps just ``fallback_ids`` (the EOS ids)."""
     vocab = logits.shape[1]
-    bits = torch.stack(list(masks))  # [R, W]
-    allowed = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool()  # [R, V]
-    if allowed.shape[1] < vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], dim=1)
+    bits = torch.stack(list(masks)).numpy().view(np.uint8)  # [R, W * 4], little-endian words
+    # bit j of the mask is token j; ids past the tokenizer's vocabulary (padding) stay disallowed
+    allowed = torch.from_numpy(np.unpackbits(bits, axis=1, count=vocab, bitorder="little")).view(torch.bool)
     empty = ~allowed.any(dim=1)
     if bool(empty.any()):
         for r in empty.nonzero().flatten().tolist():
             allowed[r, list(fallback_ids)] = True
+    allowed = allowed.to(logits.device)
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     sub = logits.index_select(0, idx)
-    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    sub.masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)

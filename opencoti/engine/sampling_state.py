@@ -32,18 +32,20 @@ __all__ = ["SamplerState", "process_logits"]
 class SamplerState:
     """What the sampler remembers about one request between steps."""
 
-    __slots__ = ("constraint", "counts", "window", "bias_ids", "bias_vals", "eos_ids", "num_accepted")
+    __slots__ = ("constraint", "counts", "window", "bias_ids", "bias_vals", "bans", "eos_ids", "num_accepted")
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int], tokenizer, vocab_size: int):
         self.eos_ids = tuple(tokenizer.eos_token_ids)
         self.num_accepted = 0
         self.bias_ids = self.bias_vals = None
+        self.bans = False  # some bias is -inf: the row could be left with no allowed token
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= vocab_size]
             if bad:
                 raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
             self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self.bias_vals = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            self.bans = bool(torch.isneginf(self.bias_vals).any())
         self.counts = self.window = None
         if params.has_penalties:
             n = params.repeat_last_n
@@ -115,7 +117,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         penalized = penalized - counts * freq - seen.float() * pres
         logits.index_copy_(0, idx, torch.where(seen, penalized, sub))
-    rows = sorted(set(cons_rows) | set(bias_rows))
+    rows = [i for i in bias_rows if states[i].bans]
     if rows:
         # a row left with no finite logit (every allowed token banned) may only end
         idx = torch.tensor(rows, dtype=torch.long, device=device)
