@@ -1,48 +1,200 @@
-"""Chat: OpenAI-style messages and tools -> prompt text, with the model's own template.
+"""Chat rendering: OpenAI-style messages (+ tools) -> prompt text, one chain for every caller.
 
-Responsibilities:
+``render_chat`` is the only way a conversation becomes a prompt (``Engine.apply_chat_template``,
+``Engine.generate(messages=...)``, pools made from messages, the HTTP routes and the in-process
+client all go through it), so the same messages + tools always give the same tokens:
 
-* ``normalize_messages`` / ``normalize_tools``: validate request shapes and put
-  them in the form chat templates expect (content always a string, tool-call
-  arguments as a dict). Every problem is an InvalidRequestError with a message
-  that names the offending message index and field.
-* ``render_chat``: validate, then render with the tokenizer's chat template.
-* Tool-call parsing of model output (``<tool_call>{...}</tool_call>`` and the
-  other formats our model families emit) belongs in this module too, next to
-  the rendering it mirrors; it is not written yet.
+1. ``normalize_messages`` / ``normalize_tools``: validate request shapes once and put them in the
+   form chat templates expect (content a string, tool-call arguments a dict). Every problem is an
+   InvalidRequestError naming the offending message index and field.
+2. ``inject_tools``: for templates that do not render ``tools`` / assistant ``tool_calls`` themselves
+   (found once per template by ``template_caps``; e.g. SmolLM2's), the tool definitions go into the
+   system message in the Hermes/Qwen form, tool calls become ``<tool_call>{json}</tool_call>`` text
+   and tool results ``<tool_response>`` blocks. Never depends on ``tool_choice``, so a pool made from
+   the same messages + tools is a token-exact prefix of every request that uses them.
+3. ``apply_template``: the model's Jinja template (transformers renders HF tokenizers' templates;
+   a sandbox configured like transformers' renders the built-in byte-level one).
+
+``prepare_chat`` adds what a chat *request* needs on top: ``tool_choice`` and its prefill.
+Tool-call parsing of the output is in :mod:`opencoti.engine.tool_calls`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+import weakref
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import InvalidRequestError
+from .tool_calls import ToolChoice, format_tool_call_text, parse_tool_choice, tool_choice_prefill, tool_names, \
+    tools_system_text
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+_PROBE_NAME = "opencoti_probe_fn_7f3a"
 
 
-def render_chat(
-    tokenizer: "Tokenizer",
-    messages: list[dict],
-    tools: list[dict] | None = None,
-    add_generation_prompt: bool = True,
-) -> str:
-    """Render a chat request to prompt text with the model's chat template.
+# ============================================================================ the chain
+def render_chat(tokenizer: "Tokenizer", messages: Any, tools: Any = None, add_generation_prompt: bool = True) -> str:
+    """Messages (+ tools) -> prompt text: normalize, inject tools the template ignores, apply the template.
 
-    ``messages`` are OpenAI chat messages: ``{"role", "content"}`` with role one
-    of system/user/assistant/tool; content a string or a list of
-    ``{"type": "text", "text": ...}`` parts; assistant messages may carry
-    ``tool_calls`` (and then ``content`` may be None); tool messages may carry
-    ``tool_call_id``. ``tools`` are OpenAI function tools. Raises
-    InvalidRequestError on any malformed input or a model without a template.
+    ``messages`` are OpenAI chat messages: ``{"role", "content"}`` with role one of
+    system/user/assistant/tool; content a string or a list of ``{"type": "text", "text": ...}``
+    parts; assistant messages may carry ``tool_calls`` (and then ``content`` may be None); tool
+    messages may carry ``tool_call_id``. ``tools`` are OpenAI function tools. Raises
+    InvalidRequestError on malformed input, a model without a template, or a template that
+    rejects the conversation.
     """
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    _require_template(tokenizer)
+    msgs, template_tools = inject_tools(normalize_messages(messages), normalize_tools(tools), template_caps(tokenizer))
+    return apply_template(tokenizer, msgs, template_tools, add_generation_prompt)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: ``text`` (the rendered conversation), ``prefill`` (appended after it to
+    force a tool call), the parsed ``choice`` and the known function ``names``."""
+
+    text: str
+    prefill: str
+    choice: ToolChoice
+    names: frozenset[str]
+
+    @property
+    def full_text(self) -> str:
+        return self.text + self.prefill
+
+
+def prepare_chat(tokenizer: "Tokenizer", messages: Any, tools: Any = None, tool_choice: Any = None) -> ChatPrompt:
+    """The prompt of a chat request: ``render_chat`` plus ``tool_choice`` (validated against ``tools``)."""
+    tool_list = normalize_tools(tools)
+    choice = parse_tool_choice(tool_choice, tool_list)
+    text = render_chat(tokenizer, messages, tool_list, add_generation_prompt=True)
+    return ChatPrompt(text, tool_choice_prefill(choice), choice, frozenset(tool_names(tool_list)))
+
+
+# ============================================================================ tool injection
+@dataclass(frozen=True)
+class TemplateCaps:
+    """What a chat template renders natively."""
+
+    supports_tools: bool = False  # the `tools` argument shows up in the prompt
+    supports_tool_calls: bool = False  # assistant `tool_calls` show up in the prompt
+
+
+def probe_template_caps(render: Callable[..., str]) -> TemplateCaps:
+    """Render probes through ``render(messages, tools, add_generation_prompt)`` (normalized input)."""
+    tool = {"type": "function", "function": {"name": _PROBE_NAME, "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    try:
+        tools_ok = _PROBE_NAME in render(base, [tool], True)
+    except Exception:  # noqa: BLE001 - a template that rejects tools does not support them
+        tools_ok = False
+    calls = base + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_probe", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_probe", "content": "r"}]
+    try:
+        calls_ok = _PROBE_NAME in render(calls, [tool] if tools_ok else None, True)
+    except Exception:  # noqa: BLE001
+        calls_ok = False
+    return TemplateCaps(supports_tools=tools_ok, supports_tool_calls=calls_ok)
+
+
+_CAPS: "weakref.WeakKeyDictionary[Any, tuple[str, TemplateCaps]]" = weakref.WeakKeyDictionary()
+
+
+def template_caps(tokenizer: "Tokenizer") -> TemplateCaps:
+    """The tokenizer's template capabilities (probed once per template)."""
+    template = tokenizer.chat_template
+    if not template:
+        return TemplateCaps()
+    cached = _CAPS.get(tokenizer)
+    if cached is None or cached[0] != template:
+        caps = probe_template_caps(lambda m, t, g: apply_template(tokenizer, m, t, g))
+        _CAPS[tokenizer] = cached = (template, caps)
+    return cached[1]
+
+
+def inject_tools(messages: list[dict], tools: list[dict] | None,
+                 caps: TemplateCaps) -> tuple[list[dict], list[dict] | None]:
+    """Rewrite normalized messages for a template: returns (messages, tools to hand the template)."""
+    msgs = list(messages)
+    if tools and not caps.supports_tools:
+        block = tools_system_text(tools)
+        if msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": (msgs[0]["content"] + "\n\n" if msgs[0]["content"] else "") + block}
+        else:
+            msgs.insert(0, {"role": "system", "content": block})
+    if not caps.supports_tool_calls:
+        msgs = [_tool_turn_as_text(m) for m in msgs]
+    return msgs, (tools if caps.supports_tools else None)
+
+
+def _tool_turn_as_text(m: dict) -> dict:
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        parts = [m["content"]] if m["content"] else []
+        parts += [format_tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+        return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": "\n".join(parts)}
+    if m["role"] == "tool":
+        return {**{k: v for k, v in m.items() if k != "tool_call_id"},
+                "content": "<tool_response>\n" + m["content"] + "\n</tool_response>"}
+    return m
+
+
+# ============================================================================ the template
+def apply_template(tokenizer: "Tokenizer", messages: list[dict], tools: list[dict] | None,
+                   add_generation_prompt: bool) -> str:
+    """Render already-normalized messages with the tokenizer's template (no validation, no injection)."""
+    _require_template(tokenizer)
+    import jinja2  # a transformers dependency; imported late to keep imports cheap
+
+    try:
+        if tokenizer.hf_tokenizer is not None:
+            return tokenizer.hf_tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=bool(add_generation_prompt),
+                chat_template=tokenizer.chat_template)
+        return _jinja_template(tokenizer.chat_template).render(
+            messages=messages, tools=tools, add_generation_prompt=bool(add_generation_prompt),
+            **tokenizer.template_vars)
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
+
+
+def _require_template(tokenizer: "Tokenizer") -> None:
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("this model has no chat template; use the completion endpoint with raw text")
+
+
+_TEMPLATE_CACHE: dict[str, Any] = {}
+
+
+def _jinja_template(source: str):
+    """Compile a chat template in a sandbox configured like transformers' own."""
+    template = _TEMPLATE_CACHE.get(source)
+    if template is None:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise InvalidRequestError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = _TEMPLATE_CACHE[source] = env.from_string(source)
+    return template
+
+
+# ============================================================================ normalization
 def normalize_messages(messages: Any) -> list[dict]:
     """Validate OpenAI-style chat messages and return template-ready copies.
 

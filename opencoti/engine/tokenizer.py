@@ -8,19 +8,15 @@ Two implementations behind one class:
 * ``Tokenizer.byte_level(vocab_size)`` is a self-contained byte tokenizer for the
   tiny random-weight test models: ids 0..255 are bytes, then ChatML specials.
 
-Message validation (roles, content shapes, tool calls) lives in
-:mod:`opencoti.engine.chat`; ``apply_chat_template`` runs it first, so bad input
-always surfaces as :class:`~opencoti.engine.errors.InvalidRequestError`.
+The tokenizer only encodes and decodes; it carries its chat template as data
+(``chat_template``, ``template_vars``), and :mod:`opencoti.engine.chat` renders it.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from datetime import datetime
 from typing import Any, Iterable, Sequence
 
-from .chat import normalize_messages, normalize_tools
 from .errors import InvalidRequestError
 
 # Tokens that end a turn or a document in the model families we serve. Like
@@ -36,8 +32,8 @@ END_OF_GENERATION_TOKENS = (
 )
 
 # ChatML with Hermes/Qwen-style tools, for the byte-level test tokenizer. Tool
-# calls render as <tool_call>{json}</tool_call> so the output parser (chat.py)
-# has one well-known format to recognise.
+# calls render as <tool_call>{json}</tool_call> so the output parser
+# (tool_calls.py) has one well-known format to recognise.
 BYTE_LEVEL_CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -82,6 +78,9 @@ class Tokenizer:
         bos_token_id: the BOS id, or None. Never added implicitly by
             ``encode(add_special_tokens=False)``.
         chat_template: the model's Jinja chat template, or None.
+        template_vars: extra variables the template sees (``bos_token``, ``eos_token``).
+        hf_tokenizer: the wrapped transformers tokenizer (None for the byte-level one);
+            its templates are rendered by transformers.
         special_token_ids: ids of special/control tokens (skipped by ``decode``
             with ``skip_special_tokens=True``).
     """
@@ -91,6 +90,8 @@ class Tokenizer:
     bos_token_id: int | None
     chat_template: str | None
     special_token_ids: frozenset[int]
+    template_vars: dict[str, str] = {}
+    hf_tokenizer: Any = None
 
     # -- constructors -------------------------------------------------------
 
@@ -123,41 +124,11 @@ class Tokenizer:
         """Text of ``ids``; invalid UTF-8 decodes to U+FFFD. Raises on out-of-range ids."""
         raise NotImplementedError
 
-    def apply_chat_template(
-        self,
-        messages: list[dict],
-        tools: list[dict] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> str:
-        """Render OpenAI-style ``messages`` (and ``tools``) to prompt text.
-
-        Raises InvalidRequestError when the model has no chat template, when a
-        message is malformed, or when the template itself rejects the
-        conversation (e.g. roles that don't alternate).
-        """
-        if not self.chat_template:
-            raise InvalidRequestError(
-                "this model has no chat template; use the completion endpoint with raw text"
-            )
-        normalized = normalize_messages(messages)
-        normalized_tools = normalize_tools(tools)
-        import jinja2  # a transformers dependency; imported late to keep imports cheap
-
-        try:
-            return self._render_chat(normalized, normalized_tools, bool(add_generation_prompt))
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
-
     def is_eos(self, token_id: int) -> bool:
         """Whether ``token_id`` ends generation."""
         return token_id in self.eos_token_ids
 
     # -- helpers for subclasses --------------------------------------------
-
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        raise NotImplementedError
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         out = []
@@ -205,15 +176,6 @@ class _HFTokenizer(Tokenizer):
         ids = self._check_ids(ids)
         return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _render_chat(self, messages, tools, add_generation_prompt):
-        return self.hf_tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=self.chat_template,
-        )
-
 
 class _ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens plus three ChatML specials (for tiny test models)."""
@@ -232,6 +194,7 @@ class _ByteTokenizer(Tokenizer):
         self.eos_token_ids = (self._special_to_id["<|im_end|>"], self._special_to_id["<|endoftext|>"])
         self.special_token_ids = frozenset(range(256, vocab_size))
         self.chat_template = BYTE_LEVEL_CHAT_TEMPLATE
+        self.template_vars = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
     def __repr__(self) -> str:
         return f"Tokenizer(byte_level, vocab_size={self.vocab_size})"
@@ -263,15 +226,6 @@ class _ByteTokenizer(Tokenizer):
         parts.append(buf.decode("utf-8", errors="replace"))
         return "".join(parts)
 
-    def _render_chat(self, messages, tools, add_generation_prompt):
-        return _jinja_template(self.chat_template).render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token="<|im_start|>",
-            eos_token="<|im_end|>",
-        )
-
 
 def _unique_ids(candidates: Iterable[Any], vocab_size: int) -> tuple[int, ...]:
     """Flatten ints / lists of ints, drop None and out-of-range ids, keep first-seen order."""
@@ -281,27 +235,3 @@ def _unique_ids(candidates: Iterable[Any], vocab_size: int) -> tuple[int, ...]:
             if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size and i not in out:
                 out.append(i)
     return tuple(out)
-
-
-_TEMPLATE_CACHE: dict[str, Any] = {}
-
-
-def _jinja_template(source: str):
-    """Compile a chat template in a sandbox configured like transformers' own."""
-    template = _TEMPLATE_CACHE.get(source)
-    if template is None:
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise InvalidRequestError(message)
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = _TEMPLATE_CACHE[source] = env.from_string(source)
-    return template

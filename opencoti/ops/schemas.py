@@ -1,4 +1,5 @@
-"""Request bodies (pydantic, strict: a wrong JSON type is a 400, never coerced).
+"""Operation inputs (pydantic, strict: a wrong JSON type is a 400, never coerced): request bodies
+and query parameters, validated the same way whether they come over HTTP or in-process.
 
 Unknown fields are ignored (OpenAI and llama.cpp clients send fields we don't use), except in
 the control-plane bodies, where a misspelt field would silently change nothing and is rejected.
@@ -152,3 +153,23 @@ class CompactRequest(_Strict):
     tools: list[Any] | None = None
     branch_pos: int | None = None
     release_old: bool = True
+
+
+class _Query(BaseModel):
+    # query strings are text: numbers are parsed (lax), unknown parameters ignored
+    model_config = ConfigDict(extra="ignore")
+
+
+class CapacityQuery(_Query):
+    expected_tokens: int | None = Field(None, ge=0, description="tokens the new session expects to use")
+    session_id: str | None = Field(None, description="ask for this (existing) session")
+
+
+class EventsQuery(_Query):
+    pool_id: int | None = Field(None, description="only this pool's events")
+    since: float | None = Field(None, description="only events after this wall-clock time")
+
+
+class TpsHistoryQuery(_Query):
+    session_id: str | None = Field(None, description="only this session's series")
+    since: float | None = Field(None, description="only samples after this wall-clock time")

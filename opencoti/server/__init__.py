@@ -9,8 +9,11 @@ Imports are lazy so `opencoti --help` does not load the web stack or torch.
 __all__ = ["create_app", "ServerConfig", "ServerState"]
 
 
+_HOMES = {"create_app": "app", "ServerConfig": "config", "ServerState": "state"}
+
+
 def __getattr__(name):
-    if name in __all__:
-        from . import app
-        return getattr(app, name)
+    if name in _HOMES:
+        import importlib
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

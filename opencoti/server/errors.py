@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.errors import OpencotiError, PoolSaturatedError
+from ..ops.validation import validation_message
 
 log = logging.getLogger("opencoti.server")
 
@@ -25,6 +26,29 @@ _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
                413: "invalid_request_error", 429: "rate_limit_error", 501: "not_supported_error",
                503: "unavailable_error"}
+
+
+class ErrorDetail(BaseModel):
+    code: int = Field(description="the HTTP status")
+    message: str
+    type: str = Field(description="e.g. invalid_request_error, not_found_error, rate_limit_error")
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer (llama.cpp's shape)."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown id",
+                 405: "method not allowed", 409: "conflicts with the current state",
+                 413: "request body too large", 429: "pool saturated (Retry-After)",
+                 500: "internal error", 503: "model loading, shutting down or a budget exhausted (Retry-After)"}
+
+
+def error_responses(statuses) -> dict:
+    """OpenAPI ``responses`` for these error statuses (the error schema)."""
+    return {s: {"model": ErrorResponse, "description": _DESCRIPTIONS.get(s, "error")} for s in statuses}
 
 
 class ApiError(Exception):
@@ -74,48 +98,10 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(error_body(status, message, etype), status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts: list[str] = []
-    unions: dict[str, tuple[list[str], object]] = {}
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
-        etype = err.get("type")
-        if etype == "json_invalid":
-            detail = (err.get("ctx") or {}).get("error", "")
-            parts.append(f"the request body is not valid JSON{': ' + str(detail) if detail else ''}")
-            continue
-        if etype == "missing" and not loc:
-            parts.append("a JSON request body is required")
-            continue
-        if len(loc) >= 2 and ("[" in loc[-1] or loc[-1] in ("str", "int", "float", "bool", "dict", "list")):
-            # one error per member of a union type: report them as one "expected one of"
-            field = ".".join(loc[:-1])
-            kinds, given = unions.setdefault(field, ([], err.get("input")))
-            kinds.append(loc[-1])
-            continue
-        where = ".".join(loc) if loc else "request body"
-        text = f"{where}: {err.get('msg', 'invalid value')}"
-        given = err.get("input")
-        if etype not in ("missing", "extra_forbidden") and not isinstance(given, (dict, list)):
-            text += f" (got {_short(given)})"
-        parts.append(text)
-    for field, (kinds, given) in unions.items():
-        parts.append(f"{field}: expected one of {' | '.join(kinds)} (got {_short(given)})")
-    return "; ".join(parts) or "invalid request"
-
-
-def _short(value: Any) -> str:
-    try:
-        s = json.dumps(value)
-    except (TypeError, ValueError):
-        s = repr(value)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(400, _validation_message(exc), "invalid_request_error"), status_code=400)
+        return JSONResponse(error_body(400, validation_message(exc.errors()), "invalid_request_error"), status_code=400)
 
     @app.exception_handler(OpencotiError)
     async def _engine(request: Request, exc: OpencotiError):

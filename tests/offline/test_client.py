@@ -16,7 +16,9 @@ from starlette.testclient import TestClient
 from opencoti.client import (APIConnectionError, AsyncPolyKVClient, AuthenticationError, CapacityError, ChatChunk,
                              ContextLengthError, InvalidRequestError, PolyKVClient, PoolBusyError, PoolContractError,
                              PoolNotFoundError, PoolSaturatedError, SessionBusyError, SessionNotFoundError,
-                             _ChatEventParser, _Retry, aggregate_chat, error_from_response, GenerationInfo)
+                             aggregate_chat, error_from_response, GenerationInfo)
+from opencoti.client.errors import RetryPolicy as _Retry
+from opencoti.client.events import ChatEventParser as _ChatEventParser
 from opencoti.engine import SamplingParams
 from opencoti.server import create_app
 

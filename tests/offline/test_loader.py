@@ -465,7 +465,7 @@ def test_hf_tokenizer_wrapper():
     with pytest.raises(InvalidRequestError):
         tok.decode([8])
     assert {4, 5, 6} <= tok.special_token_ids
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+    text = render_chat(tok, [{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     assert text == "[user]a[assistant]"
 
 

@@ -1,6 +1,6 @@
-"""Tool calling helpers of the server (pure functions): template capability probe, prompt
-rendering for templates that ignore tools, tool_choice, and the tool-call parser (whole output
-and streaming)."""
+"""Tool calling (pure functions): the template capability probe and tool injection of the chat
+chain (engine/chat.py) for templates that ignore tools, tool_choice, and the tool-call parser
+(engine/tool_calls.py: whole output and streaming)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import json
 import pytest
 
 from opencoti.engine.errors import InvalidRequestError
-from opencoti.server.tools import (TemplateCaps, ToolChoice, ToolStreamFilter, forced_call_fallback,
-                                   parse_tool_calls, parse_tool_choice, prepare_messages, probe_template_caps,
-                                   render_chat_prompt, resolve_tool_output, tool_choice_prefill)
+from opencoti.engine.chat import (TemplateCaps, inject_tools, normalize_messages, normalize_tools,
+                                  probe_template_caps, render_chat, template_caps)
+from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.tool_calls import (ToolChoice, ToolStreamFilter, forced_call_fallback, parse_tool_calls,
+                                        parse_tool_choice, resolve_tool_output, tool_choice_prefill)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -20,10 +22,27 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 NAMES = {"get_weather", "get_time"}
 
 
+# A template like SmolLM2's: roles and content only; tools and tool_calls are ignored.
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
 def plain_template(messages, tools=None, add_generation_prompt=True):
-    """A template like SmolLM2's: roles and content only; tools and tool_calls are ignored."""
     out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def plain_tokenizer() -> Tokenizer:
+    tok = Tokenizer.byte_level(320)
+    tok.chat_template = PLAIN_TEMPLATE
+    return tok
+
+
+PLAIN = plain_tokenizer()
+
+
+def prepare_messages(messages, tools, caps):
+    return inject_tools(normalize_messages(messages), normalize_tools(tools), caps)
 
 
 # ============================================================================ capabilities & rendering
@@ -33,7 +52,9 @@ def test_probe_plain_template_supports_nothing():
 
 def test_probe_tool_aware_template(engine):
     # the tiny models' byte-level template renders tools and tool calls itself
-    assert probe_template_caps(engine.apply_chat_template) == TemplateCaps(True, True)
+    assert template_caps(engine.tokenizer) == TemplateCaps(True, True)
+    assert template_caps(PLAIN) == TemplateCaps(False, False)
+    assert render_chat(PLAIN, [{"role": "user", "content": "x"}]) == plain_template([{"role": "user", "content": "x"}])
 
 
 def test_probe_template_that_raises_is_unsupported():
@@ -47,7 +68,7 @@ def test_probe_template_that_raises_is_unsupported():
 
 def test_tools_go_into_the_existing_system_message():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
-    text = render_chat_prompt(plain_template, TemplateCaps(), msgs, [WEATHER, TIME])
+    text = render_chat(PLAIN, msgs, [WEATHER, TIME])
     system = text.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert json.dumps(WEATHER) in system and json.dumps(TIME) in system
@@ -56,7 +77,7 @@ def test_tools_go_into_the_existing_system_message():
 
 
 def test_tools_without_a_system_message_get_one():
-    text = render_chat_prompt(plain_template, TemplateCaps(), [{"role": "user", "content": "hi"}], [WEATHER])
+    text = render_chat(PLAIN, [{"role": "user", "content": "hi"}], [WEATHER])
     assert text.startswith("<|im_start|>system\n# Tools") and "get_weather" in text
 
 
@@ -82,8 +103,8 @@ def test_native_templates_get_tools_untouched():
 def test_rendering_is_a_prefix_of_the_longer_conversation():
     """A pool made from [system] + tools must be a text prefix of a request that continues it."""
     system = [{"role": "system", "content": "S"}]
-    pool = render_chat_prompt(plain_template, TemplateCaps(), system, [WEATHER], add_generation_prompt=False)
-    req = render_chat_prompt(plain_template, TemplateCaps(), system + [{"role": "user", "content": "u"}], [WEATHER])
+    pool = render_chat(PLAIN, system, [WEATHER], add_generation_prompt=False)
+    req = render_chat(PLAIN, system + [{"role": "user", "content": "u"}], [WEATHER])
     assert req.startswith(pool)
 
 
@@ -94,12 +115,12 @@ def test_rendering_is_a_prefix_of_the_longer_conversation():
 ])
 def test_bad_messages_are_invalid_requests(bad):
     with pytest.raises(InvalidRequestError):
-        render_chat_prompt(plain_template, TemplateCaps(), bad, None)
+        render_chat(PLAIN, bad, None)
 
 
 def test_bad_tools_are_invalid_requests():
     with pytest.raises(InvalidRequestError, match=r"tools\[0\].function.name"):
-        render_chat_prompt(plain_template, TemplateCaps(), [{"role": "user", "content": "x"}],
+        render_chat(PLAIN, [{"role": "user", "content": "x"}],
                            [{"type": "function", "function": {"description": "no name"}}])
 
 

@@ -1,0 +1,206 @@
+"""Generation requests, transport-neutral: request body -> (tokens, SamplingParams, engine kwargs),
+and the finished result -> the answer's shape. The HTTP routes and the in-process client both
+use these; only the framing (SSE / JSON / Python objects) differs per transport.
+
+``sampling_params`` is the one place a request body becomes ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import SamplingParams
+from ..engine.chat import ChatPrompt, prepare_chat
+from ..engine.errors import InvalidRequestError
+from ..engine.results import GenerationResult, RequestInfo
+from ..engine.tool_calls import ToolCall, ToolStreamFilter, resolve_tool_output
+from .context import Context
+from .schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest, PolyKVFields, SamplingFields
+
+FINISH_OPENAI = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+STOP_TYPE_LLAMA = {"eos": "eos", "stop": "word", "length": "limit", "cancelled": "none"}
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    default_max_tokens: int | None = None) -> SamplingParams:
+    """Map request fields onto SamplingParams (unset fields keep the engine's llama.cpp-like defaults).
+
+    ``max_tokens``: the body's limit (None: ``default_max_tokens``; -1: until EOS / context)."""
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repeat_penalty", 1)):
+        v = getattr(body, name)
+        if v is not None and v != neutral:
+            raise InvalidRequestError(f"{name} is not supported (only {neutral} is accepted)")
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported")
+    kw: dict[str, Any] = {}
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        v = getattr(body, name)
+        if v is not None:
+            kw[name] = v
+    if body.seed is not None and body.seed != -1:
+        kw["seed"] = body.seed
+    if body.stop is not None:
+        kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif max_tokens == -1:
+        max_tokens = None
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs, **kw)
+
+
+def engine_kwargs(body: PolyKVFields) -> dict:
+    """The PolyKV fields of a body as ``Engine.stream`` keyword arguments (validated)."""
+    sid = body.session_id
+    if sid is not None and (not sid or not sid.isascii() or not sid.isprintable()):
+        raise InvalidRequestError("session_id must be a non-empty string of printable ASCII characters "
+                                  "(it is echoed in the x-session-id header)")
+    return dict(session_id=sid, pool_id=body.pool_id, shared_prefix_n_tokens=body.shared_prefix_n_tokens,
+                overcommit=body.overcommit)
+
+
+@dataclass
+class Prepared:
+    """A generation ready to submit: ``engine.stream(tokens, params=params, **kwargs)``."""
+
+    tokens: list[int]
+    params: SamplingParams
+    kwargs: dict
+    prompt_text: str | None = None  # completion prompts given as text (or echoed)
+    chat: ChatPrompt | None = None
+    single_call: bool = False  # chat: parallel_tool_calls false
+    extra: dict = field(default_factory=dict)
+
+
+def _completion_prompt(ctx: Context, prompt) -> tuple[list[int], str | None]:
+    """(tokens, text) of a completion prompt: a string, token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise InvalidRequestError(f"one prompt per request is supported, got {len(prompt)}; "
+                                      "send one request per prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return ctx.engine.tokenize(prompt), prompt
+    return list(prompt), None
+
+
+def prepare_completion(ctx: Context, body: CompletionRequest) -> Prepared:
+    """llama.cpp ``/completion``."""
+    kwargs = engine_kwargs(body)
+    n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
+    params = sampling_params(body, n_predict, body.n_probs or None, ctx.default_max_tokens)
+    tokens, text = _completion_prompt(ctx, body.prompt)
+    return Prepared(tokens, params, kwargs, prompt_text=text)
+
+
+def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Prepared:
+    """OpenAI ``/v1/completions``."""
+    if body.n != 1:
+        raise InvalidRequestError("n must be 1 (one choice per request is supported)")
+    if body.best_of not in (None, 1):
+        raise InvalidRequestError("best_of must be 1")
+    if body.suffix:
+        raise InvalidRequestError("suffix (insertion) is not supported")
+    kwargs = engine_kwargs(body)
+    params = sampling_params(body, body.max_tokens, body.logprobs, ctx.default_max_tokens)
+    tokens, text = _completion_prompt(ctx, body.prompt)
+    if body.echo and text is None:
+        text = ctx.engine.detokenize(tokens)
+    return Prepared(tokens, params, kwargs, prompt_text=text)
+
+
+def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
+    """OpenAI ``/v1/chat/completions``: render (``engine.chat.prepare_chat``), tokenize, sampling."""
+    if body.n != 1:
+        raise InvalidRequestError("n must be 1 (one choice per request is supported)")
+    rf = body.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        raise InvalidRequestError(f"response_format {rf.get('type')!r} is not supported (no constrained decoding); "
+                                  "use 'text'")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true")
+    kwargs = engine_kwargs(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             ctx.default_max_tokens)
+    prompt = prepare_chat(ctx.engine.tokenizer, body.messages, body.tools, body.tool_choice)
+    tokens = ctx.engine.tokenize(prompt.full_text)
+    return Prepared(tokens, params, kwargs, chat=prompt, single_call=body.parallel_tool_calls is False)
+
+
+class ChatTurn:
+    """The assistant turn of a chat generation: ``feed`` each delta's text (returns the content to
+    send now; tool-call text is held back), then ``finish`` (content still to send, tool calls,
+    finish reason)."""
+
+    def __init__(self, prepared: Prepared):
+        chat = prepared.chat
+        self.prompt = chat
+        self.single_call = prepared.single_call
+        self.filter = ToolStreamFilter(chat.choice, set(chat.names), chat.prefill)
+
+    def feed(self, text: str) -> str:
+        return self.filter.feed(text)
+
+    def finish(self, result: GenerationResult) -> tuple[str, list[ToolCall], str]:
+        content, calls = self.filter.finish()
+        return (content, *self._calls_and_reason(calls, result))
+
+    def whole(self, result: GenerationResult) -> tuple[str, list[ToolCall], str]:
+        """For a non-streamed answer: the whole text at once."""
+        p = self.prompt
+        content, calls = resolve_tool_output(result.text, p.prefill, p.choice, set(p.names))
+        return (content, *self._calls_and_reason(calls, result))
+
+    def _calls_and_reason(self, calls, result) -> tuple[list[ToolCall], str]:
+        if self.single_call:
+            calls = calls[:1]
+        if calls and result.stop_reason != "length":
+            return calls, "tool_calls"
+        return calls, FINISH_OPENAI.get(result.stop_reason, "stop")
+
+
+def usage(info: RequestInfo, result: GenerationResult) -> dict:
+    n = len(result.token_ids)
+    return {"prompt_tokens": info.prompt_tokens, "completion_tokens": n, "total_tokens": info.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": info.cached_prefix_tokens}}
+
+
+def opencoti_block(info: RequestInfo) -> dict:
+    out = {"session_id": info.session_id, "pool_id": info.pool_id, "cached_prefix_tokens": info.cached_prefix_tokens}
+    if info.admission is not None:
+        out["admission"] = info.admission
+    return out
+
+
+def generation_settings(ctx: Context, params: SamplingParams, stream: bool = False) -> dict:
+    return {"n_ctx": ctx.engine.max_context, "model": ctx.model_name,
+            "n_predict": -1 if params.max_tokens is None else params.max_tokens,
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
+            "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0, "stream": stream}
+
+
+def llama_final(ctx: Context, body: CompletionRequest, prepared: Prepared, info: RequestInfo,
+                result: GenerationResult, content: str) -> dict:
+    """llama.cpp's final ``/completion`` answer (``content`` is empty on the last event of a stream)."""
+    return {
+        "index": 0, "content": content, "tokens": list(result.token_ids) if body.return_tokens else [],
+        "id_slot": -1, "stop": True, "model": ctx.model_name,
+        "tokens_predicted": len(result.token_ids), "tokens_evaluated": info.prompt_tokens,
+        "generation_settings": generation_settings(ctx, prepared.params, body.stream),
+        "prompt": prepared.prompt_text or "",
+        "has_new_line": "\n" in result.text, "truncated": result.truncated,
+        "stop_type": STOP_TYPE_LLAMA.get(result.stop_reason, "none"), "stopping_word": result.stopping_word,
+        "tokens_cached": info.cached_prefix_tokens, "timings": result.timings,
+        "session_id": info.session_id, "pool_id": info.pool_id, "opencoti": opencoti_block(info),
+    }
+
+
+def run_completion(ctx: Context, body: CompletionRequest) -> dict:
+    """A whole (non-streamed) ``/completion`` in the calling thread (the in-process transport)."""
+    prepared = prepare_completion(ctx, body)
+    result = ctx.require_open().generate(prepared.tokens, params=prepared.params, **prepared.kwargs)
+    return llama_final(ctx, body, prepared, result.info, result, result.text)

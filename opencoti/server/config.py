@@ -1,0 +1,23 @@
+"""HTTP-side settings (the engine has its own EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    """api_key: when set, every route but /health needs ``Authorization: Bearer <key>`` or ``X-Api-Key``.
+    max_body_bytes: request bodies above this are refused with 413.
+    cors_origins: origins allowed by CORS (empty = CORS off).
+    tps_interval_ms: default period of the ``GET /polykv/tps`` SSE stream.
+    default_max_tokens: max tokens when a request gives none (None = until EOS or the context is full).
+    model_alias: the model id reported by /v1/models (default: the engine's model name).
+    """
+
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 2**20
+    cors_origins: list[str] = field(default_factory=list)
+    tps_interval_ms: float = 500.0
+    default_max_tokens: int | None = None
+    model_alias: str | None = None

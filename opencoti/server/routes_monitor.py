@@ -1,0 +1,58 @@
+"""Monitoring routes that are not plain operations: ``GET /metrics`` (Prometheus text) and
+``GET /polykv/tps`` (an SSE stream every interval; ``?once=1`` answers the ``tps`` operation)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..ops import OPERATIONS, Context
+from .errors import error_responses
+from .state import ServerState, get_ctx, get_state
+from .streaming import SSE_HEADERS, sse
+
+router = APIRouter()
+
+
+@router.get("/metrics", tags=["llama.cpp"], summary="Prometheus text exposition", response_class=PlainTextResponse)
+def metrics(state: ServerState = Depends(get_state)):
+    return PlainTextResponse(state.metrics.render(state.engine if state.is_ready else None),
+                             media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/polykv/tps", tags=["PolyKV"], summary="live tps: SSE every interval (?once=1: one JSON snapshot)",
+            responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}},
+                                         "application/json": {}},
+                             "description": "server-sent tps snapshots, or one JSON snapshot with once=1"},
+                       **error_responses((400, 503))})
+async def tps(once: bool = False, interval_ms: float | None = Query(None, ge=50, le=60000),
+              count: int | None = Query(None, ge=1, description="end the stream after this many events"),
+              ctx: Context = Depends(get_ctx), state: ServerState = Depends(get_state)):
+    eng = ctx.engine
+    if once:
+        return JSONResponse(await anyio.to_thread.run_sync(OPERATIONS["tps"].run, ctx))
+    period = (interval_ms if interval_ms is not None else ctx.tps_interval_ms) / 1e3
+
+    async def stream():
+        n = 0
+        while not state.stopping.is_set() and not eng.is_closed:
+            try:
+                snap = await anyio.to_thread.run_sync(eng.tps_snapshot)
+            except Exception:  # noqa: BLE001 - the engine closed under us: end the stream
+                return
+            yield sse(snap)
+            n += 1
+            if count is not None and n >= count:
+                return
+            t_end = asyncio.get_running_loop().time() + period
+            while not state.stopping.is_set():  # wake up promptly on shutdown
+                left = t_end - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                await asyncio.sleep(min(left, 0.1))
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,172 @@
+"""Running a generation over HTTP: start it (bounded by admission), collect it, or stream it as
+server-sent events through one loop shared by the three generation routes.
+
+SSE framing is llama.cpp's / OpenAI's: each event is ``data: <json>\\n\\n``; OpenAI-compatible
+streams end with ``data: [DONE]\\n\\n``; an error during a stream is sent as
+``data: {"error": {...}}`` and the stream ends.
+
+A client that goes away cancels its request: while the request is held by admission or being
+collected for a non-streaming answer, ``until_disconnect`` races the work against the ASGI
+``http.disconnect`` message; during a streaming answer Starlette cancels the body iterator and the
+loop's ``finally`` cancels the engine request (its session keeps what was computed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..engine.results import GenerationResult, TokenDelta
+from ..ops.generation import Prepared
+from .errors import error_event
+from .state import ServerState
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the ASGI server reports ``http.disconnect`` (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a stray http.request message: don't spin
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - cancelled, or failed while cancelling
+        pass
+    raise ClientDisconnected()
+
+
+class Tracker:
+    """Per-request latency metrics (TTFT, inter-token latency, end-to-end)."""
+
+    def __init__(self, state: ServerState):
+        self.m = state.metrics
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+        self.m.in_flight += 1
+        self.open = True
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(now - self.t0)
+        else:
+            self.m.itl.observe(now - self.last)
+        self.last = now
+
+    def done(self, result: GenerationResult | None) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.m.in_flight -= 1
+        if result is not None:
+            self.m.e2e.observe(time.perf_counter() - self.t0)
+            self.m.request_success.labels(result.stop_reason).inc()
+
+
+class Generation:
+    """A started generation: its engine stream, its latency tracker and the request it belongs to."""
+
+    def __init__(self, request: Request, state: ServerState, stream, tracker: Tracker):
+        self.request, self.state, self.stream, self.tracker = request, state, stream, tracker
+        self.info = stream.info
+
+    @classmethod
+    async def start(cls, request: Request, state: ServerState, prepared: Prepared) -> "Generation | Response":
+        """Submit to the engine (held requests wait here, bounded by the admission policy); the 499
+        response when the client went away before the request was accepted."""
+        tracker = Tracker(state)
+        try:
+            eng = state.context().require_open()
+            stream = await until_disconnect(request, eng.astream(prepared.tokens, params=prepared.params,
+                                                                 **prepared.kwargs))
+        except ClientDisconnected:
+            tracker.done(None)
+            return Response(status_code=499)
+        except BaseException:
+            tracker.done(None)
+            raise
+        return cls(request, state, stream, tracker)
+
+    async def collect(self) -> GenerationResult:
+        """The whole result (non-streaming answers); raises ClientDisconnected."""
+        stream, tracker = self.stream, self.tracker
+
+        async def run() -> GenerationResult:
+            try:
+                async for _ in stream:
+                    tracker.token()
+                return stream.result
+            finally:
+                if stream.result is None:
+                    await stream.aclose()  # cancelled (client gone) or failed: stop the request
+
+        try:
+            result = await until_disconnect(self.request, run())
+        except BaseException:
+            tracker.done(None)
+            raise
+        tracker.done(result)
+        return result
+
+    def sse(self, on_delta: Callable[[TokenDelta], Iterable[bytes]],
+            on_end: Callable[[GenerationResult], Iterable[bytes]], first: Iterable[bytes] = (),
+            headers: dict[str, str] | None = None) -> StreamingResponse:
+        """The one SSE loop: ``first`` events, then ``on_delta`` per token, then ``on_end``; an error
+        becomes an in-band error event (the status line is gone); the request is cancelled when
+        the stream stops early."""
+        stream, tracker, state = self.stream, self.tracker, self.state
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                for ev in first:
+                    yield ev
+                async for d in stream:
+                    tracker.token()
+                    state.check_stream()
+                    for ev in on_delta(d):
+                        yield ev
+                for ev in on_end(stream.result):
+                    yield ev
+            except Exception as e:  # noqa: BLE001 - reported in-band
+                yield sse(error_event(e))
+            finally:
+                if stream.result is None:
+                    await stream.aclose()
+                tracker.done(stream.result)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
