@@ -10,7 +10,8 @@ setup:
 run: setup
 	$(PY) -m opencoti demo
 
-test: setup
+test:
+	@./scripts/setup.sh --test
 	$(PY) -m pytest -q
 
 test-offline: setup

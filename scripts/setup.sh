@@ -3,6 +3,14 @@
 # Idempotent: a second run with an unchanged pyproject.toml does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# --test: also Debian's chromium, which the dashboard's browser tests drive through Playwright
+# (Playwright's own browser download is not used: nothing is fetched outside the package registries).
+if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium >/dev/null \
+    || { DEBIAN_FRONTEND=noninteractive $SUDO apt-get update -q >/dev/null && \
+         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium >/dev/null; }
+fi
 VENV=.venv
 PY=${PYTHON:-python3}
 STAMP=$VENV/.opencoti-setup

@@ -22,10 +22,12 @@ from ..engine import Engine
 from .config import ServerConfig
 from .errors import install_handlers
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonBodyMiddleware, RequestMetricsMiddleware
+from .routes_dashboard import router as dashboard_router
 from .routes_generate import router as generate_router
 from .routes_monitor import router as monitor_router
 from .routes_ops import operations_router
 from .state import ServerState
+from .tenants import TenantKeyMiddleware
 
 EXPOSED_HEADERS = ["x-session-id", "x-pool-id", "x-cached-prefix-tokens", "x-sessions-remaining",
                    "x-admission-warning", "retry-after"]
@@ -38,6 +40,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine / engine_factory")
     config = config or ServerConfig()
+    if config.api_key and config.tenant_keys:
+        raise ValueError("give api_key (one key) or tenant_keys (a key per tenant), not both")
     state = ServerState(config, engine, engine_factory)
 
     @asynccontextmanager
@@ -56,10 +60,13 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     app.include_router(operations_router())
     app.include_router(generate_router)
     app.include_router(monitor_router)
+    app.include_router(dashboard_router)
 
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
-    if config.api_key:
+    if config.tenant_keys:
+        app.add_middleware(TenantKeyMiddleware, keys=config.tenant_keys)
+    elif config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
     if config.cors_origins:

@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .errors import error_body
 from .metrics import ServerMetrics
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
 
 async def _send_error(send, status: int, message: str, etype: str, headers: list | None = None) -> None:
