@@ -146,12 +146,16 @@ class Engine:
                 self._idle_check()
             adm = self._admission
             adm.tick()  # admission deadlines: settle windows that ran out, held requests to re-try
+            release_at = core.release_due()  # pool releases deferred by the grace TTL
             try:  # block only when there is nothing to compute, and then only until the next deadline
                 if core.has_work:
                     cmd = self._cmds.get_nowait()
                 else:
+                    waits = [] if release_at is None else [release_at - time.monotonic()]
                     wake = adm.next_deadline()
-                    cmd = self._cmds.get() if wake is None else self._cmds.get(timeout=max(0.0, wake - adm.clock()))
+                    if wake is not None:
+                        waits.append(wake - adm.clock())
+                    cmd = self._cmds.get(timeout=max(0.0, min(waits))) if waits else self._cmds.get()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -398,10 +402,12 @@ class Engine:
         """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
         def run():
             st = self.core.pools_status()
-            tps = {x["session_id"]: x["tps_ewma"] for x in self._metrics.snapshot()["sessions"]}
+            rows = {x["session_id"]: x for x in self._metrics.snapshot()["sessions"]}
             for p in st["pools"]:
                 for sess in p["sessions"]:
-                    sess["tps_ewma"] = tps.get(sess["session_id"], 0.0)
+                    row = rows.get(sess["session_id"], {})
+                    sess["tps_ewma"] = row.get("tps_ewma", 0.0)
+                    sess["ttft_ms"] = row.get("ttft_ms")
             return st
         return self._call(run)
 
@@ -418,8 +424,10 @@ class Engine:
         """End the idle sessions attached to the pool; returns how many."""
         return self._call(self.core.flush_pool, pool_id)
 
-    def release_pool(self, pool_id: int) -> None:
-        self._call(self.core.release_pool, pool_id)
+    def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
+        """Release a pool (leaves first). Within its grace TTL the release is deferred until the
+        grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now."""
+        self._call(self.core.release_pool, pool_id, immediate)
 
     def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
                         text: str | None = None, messages: list[dict] | None = None,

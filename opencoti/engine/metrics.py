@@ -1,4 +1,4 @@
-"""Per-session experienced decode tps, aggregate throughput, context headroom, counters (spec §4.3, §5, §13.3 P6b).
+"""Per-session experienced decode tps, aggregate throughput, context headroom, counters (docs/polykv.md).
 
 Definitions (what every number means):
 
@@ -19,7 +19,7 @@ Definitions (what every number means):
   a whole request at a steady rate it equals ``timings.predicted_per_second``.
 * **Warming**: a session with a request in flight (waiting, prefilling or decoding) whose current
   request has no interval yet (fewer than ``min_samples``). Its ``tps_ewma`` reads 0; it is
-  excluded from ``mean_active_tps`` and counted in ``n_warming`` (spec §14.2).
+  excluded from ``mean_active_tps`` and counted in ``n_warming``.
 * **Active**: decoding and not warming. ``mean_active_tps`` is the mean ``tps_ewma`` over them.
   Continuous batching gives every decoding session one token per step, so this is one number for
   the whole engine; every pool's floor compares against it.
@@ -88,6 +88,8 @@ class Metrics:
         self.session_history: OrderedDict[str, deque] = OrderedDict()
         self._last_hist = -math.inf
         self.listener_errors = 0
+        self._t_submit: dict[str, float] = {}  # session id -> submit time of its request in flight
+        self.ttft_ms: dict[str, float] = {}  # session id -> time to first token of its latest request
         core.listeners.append(self._on_event)
 
     def configure(self, **kw) -> dict:
@@ -126,6 +128,8 @@ class Metrics:
         return c
 
     def _on_submit(self, job) -> None:
+        if job.session is not None:
+            self._t_submit[job.session.session_id] = self.clock()
         info = job.info
         if info is None or info.pool_id is None:
             return
@@ -144,6 +148,10 @@ class Metrics:
         if m is None:
             m = self.meters[session.session_id] = SessionTps(self.cfg)
         m.on_token(now, job)
+        if len(job.generated) == 1:
+            t0 = self._t_submit.pop(session.session_id, None)
+            if t0 is not None:
+                self.ttft_ms[session.session_id] = max(0.0, now - t0) * 1e3
         self._step_tokens += 1
         self.totals["generated_tokens"] += 1
         if session.pool_id is not None:
@@ -240,11 +248,12 @@ class Metrics:
             "ctx_headroom_tokens": max(0, min(ctx_total - ctx_used, cells["free"])),
             "compaction_pressure": _clamp01(max(occupancy, ctx_used / ctx_total if ctx_total else 1.0)),
             "generated_tokens": meter.total_tokens if meter is not None else 0,
+            "ttft_ms": self.ttft_ms.get(s.session_id),
             "state": s.state.value,
         }
 
     def snapshot(self) -> dict:
-        """``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [...]}`` (spec §4.3) plus
+        """``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [...]}`` plus
         ``n_active``, ``prefill_tps``, KV cells and the engine-wide ``compaction_pressure``."""
         now = self.clock()
         act = self.activity()
@@ -254,7 +263,7 @@ class Metrics:
         return {
             "ts": self.wall_clock(),
             "aggregate_tps": self.aggregate.rate(now),
-            "mean_active_tps": act.mean_active_tps if act.mean_active_tps is not None else 0.0,
+            "mean_active_tps": act.mean_active_tps,  # None when no session is active (as in /capacity)
             "n_active": act.n_active,
             "n_warming": act.n_warming,
             "n_decoding": act.n_decoding,
@@ -286,6 +295,8 @@ class Metrics:
                       "ctx_used": len(job.seq.tokens), "pool_id": s.pool_id, "state": job.state.value})
         for sid in [sid for sid in self.meters if sid not in self.core.sessions]:
             del self.meters[sid]  # released sessions (their history stays, bounded)
+            self.ttft_ms.pop(sid, None)
+            self._t_submit.pop(sid, None)
 
     def history_view(self, session_id: str | None = None, since: float | None = None) -> dict:
         """The sampled time series: engine-wide points and per-session points (``ts`` >= since)."""
@@ -309,7 +320,7 @@ class Metrics:
         return {"totals": totals, "pools": pools}
 
     def prometheus(self) -> str:
-        """Prometheus text exposition (labels: pool only, never session — cardinality, spec §4.3)."""
+        """Prometheus text exposition (labels: pool only, never session: bounded cardinality)."""
         core = self.core
         act = self.activity()
         now = self.clock()

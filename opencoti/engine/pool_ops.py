@@ -202,14 +202,34 @@ class PoolOpsMixin:
                 n += 1
         return n
 
-    def release_pool(self, pool_id: int) -> None:
+    def release_pool(self, pool_id: int, immediate: bool = False) -> None:
+        """Release a pool (leaves first). Within its grace TTL (its last descendant left less than
+        ``pool_grace_ttl_s`` ago) the release is deferred: the pool stays resident and attachable
+        until the grace ends (``release_in_s``); ``immediate`` releases it now."""
         pool = self.tree.get(pool_id)
         live = [c.pool_id for c in pool.children if c.residency != Residency.RELEASED]
         if live:
             raise PoolBusyError(f"pool {pool_id} has child pools {live}; release them first (leaves first)")
         if pool.residency == Residency.MATERIALIZING:
             raise PoolBusyError(f"pool {pool_id} is materializing")
+        if not immediate and time.monotonic() < pool.grace_until:
+            pool.release_at = pool.grace_until
+            return
         self._unlink(pool)
+
+    def release_due(self, now: float | None = None) -> float | None:
+        """Complete deferred releases whose grace ran out (a descendant that came back and left
+        again extends it). Returns the next due time (monotonic), or None."""
+        now = time.monotonic() if now is None else now
+        nxt = None
+        for pool in [p for p in self.tree.pools.values() if p.release_at is not None]:
+            pool.release_at = max(pool.release_at, pool.grace_until)
+            busy = pool.live_children or self._sessions_in_use(pool) or pool.residency == Residency.MATERIALIZING
+            if now >= pool.release_at and not busy:
+                self._unlink(pool)
+            elif not busy:
+                nxt = pool.release_at if nxt is None else min(nxt, pool.release_at)
+        return nxt
 
     def _unlink(self, pool: Pool) -> None:
         self.tree.pools.pop(pool.pool_id, None)
@@ -245,7 +265,7 @@ class PoolOpsMixin:
         while (p is not None and p.pool_id != keep and p is not pool and not p.sessions and not p.pinned
                and not any(c.residency != Residency.RELEASED for c in p.children)):
             parent = p.parent
-            self.release_pool(p.pool_id)
+            self.release_pool(p.pool_id, immediate=True)  # compaction frees the old subtree now
             released.append(p.pool_id)
             p = parent
         return released
@@ -276,7 +296,8 @@ class PoolOpsMixin:
             residency=pool.residency.value, pinned=pool.pinned, auto_pinned=self._auto_pinned(pool, now),
             orphaned_pin=pool.pinned and not pool.sessions and not kids,
             last_access_ts=pool.last_access, children=[c.pool_id for c in kids], sessions=sessions,
-            rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label)
+            rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label,
+            release_in_s=None if pool.release_at is None else max(0.0, max(pool.release_at, pool.grace_until) - now))
 
     def pools_status(self) -> dict:
         return {
@@ -284,6 +305,9 @@ class PoolOpsMixin:
             "tree_depth": self.tree.depth(),
             "pools_used": self.tree.num_used,
             "pools_max": self.tree.max_pools,
+            # the design's names: a session here is a page table, not a sequence slot, so only pools use ids
+            "seq_ids_used": self.tree.num_used,
+            "seq_ids_max": self.tree.max_pools,
             "kv_pages_total": self.kv.num_pages,
             "kv_pages_used": self.kv.num_used,
             "kv_bytes_used": self.kv.num_used * self.kv.page_bytes,

@@ -74,6 +74,7 @@ class PoolInfo:
     rematerialized: bool = False
     cache_hits: int = 0
     label: str = ""
+    release_in_s: float | None = None  # a release deferred by the grace TTL: seconds until it takes effect
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

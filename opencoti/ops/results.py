@@ -150,8 +150,8 @@ class TpsSnapshot(_Model):
     """Wall-clock time of the snapshot."""
     aggregate_tps: float = 0.0
     """System decode throughput."""
-    mean_active_tps: float = 0.0
-    """Mean experienced tps of the active, non-warming sessions."""
+    mean_active_tps: float | None = None
+    """Mean experienced tps of the active, non-warming sessions (None when no session is active)."""
     n_warming: int = 0
     """Sessions whose tps EWMA is still cold."""
     compaction_pressure: float = 0.0

@@ -183,7 +183,7 @@ def test_session_ewma_matches_predicted_per_second(engine):
     assert row["state"] == "idle" and row["generated_tokens"] == 120
     assert (row["ctx_used"], row["ctx_total"]) == (12 + 120, engine.max_context)
     assert row["ctx_headroom_tokens"] == engine.max_context - 132
-    assert snap["n_warming"] == 0 and snap["mean_active_tps"] == 0.0  # nothing in flight now
+    assert snap["n_warming"] == 0 and snap["mean_active_tps"] is None  # nothing in flight: no measurement
 
 
 def test_configured_window_covering_the_request_equals_predicted_per_second(engine):

@@ -59,6 +59,7 @@ class Pool:
     sessions: set = field(default_factory=set)  # session ids attached
     last_access: float = field(default_factory=time.time)
     grace_until: float = 0.0  # monotonic deadline of the auto-pin grace TTL
+    release_at: float | None = None  # a release deferred by the grace TTL takes effect then (monotonic)
     rematerializations: int = 0
     cache_hits: int = 0
     label: str = ""

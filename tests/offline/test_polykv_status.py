@@ -1,0 +1,77 @@
+"""PolyKV status fields and release semantics (docs/polykv.md): ttft_ms per session, both names of the
+pool-id budget, one meaning of mean_active_tps, and a release that honours the grace TTL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from opencoti.engine import PoolNotFoundError, SamplingParams
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams.greedy(n, ignore_eos=True)
+
+
+def toks(seed: int, n: int) -> list[int]:
+    return [(seed * 37 + 11 * j) % 240 + 3 for j in range(n)]
+
+
+def wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_status_fields_ttft_seq_ids_and_parent(engine):
+    root = engine.create_pool(tokens=toks(1, 16))
+    child = engine.fork_pool(root.pool_id, tokens=toks(1, 16) + toks(2, 8))
+    r = engine.generate(toks(1, 16) + toks(2, 8) + [5, 6], params=greedy(3), pool_id=child.pool_id, session_id="a")
+    st = engine.pools()
+    assert st["seq_ids_used"] == st["pools_used"] == 2 and st["seq_ids_max"] == st["pools_max"]
+    by_id = {p["pool_id"]: p for p in st["pools"]}
+    assert by_id[root.pool_id]["parent"] is None and by_id[child.pool_id]["parent"] == root.pool_id
+    (sess,) = by_id[child.pool_id]["sessions"]
+    assert sess["session_id"] == "a" and sess["ttft_ms"] > 0
+    assert sess["ttft_ms"] >= r.timings["prompt_ms"] * 0.999  # from submit: queueing included
+    assert by_id[child.pool_id]["release_in_s"] is None
+
+
+def test_mean_active_tps_is_null_when_nothing_is_active_in_both_views(engine):
+    pool = engine.create_pool(tokens=toks(3, 12))
+    engine.generate(toks(3, 12) + [9], params=greedy(3), pool_id=pool.pool_id, session_id="b")
+    snap, cap = engine.tps_snapshot(), engine.capacity(pool.pool_id)
+    assert snap["n_active"] == cap["n_active"] == 0
+    assert snap["mean_active_tps"] is None and cap["mean_active_tps"] is None
+
+
+def test_release_is_deferred_by_the_grace_ttl_and_the_pool_stays_attachable(make_engine):
+    eng = make_engine(pool_grace_ttl_s=0.6)
+    pool = eng.create_pool(tokens=toks(4, 12))
+    pid = pool.pool_id
+    eng.generate(toks(4, 12) + [7], params=greedy(2), pool_id=pid, session_id="s")
+    eng.release_session("s")  # the last descendant leaves: the grace TTL starts
+    eng.release_pool(pid)
+    info = eng.pool(pid)  # still there, resident, with the time left
+    assert info.residency == "resident" and 0 < info.release_in_s <= 0.6
+    r = eng.generate(toks(4, 12) + [8], params=greedy(2), pool_id=pid, session_id="t")  # re-attach: cheap
+    assert r.info.cached_prefix_tokens >= 11
+    eng.release_session("t")
+    assert wait_for(lambda: pid not in [p["pool_id"] for p in eng.pools()["pools"]])
+    with pytest.raises(PoolNotFoundError):
+        eng.pool(pid)
+    eng.check_integrity()
+    # outside the grace window, or with immediate=True, the release takes effect at once
+    p2 = eng.create_pool(tokens=toks(5, 12))
+    eng.release_pool(p2.pool_id)
+    with pytest.raises(PoolNotFoundError):
+        eng.pool(p2.pool_id)
+    p3 = eng.create_pool(tokens=toks(6, 12))
+    eng.generate(toks(6, 12) + [7], params=greedy(2), pool_id=p3.pool_id, session_id="u")
+    eng.release_session("u")
+    eng.release_pool(p3.pool_id, immediate=True)
+    with pytest.raises(PoolNotFoundError):
+        eng.pool(p3.pool_id)
+    eng.check_integrity()
