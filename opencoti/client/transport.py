@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
+import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 import httpx
@@ -114,14 +115,31 @@ class HttpTransport(_HttpBase):
 
 
 class AsyncHttpTransport(_HttpBase):
+    """An httpx.AsyncClient's connections belong to the event loop that opened them, so the
+    transport keeps one client per running loop (a caller's ``http_client`` is used as given):
+    a client used under one ``asyncio.run`` keeps working under the next."""
+
     def __init__(self, base_url: str | None, api_key: str | None, timeout: float | None,
                  http_client: httpx.AsyncClient | None):
         super().__init__(base_url, api_key, timeout, http_client)
-        self.http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout)
+        self._given, self._timeout = http_client, timeout
+        self._by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._given is not None:
+            return self._given
+        loop = asyncio.get_running_loop()
+        client = self._by_loop.get(loop)
+        if client is None or client.is_closed:
+            client = self._by_loop[loop] = httpx.AsyncClient(timeout=self._timeout)
+        return client
 
     async def aclose(self) -> None:
         if self.owns_http:
-            await self.http.aclose()
+            client = self._by_loop.pop(asyncio.get_running_loop(), None)
+            if client is not None:
+                await client.aclose()
 
     async def call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None) -> Any:
         method, url, json_body, params = _request(name, path, query, body)
