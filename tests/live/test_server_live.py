@@ -313,3 +313,57 @@ def test_32_concurrent_streaming_clients_on_one_pool(server):
     tree = server.ok("GET", "/polykv/pools")
     assert len(tree["pools"][0]["sessions"]) == 32
     assert server.ok("GET", "/polykv/integrity")["ok"] is True
+
+
+# ============================================================================ one chat chain
+def test_bundled_template_same_tokens_through_engine_client_and_http(bundled_engine, monkeypatch):
+    """SmolLM2's template ignores tools: the chain injects them, and Engine, the in-process client
+    and the HTTP server (in-process ASGI) all send the model the same prompt token ids."""
+    from starlette.testclient import TestClient
+
+    from opencoti.client import PolyKVClient
+    from opencoti.engine.chat import TemplateCaps, template_caps
+    from opencoti.server import create_app
+
+    eng = bundled_engine
+    assert template_caps(eng.tokenizer) == TemplateCaps(False, False)
+    history = SYSTEM + [{"role": "user", "content": "Weather in Oslo?"},
+                        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+                        {"role": "user", "content": "And in Lima?"}]
+    expected = eng.tokenize(eng.apply_chat_template(history, tools=[WEATHER]))
+    assert "get_weather" in eng.detokenize(expected)
+    from opencoti.engine import SamplingParams
+    res = eng.generate(messages=history, tools=[WEATHER], session_id="chain", params=SamplingParams(max_tokens=1))
+    assert res.info.prompt_tokens == len(expected)
+    seen: list[list[int]] = []
+    stream, astream = eng.stream, eng.astream
+
+    def spy(prompt=None, **kw):
+        seen.append(list(prompt))
+        return stream(prompt, **kw)
+
+    async def aspy(prompt=None, **kw):
+        seen.append(list(prompt))
+        return await astream(prompt, **kw)
+
+    monkeypatch.setattr(eng, "stream", spy)
+    monkeypatch.setattr(eng, "astream", aspy)
+    pool = eng.create_pool(messages=history, tools=[WEATHER])
+    try:
+        with TestClient(create_app(eng), raise_server_exceptions=False) as tc:
+            r = tc.post("/v1/chat/completions", json={"messages": history, "tools": [WEATHER], "max_tokens": 2,
+                                                      "pool_id": pool.pool_id, **GREEDY})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-cached-prefix-tokens"] == str(pool.prefix_len)
+        done = PolyKVClient(engine=eng).chat(history, tools=[WEATHER], max_tokens=2, pool_id=pool.pool_id, **GREEDY)
+        assert done.info.cached_prefix_tokens == pool.prefix_len
+        assert seen == [expected, expected]
+    finally:
+        for sid in ("chain",):
+            try:
+                eng.release_session(sid)
+            except Exception:  # noqa: BLE001
+                pass
+        eng.release_pool(pool.pool_id)
