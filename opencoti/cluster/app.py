@@ -78,7 +78,8 @@ def make_app(cfg: ClusterConfig):
     ingress = serve.deployment(serve.ingress(_ingress_app())(ClusterIngress), name="ClusterIngress", num_replicas=1,
                                max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(engine_opts, cfg.server),
-                        {"router": cfg.router, "auto_replicate": cfg.auto_replicate})
+                        {"router": cfg.router, "auto_replicate": cfg.auto_replicate,
+                         "api_key": cfg.server.get("api_key")})
 
 
 def _ingress_app():

@@ -66,6 +66,7 @@ class ClusterIngress:
         opts = options or {}
         self.engine = engine_handle
         self.auto_replicate = bool(opts.get("auto_replicate", True))
+        self.api_key = opts.get("api_key") or None
         self.affinity = opts.get("router", "opencoti") == "opencoti"
         ctx = None
         try:
@@ -77,6 +78,18 @@ class ClusterIngress:
         self._copies_version = -1
         self._last_auto: dict[int, float] = {}
         self._bg: set[asyncio.Task] = set()
+
+    def check_key(self, request: Request) -> None:
+        """The API key for the ingress's own routes (the replicas check it on everything they answer)."""
+        if self.api_key is None:
+            return
+        import secrets
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        if given is None or not secrets.compare_digest(given.encode(), self.api_key.encode()):
+            raise ReplicaError(401, "Invalid API Key" if given is not None else
+                               "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'",
+                               "authentication_error", {"WWW-Authenticate": "Bearer"})
 
     # ------------------------------------------------------------------ calls to replicas
     def _call(self, method: str, hint: Hint, *args):
@@ -131,6 +144,12 @@ class ClusterIngress:
         # One replica after the other: Ray Serve's router matches a routed replica to its pending
         # request by the request id of the HTTP request being served, which concurrent handle
         # calls made while serving one request share (they would be fulfilled crosswise).
+        if not self.affinity:  # Ray's default router cannot address a replica: one replica's view
+            try:
+                st, h, body = await self._collect(req, Hint())
+            except ReplicaError:
+                return {}
+            return {int(h.get("x-opencoti-replica", "0")): (st, h, body)}
         tags = tags if tags is not None else await self._ready_tags()
         out = {}
         for t in tags:
@@ -199,6 +218,9 @@ class ClusterIngress:
 
     # ------------------------------------------------------------------ replication
     async def replicate(self, pool_id: int, target: int | None = None) -> dict:
+        if not self.affinity:
+            raise ReplicaError(400, "pool copies need the opencoti router (this cluster runs Ray Serve's default "
+                                    "router)", "invalid_request_error")
         await self._sync_copies()
         tags = await self._ready_tags()
         primary = tag_of(pool_id)

@@ -12,8 +12,9 @@ Replicas are known by their *tag* (see ids.py). For each request the policy rank
    least loaded one's by more than ``imbalance_threshold`` in-flight requests, or the match is
    shorter than ``match_threshold`` of the prompt, in which case the least loaded replica.
 
-Loads are the requests this router has in flight on each replica. Ties go to the replica that
-was chosen least often, so pools created one after another spread evenly.
+Loads are the requests this router has in flight on each replica. Ties go to the replica with
+the least prefix text in the view (as Ray Serve LLM's router prefers its smallest tenant), then
+to the one chosen least often, so new prefixes and pools created one after another spread evenly.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class PrefixIndex:
         self.chunk = chunk
         self.max_entries = max_entries
         self._entries: OrderedDict[bytes, dict[int, None]] = OrderedDict()
+        self.size: dict[int, int] = {}  # tag -> chunks held (the "tenant size")
 
     def keys(self, text: str) -> list[bytes]:
         data = text.encode("utf-8", "surrogatepass")
@@ -88,11 +90,16 @@ class PrefixIndex:
                 holders = self._entries[k] = {}
             else:
                 self._entries.move_to_end(k)
-            holders[tag] = None
+            if tag not in holders:
+                holders[tag] = None
+                self.size[tag] = self.size.get(tag, 0) + 1
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            _, gone = self._entries.popitem(last=False)
+            for t in gone:
+                self.size[t] -= 1
 
     def drop_tag(self, tag: int) -> None:
+        self.size.pop(tag, None)
         for k in [k for k, v in self._entries.items() if tag in v]:
             v = self._entries[k]
             v.pop(tag, None)
@@ -115,6 +122,7 @@ class RoutingPolicy:
         self.live: dict[int, dict] = {}  # tag -> replica metadata
         self.load: dict[int, int] = {}  # tag -> requests in flight from this router
         self.chosen: dict[int, int] = {}  # tag -> times chosen
+        self.attaches: dict[tuple[int, int], int] = {}  # (pool id, tag) -> requests sent to that copy
         self.decisions: dict[str, int] = {}  # reason -> count (for /metrics)
 
     def configure(self, options: RoutingOptions) -> None:
@@ -163,6 +171,8 @@ class RoutingPolicy:
     def drop_pool(self, pool_id: int) -> None:
         with self._lock:
             self.copies.pop(pool_id, None)
+            for key in [k for k in self.attaches if k[0] == pool_id]:
+                del self.attaches[key]
 
     def remember_session(self, session_id: str, tag: int) -> None:
         with self._lock:
@@ -182,7 +192,8 @@ class RoutingPolicy:
 
     # ------------------------------------------------------------------ the decision
     def _by_load(self, tags) -> list[int]:
-        return sorted(tags, key=lambda t: (self.load.get(t, 0), self.chosen.get(t, 0), t))
+        # ties: the replica with the least cached prefix text, then the one chosen least often
+        return sorted(tags, key=lambda t: (self.load.get(t, 0), self.index.size.get(t, 0), self.chosen.get(t, 0), t))
 
     def rank(self, hint: Hint, candidates=None) -> tuple[list[int], str]:
         """(tags in order of preference, reason). Only the first is used unless it refuses the
@@ -200,7 +211,11 @@ class RoutingPolicy:
                     return [t], "session"
             if holders is not None:
                 if holders:
-                    return self._by_load(holders), "pool"
+                    # least loaded copy first; between equally loaded copies the one that got fewer
+                    # of this pool's requests, so attaches spread across copies
+                    pid = hint.pool_id
+                    return sorted(holders, key=lambda t: (self.load.get(t, 0), self.attaches.get((pid, t), 0), t)), \
+                        "pool"
                 # the pool's replica is gone (or the id is not a pool of this cluster): the
                 # replica that gets it answers 410 / 404
                 return self._by_load(live)[:1], "pool_gone"
@@ -221,13 +236,30 @@ class RoutingPolicy:
         """Bookkeeping once a request went to ``tag``."""
         with self._lock:
             self.load[tag] = self.load.get(tag, 0) + 1
-            self.chosen[tag] = self.chosen.get(tag, 0) + 1
+            if hint.tag is None:  # the ingress's own per-replica calls do not count as choices
+                self.chosen[tag] = self.chosen.get(tag, 0) + 1
             if reason:
                 self.decisions[reason] = self.decisions.get(reason, 0) + 1
             if hint.session_id is not None and hint.tag is None:
                 self.remember_session(hint.session_id, tag)
             if hint.prefix and hint.tag is None:
                 self.index.insert(hint.prefix, tag)
+            if hint.pool_id is not None and hint.tag is None:
+                key = (hint.pool_id, tag)
+                self.attaches[key] = self.attaches.get(key, 0) + 1
+
+    def unroute(self, hint: Hint, tag: int, reason: str | None = None) -> None:
+        """Undo the counts of ``routed`` (a request that went elsewhere than first chosen)."""
+        with self._lock:
+            if self.load.get(tag, 0) > 0:
+                self.load[tag] -= 1
+            if hint.tag is None and self.chosen.get(tag, 0) > 0:
+                self.chosen[tag] -= 1
+            if reason and self.decisions.get(reason, 0) > 0:
+                self.decisions[reason] -= 1
+            key = (hint.pool_id, tag)
+            if hint.pool_id is not None and hint.tag is None and self.attaches.get(key, 0) > 0:
+                self.attaches[key] -= 1
 
     def completed(self, tag: int) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ with the replica itself, so a pool id resolves to its replica as soon as the rep
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -41,7 +42,8 @@ class OpencotiRouter(RequestRouter):
         self.policy.configure(_policy.RoutingOptions(**kwargs))
         self._tag_of: dict[ReplicaID, int] = {}
         self._inflight: dict[str, int] = {}  # internal request id -> tag
-        self._reasons: dict[str, str] = {}  # internal request id -> why it went there
+        # internal request id -> (first choice, reason, hint, time): counted, not yet sent
+        self._predicted: dict[str, tuple] = {}
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -71,24 +73,46 @@ class OpencotiRouter(RequestRouter):
                 t = replica_tag(r)
             if t is not None:
                 by_tag[t] = r
-        if pending_request is not None:
-            # without this, the base class retries a refusing replica in a busy loop
-            pending_request.routing_context.should_backoff = True
-        hint = Hint.from_dict(pending_request.kwargs.get("route") if pending_request is not None else None)
+        if pending_request is None:
+            ranked, _ = self.policy.rank(Hint(), list(by_tag))
+            return [[by_tag[t]] for t in ranked]
+        # without this, the base class retries a refusing replica in a busy loop
+        pending_request.routing_context.should_backoff = True
+        rid = pending_request.metadata.internal_request_id
+        hint = Hint.from_dict(pending_request.kwargs.get("route"))
+        prev = self._predicted.pop(rid, None)
+        if prev is not None:  # routed again (the first choice refused it): forget the first guess
+            self.policy.unroute(hint, prev[0], prev[1])
         ranked, reason = self.policy.rank(hint, list(by_tag))
-        if pending_request is not None:
-            if len(self._reasons) > 10_000:  # requests cancelled before routing leave entries behind
-                self._reasons.clear()
-            self._reasons[pending_request.metadata.internal_request_id] = reason
+        if ranked:
+            # count the request on its first choice now, not once it is sent: requests that arrive
+            # together are ranked before any of them is sent, and must see each other's load
+            self.policy.routed(hint, ranked[0], reason)
+            self._expire_predictions()
+            self._predicted[rid] = (ranked[0], reason, hint, time.monotonic())
         return [[by_tag[t]] for t in ranked]
+
+    def _expire_predictions(self, max_age_s: float = 120.0) -> None:
+        """Requests cancelled before they were sent never reach on_request_routed: uncount them."""
+        now = time.monotonic()
+        if len(self._predicted) < 64 and not any(now - p[3] > max_age_s for p in self._predicted.values()):
+            return
+        for rid, (tag, reason, hint, ts) in list(self._predicted.items()):
+            if now - ts > max_age_s:
+                del self._predicted[rid]
+                self.policy.unroute(hint, tag, reason)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
-        reason = self._reasons.pop(rid, None)
         t = self._tag_of.get(replica_id)
+        pred = self._predicted.pop(rid, None)
         if t is None:
             return
-        self.policy.routed(Hint.from_dict(pending_request.kwargs.get("route")), t, reason)
+        if pred is None or pred[0] != t:
+            hint = Hint.from_dict(pending_request.kwargs.get("route"))
+            if pred is not None:
+                self.policy.unroute(hint, pred[0], pred[1])
+            self.policy.routed(hint, t, pred[1] if pred is not None else None)
         self._inflight[rid] = t
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

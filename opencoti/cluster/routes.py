@@ -51,8 +51,12 @@ def _first_error(res: dict) -> JSONResponse | None:
 
 # ============================================================================ cluster routes
 @ingress_app.get("/cluster/replicas", tags=["cluster"], summary="each replica: tag, process, pools, counters")
-async def replicas():
+async def replicas(request: Request):
     ing = _ingress()
+    try:
+        ing.check_key(request)
+    except ReplicaError as e:
+        return _err(e.status, e.message, e.etype, e.headers)
     tags = await ing._ready_tags()
     out = []
     for t in tags:  # one after the other (see ClusterIngress._fanout)
@@ -67,6 +71,10 @@ async def replicas():
 @ingress_app.post("/polykv/pools/{pool_id}/replicate", tags=["cluster"], summary="copy a pool to another replica")
 async def replicate(request: Request, pool_id: int):
     ing = _ingress()
+    try:
+        ing.check_key(request)
+    except ReplicaError as e:
+        return _err(e.status, e.message, e.etype, e.headers)
     body = parse_json(await request.body()) or {}
     target = body.get("replica")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int)):

@@ -105,6 +105,16 @@ def test_copies_spread_attaches_and_sessions_stay():
     p.routed(Hint(pool_id=pid, session_id="a"), first[0])
     second, _ = p.rank(Hint(pool_id=pid))
     assert second[0] != first[0]  # the less loaded copy
+    # with equal loads, new attaches alternate between the copies
+    p.completed(first[0])
+    picks = []
+    for _ in range(4):
+        t = p.rank(Hint(pool_id=pid))[0][0]
+        p.routed(Hint(pool_id=pid), t)
+        p.completed(t)
+        picks.append(t)
+    assert sorted(picks) == [1, 1, 2, 2]
+    p.routed(Hint(pool_id=pid, session_id="a"), first[0])
     # a session stays on its copy whatever the loads
     for _ in range(5):
         p.routed(Hint(), first[0])
@@ -135,8 +145,10 @@ def test_prefix_index_lru_and_drop():
     idx = PrefixIndex(chunk=4, max_entries=3)
     idx.insert("aaaabbbbcccc", 1)
     assert idx.match("aaaabbbbccccdd", [1, 2]) == {1: 12, 2: 0}
+    assert idx.size == {1: 3}
     idx.insert("zzzz", 2)  # evicts the oldest chunk
     assert len(idx) == 3 and idx.match("aaaabbbbcccc", [1]) == {1: 0}
+    assert idx.size == {1: 2, 2: 1}
     idx.drop_tag(2)
     assert idx.match("zzzz", [2]) == {2: 0}
 
