@@ -306,3 +306,80 @@ def test_client_is_shared_with_tools(engine):
     m = OpencotiChatModel(engine=engine)
     assert isinstance(m.polykv_client, PolyKVClient) and m.polykv_client is m.polykv_client
     assert json.loads(m.model_dump_json())["base_url"] is None  # the engine is not serialized
+
+
+# ============================================================================ parameters (ChatOpenAI / ChatOllama names)
+def test_parameter_names_map_or_are_refused(monkeypatch):
+    from opencoti.langgraph import DEFAULT_MAX_TOKENS
+    assert OpencotiChatModel(base_url="http://x").max_tokens == DEFAULT_MAX_TOKENS == 1024  # finite by default
+    assert OpencotiChatModel(base_url="http://x", num_predict=32).max_tokens == 32  # ChatOllama
+    assert OpencotiChatModel(base_url="http://x", num_predict=-1).max_tokens is None  # ChatOllama's "no limit"
+    assert OpencotiChatModel(base_url="http://x", max_completion_tokens=16).max_tokens == 16  # ChatOpenAI
+    assert OpencotiChatModel(base_url="http://x", max_tokens=None).max_tokens is None
+    m = OpencotiChatModel(base_url="http://x", frequency_penalty=0.5, presence_penalty=0.25, stream_usage=False,
+                          extra_body={"logit_bias": {"5": -100}}, default_headers={"X-Trace": "1"})
+    assert (m.frequency_penalty, m.presence_penalty, m.stream_usage) == (0.5, 0.25, False)
+    with pytest.warns(UserWarning, match="repeat_penalty was transferred to model_kwargs"):
+        m2 = OpencotiChatModel(base_url="http://x", repeat_penalty=1.0)  # a request field, as ChatOpenAI does
+    assert m2.model_kwargs == {"repeat_penalty": 1.0}
+    for bad in ({"num_ctx": 4096}, {"keep_alive": "5m"}, {"model_kwargs": {"mirostat": 1}},
+                {"extra_body": {"bogus": 1}}, {"extra_body": {"temperature": 0}}):
+        with pytest.raises(ValueError, match="not a parameter|arguments of the model"):
+            OpencotiChatModel(base_url="http://x", **bad)
+    monkeypatch.setenv("OPENCOTI_BASE_URL", "http://10.0.0.1:8080")  # for HTTP models only
+    assert OpencotiChatModel(engine=object()).base_url is None
+    assert OpencotiChatModel().base_url == "http://10.0.0.1:8080"
+    with pytest.raises(ValueError, match="not both"):
+        OpencotiChatModel(engine=object(), base_url="http://x")
+
+
+def test_per_call_parameters_reach_the_request():
+    m, sc, _ = scripted_model(["ok"], presence_penalty=0.1, model_kwargs={"repeat_penalty": 1.0})
+    m.invoke("x", num_predict=7, frequency_penalty=0.2, extra_body={"logit_bias": {"3": 1}}, stop_sequences=["!"])
+    req = sc.requests[-1]
+    assert req["max_tokens"] == 7 and req["stop"] == ["!"]
+    assert req["extra_body"] == {"repeat_penalty": 1.0, "presence_penalty": 0.1, "frequency_penalty": 0.2,
+                                 "logit_bias": {"3": 1}}
+    m.invoke("x", max_completion_tokens=5)
+    assert sc.requests[-1]["max_tokens"] == 5
+    for bad in ({"num_ctx": 1}, {"bogus": 1}, {"model_kwargs": {"mirostat": 2}}, {"extra_body": [1]}):
+        with pytest.raises(ValueError):
+            m.invoke("x", **bad)
+    no_usage = m.invoke("x", stream_usage=False)
+    assert no_usage.usage_metadata is None and m.invoke("x").usage_metadata["input_tokens"] == 20
+
+
+def test_penalties_and_extra_body_on_both_transports(model, engine):
+    out = model.invoke("hi", frequency_penalty=0.0, presence_penalty=0.0, extra_body={"repeat_penalty": 1.0},
+                       max_tokens=2)
+    assert out.response_metadata["finish_reason"] in ("stop", "length")
+    with pytest.raises(Exception, match="repeat_penalty|penalty"):  # the engine validates the value
+        model.invoke("hi", extra_body={"repeat_penalty": -5.0}, max_tokens=2)
+
+
+# ============================================================================ tokens, names, profile
+def test_token_counting_uses_the_served_tokenizer(model, engine, monkeypatch):
+    from langchain_core.messages import trim_messages
+
+    import transformers
+    monkeypatch.setattr(transformers, "GPT2TokenizerFast", None, raising=False)  # never the GPT-2 fallback
+    text = "The quick brown fox jumps over the lazy dog."
+    assert model.get_token_ids(text) == engine.tokenize(text)
+    assert model.get_num_tokens(text) == len(engine.tokenize(text))
+    msgs = [SystemMessage("Be brief."), HumanMessage("hello"), AIMessage("hi!"), HumanMessage(text)]
+    rendered = engine.apply_chat_template(convert_messages(msgs), add_generation_prompt=False)
+    assert model.get_num_tokens_from_messages(msgs) == len(engine.tokenize(rendered))
+    with_tools = model.get_num_tokens_from_messages(msgs, tools=[add])
+    assert with_tools > model.get_num_tokens_from_messages(msgs)
+    budget = model.get_num_tokens_from_messages(msgs[:1] + msgs[-1:])
+    kept = trim_messages(msgs, max_tokens=budget, token_counter=model, strategy="last", include_system=True)
+    assert kept[0] == msgs[0] and kept[-1] == msgs[-1] and len(kept) < len(msgs)
+
+
+def test_ls_params_profile_and_structured_output_strategy(model, engine):
+    from langchain.agents.factory import _supports_provider_strategy
+    assert model._get_ls_params()["ls_model_name"] == engine.model_name  # the real model, asked once
+    assert model.profile["tool_calling"] and model.profile["tool_choice"]
+    assert model.profile["structured_output"] is _supports_provider_strategy(model)
+    if model.engine is not None:
+        assert model.profile["max_input_tokens"] == engine.max_context
