@@ -16,6 +16,7 @@ def cmd_demo(args) -> int:
 
     cfg = DemoConfig(agents=args.agents, floor=args.floor, max_tokens=args.max_tokens, seed=args.seed, out=args.out,
                      model=args.model, server=args.server, api_key=args.api_key, num_threads=args.threads,
+                     weights=args.weights,
                      charts=not args.no_charts)
     view = make_view(plain=True if args.plain else None)
     try:
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--server", default=None, metavar="URL", help="run against a running `opencoti serve` instead")
     d.add_argument("--api-key", default=None, help="the server's API key (with --server)")
     d.add_argument("--threads", type=int, default=None, help="torch CPU threads (in-process)")
+    d.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="projection weight format (in-process; default auto)")
     d.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
     d.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     d.set_defaults(fn=cmd_demo)

@@ -41,6 +41,8 @@ class DemoConfig:
     kv_budget_tokens: int = 12288
     page_size: int = 16
     num_threads: int | None = None
+    weights: str = "auto"
+    """In-process engine: projection weight format (``EngineConfig.weights``)."""
     settle_tokens: int = 12
     settle_max_ms: float = 3000.0
     gate_wait_s: float = 15.0

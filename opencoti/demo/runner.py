@@ -72,7 +72,7 @@ def run_demo(cfg: DemoConfig, *, view=None, engine=None) -> DemoResult:
                 own_engine = engine = Engine(EngineConfig(
                     model=cfg.model, page_size=cfg.page_size,
                     max_context=cfg.max_context or auto_max_context(cfg.max_tokens),
-                    kv_budget_tokens=cfg.kv_budget_tokens, num_threads=cfg.num_threads,
+                    kv_budget_tokens=cfg.kv_budget_tokens, num_threads=cfg.num_threads, weights=cfg.weights,
                     seed=cfg.seed if cfg.seed is not None else 0), progress=view.progress)
             load_s = time.perf_counter() - t
         client = PolyKVClient(engine=engine)

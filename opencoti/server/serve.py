@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=512, help="tokens computed per step at most (default 512)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--threads", "-t", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="torch CPU threads (default: adapted at run time to the cores the engine gets)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="projection weight format (default auto: the fastest that passes the accuracy gate)")
     p.add_argument("--pool-grace-ttl", type=float, default=30.0, help="seconds an interior pool stays pinned after "
                                                                       "its last descendant leaves (default 30)")
     p.add_argument("--n-predict", "-n", type=int, default=-1,
@@ -62,7 +65,7 @@ def run(args) -> int:
             model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
             kv_budget_tokens=args.kv_budget_tokens, kv_budget_mib=args.kv_budget_mib, max_pools=args.max_pools,
             max_running=args.parallel, max_context=args.ctx_size, max_batch_tokens=args.batch_tokens,
-            num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl)
+            num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl, weights=args.weights)
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,

@@ -40,7 +40,9 @@ def bundled_engine(bundled_model):
 
     loaded = copy.copy(bundled_model)
     loaded.state_dict = dict(bundled_model.state_dict)
-    eng = Engine(EngineConfig(page_size=16, kv_budget_tokens=16384, pool_grace_ttl_s=0.0), loaded=loaded)
+    # fp32 weights: the live tests compare greedy output with transformers (the exactness reference)
+    eng = Engine(EngineConfig(page_size=16, kv_budget_tokens=16384, pool_grace_ttl_s=0.0, weights="fp32"),
+                 loaded=loaded)
     yield eng
     eng.check_integrity()
     eng.shutdown()

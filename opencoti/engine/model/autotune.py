@@ -77,8 +77,8 @@ class Autotuner:
         threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         return f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads}"
 
-    def choose(self, fmt: str, n: int, k: int) -> str:
-        """Kernel name for ``fmt`` at shape [n, k] (measured once per machine, then cached)."""
+    def timings(self, fmt: str, n: int, k: int) -> dict[str, list[float]]:
+        """``{kernel: [t(1), t(8)]}`` for ``fmt`` at shape [n, k] (measured once, then cached)."""
         order = kernels.candidates(fmt, self.device)
         entry = self.entry(fmt, n, k)
         timings = self._cache.get(self.key, {}).get(entry)
@@ -88,6 +88,13 @@ class Autotuner:
                 self._cache.setdefault(self.key, {})[entry] = timings
                 self._dirty = True
         self.results[entry] = timings
+        return timings
+
+    def choose(self, fmt: str, n: int, k: int) -> str:
+        """Kernel name for ``fmt`` at shape [n, k]: the fastest measured (nothing is measured when
+        there is only one candidate)."""
+        order = kernels.candidates(fmt, self.device)
+        timings = self.timings(fmt, n, k) if len(order) > 1 else {}
         if not timings:  # measuring off, or nothing measurable: the first kernel that builds
             for name in order:
                 if self._builds(name, n, k):

@@ -262,6 +262,8 @@ class LlamaForward:
         T = input_ids.shape[0]
         h, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
         q_size, kv_size = h * hd, hkv * hd
+        if T > self.max_positions:
+            raise ValueError(f"{T} tokens exceed max_positions {self.max_positions}")
         pos = torch.arange(T, device=self.device)
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
         x = self.embed.index_select(0, input_ids.to(self.device))

@@ -160,10 +160,10 @@ def _estimate(tuner: Autotuner, fmt: str, counts: dict) -> float | None:
     total = 0.0
     for (n, k), count in counts.items():
         try:
+            timings = tuner.timings(fmt, n, k)
             name = tuner.choose(fmt, n, k)
         except (RuntimeError, ValueError):
             return None
-        timings = tuner.results.get(tuner.entry(fmt, n, k)) or {}
         if name not in timings:
             return None
         total += count * sum(timings[name])
@@ -188,7 +188,7 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
         return make("fp32")
     say("auto weights: building the fp32 reference for the accuracy gate ...")
     ref = make("fp32")
-    ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:GATE_TOKENS], dtype=torch.long)
+    ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:min(GATE_TOKENS, ref.max_positions)], dtype=torch.long)
     ref_logits = ref.dense_logits(ids)
     choice["gate"] = {}
     for fmt in order:

@@ -1,0 +1,314 @@
+"""Weight formats: containers and quantizers, GGUF block decoding, kernels, per-shape kernel choice,
+the auto format rule, config validation and the thread adapter. Tiny random models only."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from opencoti.engine import EngineConfig
+from opencoti.engine.errors import InvalidRequestError
+from opencoti.engine.model import autotune, kernels, qformats, threads, weights
+from opencoti.engine.model.loader import tiny_model
+from opencoti.engine.model.qformats import Int4Weight, Int8Weight
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as GT  # noqa: E402
+from gguf import quants  # noqa: E402
+
+
+def _w(n=48, k=64, seed=0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+
+# ------------------------------------------------------------------------------------------ containers
+def test_int8_round_trip_error_within_half_a_step():
+    w = _w()
+    q = qformats.quantize_int8(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (48,)
+    err = (q.dequantize() - w).abs()
+    assert bool((err <= q.scale[:, None] / 2 + 1e-7).all())
+    assert qformats.quantize_int8(torch.zeros(3, 32)).dequantize().abs().max() == 0  # no division by zero
+
+
+def test_int4_round_trip_error_within_half_a_step_and_exact_on_its_grid():
+    w = _w(k=96)
+    q = qformats.quantize_int4(w, group=32)
+    assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 15 and q.scale.shape == (48, 3)
+    err = (q.dequantize() - w).abs().view(48, 3, 32)
+    assert bool((err <= q.scale[..., None] / 2 + 1e-6).all())
+    again = qformats.quantize_int4(q.dequantize(), group=32)  # min and max of each group are on the grid
+    assert torch.equal(again.q, q.q)
+    torch.testing.assert_close(again.dequantize(), q.dequantize(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        qformats.quantize_int4(torch.zeros(4, 40))
+
+
+def test_cat_and_permute_rows_commute_with_dequantize():
+    a, b = _w(16, 64, 1), _w(8, 64, 2)
+    for quant in (qformats.quantize_int8, qformats.quantize_int4):
+        fused = qformats.cat_rows([quant(a), quant(b)])
+        torch.testing.assert_close(fused.dequantize(), torch.cat([quant(a).dequantize(), quant(b).dequantize()]))
+        perm = torch.randperm(24, generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(qformats.permute_rows(fused, perm).dequantize(), fused.dequantize()[perm])
+    with pytest.raises(TypeError):
+        qformats.cat_rows([qformats.quantize_int8(a), qformats.quantize_int4(b)])
+
+
+# ------------------------------------------------------------------------------------------ GGUF blocks
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_decode_exactly_like_gguf(type_name):
+    x = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
+    blocks = quants.quantize(x, GT[type_name])
+    w4 = qformats.gguf_block_to_int4(type_name, blocks, 24, 128)
+    ref = qformats.gguf_dequantize(type_name, blocks, 24, 128)
+    assert torch.equal(w4.dequantize(), ref)
+    assert float((ref - torch.from_numpy(x)).abs().max()) < 0.5  # and gguf's decoder is what we think
+
+
+def test_gguf_q4_k_blocks_decode_exactly_like_gguf():
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (16, 2, 144), dtype=np.uint8)  # 16 rows x 512 values, random scales/mins
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.013).tobytes(), np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(0.021).tobytes(), np.uint8)
+    blocks = blocks.reshape(16, 288)
+    w4 = qformats.gguf_block_to_int4("Q4_K", blocks, 16, 512)
+    assert torch.equal(w4.dequantize(), qformats.gguf_dequantize("Q4_K", blocks, 16, 512))
+
+
+def test_gguf_other_types_have_no_exact_int4_form():
+    blocks = quants.quantize(np.ones((2, 32), np.float32), GT.Q8_0)
+    with pytest.raises(ValueError, match="no exact int4"):
+        qformats.gguf_block_to_int4("Q8_0", blocks, 2, 32)
+    torch.testing.assert_close(qformats.gguf_dequantize("Q8_0", blocks, 2, 32), torch.ones(2, 32), atol=1e-4, rtol=0)
+
+
+def test_gguf_int4_weights_undo_llama_cpp_rotary_order(tmp_path):
+    """q/k rows of a llama GGUF come back in HF order, exactly as transformers permutes them."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    loaded = tiny_model("llama")  # 4 heads, 2 kv heads, head_dim 16, hidden 64
+    cfg = loaded.hf_config
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((64, 64)).astype(np.float32)
+    k = rng.standard_normal((32, 64)).astype(np.float32)
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raw = {}
+    for name, x in (("blk.0.attn_q.weight", q), ("blk.0.attn_k.weight", k), ("blk.0.ffn_down.weight", k)):
+        raw[name] = quants.quantize(x, GT.Q4_1)
+        writer.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GT.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    got = weights.gguf_int4_weights(path, cfg)
+    proc = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    for name, hf, n in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 64),
+                        ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 32),
+                        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 32)):
+        deq = qformats.gguf_dequantize("Q4_1", raw[name], n, 64).numpy()
+        expected = proc.process(deq, name).weights
+        assert isinstance(got[hf], Int4Weight)
+        assert torch.equal(got[hf].dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("fmt", kernels.FORMATS)
+def test_every_cpu_kernel_computes_its_format(fmt):
+    w, b = _w(48, 64), torch.randn(48) * 0.1
+    x = torch.randn(5, 64)
+    ref = x @ kernels._float(kernels.to_format(w, fmt)).T + b
+    built = 0
+    for name in kernels.candidates(fmt, torch.device("cpu")):
+        try:
+            kern = kernels.build(name, w, b, act_dtype=torch.float32, device="cpu")
+        except RuntimeError:  # not on this CPU (e.g. oneDNN bf16 without AVX-512)
+            continue
+        built += 1
+        y = kern(x)
+        assert y.shape == (5, 48) and y.dtype == torch.float32 and kern.out_features == 48
+        tol = 1e-5 if fmt == "fp32" else 3e-2  # bf16 activations in the int kernels
+        torch.testing.assert_close(y, ref, atol=tol, rtol=tol)
+    assert built >= 1
+
+
+def test_kernel_bytes_shrink_with_the_format():
+    w = _w(64, 128)
+    sizes = {f: kernels.build(kernels.candidates(f, torch.device("cpu"))[-1], w, None, act_dtype=torch.float32,
+                              device="cpu").nbytes for f in kernels.FORMATS}
+    assert sizes["fp32"] == 64 * 128 * 4
+    assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
+
+
+def test_unknown_format_and_kernel_are_errors():
+    with pytest.raises(ValueError, match="unknown weight format"):
+        kernels.candidates("int3", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels.build("nope", _w(), None, act_dtype=torch.float32, device="cpu")
+
+
+def test_cuda_candidates_are_the_cuda_kernels():
+    cuda = torch.device("cuda")
+    assert kernels.candidates("int4", cuda) == ("int4pack_cuda",)
+    assert kernels.candidates("int8", cuda) == ("int8pack",)
+    assert kernels.candidates("bf16", cuda) == ("matmul_bf16",)
+
+
+# ------------------------------------------------------------------------------------------ selection
+def test_select_takes_the_least_total_time_and_breaks_ties_by_preference():
+    order = ("a", "b", "c")
+    assert autotune.select({"a": [3.0, 3.0], "b": [1.0, 4.0], "c": [2.0, 2.0]}, order) == "c"
+    assert autotune.select({"c": [1.0, 1.0], "b": [1.0, 1.0]}, order) == "b"
+    with pytest.raises(ValueError):
+        autotune.select({}, order)
+
+
+def test_autotuner_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "autotune.json"
+    t1 = autotune.Autotuner("cpu", torch.float32, cache, measure=True)
+    name = t1.choose("bf16", 32, 64)
+    assert name in kernels.candidates("bf16", torch.device("cpu"))
+    t1.save()
+    data = json.loads(cache.read_text())
+    assert t1.key in data and any(e.startswith("bf16 32x64") for e in data[t1.key])
+    t2 = autotune.Autotuner("cpu", torch.float32, cache, measure=True)
+    monkeypatch.setattr(t2, "_time", lambda *a, **k: pytest.fail("measured again despite the cache"))
+    assert t2.choose("bf16", 32, 64) == name
+
+
+def test_autotuner_without_measuring_uses_the_first_kernel_that_builds(monkeypatch):
+    tuner = autotune.Autotuner("cpu", torch.float32, None, measure=False)
+    monkeypatch.setattr(kernels, "candidates", lambda fmt, dev: ("nope", "int8pack"))
+    assert tuner.choose("int8", 16, 32) == "int8pack"
+
+
+# ------------------------------------------------------------------------------------------ formats on a model
+def _on_format_grid(state: dict, fmt: str, tied: bool) -> dict:
+    """The state dict with every projection weight replaced by what ``fmt`` stores (as fp32)."""
+    out = dict(state)
+    for name, w in state.items():
+        is_head = name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight")
+        if not (name.endswith("_proj.weight") or is_head):
+            continue
+        f = "int8" if fmt == "int4" and is_head else fmt
+        out[name] = kernels._float(kernels.to_format(w, f))  # bf16: fp16 kernels store more precision
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # q/k/v bias + untied head; tied head
+def test_quantized_model_computes_its_weights(fmt, arch):
+    """The quantized forward equals the fp32 forward of the weights the format stores (up to the
+    bf16 activations of the int kernels), and weighs fewer bytes than fp32."""
+    loaded = tiny_model(arch)
+    kw = dict(dtype=torch.float32, device="cpu", max_positions=256, adapt_threads=False)
+    model = weights.build_forward(loaded, weights=fmt, **kw)
+    assert model.weights == fmt and model.weights_choice["reason"] == "requested"
+    fp32 = weights.build_forward(loaded, weights="fp32", **kw)
+    assert model.weight_bytes < fp32.weight_bytes
+    if fmt == "int4":  # the output projection stays int8
+        assert model.weights_info["kernels"]["320x64"].startswith("int8:")
+    tied = loaded.hf_config.tie_word_embeddings
+    grid = copy.copy(loaded)
+    grid.state_dict = _on_format_grid(loaded.state_dict, fmt, tied)
+    ref = weights.build_forward(grid, weights="fp32", **kw)
+    ids = torch.tensor(loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
+    got, want = model.dense_logits(ids), ref.dense_logits(ids)
+    m = weights.gate_metrics(want, got, ids, 256)
+    assert m["top1_agreement"] >= 0.9 and abs(m["ppl_ratio"] - 1) < 0.01, m  # random weights: small margins
+    tol = 0.1 * float(want.abs().max())
+    assert float((got - want).abs().max()) < tol
+
+
+def test_auto_keeps_fp32_for_a_model_that_fits_in_cache():
+    model = weights.build_forward(tiny_model("llama"), weights="auto", dtype=torch.float32, device="cpu",
+                                  max_positions=64, adapt_threads=False)
+    assert model.weights == "fp32" and "stay in cache" in model.weights_choice["reason"]
+
+
+def test_auto_picks_a_format_that_passes_the_gate_or_fp32(monkeypatch):
+    monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
+    model = weights.build_forward(tiny_model("llama"), weights="auto", dtype=torch.float32, device="cpu",
+                                  max_positions=300, adapt_threads=False)
+    choice = model.weights_choice
+    assert set(choice["estimated_step_ms"]) >= {"fp32", "int8", "int4"}
+    if model.weights != "fp32":
+        assert choice["gate"][model.weights]["passed"]
+        assert choice["estimated_step_ms"][model.weights] < choice["estimated_step_ms"]["fp32"]
+    for fmt, g in choice.get("gate", {}).items():  # every format tried before the winner failed
+        assert g["passed"] == (fmt == model.weights)
+
+
+def test_gate_metrics_pass_and_fail():
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    ref = torch.nn.functional.one_hot(torch.tensor([2, 3, 4, 5, 0]), 8).float() * 5
+    assert weights.gate_metrics(ref, ref.clone(), ids, 256)["passed"]
+    bad = ref.roll(1, dims=-1)
+    m = weights.gate_metrics(ref, bad, ids, 256)
+    assert not m["passed"] and m["top1_agreement"] == 0.0 and m["ppl_ratio"] > 1.03
+
+
+def test_bad_weights_value_is_a_clear_error():
+    with pytest.raises(InvalidRequestError, match="weights must be auto\\|fp32\\|bf16\\|int8\\|int4"):
+        EngineConfig(weights="int3")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        weights.build_forward(tiny_model("llama"), weights="fp8", dtype=torch.float32, device="cpu",
+                              max_positions=8)
+    assert EngineConfig().weights == "auto"
+
+
+# ------------------------------------------------------------------------------------------ threads
+def _cgroup(tmp_path, cpu_max: str):
+    (tmp_path / "sys" / "a").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "sys" / "a" / "cpu.max").write_text(cpu_max + "\n")
+    (tmp_path / "cg").write_text("0::/a\n")
+    return threads._cgroup_quota_cpus(tmp_path / "sys", tmp_path / "cg")
+
+
+def test_cgroup_quota(tmp_path):
+    assert _cgroup(tmp_path, "150000 100000") == 1.5
+    assert _cgroup(tmp_path, "max 100000") is None
+    assert threads.usable_cpus() >= 1
+
+
+def test_thread_adapter_moves_off_a_busy_core_and_back():
+    calls = []
+    ad = threads.ThreadAdapter(2, set_threads=calls.append)
+    cost = {1: 0.016, 2: 0.010}  # quiet: two threads are faster
+
+    def run(steps):
+        for _ in range(steps):
+            n = ad.before(1)
+            ad.after(1, cost[n])
+
+    run(40)
+    assert ad.best[0] == 2 and ad.current == 2
+    cost = {1: 0.020, 2: 0.050}  # a neighbour takes one core: the 2-thread team waits at every barrier
+    run(12)
+    assert ad.best[0] == 1, ad.state()
+    run(200)
+    assert ad.current in (1, 2) and ad.best[0] == 1
+    before = ad.steps
+    cost = {1: 0.016, 2: 0.010}  # the neighbour leaves
+    run(300)
+    assert ad.best[0] == 2, ad.state()
+    assert ad.steps - before == 300 and calls[0] == 2
+    share_on_best = sum(1 for _ in range(100) if (ad.before(1), ad.after(1, cost[ad.current]))[0] == 2) / 100
+    assert share_on_best > 0.9  # exploration stays rare once it settles
+
+
+def test_thread_adapter_with_one_core_never_switches():
+    ad = threads.ThreadAdapter(1, set_threads=lambda n: None)
+    for _ in range(20):
+        assert ad.before(1) == 1
+        ad.after(1, 0.01)
+    assert ad.switches == 0
