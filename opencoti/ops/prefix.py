@@ -8,9 +8,10 @@ from ..engine.errors import InvalidRequestError
 from .context import Context
 
 
-def prefix_tokens(ctx: Context, body, allow_session: bool = True) -> tuple[list[int] | None, str | None]:
-    """(tokens, from_session) from exactly one prefix source of a pool body."""
-    from_session = getattr(body, "from_session", None) if allow_session else None  # CompactRequest has none
+def prefix_tokens(ctx: Context, body, from_session: str | None = None,
+                  add_generation_prompt: bool = False) -> tuple[list[int] | None, str | None]:
+    """(tokens, from_session) from exactly one prefix source of a pool body (``tokens`` / ``text`` /
+    ``messages`` + ``tools``, or the body's ``from_session`` given by the caller)."""
     given = [name for name in ("tokens", "text", "messages") if getattr(body, name) is not None]
     if from_session is not None:
         given.append("from_session")
@@ -27,7 +28,6 @@ def prefix_tokens(ctx: Context, body, allow_session: bool = True) -> tuple[list[
             raise InvalidRequestError("text must be a non-empty string")
         return eng.tokenize(body.text), None
     if body.messages is not None:
-        text = render_chat(eng.tokenizer, body.messages, body.tools,
-                           add_generation_prompt=getattr(body, "add_generation_prompt", False))
+        text = render_chat(eng.tokenizer, body.messages, body.tools, add_generation_prompt=add_generation_prompt)
         return eng.tokenize(text), None
     return None, from_session

@@ -128,7 +128,7 @@ def _apply_template(ctx: Context, body: ApplyTemplateRequest) -> dict:
 
 
 def _create_pool(ctx: Context, body: CreatePoolRequest) -> dict:
-    tokens, from_session = prefix_tokens(ctx, body)
+    tokens, from_session = prefix_tokens(ctx, body, body.from_session, body.add_generation_prompt)
     return ctx.engine.create_pool(tokens=tokens, from_session=from_session, pinned=body.pinned,
                                   label=body.label).as_dict()
 
@@ -136,7 +136,7 @@ def _create_pool(ctx: Context, body: CreatePoolRequest) -> dict:
 def _fork_pool(ctx: Context, pool_id: int, body: ForkPoolRequest) -> dict:
     eng = ctx.engine
     eng.pool(pool_id)  # 404 before any tokenizing
-    tokens, from_session = prefix_tokens(ctx, body)
+    tokens, from_session = prefix_tokens(ctx, body, body.from_session, body.add_generation_prompt)
     return eng.fork_pool(pool_id, branch_pos=body.branch_pos, tokens=tokens, from_session=from_session,
                          pinned=body.pinned, label=body.label).as_dict()
 
@@ -175,7 +175,7 @@ def _release_session(ctx: Context, session_id: str) -> dict:
 
 
 def _compact_session(ctx: Context, session_id: str, body: CompactRequest) -> dict:
-    tokens, _ = prefix_tokens(ctx, body, allow_session=False)
+    tokens, _ = prefix_tokens(ctx, body)
     out = ctx.engine.compact_session(session_id, body.ancestor_pool_id, tokens=tokens, branch_pos=body.branch_pos,
                                      release_old=body.release_old)
     return {**out, "pool": out["pool"].as_dict()}

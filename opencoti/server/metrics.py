@@ -1,7 +1,7 @@
 """Server-side Prometheus series (a per-app registry) next to the engine's own exposition.
 
 ``/metrics`` = these series (prometheus_client) + ``Engine.prometheus_metrics()`` (the pool-labelled
-PolyKV gauges and counters of spec §4.3). Names follow vLLM's ``<prefix>:<name>`` style; the only
+PolyKV gauges and counters, docs/polykv.md). Names follow vLLM's ``<prefix>:<name>`` style; the only
 label on the PolyKV series is ``pool`` (never a session: cardinality).
 """
 
