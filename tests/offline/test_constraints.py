@@ -368,3 +368,37 @@ def test_engine_rejects_bad_sampler_settings_before_accepting(engine):
     assert stats["requests"] == 0 and stats["sessions"] == 0  # nothing was accepted
     r = engine.generate("x", params=SamplingParams.greedy(4, logit_bias={t: -math.inf for t in range(V) if t != 65}))
     assert set(r.token_ids) <= {65} | EOS
+
+
+# ============================================================================ n choices
+def test_n_choices_share_the_prompt_through_a_temporary_pool(engine):
+    import asyncio
+
+    from opencoti.engine.sampling_choices import Choices, choice_params
+
+    prompt = engine.tokenize("The same long prompt shared by every choice of this request. " * 3)
+
+    async def run_choices(params, n, **kw):
+        ch = Choices(engine, prompt, params, n, **kw)
+        await ch.start()
+        try:
+            seen = set()
+            async for i, d in ch.events():
+                seen.add(i)
+            return ch.results, [s.info for s in ch.streams], seen
+        finally:
+            await ch.aclose()
+
+    results, infos, seen = asyncio.run(run_choices(SamplingParams.greedy(6), 3))
+    assert engine.stats()["sessions"] == 0  # the choices' sessions are released
+    alone = engine.generate(prompt, params=SamplingParams.greedy(6))
+    assert seen == {0, 1, 2} and all(r.token_ids == alone.token_ids for r in results)
+    assert all(i.cached_prefix_tokens == len(prompt) - 1 for i in infos)  # the prompt was computed once
+    assert engine.pools()["pools"] == []  # the temporary pool is gone
+    seeded, _, _ = asyncio.run(run_choices(sp(seed=5, max_tokens=8), 3))
+    assert len({tuple(r.token_ids) for r in seeded}) > 1  # choice i samples with seed + i
+    assert [p.seed for p in choice_params(sp(seed=5), 3)] == [5, 6, 7]
+    with pytest.raises(InvalidRequestError, match="session_id"):
+        Choices(engine, prompt, sp(), 2, session_id="s1")
+    with pytest.raises(InvalidRequestError, match=r"\[1, 16\]"):
+        choice_params(sp(), 0)
