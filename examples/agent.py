@@ -12,11 +12,12 @@ system prompt.
 """
 
 from langchain.agents import create_agent
+from langchain.agents.middleware import ModelCallLimitMiddleware
+from langchain_core.messages import AIMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from opencoti.langgraph import model_from_env, polykv_tools
-from opencoti.langgraph.agent import PolyKVMiddleware
+from opencoti.langgraph import PolyKVMiddleware, model_from_env, polykv_tools
 
 SYSTEM = "You are a helpful assistant. Use a tool when it helps, then answer in one sentence."
 
@@ -40,8 +41,9 @@ TOOLS = [get_weather, add, *polykv_tools(model)]
 
 def build(checkpointer=None):
     """The agent; ``langgraph dev`` brings its own checkpointer, a script passes one."""
-    return create_agent(model, tools=TOOLS, system_prompt=SYSTEM, middleware=[PolyKVMiddleware()],
-                        checkpointer=checkpointer)
+    # a small model may keep calling tools: at most 4 model calls per turn
+    return create_agent(model, tools=TOOLS, system_prompt=SYSTEM, checkpointer=checkpointer,
+                        middleware=[PolyKVMiddleware(), ModelCallLimitMiddleware(run_limit=4, exit_behavior="end")])
 
 
 graph = build()
@@ -52,10 +54,10 @@ def main() -> None:
     config = {"configurable": {"thread_id": "demo"}}
     for question in ("What is the weather in Paris?", "And in Rome?"):
         out = agent.invoke({"messages": [{"role": "user", "content": question}]}, config)
-        answer = out["messages"][-1]
-        usage = answer.usage_metadata or {}
-        print(f"> {question}\n{answer.text}\n  input tokens {usage.get('input_tokens')}, read from the KV cache "
-              f"{usage.get('input_token_details', {}).get('cache_read')} (pool {out.get('pool_id')}, "
+        last_call = next(m for m in reversed(out["messages"]) if isinstance(m, AIMessage) and m.usage_metadata)
+        usage = last_call.usage_metadata
+        print(f"> {question}\n{out['messages'][-1].text}\n  input tokens {usage['input_tokens']}, read from the KV "
+              f"cache {usage['input_token_details']['cache_read']} (pool {out.get('pool_id')}, "
               f"session {out.get('session_id')})")
 
 

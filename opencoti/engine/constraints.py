@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from .errors import InvalidRequestError
 
@@ -255,6 +254,7 @@ class Constraint:
     __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready")
 
     def __init__(self, spec: ConstraintSpec, lt: Any):
+        import torch  # imported on use: the request side (ConstraintSpec) is imported by clients
         self.spec = spec
         self.lt = lt
         self.matcher = None
@@ -318,6 +318,7 @@ def _mask_executor():
 
 def compute_masks(constraints: Sequence[Constraint]) -> None:
     """Fill ``c.mask`` for every active constraint (one batched call; releases the GIL)."""
+    import torch
     todo = [c for c in constraints if c.active and not c.mask_ready]
     if not todo:
         return
@@ -334,6 +335,7 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: Sequence[torch.Ten
                 fallback_ids: Sequence[int]) -> None:
     """Set the disallowed logits of ``rows`` to -inf in place. A row whose mask allows nothing
     (a matcher in an error state) may only end: it keeps just ``fallback_ids`` (the EOS ids)."""
+    import torch
     vocab = logits.shape[1]
     bits = torch.stack(list(masks)).numpy().view(np.uint8)  # [R, W * 4], little-endian words
     # bit j of the mask is token j; ids past the tokenizer's vocabulary (padding) stay disallowed

@@ -25,4 +25,12 @@ __all__ = [
     "keep_latest", "keep_min", "keep_max", "append_list",
     "PoolSpec", "pool_spec", "track_pool", "ensure_pool", "aensure_pool", "merge_pools",
     "convert_message_to_dict", "convert_messages", "format_tool_choice", "response_metadata", "usage_metadata",
+    "PolyKVMiddleware", "PolyKVAgentState",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("PolyKVMiddleware", "PolyKVAgentState"):  # imports langchain.agents: only when asked for
+        from . import agent
+        return getattr(agent, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
