@@ -34,6 +34,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, Se
 from ..client import AsyncPolyKVClient, ChatChunk, GenerationInfo, OpencotiError, PolyKVClient, SessionStatus
 from .convert import (chunk_from_event, convert_message_to_dict, convert_messages, format_tool_choice,  # noqa: F401
                       parse_json_answer, response_metadata, usage_metadata)
+from . import params
 from .params import build_extra, client_params, model_profile, split_call_kwargs
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
@@ -414,13 +415,24 @@ class OpencotiChatModel(BaseChatModel):
                                method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
                                include_raw: bool = False, strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
-        """Structured output. ``function_calling`` and ``json_schema`` force a call of a tool made
-        from ``schema`` (there is no constrained decoding, so both use the forced tool call);
-        ``json_mode`` parses a JSON object from the text answer (ask for JSON in the prompt)."""
+        """Structured output. ``function_calling`` forces a call of a tool made from ``schema``;
+        ``json_schema`` constrains the answer to the schema (``response_format``) where the server
+        decodes under constraints (``params.STRUCTURED_OUTPUT``), else it forces the tool call too;
+        ``json_mode`` parses a JSON object from the answer (constrained to JSON where supported)."""
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        if method in ("function_calling", "json_schema"):
+        constrained = params.STRUCTURED_OUTPUT and method in ("json_schema", "json_mode")
+        if constrained:
+            fmt: dict[str, Any] = {"type": "json_object"}
+            if method == "json_schema":
+                fn = convert_to_openai_tool(schema, strict=strict)["function"]
+                fmt = {"type": "json_schema", "json_schema": {"name": fn["name"], "schema": fn["parameters"],
+                                                              **({"strict": True} if strict else {})}}
+            llm = self.bind(response_format=fmt, ls_structured_output_format={
+                "kwargs": {"method": method, "strict": strict}, "schema": schema})
+            parser = RunnableLambda(lambda msg: parse_json_answer(msg, schema if is_pydantic else None))
+        elif method in ("function_calling", "json_schema"):
             tool = convert_to_openai_tool(schema, strict=strict)
             name = tool["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, strict=strict,

@@ -383,3 +383,16 @@ def test_ls_params_profile_and_structured_output_strategy(model, engine):
     assert model.profile["structured_output"] is _supports_provider_strategy(model)
     if model.engine is not None:
         assert model.profile["max_input_tokens"] == engine.max_context
+
+
+def test_structured_output_constrained_when_the_server_constrains(monkeypatch):
+    from opencoti.langgraph import params
+    monkeypatch.setattr(params, "STRUCTURED_OUTPUT", True)
+    m, sc, _ = scripted_model(['{"value": 42}'])
+    assert m.with_structured_output(Answer, method="json_schema").invoke("x") == Answer(value=42)
+    fmt = sc.requests[-1]["extra_body"]["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["name"] == "Answer"
+    assert fmt["json_schema"]["schema"]["properties"]["value"]["type"] == "integer"
+    assert m.with_structured_output(None, method="json_mode").invoke("x") == {"value": 42}
+    assert sc.requests[-1]["extra_body"]["response_format"] == {"type": "json_object"}
+    assert "tools" not in sc.requests[-1]
