@@ -7,15 +7,20 @@ One agent per group runs a tool-calling turn on its own pool.
 
     input:  {"question": "..."}
     output: {"answers": [{"group", "pool_id", "cached_prefix_tokens", "tool_calls", "answer"}], "tree": {...}}
+
+The root is made once per process and shared by every run; each run's group pools are released at
+its end.
 """
 
 import operator
+import threading
 from typing import Annotated
 
 from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.graph import END, START, StateGraph
 
+from opencoti.client import PoolNotFoundError
 from opencoti.langgraph import PolyKVState, model_from_env
 
 SYSTEM = "You are a helpful assistant. Use a tool when it helps."
@@ -42,7 +47,7 @@ TOOLS_B = [celsius_to_fahrenheit]
 
 class BranchState(PolyKVState, total=False):
     question: str
-    pools: dict
+    groups: dict
     answers: Annotated[list, operator.add]
     tree: dict
 
@@ -52,16 +57,35 @@ def _openai(tools) -> list[dict]:
     return [convert_to_openai_tool(t) for t in tools]
 
 
+_ROOT: dict = {}
+_LOCK = threading.Lock()
+
+
+def root_pool(tokens: list[int]):
+    """The root (system + toolset A), made once per process and shared by every run; the group
+    pools are made and released per run."""
+    with _LOCK:
+        pool = _ROOT.get("pool")
+        if pool is not None:
+            try:
+                if client.pool(pool.pool_id).prefix_len == len(tokens):
+                    return pool
+            except PoolNotFoundError:  # the engine restarted
+                pass
+        pool = _ROOT["pool"] = client.create_pool(tokens=tokens, label="system+toolsA")
+        return pool
+
+
 def build_pools(state: BranchState) -> dict:
     system = [{"role": "system", "content": SYSTEM}]
     toks_a = client.tokenize(client.apply_template(system, _openai(TOOLS_A), add_generation_prompt=False))
     toks_b = client.tokenize(client.apply_template(system, _openai(TOOLS_B), add_generation_prompt=False))
     d = next((i for i, (x, y) in enumerate(zip(toks_a, toks_b)) if x != y), min(len(toks_a), len(toks_b)))
-    root = client.create_pool(tokens=toks_a, label="system+toolsA")
+    root = root_pool(toks_a)
     task = [*system, {"role": "user", "content": "Task brief: answer precisely."}]
     group_a = client.fork_pool(root.pool_id, messages=task, tools=_openai(TOOLS_A), label="A: brief")  # nesting
     group_b = client.fork_pool(root.pool_id, branch_pos=d, tokens=toks_b, label="B: toolsB")  # COW branch
-    return {"pools": {"root": root.pool_id, "A": group_a.pool_id, "B": group_b.pool_id, "branch_pos": d}}
+    return {"groups": {"root": root.pool_id, "A": group_a.pool_id, "B": group_b.pool_id, "branch_pos": d}}
 
 
 def run_group(group: str, state: BranchState, tools, brief: bool) -> dict:
@@ -70,7 +94,7 @@ def run_group(group: str, state: BranchState, tools, brief: bool) -> dict:
         msgs.append(HumanMessage("Task brief: answer precisely."))
     msgs.append(HumanMessage(state.get("question") or "What is the capital of France?"))
     bound = model.bind_tools(tools)
-    pool_id = state["pools"][group]
+    pool_id = state["groups"][group]
     first = bound.invoke(msgs, pool_id=pool_id)
     answer = first
     if first.tool_calls:  # one tool round
@@ -95,13 +119,13 @@ def group_b(state: BranchState) -> dict:
 
 
 def cleanup(state: BranchState) -> dict:
-    pools = state["pools"]
+    groups = state["groups"]
     tree = client.pools()
     shown = {p.pool_id: {"parent": p.parent, "branch_pos": p.branch_pos, "prefix_len": p.prefix_len,
                          "own_kv_bytes": p.own_kv_bytes, "label": p.label} for p in tree.pools}
-    for key in ("A", "B", "root"):  # leaves first
-        client.flush_pool(pools[key])
-        client.release_pool(pools[key])
+    for key in ("A", "B"):  # this run's pools; the root stays for the next run
+        client.flush_pool(groups[key])
+        client.release_pool(groups[key])
     return {"tree": shown}
 
 

@@ -1,10 +1,11 @@
 """Fan out sub-agents under a tps floor (spec §7 Journey A, §14.3 pacing).
 
-plan: a root pool holds the system prompt; a child pool extends it with the task brief (nesting).
+plan: a root pool holds the system prompt (one per process, shared by every run); a child pool
+extends it with the task brief (nesting).
 Each sub-task is sent (``Send``) to a worker subgraph whose first node is a ``CapacityGateNode``
 sharing one ``SpawnPacer``: a worker starts only while the pool admits under its floor and never
-while the pool is settling from the previous spawn. gather: the answers are collected, the pools
-released.
+while the pool is settling from the previous spawn. gather: the answers are collected, the task
+pool released.
 
     input:  {"brief": "...", "subtasks": ["...", "..."], "floor_tps": 5.0}
     output: {"results": [{"subtask", "answer", "session_tps"}, ...], ...}
@@ -14,6 +15,7 @@ Run: ``langgraph dev --config examples/langgraph.json`` (``OPENCOTI_BASE_URL`` f
 """
 
 import operator
+import threading
 import uuid
 from typing import Annotated, Optional, TypedDict
 
@@ -21,7 +23,8 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
 
-from opencoti.langgraph import CapacityGateNode, PolyKVState, SpawnPacer, model_from_env
+from opencoti.langgraph import (CapacityGateNode, PolyKVState, SpawnPacer, ensure_pool, merge_pools,
+                                model_from_env, track_pool)
 
 SYSTEM = "You are a research sub-agent. Answer the sub-task in two sentences."
 
@@ -52,13 +55,30 @@ def brief_messages(brief: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task brief: {brief}"}]
 
 
+_SYSTEM_POOL: dict = {}
+_LOCK = threading.Lock()
+
+
+def system_pool() -> dict:
+    """The system prompt's pool, made once per process and shared by every run (re-created if the
+    engine restarted)."""
+    with _LOCK:
+        if not _SYSTEM_POOL:
+            system = brief_messages("")[:1]
+            root = client.create_pool(messages=system, pinned=True, label="system")
+            _SYSTEM_POOL.update(root_pool_id=root.pool_id, **track_pool(root, messages=system))
+        live, moved = ensure_pool(client, _SYSTEM_POOL, key="root_pool_id")
+        _SYSTEM_POOL.update(root_pool_id=live, pools=merge_pools(_SYSTEM_POOL["pools"], moved.get("pools")))
+        return dict(_SYSTEM_POOL)
+
+
 def plan(state: FanOutState) -> dict:
-    root = client.create_pool(messages=brief_messages("")[:1], label="system")
-    task = client.fork_pool(root.pool_id, messages=brief_messages(state.get("brief", "")), label="brief")
+    root = system_pool()
+    task = client.fork_pool(root["root_pool_id"], messages=brief_messages(state.get("brief", "")), label="brief")
     if state.get("floor_tps"):
         client.set_admission(task.pool_id, target_tps_per_session=float(state["floor_tps"]), mode="enforced",
                              on_saturation="queue")
-    return {"root_pool_id": root.pool_id, "pool_id": task.pool_id}
+    return {"root_pool_id": root["root_pool_id"], "pool_id": task.pool_id}
 
 
 def fan_out(state: FanOutState) -> list[Send]:
@@ -93,10 +113,8 @@ worker = worker_builder.compile()
 
 
 def gather(state: FanOutState) -> dict:
-    for pid in (state.get("pool_id"), state.get("root_pool_id")):  # leaves first
-        if pid is not None:
-            client.flush_pool(pid)
-            client.release_pool(pid)
+    client.flush_pool(state["pool_id"])  # the run's task pool; the system pool stays for the next run
+    client.release_pool(state["pool_id"])
     return {}
 
 
