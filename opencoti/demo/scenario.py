@@ -32,8 +32,7 @@ are fixed by this script. Every number in the report is measured (``recorder.py`
 from __future__ import annotations
 
 import threading
-import time
-from typing import Annotated, Any, Callable, Literal, Optional, TypedDict
+from typing import Any, Callable
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -42,50 +41,19 @@ from langgraph.types import Send
 
 from ..client import PolyKVClient
 from ..engine.errors import OpencotiError
-from ..langgraph import (CompactionNode, OpencotiChatModel, PolyKVMessagesState, SpawnPacer, append_list, keep_latest,
-                         polykv_update, polykv_tools)
+from ..langgraph import OpencotiChatModel, SpawnPacer, polykv_tools, polykv_update
 from .config import DemoConfig
 from .hooks import RecordedGate, text_of
 from .recorder import Recorder
-from .script import (LONG_ROLE, LONG_STEPS, NESTED_PARTS, PARTS, REVIEW_PARTS, SYSTEM_PROMPT, TASK, check_facts,
-                     suggest_edit)
+from .scenario_long import LongAgentMixin
+from .scenario_state import (MAX_GATHERED, AgentOutput, AgentState, DemoState, GroupState, _common_prefix, _dicts,
+                             _message)
+from .script import NESTED_PARTS, PARTS, REVIEW_PARTS, SYSTEM_PROMPT, TASK, check_facts, suggest_edit
 
 
 # ============================================================================ state
-class DemoState(TypedDict, total=False):
-    root_pool_id: Annotated[Optional[int], keep_latest]
-    task_pool_id: Annotated[Optional[int], keep_latest]
-    brief: Annotated[Optional[str], keep_latest]
-    results: Annotated[list, append_list]
-    answer: Annotated[Optional[str], keep_latest]
-
-
-MAX_GATHERED = 12  # reports quoted to the lead at the end (each ~25 tokens)
-
-
-class AgentState(PolyKVMessagesState, total=False):
-    agent: str
-    role: str
-    toolset: str
-    max_tokens: int
-    expected_tokens: Optional[int]
-    turns: int
-    compactions: int
-    results: Annotated[list, append_list]
-
-
-class GroupState(TypedDict, total=False):
-    root_pool_id: Optional[int]
-    branch_pool_id: Optional[int]
-    results: Annotated[list, append_list]
-
-
-class AgentOutput(TypedDict, total=False):
-    results: Annotated[list, append_list]
-
-
 # ============================================================================ the scenario
-class Scenario:
+class Scenario(LongAgentMixin):
     """Builds and runs the graph; ``client``/``model`` decide the transport."""
 
     def __init__(self, cfg: DemoConfig, client: PolyKVClient, model: OpencotiChatModel, recorder: Recorder,
@@ -285,111 +253,6 @@ class Scenario:
         g.add_edge("reviewer", END)
         return g.compile(name="review_group")
 
-    # ---------------------------------------------------------------- long-running agent (compaction)
-    def long_setup(self, state: AgentState) -> dict:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": LONG_ROLE}]
-        pool = self._tool("fork_pool", parent_pool_id=state["root_pool_id"], text=self._render(msgs),
-                          label="logistics")
-        # the threshold: the pressure (context used / context length) after about compact_after_turns turns
-        budget = pool["prefix_len"] + self.cfg.compact_after_turns * (self.cfg.max_tokens + 24)
-        self.compact_threshold = round(min(0.95, budget / max(self.ctx_total, 1)), 3)
-        self._compactor.pressure_threshold = self.compact_threshold
-        self.rec.phase("long-running agent", "the logistics lead works turn after turn in its own pool "
-                                             f"(extend of the root); compaction threshold: pressure >= "
-                                             f"{self.compact_threshold:.2f} (~{budget} of {self.ctx_total} tokens)")
-        self._pool_made("extend", pool)
-        self._policy(pool["pool_id"])
-        return {"pool_id": pool["pool_id"], "session_id": "logistics", "agent": "logistics", "role": "long",
-                "messages": [SystemMessage(SYSTEM_PROMPT), HumanMessage(LONG_ROLE), HumanMessage(LONG_STEPS[0])],
-                "turns": 0, "compactions": 0, "expected_tokens": 80 + self.cfg.max_tokens}
-
-    def compact(self, state: AgentState) -> dict:
-        compactor = self._compactor
-        if not compactor.should_compact(state):
-            return {}
-        t_start = time.time()
-        before = self.client.pools().model_dump()
-        old_pool = state.get("pool_id")
-        pressure, _ = compactor.pressure(state)
-        pressure = pressure or 0.0
-        ctx_before = (self.client.session_status(state["session_id"]) or _Empty()).ctx_used
-        self.rec.phase("compaction", f"logistics crossed the threshold (pressure {pressure:.2f} >= "
-                                     f"{self.compact_threshold:.2f}, context {ctx_before} tokens): summarize, "
-                                     f"re-fork the root, move the session, release pool {old_pool}")
-        update = compactor(state)
-        if not update:
-            return {}
-        after = self.client.pools().model_dump()
-        new_pool = update.get("pool_id")
-        live = {p["pool_id"] for p in after["pools"]}
-        info = next((p for p in after["pools"] if p["pool_id"] == new_pool), {"pool_id": new_pool})
-        self._pool_made("compacted (re-fork)", info)
-        if old_pool not in live:
-            self.rec.pool_op("release", {"pool_id": old_pool, "label": "logistics (compacted away)"})
-        msgs = state.get("messages") or []
-        kept = len(update["messages"]) - 1  # minus RemoveMessage
-        _, old, recent = compactor.split(msgs)
-        self.rec.compaction({"t_start": t_start, "agent": state["agent"], "session_id": state["session_id"], "old_pool_id": old_pool,
-                             "new_pool_id": new_pool, "ancestor_pool_id": state.get("root_pool_id"),
-                             "pressure": pressure, "threshold": self.compact_threshold, "ctx_before": ctx_before,
-                             "ctx_after": info.get("prefix_len"), "n_summarized": len(old), "n_kept": len(recent),
-                             "messages_after": kept, "kv_pages_before": before.get("kv_pages_used"),
-                             "kv_pages_after": after.get("kv_pages_used"), "old_pool_released": old_pool not in live})
-        return {**update, "compactions": (state.get("compactions") or 0) + 1}
-
-    def long_turn(self, state: AgentState) -> dict:
-        name = state["agent"]
-        if not state.get("turns"):
-            cap = self.last_caps.pop(name, None)
-            self.rec.decision(name, state["pool_id"], "spawn", cap.model_dump() if cap else None)
-        self.rec.agent(name, "running", pool_id=state["pool_id"], session_id=state["session_id"])
-        msg = self._call(name, "long", state["messages"], pool_id=state["pool_id"], session_id=state["session_id"],
-                         max_tokens=state.get("max_tokens"))
-        turns = (state.get("turns") or 0) + 1
-        nxt = LONG_STEPS[turns % len(LONG_STEPS)]
-        out = {"messages": [msg, HumanMessage(nxt)], "turns": turns, **polykv_update(msg)}
-        if self._long_done({**state, **out}):
-            self.rec.agent(name, "done")
-            out["results"] = [{"agent": name, "role": "long", "pool_id": state["pool_id"], "text": text_of(msg)}]
-        return out
-
-    def _long_done(self, state: dict) -> bool:
-        turns = state.get("turns") or 0
-        if turns >= self.cfg.long_max_turns:
-            return True
-        return bool(state.get("compactions")) and turns >= self._turns_at_compaction.get(state["agent"], 0) + \
-            self.cfg.long_turns_after_compaction
-
-    def long_route(self, state: AgentState) -> Literal["compact", "__end__"]:
-        return END if self._long_done(state) else "compact"
-
-    def _mark_compaction(self, state: AgentState) -> dict:
-        if state.get("compactions") and state["agent"] not in self._turns_at_compaction:
-            self._turns_at_compaction[state["agent"]] = state.get("turns") or 0
-        return {}
-
-    def long_graph(self):
-        self._turns_at_compaction: dict[str, int] = {}
-        self._compactor = CompactionNode(self.model, client=self.client, tools=self.pool_tools,
-                                         pressure_threshold=0.95, keep_last=2,  # set in long_setup
-                                         summary_max_tokens=self.cfg.max_tokens)
-        g = StateGraph(AgentState, output_schema=AgentOutput)
-        g.add_node("setup", self.long_setup)
-        g.add_node("arrive", self.arrive)
-        g.add_node("gate", self._gate("long", spawn="turn"))
-        g.add_node("hold", self.hold)
-        g.add_node("compact", self.compact)
-        g.add_node("mark", self._mark_compaction)
-        g.add_node("turn", self.long_turn)
-        g.add_edge(START, "setup")
-        g.add_edge("setup", "arrive")
-        g.add_edge("arrive", "gate")
-        g.add_edge("hold", "gate")
-        g.add_edge("compact", "mark")
-        g.add_edge("mark", "turn")
-        g.add_conditional_edges("turn", self.long_route, ["compact", END])
-        return g.compile(name="long_agent")
-
     # ---------------------------------------------------------------- the lead agent
     def make_root(self, state: DemoState) -> dict:
         self.rec.phase("root pool", "the lead agent's system prompt + tool definitions become the root pool")
@@ -495,25 +358,3 @@ class Scenario:
             g.add_edge(n, "gather")
         g.add_edge("gather", END)
         return g.compile(name="opencoti-demo")
-
-
-class _Empty:
-    ctx_used = None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _message(d: dict) -> BaseMessage:
-    return {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}[d["role"]](d["content"])
-
-
-def _dicts(messages: list[BaseMessage]) -> list[dict]:
-    from ..langgraph import convert_messages
-    return [{"role": m["role"], "content": m["content"]} for m in convert_messages(messages)]
