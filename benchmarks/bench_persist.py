@@ -8,6 +8,11 @@ on first use without KV files: prefill of N tokens). Load = reading the pool's K
 the page cache first (``posix_fadvise(DONTNEED)``), "warm" reads it from the page cache. The loaded
 KV is checked bit-exact against the computed one. Median of ``--repeats``; ratios = recompute / load.
 Also reports the save time and the file size.
+
+Restart (``--restart-pools``, default 16): that many pools of ``--restart-tokens`` (512) tokens, a
+quarter of them pinned, and one named session per pool, then the engine is shut down and built
+again on the same state directory; reports the restore time (reading the database, rebuilding
+the tree, loading the pinned pools' KV files) and the whole engine start with and without state.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def main() -> int:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--lengths", default="256,1024,2048", help="prefix lengths in tokens")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--restart-pools", type=int, default=16)
+    p.add_argument("--restart-tokens", type=int, default=512)
     args = p.parse_args()
     common.set_threads(args.threads)
     import torch
@@ -101,13 +108,54 @@ def main() -> int:
             f.unlink()
         tmp.rmdir()
         eng.shutdown()
+    restart = measure_restart(args, text_tokens)
     machine = common.machine_info()
     print(f"\nmachine: {common.describe_machine(machine)}")
     print_table(["tokens", "file MiB", "save ms", "recompute ms", "load cold ms", "load warm ms",
                  "recompute/cold", "recompute/warm"], rows,
                 title=f"pool KV after a restart: recompute vs load from disk ({args.dtype})")
-    common.write_json("persist", {"machine": machine, "args": vars(args), "results": results}, args.out)
+    print_table(["pools", "pinned", "sessions", "restore s", "KV loaded", "start with state s", "start without s"],
+                [[restart["pools"], restart["pinned"], restart["sessions"], restart["restore_s"],
+                  restart["kv_loaded_pools"], restart["start_with_state_s"], restart["start_without_state_s"]]],
+                title="restart")
+    common.write_json("persist", {"machine": machine, "args": vars(args), "results": results, "restart": restart},
+                      args.out)
     return 0
+
+
+def measure_restart(args, text_tokens) -> dict:
+    from opencoti.engine import SamplingParams
+
+    n, length = args.restart_pools, args.restart_tokens
+    if args.quick:
+        n, length = 4, 64
+    state = tempfile.mkdtemp(prefix="opencoti-bench-state-")
+    cfg = dict(kv_budget_tokens=n * (length + 64) + 256, max_pools=n + 4, state_dir=state)
+    eng = common.make_engine(args, **cfg)
+    pinned = 0
+    for i in range(n):
+        toks = [text_tokens[i]] + text_tokens[:length - 1]  # distinct first token: no shared prefixes
+        pin = i % 4 == 0
+        pinned += pin
+        info = eng.create_pool(tokens=toks, pinned=pin)
+        eng.generate(toks + [text_tokens[-1]], pool_id=info.pool_id, session_id=f"agent-{i}",
+                     params=SamplingParams.greedy(1))
+    eng._persist.kv_writer.flush()
+    eng.shutdown()
+    t0 = now()
+    eng = common.make_engine(args, **cfg)
+    with_state = now() - t0
+    stats = dict(eng._persist.stats)
+    eng.shutdown()
+    t0 = now()
+    eng = common.make_engine(args, **{**cfg, "state_dir": None})
+    without = now() - t0
+    eng.shutdown()
+    import shutil
+    shutil.rmtree(state, ignore_errors=True)
+    return {"pools": stats["pools"], "pinned": pinned, "sessions": stats["sessions"],
+            "restore_s": stats["seconds"], "kv_loaded_pools": stats["kv_loaded_pools"],
+            "start_with_state_s": with_state, "start_without_state_s": without}
 
 
 if __name__ == "__main__":

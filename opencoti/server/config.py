@@ -13,6 +13,8 @@ class ServerConfig:
     tps_interval_ms: default period of the ``GET /polykv/tps`` SSE stream.
     default_max_tokens: max tokens when a request gives none (None = until EOS or the context is full).
     model_alias: the model id reported by /v1/models (default: the engine's model name).
+    tenant_keys: ``{key: tenant}`` (an API keys file, ``tenants.load_keys_file``): every key a tenant that
+        sees only its own pools and sessions (docs/persistence.md); not together with ``api_key``.
     """
 
     api_key: str | None = None
@@ -21,3 +23,4 @@ class ServerConfig:
     tps_interval_ms: float = 500.0
     default_max_tokens: int | None = None
     model_alias: str | None = None
+    tenant_keys: dict[str, str] | None = None

@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow CORS from ORIGIN (repeatable; '*' for any). Off by default")
     p.add_argument("--graceful-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on shutdown (default 5)")
+    p.add_argument("--state-dir", default=None, metavar="DIR|none",
+                   help="where pools, named sessions and pool ids persist across restarts (default: "
+                        "$OPENCOTI_STATE_DIR, else state/port-<port> under the cache dir; none with --port 0; "
+                        "'none': keep nothing). See docs/persistence.md")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="one '<tenant> <key>' per line: each key a tenant that sees only its own pools and "
+                        "sessions (docs/persistence.md); not with --api-key")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -56,7 +63,9 @@ def run(args) -> int:
 
     from ..engine import Engine, EngineConfig
     from ..engine.errors import OpencotiError
+    from ..engine.persist.store import resolve_state_dir
     from .app import ServerConfig, create_app
+    from .tenants import load_keys_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("opencoti.server")
@@ -65,11 +74,15 @@ def run(args) -> int:
             model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
             kv_budget_tokens=args.kv_budget_tokens, kv_budget_mib=args.kv_budget_mib, max_pools=args.max_pools,
             max_running=args.parallel, max_context=args.ctx_size, max_batch_tokens=args.batch_tokens,
-            num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl, weights=args.weights)
+            num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl,
+            state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights)
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,
-            default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias)
+            default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias,
+            tenant_keys=load_keys_file(args.api_keys_file) if args.api_keys_file else None)
+        if server_config.tenant_keys and server_config.api_key:
+            raise OpencotiError("--api-key (or $OPENCOTI_API_KEY) and --api-keys-file cannot be combined")
         if server_config.tps_interval_ms < 50:
             raise OpencotiError("--tps-interval-ms must be >= 50")
         if args.n_predict == 0:

@@ -16,6 +16,8 @@ from ..ops import Context
 from .config import ServerConfig
 from .errors import ApiError
 from .metrics import ServerMetrics
+from .middleware import PUBLIC_PATHS
+from .tenants import request_tenant
 
 log = logging.getLogger("opencoti.server")
 
@@ -34,6 +36,7 @@ class ServerState:
         self.stop_deadline: float | None = None  # time.monotonic() after which open streams end
         self.metrics = ServerMetrics(lambda: self.engine)
         self._ctx: Context | None = None
+        self._tenant_ctx: dict[str, Context] = {}  # with tenant keys: one view each
         self._loader: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -76,7 +79,7 @@ class ServerState:
     def is_ready(self) -> bool:
         return self.engine is not None and not self.engine.is_closed
 
-    def context(self) -> Context:
+    def context(self, tenant: str | None = None) -> Context:
         """The operations context (raises the 503 / 500 that /health reports until the model is ready)."""
         eng = self.engine
         if eng is None:
@@ -89,12 +92,24 @@ class ServerState:
             c = self.config
             self._ctx = Context(eng, default_max_tokens=c.default_max_tokens, model_alias=c.model_alias,
                                 tps_interval_ms=c.tps_interval_ms, started=self.started)
-        return self._ctx
+        if tenant is None:
+            return self._ctx
+        ctx = self._tenant_ctx.get(tenant)
+        if ctx is None:  # the tenant's view of the engine (engine/tenancy.py)
+            from ..engine.tenancy import TenantEngine
+            base = self._ctx
+            ctx = self._tenant_ctx[tenant] = Context(
+                TenantEngine(eng, tenant), default_max_tokens=base.default_max_tokens, model_alias=base.model_alias,
+                tps_interval_ms=base.tps_interval_ms, started=base.started)
+        return ctx
 
 
 def get_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def get_ctx(state: ServerState = Depends(get_state)) -> Context:
-    return state.context()
+def get_ctx(request: Request, state: ServerState = Depends(get_state)) -> Context:
+    tenant = request_tenant(request)
+    if tenant is None and state.config.tenant_keys and request.url.path not in PUBLIC_PATHS:
+        raise ApiError(401, "missing API key", "authentication_error")  # never the unscoped engine
+    return state.context(tenant)

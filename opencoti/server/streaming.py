@@ -25,6 +25,7 @@ from ..engine.results import GenerationResult, TokenDelta
 from ..ops.generation import Prepared
 from .errors import error_event
 from .state import ServerState
+from .tenants import request_tenant
 
 T = TypeVar("T")
 
@@ -111,7 +112,7 @@ class Generation:
         response when the client went away before the request was accepted."""
         tracker = Tracker(state)
         try:
-            eng = state.context().require_open()
+            eng = state.context(request_tenant(request)).require_open()
             stream = await until_disconnect(request, eng.astream(prepared.tokens, params=prepared.params,
                                                                  **prepared.kwargs))
         except ClientDisconnected:

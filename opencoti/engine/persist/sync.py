@@ -155,7 +155,8 @@ class Persister:
 
     @staticmethod
     def persistable_session(s: Session) -> bool:
-        return s.job is None and not AUTO_SESSION_ID.fullmatch(s.session_id)
+        return (s.job is None and not getattr(s, "anonymous", False)
+                and not AUTO_SESSION_ID.fullmatch(s.session_id))
 
     def sync(self) -> None:
         """Write every change since the last sync in one transaction (no-op when nothing changed)."""
