@@ -8,10 +8,12 @@ use these; only the framing (SSE / JSON / Python objects) differs per transport.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..engine import SamplingParams
-from ..engine.chat import ChatPrompt, prepare_chat
+from ..engine.chat import ChatPrompt, normalize_tools, prepare_chat
+from ..engine.constraints import ConstraintSpec
+from ..engine.constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.tool_calls import ToolCall, ToolStreamFilter, resolve_tool_output
@@ -23,17 +25,19 @@ STOP_TYPE_LLAMA = {"eos": "eos", "stop": "word", "length": "limit", "cancelled":
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    default_max_tokens: int | None = None) -> SamplingParams:
+                    default_max_tokens: int | None = None, *, openai: bool = False,
+                    tokenize: Callable[[str], list[int]] | None = None,
+                    constraint: ConstraintSpec | None = None) -> SamplingParams:
     """Map request fields onto SamplingParams (unset fields keep the engine's llama.cpp-like defaults).
 
-    ``max_tokens``: the body's limit (None: ``default_max_tokens``; -1: until EOS / context)."""
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repeat_penalty", 1)):
-        v = getattr(body, name)
-        if v is not None and v != neutral:
-            raise InvalidRequestError(f"{name} is not supported (only {neutral} is accepted)")
+    ``max_tokens``: the body's limit (None: ``default_max_tokens``; -1: until EOS / context).
+    ``openai``: OpenAI semantics for penalties and logit_bias ranges (the /v1 routes).
+    ``tokenize``: for llama.cpp's text keys in ``logit_bias``. ``constraint``: the output constraint."""
+    kw: dict[str, Any] = penalty_kwargs(repeat_penalty=body.repeat_penalty, repeat_last_n=body.repeat_last_n,
+                                        presence_penalty=body.presence_penalty,
+                                        frequency_penalty=body.frequency_penalty, openai=openai)
     if body.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported")
-    kw: dict[str, Any] = {}
+        kw["logit_bias"] = logit_bias_from_request(body.logit_bias, tokenize or _no_text_keys, openai=openai)
     for name in ("temperature", "top_k", "top_p", "min_p"):
         v = getattr(body, name)
         if v is not None:
@@ -46,7 +50,19 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         max_tokens = default_max_tokens
     elif max_tokens == -1:
         max_tokens = None
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs, **kw)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                          post_sampling_probs=body.post_sampling_probs, constraint=constraint, **kw)
+
+
+def _no_text_keys(text: str) -> list[int]:
+    raise InvalidRequestError(f"logit_bias keys must be token ids, got {text!r}")
+
+
+def body_constraint(body: SamplingFields, **tool_fields: Any) -> ConstraintSpec | None:
+    """The output constraint of a request: ``response_format`` / ``json_schema`` / ``grammar`` and,
+    for chat, the tool-call constraint (``tool_fields``: see ``constraint_from_request``)."""
+    return constraint_from_request(response_format=getattr(body, "response_format", None),
+                                   json_schema=body.json_schema, grammar=body.grammar, **tool_fields)
 
 
 def engine_kwargs(body: PolyKVFields) -> dict:
@@ -90,7 +106,8 @@ def prepare_completion(ctx: Context, body: CompletionRequest) -> Prepared:
     """llama.cpp ``/completion``."""
     kwargs = engine_kwargs(body)
     n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
-    params = sampling_params(body, n_predict, body.n_probs or None, ctx.default_max_tokens)
+    params = sampling_params(body, n_predict, body.n_probs or None, ctx.default_max_tokens,
+                             tokenize=ctx.engine.tokenize, constraint=body_constraint(body))
     tokens, text = _completion_prompt(ctx, body.prompt)
     return Prepared(tokens, params, kwargs, prompt_text=text)
 
@@ -104,7 +121,8 @@ def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Pr
     if body.suffix:
         raise InvalidRequestError("suffix (insertion) is not supported")
     kwargs = engine_kwargs(body)
-    params = sampling_params(body, body.max_tokens, body.logprobs, ctx.default_max_tokens)
+    params = sampling_params(body, body.max_tokens, body.logprobs, ctx.default_max_tokens, openai=True,
+                             tokenize=ctx.engine.tokenize, constraint=body_constraint(body))
     tokens, text = _completion_prompt(ctx, body.prompt)
     if body.echo and text is None:
         text = ctx.engine.detokenize(tokens)
@@ -115,17 +133,16 @@ def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
     """OpenAI ``/v1/chat/completions``: render (``engine.chat.prepare_chat``), tokenize, sampling."""
     if body.n != 1:
         raise InvalidRequestError("n must be 1 (one choice per request is supported)")
-    rf = body.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        raise InvalidRequestError(f"response_format {rf.get('type')!r} is not supported (no constrained decoding); "
-                                  "use 'text'")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true")
     kwargs = engine_kwargs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             ctx.default_max_tokens)
     prompt = prepare_chat(ctx.engine.tokenizer, body.messages, body.tools, body.tool_choice)
+    constraint = body_constraint(body, tool_mode=prompt.choice.mode, tool_name=prompt.choice.name,
+                                 tools=normalize_tools(body.tools), prefill=prompt.prefill,
+                                 parallel_tool_calls=body.parallel_tool_calls is not False)
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             ctx.default_max_tokens, openai=True, tokenize=ctx.engine.tokenize, constraint=constraint)
     tokens = ctx.engine.tokenize(prompt.full_text)
     return Prepared(tokens, params, kwargs, chat=prompt, single_call=body.parallel_tool_calls is False)
 

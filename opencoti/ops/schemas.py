@@ -41,10 +41,19 @@ class SamplingFields(_Lenient):
     seed: int | None = Field(None, description="per-request seed (-1 or null = random)")
     stop: StopField = Field(None, description="strings that end generation")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
-    presence_penalty: float | None = Field(None, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="only 0 is supported")
-    repeat_penalty: float | None = Field(None, description="only 1 is supported")
-    logit_bias: Any = Field(None, description="not supported (must be empty)")
+    presence_penalty: float | None = Field(None, description="subtracted from the logit of every token already in "
+                                                             "the penalty window (0 = off)")
+    frequency_penalty: float | None = Field(None, description="subtracted per occurrence of a token in the penalty "
+                                                              "window (0 = off)")
+    repeat_penalty: float | None = Field(None, description="llama.cpp repetition penalty (1 = off)")
+    repeat_last_n: int | None = Field(None, description="penalty window in tokens (-1 = whole context, 0 = off; "
+                                                        "/completion: last 64 of prompt + output; OpenAI routes: "
+                                                        "all generated tokens)")
+    logit_bias: Any = Field(None, description="{\"token id\": bias} (OpenAI) or [[token id or text, bias or false]] "
+                                              "(llama.cpp); false bans the token")
+    post_sampling_probs: bool = Field(False, description="report probabilities after the sampling filters")
+    json_schema: Any = Field(None, description="constrain the output to this JSON Schema (llama.cpp)")
+    grammar: str | None = Field(None, description="constrain the output to this GBNF (llama.cpp) or Lark grammar")
 
 
 class CompletionRequest(SamplingFields, PolyKVFields):
@@ -58,6 +67,8 @@ class CompletionRequest(SamplingFields, PolyKVFields):
     cache_prompt: bool = Field(True, description="accepted for compatibility; sessions always cache")
     return_tokens: bool = Field(False, description="include the generated token ids")
     id_slot: int | None = Field(None, description="accepted for compatibility; use session_id")
+    response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"json_object\", \"schema\": {...}} "
+                                                                     "or OpenAI's json_schema form")
 
 
 class StreamOptions(_Lenient):
@@ -77,6 +88,7 @@ class OpenAICompletionRequest(SamplingFields, PolyKVFields):
     logprobs: int | None = Field(None, description="top alternatives per token (0..20)")
     echo: bool = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
 

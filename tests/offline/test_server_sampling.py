@@ -1,0 +1,171 @@
+"""Constrained decoding and the full sampler through the HTTP routes (tiny random model, so every
+valid output below is the constraint's doing): response_format, json_schema, grammar, tool_choice,
+logit_bias (OpenAI and llama.cpp forms), penalties, post_sampling_probs, bad input -> 400."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from starlette.testclient import TestClient
+
+from opencoti.engine.tool_calls import parse_tool_calls
+from opencoti.server import create_app
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+CHAT = [{"role": "user", "content": "Hi"}]
+HOT = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 200}
+
+
+@pytest.fixture
+def engine():
+    # byte-level tokens: a prompt with tool definitions is ~800 tokens, past the usual 512
+    from opencoti.engine import Engine, EngineConfig
+    from opencoti.engine.model.loader import tiny_model
+
+    eng = Engine(EngineConfig(page_size=4, kv_budget_tokens=16384, max_batch_tokens=512, pool_grace_ttl_s=0.0),
+                 loaded=tiny_model("llama", max_position_embeddings=2048))
+    yield eng
+    eng.check_integrity()
+    eng.shutdown()
+
+
+@pytest.fixture
+def client(engine):
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        yield c
+
+
+def check_person(v):
+    assert set(v) == {"name", "age"} and isinstance(v["name"], str) and len(v["name"]) <= 8
+    assert isinstance(v["age"], int) and 0 <= v["age"] <= 99
+
+
+def assert_400(r, match: str):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "invalid_request_error" and match in err["message"], err
+
+
+def sse_events(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ") and line[6:] != "[DONE]"]
+
+
+def test_chat_response_format_json_schema_and_json_object(client):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "response_format": rf, "seed": seed, **HOT})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        check_person(json.loads(choice["message"]["content"]))
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "response_format": {"type": "json_object"},
+                                                  "seed": 1, **HOT, "max_tokens": 400, "stream": True})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(r.text) if e.get("choices"))
+    assert text.startswith("{")
+    if sse_events(r.text)[-1]["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_completion_json_schema_grammar_and_response_format(client):
+    r = client.post("/completion", json={"prompt": "x", "json_schema": PERSON, "seed": 4, **HOT, "n_predict": 200})
+    assert r.status_code == 200, r.text
+    check_person(json.loads(r.json()["content"]))
+    gbnf = 'root ::= "(" [0-9] ("," [0-9])* ")"'
+    r = client.post("/completion", json={"prompt": "x", "grammar": gbnf, "seed": 5, **HOT})
+    assert re.fullmatch(r"\([0-9](,[0-9])*\)", r.json()["content"]), r.text
+    r = client.post("/completion", json={"prompt": "x", "response_format": {"type": "json_object", "schema": PERSON},
+                                         "seed": 6, **HOT})
+    check_person(json.loads(r.json()["content"]))
+    r = client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": PERSON}}, "seed": 7, **HOT})
+    check_person(json.loads(r.json()["choices"][0]["text"]))
+
+
+@pytest.mark.parametrize("path, body, match", [
+    ("/completion", {"prompt": "x", "grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    ("/completion", {"prompt": "x", "grammar": 'start: "a" nope'}, "nope"),
+    ("/completion", {"prompt": "x", "json_schema": {"type": "integer", "minimum": 3, "maximum": 1}}, "minimum"),
+    ("/completion", {"prompt": "x", "json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "at most one"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strnig"}}}}, "strnig"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "yaml"}}, "yaml"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}],
+        "tool_choice": "required"}, "'f'"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 101}}, "[-100, 100]"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"999999": 1}}, "outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 2.5}, "[-2, 2]"),
+    ("/completion", {"prompt": "x", "logit_bias": [[1]]}, "pairs"),
+    ("/completion", {"prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),
+    ("/completion", {"prompt": "x", "repeat_last_n": -5}, "repeat_last_n"),
+])
+def test_bad_constraints_and_sampler_fields_are_400(client, engine, path, body, match):
+    before = engine.stats()["requests"]
+    assert_400(client.post(path, json=body), match)
+    assert engine.stats()["requests"] == before  # rejected before the engine accepted anything
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_tool_calls_are_valid_objects(client, tool_choice):
+    for seed in range(3):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER, ADD], "seed": seed,
+                                                      "tool_choice": tool_choice, "parallel_tool_calls": False, **HOT})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert isinstance(args, dict)
+        if isinstance(tool_choice, dict) or call["function"]["name"] == "add":
+            assert call["function"]["name"] == "add" and set(args) == {"a", "b"}
+        else:
+            assert call["function"]["name"] == "get_weather" and set(args) == {"city"}
+
+
+def test_streamed_forced_tool_call(client):
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [ADD], "tool_choice": "required",
+                                                  "stream": True, "seed": 3, **HOT})
+    events = sse_events(r.text)
+    calls = [tc for e in events if e.get("choices") for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls and all(set(json.loads(c["function"]["arguments"])) == {"a", "b"} for c in calls)
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_logit_bias_forms(client, engine):
+    ban_all_but_a = {str(t): -100 for t in range(engine.tokenizer.vocab_size) if t != ord("a")}
+    r = client.post("/v1/completions", json={"prompt": "x", "logit_bias": ban_all_but_a, "max_tokens": 6,
+                                             "temperature": 1.0, "ignore_eos": True, "seed": 1})
+    assert r.json()["choices"][0]["text"] == "aaaaaa", r.text
+    r = client.post("/completion", json={"prompt": "x", "n_predict": 6, "temperature": 0, "ignore_eos": True,
+                                         "logit_bias": [["b", 1000]]})
+    assert r.json()["content"] == "bbbbbb"
+    greedy = {"prompt": "x", "n_predict": 6, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    first = client.post("/completion", json=greedy).json()["tokens"][0]
+    r = client.post("/completion", json={**greedy, "logit_bias": [[first, False]]})
+    assert first not in r.json()["tokens"], r.text
+
+
+def test_penalties_change_greedy_output(client):
+    base = {"prompt": "xy", "n_predict": 24, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    plain = client.post("/completion", json=base).json()["tokens"]
+    # llama.cpp semantics: the window covers prompt + output, so nothing seen there comes again
+    seen = client.post("/completion", json={**base, "presence_penalty": 100.0, "repeat_last_n": -1}).json()["tokens"]
+    assert len(set(seen)) == 24 and not set(seen) & {ord("x"), ord("y")}
+    rep = client.post("/completion", json={**base, "repeat_penalty": 5.0}).json()["tokens"]
+    freq = client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                                "frequency_penalty": 2.0}).json()["choices"][0]["text"]
+    plain_text = client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 24, "temperature": 0,
+                                                      "ignore_eos": True}).json()["choices"][0]["text"]
+    assert len(set(plain)) < 24 and rep != plain and freq != plain_text
