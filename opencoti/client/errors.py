@@ -87,6 +87,8 @@ def error_from_response(status: int, body: Any, headers: Any = None, pool_id: in
     if status == 503:
         if "shutting down" in low or "shut down" in low:
             return EngineClosedError(message)
+        if headers.get("x-opencoti-resource") == "pools":
+            retry_after = None  # the pool budget frees only when someone releases a pool: not worth a retry
         return CapacityError(message, retry_after=retry_after)
     return APIStatusError(message, status, etype or "server_error")
 

@@ -201,7 +201,7 @@ class ClusterIngress:
                 retry = await self._on_saturated(hint.pool_id)
                 if retry is not None:
                     gen.cancel()
-                    head, gen = await self._open(req, Hint(tag=retry, session_id=hint.session_id))
+                    head, gen = await self._open(req, Hint(tag=retry, pool_id=hint.pool_id, session_id=hint.session_id))
         except ReplicaError as e:
             return _err(e.status, e.message, e.etype, e.headers)
         self._learn(head)

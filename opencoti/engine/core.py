@@ -360,12 +360,20 @@ class EngineCore(PoolOpsMixin):
         """The scheduler cannot give this job a page even alone: end it cleanly."""
         if isinstance(job, MaterializeJob):
             self.scheduler.remove(job)
-            self._fail_materialization(job, CapacityError("KV cache too small to materialize this pool"))
+            self._fail_materialization(job, self._kv_short(job, "materializing this pool"))
         elif job.generated:
             job.truncated = True
             self._finish(job, "length")
         else:
-            self._finish(job, "error", CapacityError("KV cache too small for this request", retry_after=1.0))
+            self._finish(job, "error", self._kv_short(job, "this request"))
+    def _kv_short(self, job, what: str) -> CapacityError:
+        """'too small' only when the whole cache could not hold the job; else the cache is occupied."""
+        need, total = self.kv.pages_for(len(job.seq.tokens)), self.kv.num_pages
+        if need > total:
+            return CapacityError(f"KV cache too small: {what} needs {need} pages, the cache has {total}")
+        return CapacityError(f"KV cache full: {what} needs {need} pages, {self.kv.num_free} of {total} are free "
+                             "(the rest hold pinned pools and running requests)", retry_after=1.0)
+
 
     # ======================================================================== memory
     def reclaim(self, num_pages: int, keep: Session | None = None) -> int:

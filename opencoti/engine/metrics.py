@@ -343,6 +343,8 @@ class Metrics:
             per_pool_sessions[p.pool_id] = len(p.sessions)
         lab = lambda pid: f'{{pool="{pid}"}}'  # noqa: E731
         metric("opencoti_polykv:aggregate_tps", "gauge", "Engine decode tokens/s (recent window)",
+        # a released pool leaves no series (its lifetime counters stay in counters())
+        live_counters = [(pid, c) for pid, c in sorted(self.pool_counters.items()) if pid in core.tree.pools]
                [("", self.aggregate.rate(now))])
         metric("opencoti_polykv:mean_active_tps", "gauge", "Mean experienced decode tps of active sessions",
                [("", act.mean_active_tps or 0.0)])
@@ -355,9 +357,9 @@ class Metrics:
         metric("opencoti_polykv:pool_sessions", "gauge", "Sessions attached to a pool",
                [(lab(p.pool_id), per_pool_sessions[p.pool_id]) for p in live])
         metric("opencoti_polykv:prefix_cache_hits_total", "counter", "Requests that reused cached prefix tokens",
-               [(lab(pid), c["prefix_cache_hits"]) for pid, c in sorted(self.pool_counters.items())])
+               [(lab(pid), c["prefix_cache_hits"]) for pid, c in live_counters])
         metric("opencoti_polykv:queries_total", "counter", "Requests attached to a pool",
-               [(lab(pid), c["queries"]) for pid, c in sorted(self.pool_counters.items())])
+               [(lab(pid), c["queries"]) for pid, c in live_counters])
         for key in ("prompt_tokens", "cached_prompt_tokens", "generated_tokens"):
             metric(f"opencoti_{key}_total", "counter", f"Lifetime {key.replace('_', ' ')}",
                    [("", core.counters[key])])

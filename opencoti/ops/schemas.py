@@ -9,26 +9,85 @@ Every generation body accepts the PolyKV fields ``pool_id``, ``session_id``,
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import contextvars
+import json
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-StopField = Union[str, list[str], None]
+# Size limits of the strings the server keeps or echoes (ids, labels, stop strings)
+MAX_ID_CHARS = 128
+MAX_LABEL_CHARS = 256
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+StopField = Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None]
 PromptField = Union[str, list[int], list[str], list[list[int]]]
+# what the checks in ops/generation.py accept (pydantic's own schema would allow "" and [])
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1,
+     "maxItems": 1}]}
+NON_EMPTY = {"minItems": 1}
+SessionId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
 
 
-class _Lenient(BaseModel):
+def lone_surrogate_path(value: Any, where: str = "") -> str | None:
+    """Where ``value`` holds a string with a lone UTF-16 surrogate (``"\\ud800"`` in JSON: not Unicode
+    text, cannot be encoded), or None."""
+    try:  # the fast path: one C-level pass
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError):
+        return None  # not JSON data: the field validators report it
+    if isinstance(value, str):
+        return where or "a string"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and lone_surrogate_path(k) is not None:
+            return f"{where}.{k!r}" if where else repr(k)
+        found = lone_surrogate_path(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found is not None:
+            return found.lstrip(".")
+    return where or "a string"
+
+
+SURROGATE_MESSAGE = "{where} holds a lone UTF-16 surrogate: strings must be valid Unicode text"
+# set while validating a body whose strings were already checked (the server parses bodies in a thread)
+surrogates_checked: contextvars.ContextVar[bool] = contextvars.ContextVar("surrogates_checked", default=False)
+
+
+class _Input(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if surrogates_checked.get():
+            return data
+        where = lone_surrogate_path(data)
+        if where is not None:
+            raise PydanticCustomError("invalid_unicode", SURROGATE_MESSAGE, {"where": where})
+        return data
+
+
+class _Lenient(_Input):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class _Strict(BaseModel):
+class _Strict(_Input):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class PolyKVFields(_Lenient):
     pool_id: int | None = Field(None, description="attach to this pool (the shared prefix P is found automatically)")
-    session_id: str | None = Field(None, description="the session whose KV cache outlives the request "
-                                                     "(a new one is made when absent; returned in x-session-id)")
+    session_id: SessionId | None = Field(None, description="the session whose KV cache outlives the request "
+                                                           "(a new one is made when absent; returned in x-session-id)")
     shared_prefix_n_tokens: int | None = Field(None, description="explicit P (validated against the pool)")
     overcommit: bool = Field(False, description="bypass an enforced admission floor for this request")
 
@@ -59,7 +118,8 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields, PolyKVFields):
     """llama.cpp's ``POST /completion``."""
 
-    prompt: PromptField = Field(..., description="text, token ids, or a one-element list of either")
+    prompt: PromptField = Field(..., description="text, token ids, or a one-element list of either",
+                                json_schema_extra=PROMPT_SCHEMA)
     n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)")
     max_tokens: int | None = Field(None, description="alias of n_predict")
     stream: bool = False
@@ -79,7 +139,8 @@ class OpenAICompletionRequest(SamplingFields, PolyKVFields):
     """OpenAI's legacy ``POST /v1/completions``."""
 
     model: str | None = None
-    prompt: PromptField
+    prompt: PromptField = Field(..., description="text, token ids, or a one-element list of either",
+                                json_schema_extra=PROMPT_SCHEMA)
     max_tokens: int | None = Field(None, description="tokens to generate at most (null = until EOS / context)")
     n: int = 1
     best_of: int | None = None
@@ -96,7 +157,7 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
     """OpenAI's ``POST /v1/chat/completions``."""
 
     model: str | None = None
-    messages: list[Any] = Field(..., description="OpenAI chat messages")
+    messages: list[Any] = Field(..., description="OpenAI chat messages", json_schema_extra=NON_EMPTY)
     tools: list[Any] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
@@ -122,29 +183,39 @@ class DetokenizeRequest(_Lenient):
 
 
 class ApplyTemplateRequest(_Lenient):
-    messages: list[Any]
+    messages: list[Any] = Field(..., json_schema_extra=NON_EMPTY)
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
 
 
+def _exactly_one(*names: str) -> dict:
+    return {"oneOf": [{"required": [n]} for n in names]}
+
+
 class _PrefixSource(_Strict):
-    tokens: list[int] | None = Field(None, description="the full prefix [0, L) as token ids")
-    text: str | None = Field(None, description="the full prefix as raw text (tokenized without specials)")
-    messages: list[Any] | None = Field(None, description="chat messages rendered with the chat template")
+    """Exactly one of ``tokens`` / ``text`` / ``messages`` (+ ``tools``) / ``from_session``."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages", "from_session"))
+    tokens: list[int] | None = Field(None, description="the full prefix [0, L) as token ids",
+                                     json_schema_extra=NON_EMPTY)
+    text: str | None = Field(None, description="the full prefix as raw text (tokenized without specials)",
+                             json_schema_extra={"minLength": 1})
+    messages: list[Any] | None = Field(None, description="chat messages rendered with the chat template",
+                                       json_schema_extra=NON_EMPTY)
     tools: list[Any] | None = Field(None, description="tools rendered with the messages (as a chat request would)")
     add_generation_prompt: bool = Field(False, description="end the rendered messages with the assistant header")
-    from_session: str | None = Field(None, description="snapshot this idle session's cached context")
+    from_session: SessionId | None = Field(None, description="snapshot this idle session's cached context")
 
 
 class CreatePoolRequest(_PrefixSource):
     pinned: bool = False
-    label: str = ""
+    label: Label = ""
 
 
 class ForkPoolRequest(_PrefixSource):
     branch_pos: int | None = Field(None, description="D: == parent prefix_len extends, < branches (default: extend)")
     pinned: bool = False
-    label: str = ""
+    label: Label = ""
 
 
 class AdmissionRequest(_Strict):
@@ -158,6 +229,9 @@ class AdmissionRequest(_Strict):
 
 
 class CompactRequest(_Strict):
+    """The compacted prefix as exactly one of ``tokens`` / ``text`` / ``messages`` (+ ``tools``)."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages"))
     ancestor_pool_id: int
     tokens: list[int] | None = None
     text: str | None = None

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ..engine.errors import InvalidRequestError
+from .schemas import SURROGATE_MESSAGE, lone_surrogate_path
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -15,6 +16,9 @@ M = TypeVar("M", bound=BaseModel)
 def validate_json(model: type[M], data: Any) -> M:
     """Validate ``data`` exactly as a JSON body of an HTTP request is validated (a JSON round trip,
     so in-process callers get the same rules and messages as HTTP ones)."""
+    where = lone_surrogate_path(data)
+    if where is not None:
+        raise InvalidRequestError(SURROGATE_MESSAGE.format(where=where))
     try:
         text = json.dumps(data)
     except (TypeError, ValueError) as e:
@@ -42,6 +46,9 @@ def validation_message(errors: list[dict]) -> str:
         if etype == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             parts.append(f"the request body is not valid JSON{': ' + str(detail) if detail else ''}")
+            continue
+        if etype == "invalid_unicode":
+            parts.append(err.get("msg", "invalid Unicode text"))
             continue
         if etype == "missing" and not loc:
             parts.append("a JSON request body is required")

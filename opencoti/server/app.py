@@ -20,8 +20,10 @@ from starlette.middleware.cors import CORSMiddleware
 from .. import __version__
 from ..engine import Engine
 from .config import ServerConfig
-from .errors import install_handlers
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonBodyMiddleware, RequestMetricsMiddleware
+from .errors import SafeJSONResponse, install_handlers
+from .middleware import (PUBLIC_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware,
+                         RequestMetricsMiddleware)
+from .openapi import install_openapi
 from .routes_dashboard import router as dashboard_router
 from .routes_generate import router as generate_router
 from .routes_monitor import router as monitor_router
@@ -30,7 +32,7 @@ from .state import ServerState
 from .tenants import TenantKeyMiddleware
 
 EXPOSED_HEADERS = ["x-session-id", "x-pool-id", "x-cached-prefix-tokens", "x-sessions-remaining",
-                   "x-admission-warning", "retry-after"]
+                   "x-admission-warning", "x-opencoti-resource", "retry-after"]
 
 
 def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Engine] | None = None,
@@ -52,22 +54,25 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
         finally:
             state.stop()
 
-    app = FastAPI(title="opencoti", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="opencoti", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="llama.cpp- and OpenAI-compatible API over the opencoti engine, plus the PolyKV "
                               "control plane (/polykv/*): pools, sessions, tps, admission.")
     app.state.server = state
     install_handlers(app)
-    app.include_router(operations_router())
-    app.include_router(generate_router)
-    app.include_router(monitor_router)
-    app.include_router(dashboard_router)
+    install_openapi(app, auth=bool(config.api_key or config.tenant_keys), public_paths=PUBLIC_PATHS)
+    routers = [operations_router(), generate_router, monitor_router, dashboard_router]
+    for router in routers:
+        app.include_router(router)
+    # (path regex, methods) of every route, for the Allow header of a 405
+    app.state.route_methods = [(r.path_regex, frozenset(r.methods)) for router in routers for r in router.routes
+                               if getattr(r, "methods", None)]
 
-    app.add_middleware(JsonBodyMiddleware)
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
     if config.tenant_keys:
         app.add_middleware(TenantKeyMiddleware, keys=config.tenant_keys)
     elif config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestGuardMiddleware, allowed_hosts=config.allowed_hosts, cors_origins=config.cors_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],

@@ -13,6 +13,9 @@ class ServerConfig:
     tps_interval_ms: default period of the ``GET /polykv/tps`` SSE stream.
     default_max_tokens: max tokens when a request gives none (None = until EOS or the context is full).
     model_alias: the model id reported by /v1/models (default: the engine's model name).
+    allowed_hosts: Host header names the server answers (None: any; ``opencoti serve`` bound to loopback
+        sets the loopback names plus ``--allowed-host``): a defence against DNS rebinding.
+    body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
     tenant_keys: ``{key: tenant}`` (an API keys file, ``tenants.load_keys_file``): every key a tenant that
         sees only its own pools and sessions (docs/persistence.md); not together with ``api_key``.
     """
@@ -23,4 +26,6 @@ class ServerConfig:
     tps_interval_ms: float = 500.0
     default_max_tokens: int | None = None
     model_alias: str | None = None
+    allowed_hosts: list[str] | None = None
+    body_timeout_s: float = 30.0
     tenant_keys: dict[str, str] | None = None

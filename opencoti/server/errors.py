@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.errors import OpencotiError, PoolSaturatedError
+from ..engine.errors import EngineClosedError, OpencotiError, PoolSaturatedError
 from ..ops.validation import validation_message
 
 log = logging.getLogger("opencoti.server")
@@ -63,6 +63,17 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text that is not valid Unicode (a lone surrogate that reached the
+    engine some other way) is sent \\u-escaped instead of failing the whole answer."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_body(status: int, message: str, error_type: str) -> dict:
     return {"error": {"code": status, "message": message, "type": error_type}}
 
@@ -73,19 +84,48 @@ def retry_after_header(seconds: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
+# What a 429 / 503 is short of (the X-Opencoti-Resource header), and the Retry-After it gets when
+# the engine gave none: a pool budget frees only when a client releases a pool.
+RESOURCE_RETRY_S = {"model": 5, "server": 5, "pools": 5, "kv_cache": 1, "pool_sessions": 1, "capacity": 1}
+
+
+def short_resource(exc: BaseException) -> str:
+    """The resource a refused request is short of: model (loading), server (shutting down), pools (the
+    pool budget), kv_cache, pool_sessions (an enforced admission floor) or capacity (anything else)."""
+    message = str(exc).lower()
+    if isinstance(exc, PoolSaturatedError):
+        return "pool_sessions"
+    if isinstance(exc, EngineClosedError) or "shutting down" in message:
+        return "server"
+    if "loading model" in message:
+        return "model"
+    if "pool budget" in message:
+        return "pools"
+    if "kv" in message:
+        return "kv_cache"
+    return "capacity"
+
+
 def describe_exception(exc: BaseException) -> tuple[int, str, str, dict[str, str]]:
-    """(status, message, type, headers) for any exception (used for responses and SSE error events)."""
+    """(status, message, type, headers) for any exception (used for responses and SSE error events).
+    Every 429 / 503 carries Retry-After and X-Opencoti-Resource."""
     if isinstance(exc, ApiError):
-        return exc.status_code, exc.message, exc.error_type, dict(exc.headers)
-    if isinstance(exc, OpencotiError):
-        headers = retry_after_header(getattr(exc, "retry_after", None))
+        status, message, etype, headers = exc.status_code, exc.message, exc.error_type, dict(exc.headers)
+    elif isinstance(exc, OpencotiError):
+        status, message, etype = exc.status_code, str(exc), exc.error_type
+        headers = retry_after_header(getattr(exc, "retry_after", None))  # only some kinds carry one
         if isinstance(exc, PoolSaturatedError):
             cap = exc.capacity or {}
             headers["X-Sessions-Remaining"] = str(int(cap.get("sessions_remaining") or 0))
             if exc.reason:
                 headers["X-Admission-Reason"] = exc.reason
-        return exc.status_code, str(exc), exc.error_type, headers
-    return 500, f"internal server error: {type(exc).__name__}: {exc}", "server_error", {}
+    else:
+        return 500, f"internal server error: {type(exc).__name__}: {exc}", "server_error", {}
+    if status in (429, 503):
+        resource = short_resource(exc)
+        headers["X-Opencoti-Resource"] = resource
+        headers.setdefault("Retry-After", str(RESOURCE_RETRY_S[resource]))
+    return status, message, etype, headers
 
 
 def error_event(exc: BaseException) -> dict:
@@ -95,13 +135,25 @@ def error_event(exc: BaseException) -> dict:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, message, etype, headers = describe_exception(exc)
-    return JSONResponse(error_body(status, message, etype), status_code=status, headers=headers)
+    return SafeJSONResponse(error_body(status, message, etype), status_code=status, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    path = request.scope["path"]
+    methods: set[str] = set()
+    for regex, route_methods in request.app.state.route_methods:
+        if regex.match(path):
+            methods.update(route_methods)
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(400, validation_message(exc.errors()), "invalid_request_error"), status_code=400)
+        return SafeJSONResponse(error_body(400, validation_message(exc.errors()), "invalid_request_error"),
+                                status_code=400)
 
     @app.exception_handler(OpencotiError)
     async def _engine(request: Request, exc: OpencotiError):
@@ -115,10 +167,15 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        headers = dict(exc.headers or {})
         if status == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(status, message, _HTTP_TYPES.get(status, "server_error")), status_code=status,
-                            headers=getattr(exc, "headers", None))
+        if status == 405:  # every method of every route on this path (Starlette names only the first route's)
+            allowed = allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: {', '.join(allowed)})"
+        return SafeJSONResponse(error_body(status, message, _HTTP_TYPES.get(status, "server_error")),
+                                status_code=status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -1,7 +1,10 @@
-"""Pure ASGI middleware: API key, body limit, JSON bodies, request metrics."""
+"""Pure ASGI middleware: API key, body limit and timeout, request guard (Host, Origin, JSON bodies),
+request metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import json
 import secrets
 
@@ -10,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .errors import error_body
 from .metrics import ServerMetrics
 
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
 
@@ -44,12 +48,19 @@ class ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
-    """Refuse request bodies larger than ``limit`` bytes with 413 (by Content-Length, or while reading)."""
+class BodyTimeout(Exception):
+    """The request body did not arrive in time."""
 
-    def __init__(self, app, limit: int):
+
+class BodyLimitMiddleware:
+    """Refuse request bodies larger than ``limit`` bytes with 413 (by Content-Length, or while reading),
+    and bodies that do not arrive within ``timeout_s`` (a slow or short-of-its-Content-Length client)
+    with 408."""
+
+    def __init__(self, app, limit: int, timeout_s: float = 30.0):
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -65,36 +76,104 @@ class BodyLimitMiddleware:
                                                         f"{self.limit} bytes", "invalid_request_error")
         seen = 0
         limit = self.limit
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        body_done = False
+        started = False
 
         async def limited_receive():
-            nonlocal seen
-            msg = await receive()
+            nonlocal seen, body_done
+            if body_done:  # the body is in: later receives wait for a disconnect, without a deadline
+                return await receive()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                msg = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
+            except asyncio.TimeoutError:
+                raise BodyTimeout() from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit:
                     raise StarletteHTTPException(413, f"request body exceeds the limit of {limit} bytes")
+                body_done = not msg.get("more_body", False)
             return msg
 
-        return await self.app(scope, limited_receive, send)
+        async def tracked_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            return await self.app(scope, limited_receive, tracked_send)
+        except BodyTimeout:
+            if not started:
+                await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                  "invalid_request_error", [(b"connection", b"close")])
 
 
-class JsonBodyMiddleware:
-    """Treat request bodies as JSON whatever their Content-Type says (as llama.cpp does): ``curl -d``
-    sends ``application/x-www-form-urlencoded``, and no route here takes a form."""
+class RequestGuardMiddleware:
+    """Requests from web pages and DNS rebinding: a ``Host`` that is not an allowed name is refused
+    (400; only when ``allowed_hosts`` is given, as ``opencoti serve`` does on loopback), a state-changing
+    request whose ``Origin`` is neither the server itself nor a CORS origin is refused (403), and a
+    request body must be ``application/json`` (415): a page can send a "simple" cross-site POST with
+    ``text/plain`` or a form, never with JSON."""
 
-    _REWRITE = (b"application/x-www-form-urlencoded", b"text/plain", b"")
+    UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
-    def __init__(self, app):
+    def __init__(self, app, allowed_hosts: list[str] | None = None, cors_origins: list[str] | None = None):
         self.app = app
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+        self.cors_origins = set(cors_origins or ())
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
-            ctype = next((v for k, v in scope["headers"] if k == b"content-type"), None)
-            if ctype is None or ctype.split(b";")[0].strip().lower() in self._REWRITE:
-                headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                scope["headers"] = headers + [(b"content-type", b"application/json")]  # in place: outer
-                # middleware reads scope["route"] from this same dict
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        if self.allowed_hosts is not None and not self._host_ok(host_name(host)):
+            return await _send_error(send, 400, f"Host {host!r} is not allowed: the server answers only "
+                                                "loopback names (start it with --allowed-host NAME to add one)",
+                                     "invalid_request_error")
+        method = scope["method"]
+        origin = headers.get("origin")
+        if method in self.UNSAFE and origin is not None and not self._origin_ok(origin, host):
+            return await _send_error(send, 403, f"cross-site request refused: Origin {origin!r} is not this "
+                                                "server (allow it with --cors-origin)", "permission_error")
+        if method in self.UNSAFE and _has_body(headers):
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
+                got = f"got {ctype!r}" if ctype else "got no Content-Type"
+                return await _send_error(send, 415, "request bodies must be JSON, sent with 'Content-Type: "
+                                                    f"application/json' ({got})", "invalid_request_error")
         return await self.app(scope, receive, send)
+
+    def _host_ok(self, name: str) -> bool:
+        if name in self.allowed_hosts:
+            return True
+        try:  # an IP literal is never a rebound DNS name: loopback addresses are answered
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False
+
+    def _origin_ok(self, origin: str, host: str) -> bool:
+        if "*" in self.cors_origins or origin in self.cors_origins:
+            return True
+        return origin != "null" and origin.split("://", 1)[-1].rstrip("/").lower() == host.lower()
+
+
+def host_name(host: str) -> str:
+    """The name of a Host header without its port (``[::1]:8080`` -> ``::1``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _has_body(headers: dict[str, str]) -> bool:
+    if "transfer-encoding" in headers:
+        return True
+    try:
+        return int(headers.get("content-length", "0")) > 0
+    except ValueError:
+        return True
 
 
 class RequestMetricsMiddleware:
@@ -117,4 +196,5 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             handler = getattr(route, "path", None) or "other"
-            self.metrics.http_requests.labels(handler, scope["method"], str(status[0])).inc()
+            method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"  # bounded label values
+            self.metrics.http_requests.labels(handler, method, str(status[0])).inc()

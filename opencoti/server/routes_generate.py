@@ -19,18 +19,19 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..engine.results import RequestInfo
 from ..ops import Context
 from ..ops.generation import (FINISH_OPENAI, ChatTurn, llama_final, opencoti_block, prepare_chat_request,
                               prepare_completion, prepare_openai_completion, usage)
 from ..ops.schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
-from .errors import error_responses
+from .errors import SafeJSONResponse, error_responses
+from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
 from .streaming import DONE, ClientDisconnected, Generation, sse
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 _ERRORS = error_responses((400, 404, 409, 429, 503))
 _SSE = {"content": {"text/event-stream": {"schema": {"type": "string"},
@@ -98,7 +99,7 @@ async def completion(request: Request, body: CompletionRequest, ctx: Context = D
         out = llama_final(ctx, body, prepared, info, result, result.text)
         if body.n_probs:
             out["completion_probabilities"] = [_llama_probs(ctx, d) for d in result.logprobs or []]
-        return JSONResponse(out, headers=headers)
+        return SafeJSONResponse(out, headers=headers)
 
     n = 0
 
@@ -138,7 +139,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
         except ClientDisconnected:
             return Response(status_code=499)
         lp = _completion_logprobs(ctx, result.logprobs or [], len(echo)) if want_lp else None
-        return JSONResponse({
+        return SafeJSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice(echo + result.text, FINISH_OPENAI.get(result.stop_reason, "stop"), lp)],
             "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info),
@@ -196,7 +197,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
         lp = {"content": [_chat_logprob(ctx, d) for d in result.logprobs or []]} if body.logprobs else None
-        return JSONResponse({
+        return SafeJSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Path, Query
 from ..ops import OPERATIONS, Context, Operation
 from ..ops.table import PATH_PARAMS
 from .errors import error_responses
+from .routing import JsonRoute
 from .state import get_ctx
 
 
@@ -45,7 +46,7 @@ def _endpoint(op: Operation):
 
 
 def operations_router() -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=JsonRoute)
     for op in OPERATIONS.values():
         if not op.route:
             continue

@@ -60,9 +60,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     import uvicorn
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="on a loopback address only loopback Host names are answered (DNS rebinding); "
+                        "also answer NAME (repeatable; '*' for any)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (408 after; default 30)")
 
     from ..engine import Engine, EngineConfig
     from ..engine.errors import OpencotiError
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(bind: str, extra: list[str]) -> list[str] | None:
+    """Host names answered: any when bound to a non-loopback address (or with ``--allowed-host '*'``),
+    else the loopback names plus ``extra``."""
+    import ipaddress
+
+    if "*" in extra:
+        return None
+    try:
+        loopback = bind == "localhost" or ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        loopback = False
+    return [*LOOPBACK_NAMES, *extra] if loopback else None
+
+
     from ..engine.persist.store import resolve_state_dir
     from .app import ServerConfig, create_app
     from .tenants import load_keys_file
@@ -80,7 +102,10 @@ def run(args) -> int:
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,
             default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias,
-            tenant_keys=load_keys_file(args.api_keys_file) if args.api_keys_file else None)
+            tenant_keys=load_keys_file(args.api_keys_file) if args.api_keys_file else None,
+            allowed_hosts=allowed_hosts(args.host, args.allowed_host), body_timeout_s=args.body_timeout)
+        if server_config.body_timeout_s <= 0:
+            raise OpencotiError("--body-timeout must be > 0")
         if server_config.tenant_keys and server_config.api_key:
             raise OpencotiError("--api-key (or $OPENCOTI_API_KEY) and --api-keys-file cannot be combined")
         if server_config.tps_interval_ms < 50:

@@ -119,6 +119,24 @@ def test_pool_and_session_affinity(cluster):
     assert 'replica="1"' in metrics and 'replica="2"' in metrics
 
 
+def test_clients_work_unchanged(cluster):
+    """The chat model of opencoti.langgraph and the merged SSE stream, against the cluster."""
+    from opencoti.langgraph import OpencotiChatModel
+
+    c = cluster
+    pid = c.post("/polykv/pools", json={"messages": [{"role": "system", "content": "Be brief."}]}).json()["pool_id"]
+    model = OpencotiChatModel(base_url=str(c.base_url), temperature=0, max_tokens=4)
+    msg = model.invoke([("system", "Be brief."), ("human", "Hi!")], pool_id=pid, session_id="lc-1")
+    assert isinstance(msg.content, str)
+    msg = model.invoke([("system", "Be brief."), ("human", "Hi!"), ("ai", msg.content), ("human", "And?")],
+                       pool_id=pid, session_id="lc-1")
+    assert isinstance(msg.content, str)
+    with c.stream("GET", "/polykv/tps", params={"count": 2, "interval_ms": 100}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and len(events) == 2
+    assert c.delete(f"/polykv/pools/{pid}").status_code == 200
+
+
 def test_prefix_affinity_for_plain_requests(cluster):
     c = cluster
     systems = [f"You answer in {lang}, in one short sentence, and never use lists or headings. " * 6
@@ -180,6 +198,42 @@ def test_replication_spreads_attaches(cluster):
     assert c.delete(f"/polykv/pools/{pid}").status_code == 200
     assert copies[other] not in replicas(c)[other]["pools"]
     assert c.get(f"/polykv/pools/{pid}").status_code == 404
+
+
+def test_automatic_replication_when_capacity_says_no(cluster):
+    c = cluster
+    prompt = "Automatic copies. " * 30
+    pid = c.post("/polykv/pools", json={"text": prompt}).json()["pool_id"]
+    primary = int(c.get(f"/polykv/pools/{pid}").headers["x-opencoti-replica"])
+    # one session decoding, and a floor no second session can meet: the pool's replica says no
+    policy = {"mode": "enforced", "on_saturation": "reject", "target_tps_per_session": 1e6,
+              "guarantee_min_sessions": 1, "settle_tokens": 4, "settle_max_ms": 500}
+    assert c.post(f"/polykv/pools/{pid}/admission", json=policy).status_code == 200
+    busy = threading.Thread(target=lambda: c.post("/completion", json={
+        "prompt": prompt + "long answer", "pool_id": pid, "session_id": "auto-a", "n_predict": 160,
+        "ignore_eos": True}))
+    busy.start()
+    try:
+        deadline = time.monotonic() + 120
+        while c.get(f"/polykv/pools/{pid}/capacity").json()["can_admit"] and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not c.get(f"/polykv/pools/{pid}/capacity").json()["can_admit"]
+        # a new session: refused by the pool's replica, so the pool is copied and the request served there
+        r = c.post("/completion", json={"prompt": prompt + "short", "pool_id": pid, "session_id": "auto-b",
+                                        "n_predict": 2})
+        assert r.status_code == 200, r.text
+        other = int(r.headers["x-opencoti-replica"])
+        assert other != primary
+        copies = {x["replica"]: x["pool_id"] for x in c.get(f"/polykv/pools/{pid}").json()["copies"]}
+        assert set(copies) == {primary, other} and r.headers["x-pool-id"] == str(copies[other])
+        assert c.get(f"/polykv/pools/{copies[other]}/admission").json()["target_tps_per_session"] == 1e6
+        # the session stays on the copy it started on
+        r = c.post("/completion", json={"prompt": prompt + "short, again", "pool_id": pid, "session_id": "auto-b",
+                                        "n_predict": 2})
+        assert r.status_code == 200 and int(r.headers["x-opencoti-replica"]) == other
+    finally:
+        busy.join()
+    assert c.delete(f"/polykv/pools/{pid}").status_code == 200
 
 
 def test_replica_killed_mid_run(cluster):

@@ -352,9 +352,9 @@ def test_streams_end_with_an_error_event_on_shutdown(client, engine):
     ("/v1/completions", {"prompt": "a", "n": 2}, "n must be 1"),
     ("/v1/completions", {"prompt": "a", "suffix": "z"}, "suffix"),
     ("/v1/chat/completions", {"messages": []}, "non-empty list"),
-    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 5.0}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
@@ -368,13 +368,17 @@ def test_bad_requests_are_400(client, engine, path, body, match):
 
 
 def test_malformed_json_and_non_object_bodies(client):
-    for body, headers in ((b"{not json", {"content-type": "application/json"}), (b"{not json", {}),
-                          (b"[1, 2]", {}), (b"", {"content-type": "application/json"})):
-        assert_error(client.post("/v1/chat/completions", content=body, headers=headers), 400, "invalid_request_error")
-    # curl -d sends a form content type: the body is still read as JSON (as llama.cpp does)
+    json_type = {"content-type": "application/json"}
+    for body in (b"{not json", b"[1, 2]", b"", b'"text"'):
+        assert_error(client.post("/v1/chat/completions", content=body, headers=json_type), 400, "invalid_request_error")
+    # a body must say it is JSON: a web page can send text/plain or a form cross-site, never JSON
+    for headers in ({}, {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        assert_error(client.post("/completion", content=b'{"prompt": "hi", "n_predict": 1}', headers=headers), 415,
+                     "invalid_request_error", "application/json")
     r = client.post("/completion", content=b'{"prompt": "hi", "n_predict": 1}',
-                    headers={"content-type": "application/x-www-form-urlencoded"})
+                    headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 1
+    assert client.post("/polykv/pools/999/pin").status_code == 404  # no body: no Content-Type needed
 
 
 def test_prompt_beyond_context_is_400(client, engine):

@@ -1,0 +1,42 @@
+"""``/openapi.json`` as the server really answers: the error schema instead of FastAPI's 422 (a bad
+request is a 400 in llama.cpp's shape), 401 and a bearer scheme when a key is required."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .errors import ErrorResponse
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ERROR_REF}}}
+
+
+def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str]) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        if "ErrorResponse" not in schemas:
+            schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schemas["ErrorResponse"].pop("$defs", {}))
+        for path, item in doc.get("paths", {}).items():
+            for method, op in item.items():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None or "requestBody" in op or op.get("parameters"):
+                    responses.setdefault("400", _error("invalid request"))
+                if auth and path not in public_paths:
+                    responses.setdefault("401", _error("missing or wrong API key"))
+                    op["security"] = [{"bearer": []}]
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        if auth:
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
