@@ -342,9 +342,9 @@ class Metrics:
         for p in live:
             per_pool_sessions[p.pool_id] = len(p.sessions)
         lab = lambda pid: f'{{pool="{pid}"}}'  # noqa: E731
-        metric("opencoti_polykv:aggregate_tps", "gauge", "Engine decode tokens/s (recent window)",
         # a released pool leaves no series (its lifetime counters stay in counters())
         live_counters = [(pid, c) for pid, c in sorted(self.pool_counters.items()) if pid in core.tree.pools]
+        metric("opencoti_polykv:aggregate_tps", "gauge", "Engine decode tokens/s (recent window)",
                [("", self.aggregate.rate(now))])
         metric("opencoti_polykv:mean_active_tps", "gauge", "Mean experienced decode tps of active sessions",
                [("", act.mean_active_tps or 0.0)])
