@@ -366,6 +366,7 @@ class EngineCore(PoolOpsMixin):
             self._finish(job, "length")
         else:
             self._finish(job, "error", self._kv_short(job, "this request"))
+
     def _kv_short(self, job, what: str) -> CapacityError:
         """'too small' only when the whole cache could not hold the job; else the cache is occupied."""
         need, total = self.kv.pages_for(len(job.seq.tokens)), self.kv.num_pages

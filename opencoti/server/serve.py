@@ -55,19 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="one '<tenant> <key>' per line: each key a tenant that sees only its own pools and "
                         "sessions (docs/persistence.md); not with --api-key")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-
-def run(args) -> int:
-    import uvicorn
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="on a loopback address only loopback Host names are answered (DNS rebinding); "
                         "also answer NAME (repeatable; '*' for any)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (408 after; default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
-    from ..engine import Engine, EngineConfig
-    from ..engine.errors import OpencotiError
+
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -85,6 +80,11 @@ def allowed_hosts(bind: str, extra: list[str]) -> list[str] | None:
     return [*LOOPBACK_NAMES, *extra] if loopback else None
 
 
+def run(args) -> int:
+    import uvicorn
+
+    from ..engine import Engine, EngineConfig
+    from ..engine.errors import OpencotiError
     from ..engine.persist.store import resolve_state_dir
     from .app import ServerConfig, create_app
     from .tenants import load_keys_file
