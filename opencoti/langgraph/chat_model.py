@@ -467,20 +467,6 @@ async def _aquietly(fn: Callable, *args) -> None:
         pass
 
 
-def _quietly(fn: Callable, *args) -> None:
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001 - best-effort cleanup (the session may be gone already)
-        pass
-
-
-async def _aquietly(fn: Callable, *args) -> None:
-    try:
-        await fn(*args)
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def __getattr__(name: str) -> Any:
     if name == "model_from_env":  # moved to .lazy (kept importable from here)
         from .lazy import model_from_env
