@@ -13,6 +13,7 @@ from typing import Any, Callable
 from ..engine import SamplingParams
 from ..engine.chat import ChatPrompt, normalize_tools, prepare_chat
 from ..engine.constraints import ConstraintSpec
+from ..engine.sampling_choices import MAX_CHOICES
 from ..engine.constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
@@ -52,6 +53,12 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         max_tokens = None
     return SamplingParams(max_tokens=max_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs,
                           post_sampling_probs=body.post_sampling_probs, constraint=constraint, **kw)
+
+
+def check_choices(n: int) -> None:
+    """OpenAI ``n``: 1..MAX_CHOICES choices (``n > 1`` runs through ``engine.sampling_choices``)."""
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
 
 
 def _no_text_keys(text: str) -> list[int]:
@@ -114,8 +121,7 @@ def prepare_completion(ctx: Context, body: CompletionRequest) -> Prepared:
 
 def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Prepared:
     """OpenAI ``/v1/completions``."""
-    if body.n != 1:
-        raise InvalidRequestError("n must be 1 (one choice per request is supported)")
+    check_choices(body.n)
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of must be 1")
     if body.suffix:
@@ -131,8 +137,7 @@ def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Pr
 
 def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
     """OpenAI ``/v1/chat/completions``: render (``engine.chat.prepare_chat``), tokenize, sampling."""
-    if body.n != 1:
-        raise InvalidRequestError("n must be 1 (one choice per request is supported)")
+    check_choices(body.n)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true")
     kwargs = engine_kwargs(body)

@@ -13,6 +13,7 @@ streaming answers carry them too. An enforced pool adds ``X-Sessions-Remaining``
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -26,6 +27,7 @@ from ..ops import Context
 from ..ops.generation import (FINISH_OPENAI, ChatTurn, llama_final, opencoti_block, prepare_chat_request,
                               prepare_completion, prepare_openai_completion, usage)
 from ..ops.schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
+from .choices import chat_choices, completion_choices
 from .errors import SafeJSONResponse, error_responses
 from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
@@ -72,8 +74,12 @@ def _completion_logprobs(ctx: Context, deltas, offset0: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _llama_probs(ctx: Context, d) -> dict:
+def _llama_probs(ctx: Context, d, post: bool = False) -> dict:
     tok = ctx.piece(d.token_id)
+    if post:  # post_sampling_probs: probabilities after the sampling filters (llama.cpp's shape)
+        return {"id": d.token_id, "token": tok, "bytes": list(tok.encode()), "prob": math.exp(d.logprob),
+                "top_probs": [{"id": i, "token": ctx.piece(i), "bytes": list(ctx.piece(i).encode()),
+                               "prob": math.exp(lp)} for i, lp in (d.top_logprobs or [])]}
     return {"id": d.token_id, "token": tok, "logprob": d.logprob, "bytes": list(tok.encode()),
             "top_logprobs": [{"id": i, "token": ctx.piece(i), "logprob": lp, "bytes": list(ctx.piece(i).encode())}
                              for i, lp in (d.top_logprobs or [])]}
@@ -98,7 +104,7 @@ async def completion(request: Request, body: CompletionRequest, ctx: Context = D
             return Response(status_code=499)
         out = llama_final(ctx, body, prepared, info, result, result.text)
         if body.n_probs:
-            out["completion_probabilities"] = [_llama_probs(ctx, d) for d in result.logprobs or []]
+            out["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs) for d in result.logprobs or []]
         return SafeJSONResponse(out, headers=headers)
 
     n = 0
@@ -106,10 +112,10 @@ async def completion(request: Request, body: CompletionRequest, ctx: Context = D
     def on_delta(d):
         nonlocal n
         n += 1
-        chunk = {"index": 0, "content": d.text, "tokens": [d.token_id] if body.return_tokens else [],
+        chunk = {"index": 0, "content": d.text, "tokens": [d.token_id],
                  "stop": False, "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": info.prompt_tokens}
         if body.n_probs:
-            chunk["completion_probabilities"] = [_llama_probs(ctx, d)]
+            chunk["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)]
         return [sse(chunk)]
 
     return gen.sse(on_delta, lambda result: [sse(llama_final(ctx, body, prepared, info, result, ""))],
@@ -121,6 +127,9 @@ async def completion(request: Request, body: CompletionRequest, ctx: Context = D
 async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: Context = Depends(get_ctx),
                          state: ServerState = Depends(get_state)):
     prepared = await run_in_threadpool(prepare_openai_completion, ctx, body)
+    if body.n > 1:
+        return await completion_choices(request, state, prepared, body, ctx.model_name,
+                                        lambda deltas, off: _completion_logprobs(ctx, deltas, off))
     gen = await Generation.start(request, state, prepared)
     if isinstance(gen, Response):
         return gen
@@ -141,6 +150,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
         lp = _completion_logprobs(ctx, result.logprobs or [], len(echo)) if want_lp else None
         return SafeJSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": f"opencoti-{model}",
             "choices": [choice(echo + result.text, FINISH_OPENAI.get(result.stop_reason, "stop"), lp)],
             "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info),
         }, headers=headers)
@@ -148,7 +158,8 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(choices, **extra) -> bytes:
-        d = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        d = {"id": cid, "object": "text_completion", "created": created, "model": model,
+             "system_fingerprint": f"opencoti-{model}", "choices": choices}
         if include_usage:
             d["usage"] = None
         d.update(extra)
@@ -165,7 +176,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
     def on_end(result):
         yield chunk([choice("", FINISH_OPENAI.get(result.stop_reason, "stop"))], timings=result.timings)
         if include_usage:
-            yield chunk([], usage=usage(info, result))
+            yield chunk([], usage=usage(info, result), timings=result.timings)
         yield DONE
 
     return gen.sse(on_delta, on_end, first=[chunk([choice(echo, None)])] if echo else [], headers=headers)
@@ -178,6 +189,8 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
 async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Context = Depends(get_ctx),
                            state: ServerState = Depends(get_state)):
     prepared = await run_in_threadpool(prepare_chat_request, ctx, body)
+    if body.n > 1:
+        return await chat_choices(request, state, prepared, body, ctx.model_name, lambda d: _chat_logprob(ctx, d))
     gen = await Generation.start(request, state, prepared)
     if isinstance(gen, Response):
         return gen
@@ -229,7 +242,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
             yield chunk({"tool_calls": [c.as_openai(index=i) for i, c in enumerate(calls)]})
         yield chunk({}, finish, timings=result.timings)
         if include_usage:
-            yield chunk(None, usage=usage(info, result))
+            yield chunk(None, usage=usage(info, result), timings=result.timings)
         yield DONE
 
-    return gen.sse(on_delta, on_end, first=[chunk({"role": "assistant", "content": ""})], headers=headers)
+    return gen.sse(on_delta, on_end, first=[chunk({"role": "assistant", "content": None})], headers=headers)

@@ -169,3 +169,43 @@ def test_penalties_change_greedy_output(client):
     plain_text = client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 24, "temperature": 0,
                                                       "ignore_eos": True}).json()["choices"][0]["text"]
     assert len(set(plain)) < 24 and rep != plain and freq != plain_text
+def test_post_sampling_probs(client):
+    body = {"prompt": "x", "n_predict": 3, "temperature": 0.7, "top_k": 3, "n_probs": 5, "seed": 2,
+            "post_sampling_probs": True}
+    out = client.post("/completion", json=body).json()
+    for p in out["completion_probabilities"]:
+        assert 0 < p["prob"] <= 1 and "logprob" not in p
+        tops = p["top_probs"]
+        assert 1 <= len(tops) <= 3 and math.isclose(sum(t["prob"] for t in tops), 1.0, rel_tol=1e-4)
+        assert p["id"] in {t["id"] for t in tops}
+    raw = client.post("/completion", json={**body, "post_sampling_probs": False}).json()
+    assert all(len(p["top_logprobs"]) == 5 for p in raw["completion_probabilities"])
+
+
+def test_n_choices_chat_and_completions(client, engine):
+    body = {"messages": CHAT, "n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in out["choices"]}) > 1  # choice i samples with seed + i
+    assert out["usage"]["completion_tokens"] == 15 and out["system_fingerprint"]
+    assert out["opencoti"]["cached_prefix_tokens"] == out["usage"]["prompt_tokens"] - 1  # prompt computed once
+    assert engine.pools()["pools"] == [] and engine.stats()["sessions"] == 0  # temporary pool and sessions gone
+    r = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    firsts = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("role")]
+    assert [e["choices"][0]["index"] for e in firsts] == [0, 1, 2]
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": None} for e in firsts)
+    finals = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(c["index"] for c in finals) == [0, 1, 2] and all(c["finish_reason"] == "length" for c in finals)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 15
+    texts = ["".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                     if e["choices"] and e["choices"][0]["index"] == i) for i in range(3)]
+    assert texts == [c["message"]["content"] for c in out["choices"]]  # same seeds, same choices
+    r = client.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 4, "temperature": 0,
+                                             "ignore_eos": True})
+    ch = r.json()["choices"]
+    assert [c["index"] for c in ch] == [0, 1] and ch[0]["text"] == ch[1]["text"]  # greedy: identical choices
+    assert_400(client.post("/v1/completions", json={"prompt": "x", "n": 0}), "n must be")
+    assert_400(client.post("/v1/chat/completions", json={"messages": CHAT, "n": 2, "session_id": "s"}), "session_id")
