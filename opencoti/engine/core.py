@@ -127,11 +127,12 @@ class EngineCore(PoolOpsMixin):
         if total > self.max_context:
             raise ContextLengthError(
                 f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) = {total} exceeds the context "
-                f"length {self.max_context}")
+                f"length {self.max_context}", n_prompt_tokens=n_tokens, n_ctx=self.max_context)
         if self.kv.pages_for(total - 1) > self.kv.num_pages:  # the last sampled token never needs KV
             raise ContextLengthError(
                 f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) does not fit the KV cache "
-                f"({self._capacity_tokens()} tokens)")
+                f"({self._capacity_tokens()} tokens)", n_prompt_tokens=n_tokens,
+                n_ctx=min(self.max_context, self._capacity_tokens()))
 
     def get_session(self, session_id: str) -> Session:
         s = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -327,7 +328,7 @@ class EngineCore(PoolOpsMixin):
         self.scheduler.remove(job)
         job.finish_reason = reason
         t = job.timings
-        t.predicted_n = max(len(job.generated) - 1, 0)
+        t.predicted_n = len(job.generated)  # = tokens_predicted (llama.cpp)
         t.predicted_ms = (job.t_last_token - job.t_first_token) * 1e3 if job.generated else 0.0
         session = job.session
         if session is not None:

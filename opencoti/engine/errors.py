@@ -18,9 +18,15 @@ class InvalidRequestError(OpencotiError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """Prompt plus max_tokens does not fit the model's context (HTTP 400)."""
+    """Prompt plus max_tokens does not fit the model's context (HTTP 400). ``n_prompt_tokens`` and
+    ``n_ctx`` are reported in the error body, like llama.cpp's."""
 
     error_type = "exceed_context_size_error"
+
+    def __init__(self, message: str, n_prompt_tokens: int | None = None, n_ctx: int | None = None):
+        super().__init__(message)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
 
 
 class NotFoundError(OpencotiError, KeyError):

@@ -83,8 +83,11 @@ class Timings:
             "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
-            "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+            # the rates use the n - 1 intervals between generated tokens (the first token's time is
+            # part of the prompt's): decode speed, not skewed by one token on short answers
+            "predicted_per_token_ms": self.predicted_ms / (self.predicted_n - 1) if self.predicted_n > 1 else 0.0,
+            "predicted_per_second": (1e3 * (self.predicted_n - 1) / self.predicted_ms
+                                     if self.predicted_ms > 0 and self.predicted_n > 1 else 0.0),
             "cache_n": self.cache_n,
         }
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.errors import EngineClosedError, OpencotiError, PoolSaturatedError
+from ..engine.errors import ContextLengthError, EngineClosedError, OpencotiError, PoolSaturatedError
 from ..ops.validation import validation_message
 
 log = logging.getLogger("opencoti.server")
@@ -128,14 +128,21 @@ def describe_exception(exc: BaseException) -> tuple[int, str, str, dict[str, str
     return status, message, etype, headers
 
 
+def _exception_body(exc: BaseException, status: int, message: str, etype: str) -> dict:
+    body = error_body(status, message, etype)
+    if isinstance(exc, ContextLengthError) and exc.n_ctx is not None:  # llama.cpp's extra fields
+        body["error"].update(n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
+    return body
+
+
 def error_event(exc: BaseException) -> dict:
     status, message, etype, _ = describe_exception(exc)
-    return error_body(status, message, etype)
+    return _exception_body(exc, status, message, etype)
 
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, message, etype, headers = describe_exception(exc)
-    return SafeJSONResponse(error_body(status, message, etype), status_code=status, headers=headers)
+    return SafeJSONResponse(_exception_body(exc, status, message, etype), status_code=status, headers=headers)
 
 
 def allowed_methods(request: Request) -> list[str]:

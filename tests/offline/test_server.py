@@ -147,7 +147,7 @@ def test_completion_stream_matches_non_stream(client):
     assert "[DONE]" not in events  # llama.cpp's /completion stream ends with stop: true, not [DONE]
     assert [e["stop"] for e in events] == [False] * 8 + [True]
     assert "".join(e["content"] for e in events) == whole["content"]
-    assert events[-1]["timings"]["predicted_n"] == 7 and events[-1]["tokens_predicted"] == 8
+    assert events[-1]["timings"]["predicted_n"] == 8 and events[-1]["tokens_predicted"] == 8
 
 
 def test_session_reuse_over_http(client):
@@ -189,12 +189,13 @@ def test_chat_completion_and_stream(client):
     msg = body["choices"][0]["message"]
     assert msg["role"] == "assistant" and isinstance(msg["content"], str) and "tool_calls" not in msg
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 6
-    assert body["timings"]["predicted_n"] == 5 and body["opencoti"]["session_id"] == r.headers["x-session-id"]
+    assert body["timings"]["predicted_n"] == 6 and body["opencoti"]["session_id"] == r.headers["x-session-id"]
     r = client.post("/v1/chat/completions", json={**req, "stream": True, "stream_options": {"include_usage": True},
                                                   "logprobs": True, "top_logprobs": 2})
     events = sse_events(r.text)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert events[-1] == "[DONE]" and events[-2]["usage"]["total_tokens"] == body["usage"]["total_tokens"]
+    assert events[-2]["choices"] == [] and events[-2]["timings"]["predicted_n"] == 6  # the usage chunk: timings too
     final = events[-3]
     assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["delta"] == {}
     assert "timings" in final

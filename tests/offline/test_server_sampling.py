@@ -209,3 +209,22 @@ def test_n_choices_chat_and_completions(client, engine):
     assert [c["index"] for c in ch] == [0, 1] and ch[0]["text"] == ch[1]["text"]  # greedy: identical choices
     assert_400(client.post("/v1/completions", json={"prompt": "x", "n": 0}), "n must be")
     assert_400(client.post("/v1/chat/completions", json={"messages": CHAT, "n": 2, "session_id": "s"}), "session_id")
+
+
+def test_context_exceeded_error_reports_n_prompt_tokens_and_n_ctx(client, engine):
+    r = client.post("/completion", json={"prompt": "x" * 100, "n_predict": 5000})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "exceed_context_size_error"
+    assert err["n_prompt_tokens"] == 100 and err["n_ctx"] == engine.max_context
+
+
+def test_timings_predicted_n_equals_tokens_predicted(client):
+    out = client.post("/completion", json={"prompt": "x", "n_predict": 5, "temperature": 0, "ignore_eos": True}).json()
+    assert out["timings"]["predicted_n"] == out["tokens_predicted"] == 5
+    events = sse_events(client.post("/completion", json={"prompt": "x", "n_predict": 4, "temperature": 0,
+                                                         "ignore_eos": True, "stream": True}).text)
+    assert all(len(e["tokens"]) == 1 for e in events[:-1])  # stream chunks carry their token
+    assert events[-1]["timings"]["predicted_n"] == events[-1]["tokens_predicted"] == 4
+    out = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0}).json()
+    assert out["system_fingerprint"].startswith("opencoti-")
