@@ -35,20 +35,6 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 from bench_engine import OTHER_PROMPTS, SINGLE_PROMPT, chat_tokens, run_engine_concurrent, run_engine_single  # noqa: E402
 from common import check_mark, fmt, log, now, print_table, ratio, summarize  # noqa: E402
 
-FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
-                     "amx_bf16", "amx_int8")
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
-
-
 def read_bandwidth_gbs(threads: int) -> float:
     """Best-of-5 GB/s of ``x.sum()`` over 512 MiB of fp32 with ``threads`` torch threads."""
     import torch
@@ -115,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = now()
     machine = common.machine_info()
-    flags = cpu_flags()
-    machine["cpu_flags_of_interest"] = [f for f in FLAGS_OF_INTEREST if f in flags]
-    machine["cpu_flags"] = " ".join(flags)
     cores = usable_cpus()
-    log(f"machine: {common.describe_machine(machine)}; flags {' '.join(machine['cpu_flags_of_interest'])}")
+    log(f"machine: {common.describe_machine(machine)}")
     bandwidth = {n: read_bandwidth_gbs(n) for n in sorted({1, cores})}
     log(f"memory read bandwidth (sum over 512 MiB): {', '.join(f'{n} thr {v:.1f} GB/s' for n, v in bandwidth.items())}")
 
@@ -181,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nopencoti weight formats: {first.model_name}, greedy, prompt {len(single)} tokens, {n} new tokens, "
           f"median of {args.repeats}; {c}-session aggregate")
     print(f"machine: {common.describe_machine(machine)}")
-    print(f"cpu flags: {' '.join(machine['cpu_flags_of_interest'])}; memory read bandwidth "
+    print("memory read bandwidth "
           f"{', '.join(f'{k} thread(s) {v:.1f} GB/s' for k, v in bandwidth.items())}")
     print_table(["engine", "weights", "MB/step", "1-sess tok/s", "x fp32", f"{c}-sess agg tok/s", "x fp32",
                  "weight GB/s", "x bandwidth", "busy 1-sess", "busy/quiet"], rows)

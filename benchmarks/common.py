@@ -26,7 +26,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 if str(REPO_ROOT) not in sys.path:  # `import opencoti` from a checkout, wherever we are run from
     sys.path.insert(0, str(REPO_ROOT))
 
-import opencoti  # noqa: E402,F401 - before torch: sets OMP_WAIT_POLICY=PASSIVE for everything measured here
+import opencoti  # noqa: E402,F401 - before torch: sets the OpenMP wait policy for everything measured here
 
 
 # ============================================================================ command line
@@ -93,6 +93,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# SIMD / matrix features that decide which CPU kernels are fast (the full list goes to the JSON)
+FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                     "amx_bf16", "amx_int8", "neon", "asimd", "sve")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU feature flags from /proc/cpuinfo (``flags`` on x86, ``Features`` on ARM)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
 def _git_rev() -> dict:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -107,11 +123,14 @@ def machine_info() -> dict:
     """What the numbers were measured on (load average included: a busy machine skews them)."""
     import torch
 
+    flags = cpu_flags()
     info: dict[str, Any] = {
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": _cpu_model(),
+        "cpu_flags_of_interest": [f for f in FLAGS_OF_INTEREST if f in flags],
+        "cpu_flags": " ".join(flags),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch": torch.__version__,
@@ -133,7 +152,8 @@ def describe_machine(info: dict) -> str:
     load = info.get("loadavg")
     load_s = "/".join(f"{x:.2f}" for x in load) if load else "?"
     dev = info["cuda"] or "cpu"
-    return (f"{info['cpu']} ({info['cpu_affinity'] or info['cpu_count']} cores usable), device {dev}, "
+    simd = "/".join(info.get("cpu_flags_of_interest") or []) or "?"
+    return (f"{info['cpu']} [{simd}] ({info['cpu_affinity'] or info['cpu_count']} cores usable), device {dev}, "
             f"torch {info['torch']} ({info['torch_threads']} threads), transformers {info.get('transformers')}, "
             f"python {info['python']}, load avg {load_s}")
 

@@ -120,7 +120,6 @@ class ThreadAdapter:
     def _pick(self, b: int) -> int:
         if len(self.choices) == 1:
             return self.choices[0]
-        est = self.est[b]
         self.count[b] += 1
         if self.count[b] >= self.every[b]:
             self.count[b] = 0
