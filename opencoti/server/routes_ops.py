@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Path, Query
 
 from ..ops import OPERATIONS, Context, Operation
 from ..ops.table import PATH_PARAMS
-from .errors import error_responses
+from .errors import SafeJSONResponse, error_responses
 from .routing import JsonRoute
 from .state import get_ctx
 
@@ -33,11 +33,11 @@ def _endpoint(op: Operation):
     run = op.run
 
     if op.blocking:
-        def endpoint(**kw: Any):  # a plain function: FastAPI runs it in a worker thread
-            return run(kw.pop("ctx"), **kw)
+        def endpoint(**kw: Any):  # a plain function: FastAPI runs it in a worker thread, and the answer
+            return SafeJSONResponse(run(kw.pop("ctx"), **kw))  # is encoded there too (it can be large)
     else:
         async def endpoint(**kw: Any):
-            return run(kw.pop("ctx"), **kw)
+            return SafeJSONResponse(run(kw.pop("ctx"), **kw))
 
     endpoint.__signature__ = inspect.Signature(params)
     endpoint.__name__ = op.name
