@@ -312,3 +312,24 @@ def test_thread_adapter_with_one_core_never_switches():
         assert ad.before(1) == 1
         ad.after(1, 0.01)
     assert ad.switches == 0
+
+
+# ------------------------------------------------------------------------------------------ engine
+def test_engine_runs_a_quantized_format_and_reports_it():
+    from opencoti.engine import Engine, SamplingParams
+
+    eng = Engine(EngineConfig(model="tiny:llama", weights="int4", kv_budget_tokens=1024))
+    try:
+        r = eng.generate([1, 2, 3, 4], params=SamplingParams.greedy(6, ignore_eos=True))
+        assert len(r.token_ids) == 6
+        info = eng.weights_info()
+        assert info["format"] == "int4" and info["choice"]["reason"] == "requested"
+        assert info["weight_bytes"] == eng.model.weight_bytes
+        assert info["threads"]["max_threads"] >= 1  # no num_threads given: the adapter runs
+    finally:
+        eng.shutdown()
+    fixed = Engine(EngineConfig(model="tiny:llama", num_threads=1, kv_budget_tokens=1024))
+    try:
+        assert "threads" not in fixed.weights_info() and fixed.weights_info()["format"] == "fp32"
+    finally:
+        fixed.shutdown()
