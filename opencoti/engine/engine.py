@@ -472,6 +472,12 @@ class Engine:
                                    "running": len(self.core.scheduler.running),
                                    "waiting": len(self.core.scheduler.waiting)})
 
+    def weights_info(self) -> dict:
+        """The projection weight format, the kernel per shape, weight bytes read per decode step, why
+        the format was chosen (``auto``: estimates and accuracy-gate numbers) and, on CPU, the thread
+        adapter's state."""
+        return self._call(lambda: {**self.model.weights_info, "choice": getattr(self.model, "weights_choice", None)})
+
     # ======================================================================== tps & admission
     def tps_snapshot(self) -> dict:
         """Live tps: ``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [{session_id,

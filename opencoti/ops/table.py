@@ -90,7 +90,7 @@ def _props(ctx: Context) -> dict:
         "total_slots": cfg.max_running, "model_path": ctx.model_name, "model_alias": ctx.model_name,
         "chat_template": eng.tokenizer.chat_template or "", "modalities": {"vision": False, "audio": False},
         "build_info": f"opencoti {__version__}",
-        "opencoti": {"version": __version__, "polykv": {
+        "opencoti": {"version": __version__, "weights": eng.weights_info(), "polykv": {
             "max_pools": cfg.max_pools, "page_size": eng.kv.page_size, "kv_pages_total": eng.kv.num_pages,
             "kv_budget_tokens": eng.kv.num_pages * eng.kv.page_size, "max_context": eng.max_context,
             "max_running": cfg.max_running,
