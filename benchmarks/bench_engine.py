@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     agree_hf = same_prefix_len(ours, hf_runs[0]["token_ids"])
     agree_batch = same_prefix_len(ours, conc_runs[0]["token_ids"][0])
 
-    print(f"\nopencoti engine benchmark: {engine.model_name}, dtype {args.dtype}, device {engine.device}, "
+    print(f"\nopencoti engine benchmark: {engine.model_name}, dtype {args.dtype}, weights {engine.model.weights}, "
+          f"device {engine.device}, "
           f"greedy, prompt {len(single)} tokens, {n} new tokens, median of {args.repeats}")
     print(f"machine: {common.describe_machine(machine)}")
     rows = [
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
     payload = {
         "config": {"model": engine.model_name, "model_dir": model_dir, "dtype": args.dtype,
+                   "weights": engine.model.weights_info,
                    "device": str(engine.device), "prompt_tokens": len(single), "new_tokens": n,
                    "repeats": args.repeats, "concurrency": c, "quick": args.quick,
                    "page_size": engine.kv.page_size},

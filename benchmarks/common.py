@@ -31,7 +31,7 @@ import opencoti  # noqa: E402,F401 - before torch: sets the OpenMP wait policy f
 
 # ============================================================================ command line
 def base_parser(description: str) -> argparse.ArgumentParser:
-    """Options every benchmark takes: --dtype, --threads, --quick, --out."""
+    """Options every benchmark takes: --dtype, --threads, --device, --weights, --quick, --out."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -39,6 +39,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for everything in the process (default: torch's default)")
     p.add_argument("--device", default="auto", help="engine device: auto|cpu|cuda")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="engine projection weight format (EngineConfig.weights)")
     p.add_argument("--quick", action="store_true", help="a short smoke run (fewer tokens/repeats)")
     p.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<name>.json)")
     return p
@@ -52,9 +54,10 @@ def set_threads(n: int | None) -> None:
 
 
 def make_engine(args, **config):
-    """The bundled model with page size 16 and the dtype/device/threads given on the command line."""
+    """The bundled model with page size 16 and the dtype/device/threads/weights given on the command line."""
     from opencoti.engine import Engine, EngineConfig
 
+    config.setdefault("weights", getattr(args, "weights", "auto"))
     cfg = EngineConfig(page_size=16, dtype=args.dtype, device=args.device, num_threads=args.threads, **config)
     return Engine(cfg, progress=lambda msg: log(f"engine: {msg}"))
 
