@@ -75,6 +75,9 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     app.add_middleware(RequestGuardMiddleware, allowed_hosts=config.allowed_hosts, cors_origins=config.cors_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
     if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=EXPOSED_HEADERS)
+        # like llama.cpp: the request's origin is echoed (with credentials allowed), also for '*'
+        any_origin = "*" in config.cors_origins
+        app.add_middleware(CORSMiddleware, allow_origins=[o for o in config.cors_origins if o != "*"],
+                           allow_origin_regex=".*" if any_origin else None, allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=EXPOSED_HEADERS)
     return app

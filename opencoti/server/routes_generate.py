@@ -28,7 +28,7 @@ from ..ops.generation import (FINISH_OPENAI, ChatTurn, llama_final, opencoti_blo
                               prepare_completion, prepare_openai_completion, usage)
 from ..ops.schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
 from .choices import chat_choices, completion_choices
-from .errors import SafeJSONResponse, error_responses
+from .errors import ApiError, SafeJSONResponse, error_responses
 from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
 from .streaming import DONE, ClientDisconnected, Generation, sse
@@ -246,3 +246,40 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         yield DONE
 
     return gen.sse(on_delta, on_end, first=[chunk({"role": "assistant", "content": None})], headers=headers)
+
+
+# ============================================================================ POST /infill (llama.cpp)
+_FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+               ("<PRE>", "<SUF>", "<MID>"))
+
+
+def fim_tokens(ctx: Context) -> tuple[int, int, int] | None:
+    """The model's fill-in-the-middle special tokens (prefix, suffix, middle), if its vocabulary has them."""
+    tok = ctx.engine.tokenizer
+    for names in _FIM_TOKENS:
+        ids = [tok.encode(n) for n in names]
+        if all(len(i) == 1 and i[0] in tok.special_token_ids for i in ids):
+            return ids[0][0], ids[1][0], ids[2][0]
+    return None
+
+
+@router.post("/infill", tags=["llama.cpp"], summary="llama.cpp fill-in-the-middle (models with FIM tokens)",
+             responses={200: _SSE, **error_responses((400, 501))})
+async def infill(request: Request, ctx: Context = Depends(get_ctx), state: ServerState = Depends(get_state)):
+    fim = fim_tokens(ctx)
+    if fim is None:
+        raise ApiError(501, f"the model {ctx.model_name!r} has no fill-in-the-middle tokens (<fim_prefix>, "
+                            "<fim_suffix>, <fim_middle>), so /infill is not available; use /completion",
+                       "not_supported_error")
+    raw = await request.json()
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
+    parts = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        v = raw.get(name, "")
+        if not isinstance(v, str):
+            raise ApiError(400, f"{name} must be a string", "invalid_request_error")
+        parts[name] = ctx.engine.tokenize(v) if v else []
+    tokens = [fim[0], *parts["input_prefix"], fim[1], *parts["input_suffix"], fim[2], *parts["prompt"]]
+    body = CompletionRequest(**{**raw, "prompt": tokens})
+    return await completion(request, body, ctx, state)

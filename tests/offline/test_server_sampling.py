@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from opencoti.engine.tool_calls import parse_tool_calls
-from opencoti.server import create_app
+from opencoti.server import ServerConfig, create_app
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -228,3 +228,34 @@ def test_timings_predicted_n_equals_tokens_predicted(client):
     assert events[-1]["timings"]["predicted_n"] == events[-1]["tokens_predicted"] == 4
     out = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0}).json()
     assert out["system_fingerprint"].startswith("opencoti-")
+
+
+def test_infill_is_501_without_fim_tokens(client):
+    r = client.post("/infill", json={"input_prefix": "def f(", "input_suffix": "):\n", "prompt": ""})
+    assert r.status_code == 501
+    err = r.json()["error"]
+    assert err["code"] == 501 and "fill-in-the-middle" in err["message"] and "/completion" in err["message"]
+
+
+def test_cors_any_origin_is_echoed_with_preflight(engine):
+    with TestClient(create_app(engine, config=ServerConfig(cors_origins=["*"])), raise_server_exceptions=False) as c:
+        origin = "http://tool.example:5173"
+        r = c.options("/completion", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "content-type, authorization"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "content-type" in r.headers["access-control-allow-headers"].lower()
+        r = c.get("/health", headers={"Origin": origin})
+        assert r.headers["access-control-allow-origin"] == origin  # echoed, not '*'
+
+
+def test_infill_builds_the_fim_prompt_when_the_model_has_fim_tokens(client, monkeypatch):
+    import opencoti.server.routes_generate as rg
+
+    monkeypatch.setattr(rg, "fim_tokens", lambda ctx: (259, 260, 261))  # reserved specials stand in
+    r = client.post("/infill", json={"input_prefix": "ab", "input_suffix": "c", "prompt": "d", "n_predict": 2,
+                                     "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens_evaluated"] == 3 + 2 + 1 + 1
+    assert_400(client.post("/infill", json={"input_prefix": 5}), "input_prefix")
