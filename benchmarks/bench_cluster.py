@@ -3,15 +3,16 @@
 Serve's default power-of-two-choices router (needs the cluster extra: pip install -e '.[cluster]').
 
 Workload: ``--agents`` (16) agents in ``--teams`` (4) teams; each team shares a system prompt of
-about ``--system-words`` (360) words; each agent runs ``--turns`` (3) chat turns of its own
+about ``--system-words`` (720) words (about 1000 tokens, like the 1024-token prefix of
+bench_pools); each agent runs ``--turns`` (3) chat turns of its own
 conversation (the previous turns stay in the messages), ``--gen`` (8) greedy tokens per answer;
 all agents run at once. Two replicas of the bundled model, ``--threads`` (1) CPU thread each, on a
 local Ray instance (2 CPUs, no dashboard).
 
 Runs (the same agents, one deployment each, in this order):
 
-- ``opencoti``: our router; each team's system prompt is a pool created through the cluster; agents
-  attach with ``pool_id`` + ``session_id``.
+- ``opencoti``: our router; each team's system prompt is a pool created through the cluster (the
+  four at once); agents attach with ``pool_id`` + ``session_id``.
 - ``opencoti-nopool``: our router; the same requests without pools (``session_id`` only).
 - ``pow2``: Ray Serve's default router with the ``session_id``-only requests (pool ids cannot be used
   there: a pool lives on one replica and the default router sends its requests to either).
@@ -77,9 +78,18 @@ def run_mode(mode: str, args, port: int) -> dict:
     systems = [system_prompt(t, args.system_words) for t in range(args.teams)]
     pools, pool_prefill, pool_replica = {}, 0, {}
     t_start = time.perf_counter()
-    if mode == "opencoti":
-        for t, s in enumerate(systems):
-            r = client.post("/polykv/pools", json={"messages": [{"role": "system", "content": s}]})
+    if mode == "opencoti":  # the teams' pools, created at once (the router spreads them)
+        made = {}
+
+        def create(t: int) -> None:
+            made[t] = client.post("/polykv/pools", json={"messages": [{"role": "system", "content": systems[t]}]})
+
+        creators = [threading.Thread(target=create, args=(t,)) for t in range(args.teams)]
+        for th in creators:
+            th.start()
+        for th in creators:
+            th.join()
+        for t, r in sorted(made.items()):
             r.raise_for_status()
             pools[t] = r.json()["pool_id"]
             pool_prefill += r.json()["own_len"]
@@ -136,7 +146,7 @@ def main() -> int:
     p.add_argument("--teams", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--gen", type=int, default=8)
-    p.add_argument("--system-words", type=int, default=360)
+    p.add_argument("--system-words", type=int, default=720)
     p.add_argument("--kv-budget-tokens", type=int, default=16384)
     p.add_argument("--port", type=int, default=18431)
     p.add_argument("--modes", default="opencoti,opencoti-nopool,pow2")

@@ -10,7 +10,7 @@ On an existing Ray cluster (``ray start`` on each node)::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 ROUTERS = ("opencoti", "pow2")
 
@@ -122,7 +122,3 @@ def build(args: dict):
             raise ValueError(f"unknown option {k!r}; options: {sorted(set(types) - {'engine', 'server'})}, "
                              f"engine: {sorted(_ENGINE_KEYS)}, api_key")
     return make_app(ClusterConfig(**kw))
-
-
-def describe(cfg: ClusterConfig) -> dict:
-    return asdict(cfg)

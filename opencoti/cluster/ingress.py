@@ -76,6 +76,7 @@ class ClusterIngress:
             pass
         self.registry = get_registry(ctx.app_name if ctx is not None else "")
         self._copies_version = -1
+        self._copies_synced = -1e9
         self._last_auto: dict[int, float] = {}
         self._bg: set[asyncio.Task] = set()
 
@@ -95,8 +96,14 @@ class ClusterIngress:
     def _call(self, method: str, hint: Hint, *args):
         return self.engine.options(method_name=method).remote(*args, route=hint.as_dict())
 
-    async def _sync_copies(self) -> None:
+    async def _sync_copies(self, max_age_s: float = 0.5) -> None:
+        """The copies table from the registry (this ingress's own changes apply at once; other
+        ingress replicas' changes within ``max_age_s``)."""
+        now = time.monotonic()
+        if now - self._copies_synced < max_age_s:
+            return
         version, copies = await self.registry.all_copies.remote()
+        self._copies_synced = time.monotonic()
         if version != self._copies_version:
             POLICY.set_copies(copies)
             self._copies_version = version
@@ -221,7 +228,7 @@ class ClusterIngress:
         if not self.affinity:
             raise ReplicaError(400, "pool copies need the opencoti router (this cluster runs Ray Serve's default "
                                     "router)", "invalid_request_error")
-        await self._sync_copies()
+        await self._sync_copies(max_age_s=0)
         tags = await self._ready_tags()
         primary = tag_of(pool_id)
         if primary is None or primary not in tags:

@@ -1,7 +1,8 @@
 """``opencoti cluster serve``: N engine replicas behind one endpoint, on Ray Serve.
 
-Without ``--address`` it starts a local Ray instance sized for this machine (no dashboard, a
-small object store) and stops it on exit; with ``--address`` it deploys onto a running cluster.
+Without ``--address`` it starts a local Ray instance sized for the replicas (no dashboard, a
+small object store) and stops it on exit; with ``--address`` it deploys the application onto a
+running cluster and deletes the application (not Serve, not the cluster) on exit.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import signal
 import sys
 import threading
+
+APP_NAME = "opencoti"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,13 +94,18 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port}, detached=bool(args.address))
-        serve.run(make_app(cfg), name="opencoti", route_prefix="/", blocking=False)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(make_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"opencoti cluster serve: {cfg.replicas} replicas listening on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
         stop.wait()
     finally:
-        if not args.address:
+        if args.address:  # leave Serve and the cluster running; take the application down
+            try:
+                serve.delete(APP_NAME)
+            except Exception:  # noqa: BLE001 - it never started
+                pass
+        else:
             serve.shutdown()
             ray.shutdown()
     return 0
