@@ -45,8 +45,8 @@ def lone_surrogate_path(value: Any, where: str = "") -> str | None:
         return None
     except UnicodeEncodeError:
         pass
-    except (TypeError, ValueError):
-        return None  # not JSON data: the field validators report it
+    except (TypeError, ValueError, RecursionError):
+        return None  # not JSON data (or nested too deeply): the validators report it
     if isinstance(value, str):
         return where or "a string"
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()

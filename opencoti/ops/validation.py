@@ -21,7 +21,7 @@ def validate_json(model: type[M], data: Any) -> M:
         raise InvalidRequestError(SURROGATE_MESSAGE.format(where=where))
     try:
         text = json.dumps(data)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequestError(f"the request is not JSON-serializable: {e}") from None
     try:
         return model.model_validate_json(text)

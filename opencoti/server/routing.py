@@ -22,6 +22,9 @@ def _parse(body: bytes) -> Any:
         data = json.loads(body)
     except json.JSONDecodeError:
         return _Invalid  # FastAPI parses it again and reports the error in its usual shape
+    except RecursionError:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "input": None,
+                                       "ctx": {"error": "nested too deeply"}}]) from None
     where = lone_surrogate_path(data)
     if where is not None:
         raise RequestValidationError([{"type": "invalid_unicode", "loc": ("body",), "input": None,

@@ -79,6 +79,20 @@ def test_lone_surrogates_in_process_and_in_large_bodies(client, engine):
     assert engine.pools()["pools_used"] == 0
 
 
+def test_deeply_nested_and_non_finite_values_are_400(client, engine):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/completion", "/polykv/pools", "/tokenize"):
+        err(client.post(path, content=deep, headers=JSON), 400, "nested too deeply")
+    for raw in ('{"prompt": "hi", "temperature": NaN}', '{"prompt": "hi", "min_p": Infinity}'):
+        err(client.post("/completion", content=raw, headers=JSON), 400)
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    with pytest.raises(InvalidRequestError):
+        PolyKVClient(engine=engine).apply_template([{"role": "user", "content": nested}])
+    assert engine.stats()["requests"] == 0
+
+
 def test_pool_listing_survives_a_bad_label_set_in_process(client, engine):
     pool = engine.create_pool(tokens=[1, 2, 3, 4, 5], label=BAD)  # the engine API itself does not check labels
     r = client.get("/polykv/pools")
