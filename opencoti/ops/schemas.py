@@ -118,8 +118,8 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields, PolyKVFields):
     """llama.cpp's ``POST /completion``."""
 
-    prompt: PromptField = Field(..., description="text, token ids, or a one-element list of either",
-                                json_schema_extra=PROMPT_SCHEMA)
+    prompt: Union[PromptField, dict[str, Any], list[Union[str, list[int], dict[str, Any]]]] = Field(
+        ..., description="text, token ids, {\"prompt_string\": text}, or a list of them (one result per prompt)")
     n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)")
     max_tokens: int | None = Field(None, description="alias of n_predict")
     stream: bool = False
@@ -127,6 +127,9 @@ class CompletionRequest(SamplingFields, PolyKVFields):
     cache_prompt: bool = Field(True, description="accepted for compatibility; sessions always cache")
     return_tokens: bool = Field(False, description="include the generated token ids")
     id_slot: int | None = Field(None, description="accepted for compatibility; use session_id")
+    response_fields: list[str] | None = Field(None, description="only these fields of the answer ('a/b' takes b "
+                                                               "from object a, keyed 'a/b')")
+    return_progress: bool = Field(False, description="stream: report prompt processing progress (prompt_progress)")
     response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"json_object\", \"schema\": {...}} "
                                                                      "or OpenAI's json_schema form")
 

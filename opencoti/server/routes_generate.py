@@ -91,35 +91,113 @@ def _llama_probs(ctx: Context, d, post: bool = False) -> dict:
 @router.post("/completions", include_in_schema=False)
 async def completion(request: Request, body: CompletionRequest, ctx: Context = Depends(get_ctx),
                      state: ServerState = Depends(get_state)):
+    return await _completion(request, body, ctx, state)
+
+
+async def _completion(request: Request, body: CompletionRequest, ctx: Context, state: ServerState, index: int = 0):
+    prompts = split_prompts(body.prompt)
+    if len(prompts) > 1:
+        return await _completion_many(request, body, ctx, state, prompts)
+    if prompts[0] is not body.prompt:
+        body = body.model_copy(update={"prompt": prompts[0]})
+    t_start = time.perf_counter()
     prepared = await run_in_threadpool(prepare_completion, ctx, body)
     gen = await Generation.start(request, state, prepared)
     if isinstance(gen, Response):
         return gen
     info = gen.info
     headers = info_headers(info)
+
+    def final(result, content: str) -> dict:
+        out = llama_final(ctx, body, prepared, info, result, content)
+        out["index"] = index
+        return pick_fields(out, body.response_fields) if body.response_fields else out
+
     if not body.stream:
         try:
             result = await gen.collect()
         except ClientDisconnected:
             return Response(status_code=499)
         out = llama_final(ctx, body, prepared, info, result, result.text)
+        out["index"] = index
         if body.n_probs:
             out["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs) for d in result.logprobs or []]
-        return SafeJSONResponse(out, headers=headers)
+        return SafeJSONResponse(pick_fields(out, body.response_fields) if body.response_fields else out,
+                                headers=headers)
 
     n = 0
+
+    def progress(processed: int) -> bytes:
+        return sse({"index": index, "content": "", "tokens": [], "stop": False, "prompt_progress": {
+            "total": info.prompt_tokens, "cache": info.cached_prefix_tokens, "processed": processed,
+            "time_ms": (time.perf_counter() - t_start) * 1e3}})
 
     def on_delta(d):
         nonlocal n
         n += 1
-        chunk = {"index": 0, "content": d.text, "tokens": [d.token_id],
+        chunk = {"index": index, "content": d.text, "tokens": [d.token_id],
                  "stop": False, "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": info.prompt_tokens}
         if body.n_probs:
             chunk["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)]
+        if n == 1 and body.return_progress:  # the prompt is done when its first token comes
+            return [progress(info.prompt_tokens), sse(chunk)]
         return [sse(chunk)]
 
-    return gen.sse(on_delta, lambda result: [sse(llama_final(ctx, body, prepared, info, result, ""))],
-                   headers=headers)
+    first = [progress(info.cached_prefix_tokens)] if body.return_progress else []
+    return gen.sse(on_delta, lambda result: [sse(final(result, ""))], first=first, headers=headers)
+
+
+def split_prompts(prompt) -> list:
+    """llama.cpp's prompt forms -> one prompt (text or token ids) per result: a list of prompts,
+    token ids, or ``{"prompt_string": text}`` (multimodal data is not supported)."""
+    def one(p):
+        if isinstance(p, dict):
+            if p.get("multimodal_data"):
+                raise ApiError(400, "multimodal_data is not supported (the model takes text only)",
+                               "invalid_request_error")
+            text = p.get("prompt_string")
+            if not isinstance(text, str):
+                raise ApiError(400, "a prompt object needs a \"prompt_string\" string", "invalid_request_error")
+            return text
+        return p
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return [one(p) for p in prompt]
+    return [one(prompt)]
+
+
+def pick_fields(out: dict, fields: list[str]) -> dict:
+    """llama.cpp's response_fields: each path ('a/b' walks into objects) that exists, keyed by the path."""
+    picked = {}
+    for path in fields:
+        cur, ok = out, True
+        for key in path.split("/"):
+            if isinstance(cur, dict) and key in cur:
+                cur = cur[key]
+            else:
+                ok = False
+                break
+        if ok:
+            picked[path] = cur
+    return picked
+
+
+async def _completion_many(request: Request, body: CompletionRequest, ctx: Context, state: ServerState,
+                           prompts: list) -> Response:
+    """Several prompts: one result each (with its ``index``), computed side by side."""
+    if body.stream:
+        raise ApiError(400, "stream with several prompts is not supported; stream one prompt per request",
+                       "invalid_request_error")
+    if body.session_id is not None:
+        raise ApiError(400, "several prompts cannot share one session_id", "invalid_request_error")
+    import asyncio
+    import json as _json
+
+    answers = await asyncio.gather(*(_completion(request, body.model_copy(update={"prompt": p}), ctx, state, i)
+                                     for i, p in enumerate(prompts)))
+    for a in answers:
+        if a.status_code != 200:
+            return a
+    return SafeJSONResponse([_json.loads(a.body) for a in answers])
 
 
 # ============================================================================ POST /v1/completions
@@ -282,4 +360,4 @@ async def infill(request: Request, ctx: Context = Depends(get_ctx), state: Serve
         parts[name] = ctx.engine.tokenize(v) if v else []
     tokens = [fim[0], *parts["input_prefix"], fim[1], *parts["input_suffix"], fim[2], *parts["prompt"]]
     body = CompletionRequest(**{**raw, "prompt": tokens})
-    return await completion(request, body, ctx, state)
+    return await _completion(request, body, ctx, state)

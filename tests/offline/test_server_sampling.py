@@ -259,3 +259,25 @@ def test_infill_builds_the_fim_prompt_when_the_model_has_fim_tokens(client, monk
     assert r.status_code == 200, r.text
     assert r.json()["tokens_evaluated"] == 3 + 2 + 1 + 1
     assert_400(client.post("/infill", json={"input_prefix": 5}), "input_prefix")
+
+
+def test_completion_prompt_forms_response_fields_and_progress(client):
+    base = {"n_predict": 3, "temperature": 0, "ignore_eos": True}
+    one = client.post("/completion", json={"prompt": "ab", **base}).json()
+    many = client.post("/completion", json={"prompt": ["ab", [97, 98], {"prompt_string": "ab"}], **base})
+    assert many.status_code == 200, many.text
+    outs = many.json()
+    assert [o["index"] for o in outs] == [0, 1, 2] and all(o["content"] == one["content"] for o in outs)
+    obj = client.post("/completion", json={"prompt": {"prompt_string": "ab"}, **base}).json()
+    assert obj["content"] == one["content"]
+    assert_400(client.post("/completion", json={"prompt": {"prompt_string": "ab", "multimodal_data": ["x"]}}),
+               "multimodal")
+    assert_400(client.post("/completion", json={"prompt": ["a", "b"], "stream": True}), "several prompts")
+    picked = client.post("/completion", json={"prompt": "ab", **base,
+                                              "response_fields": ["content", "generation_settings/n_predict", "nope"]})
+    assert picked.json() == {"content": one["content"], "generation_settings/n_predict": 3}
+    events = sse_events(client.post("/completion", json={"prompt": "ab", **base, "stream": True,
+                                                         "return_progress": True}).text)
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert progress[0]["total"] == 2 and progress[-1]["processed"] == 2 and progress[0]["processed"] <= 2
+    assert "".join(e["content"] for e in events) == one["content"]
