@@ -248,6 +248,21 @@ def test_auto_picks_a_format_that_passes_the_gate_or_fp32(monkeypatch):
         assert g["passed"] == (fmt == model.weights)
 
 
+def test_auto_reuses_cached_gate_results(monkeypatch, tmp_path):
+    monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
+    kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
+              cache_dir=str(tmp_path))
+    fake = {"fp32": 3.0, "int8": 1.0, "int4": 2.0, "bf16": 2.5}  # int8 first, then int4, bf16
+    monkeypatch.setattr(weights, "_estimate", lambda tuner, fmt, counts: fake[fmt])
+    first = weights.build_forward(tiny_model("llama"), **kw)
+    assert first.weights_choice["gate"] and "int8" in first.weights_choice["gate"]
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: pytest.fail("the gate ran again"))
+    second = weights.build_forward(tiny_model("llama"), **kw)
+    assert second.weights == first.weights
+    assert list(second.weights_choice["gate"]) == list(first.weights_choice["gate"])
+    assert all(g.get("cached") for g in second.weights_choice["gate"].values())
+
+
 def test_gate_metrics_pass_and_fail():
     ids = torch.tensor([1, 2, 3, 4, 5])
     ref = torch.nn.functional.one_hot(torch.tensor([2, 3, 4, 5, 0]), 8).float() * 5

@@ -144,6 +144,14 @@ class Autotuner:
                     best[name][i] = min(best[name][i], (time.perf_counter() - t0) / len(ks))
         return best
 
+    def remembered(self, entry: str):
+        """A value stored with :meth:`remember` for this machine (e.g. an accuracy-gate result)."""
+        return self._cache.get(self.key, {}).get(entry)
+
+    def remember(self, entry: str, value) -> None:
+        self._cache.setdefault(self.key, {})[entry] = value
+        self._dirty = True
+
     # ------------------------------------------------------------------ cache file
     def _load(self) -> dict:
         if self.cache_file is None:

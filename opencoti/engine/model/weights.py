@@ -8,7 +8,8 @@
   each format's step time is estimated from the per-shape kernel timings, an fp32 reference is
   built, and the formats faster than fp32 are tried fastest first on :data:`GATE_TEXT`: one that
   keeps perplexity within 3 % of fp32 and agrees with fp32's greedy top-1 on >= 95 % of the
-  positions is kept; if none does, fp32.
+  positions is kept; if none does, fp32. Gate results are cached per machine, model and kernels
+  (next to the kernel timings), so later loads skip the fp32 reference.
 
 GGUF sources: Q4_0 / Q4_1 / Q4_K tensors become int4 directly from their blocks (exact, no
 float round trip); other types and HF checkpoints are quantized from the float weights at load.
@@ -16,6 +17,7 @@ float round trip); other types and HF checkpoints are quantized from the float w
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from pathlib import Path
@@ -186,17 +188,29 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
     if not order:
         choice["reason"] = "auto: no format is faster than fp32 here"
         return make("fp32")
-    say("auto weights: building the fp32 reference for the accuracy gate ...")
-    ref = make("fp32")
-    ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:min(GATE_TOKENS, ref.max_positions)], dtype=torch.long)
-    ref_logits = ref.dense_logits(ids)
+    fingerprint = _fingerprint(loaded)
+    ref = ref_logits = ids = None
     choice["gate"] = {}
     for fmt in order:
-        model = make(fmt)
-        m = gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS)
-        choice["gate"][fmt] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+        kernels_sig = ",".join(tuner.choose(fmt, n, k) for n, k in counts)
+        entry = f"gate {fingerprint} {fmt} {kernels_sig}"
+        m = tuner.remembered(entry)
+        if m is None:  # not checked on this machine yet: run the gate against an fp32 reference
+            if ref is None:
+                say("auto weights: building the fp32 reference for the accuracy gate ...")
+                ref = make("fp32")
+                ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:min(GATE_TOKENS, ref.max_positions)],
+                                   dtype=torch.long)
+                ref_logits = ref.dense_logits(ids)
+            model = make(fmt)
+            m = gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS)
+            m = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+            tuner.remember(entry, m)
+        else:
+            m = {**m, "cached": True}
+            model = make(fmt) if m["passed"] else None
+        choice["gate"][fmt] = m
         if m["passed"]:
-            del ref
             choice["reason"] = (f"auto: fastest format passing the accuracy gate (ppl x{m['ppl_ratio']:.3f}, "
                                 f"top-1 agreement {m['top1_agreement']:.1%} vs fp32)")
             return model
@@ -204,4 +218,13 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
             f"top-1 {m['top1_agreement']:.1%}); trying the next")
         del model
     choice["reason"] = "auto: no faster format passes the accuracy gate"
-    return ref
+    return ref if ref is not None else make("fp32")
+
+
+def _fingerprint(loaded) -> str:
+    """Identifies a model for cached gate results: its config, name and a sample of its embeddings."""
+    h = hashlib.sha256(loaded.hf_config.to_json_string(use_diff=False).encode())
+    h.update(str(loaded.name).encode())
+    emb = loaded.state_dict["model.embed_tokens.weight"].reshape(-1)[:4096].float().contiguous()
+    h.update(emb.numpy().tobytes())
+    return h.hexdigest()[:16]
