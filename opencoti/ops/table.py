@@ -68,9 +68,23 @@ def _models(ctx: Context) -> dict:
     eng = ctx.engine
     return {"object": "list", "data": [{
         "id": ctx.model_name, "object": "model", "created": int(ctx.started), "owned_by": "opencoti",
+        "aliases": sorted({ctx.model_name, eng.model_name}),  # the names requests may use for this model
         "meta": {"n_ctx_train": eng.max_context, "n_vocab": eng.tokenizer.vocab_size, "page_size": eng.kv.page_size,
                  "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", "")},
     }]}
+
+
+def model_path(eng) -> str:
+    """Where the served model was loaded from: the GGUF file or model directory (the bundled model's
+    GGUF for the default), or the spec of a test model."""
+    from ..engine.model.loader import BUNDLED_NAME, bundled_gguf_path
+
+    spec, loaded = eng.config.model, eng.loaded
+    if spec in (None, "default") and loaded.name == BUNDLED_NAME:
+        return str(bundled_gguf_path())
+    if spec is not None and spec != "default":
+        return str(spec)
+    return str(loaded.model_dir or loaded.name)  # a model handed to the engine directly
 
 
 def _props(ctx: Context) -> dict:
@@ -87,7 +101,7 @@ def _props(ctx: Context) -> dict:
             "params": {"n_predict": n_predict, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
                        "seed": -1},
         },
-        "total_slots": cfg.max_running, "model_path": ctx.model_name, "model_alias": ctx.model_name,
+        "total_slots": cfg.max_running, "model_path": model_path(eng), "model_alias": ctx.model_name,
         "chat_template": eng.tokenizer.chat_template or "", "modalities": {"vision": False, "audio": False},
         "build_info": f"opencoti {__version__}",
         "opencoti": {"version": __version__, "weights": eng.weights_info(), "polykv": {

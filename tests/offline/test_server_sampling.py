@@ -281,3 +281,12 @@ def test_completion_prompt_forms_response_fields_and_progress(client):
     progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
     assert progress[0]["total"] == 2 and progress[-1]["processed"] == 2 and progress[0]["processed"] <= 2
     assert "".join(e["content"] for e in events) == one["content"]
+
+
+def test_models_list_aliases_and_props_reports_the_model_path(engine):
+    with TestClient(create_app(engine, config=ServerConfig(model_alias="my-model")),
+                    raise_server_exceptions=False) as c:
+        (m,) = c.get("/v1/models").json()["data"]
+        assert m["id"] == "my-model" and set(m["aliases"]) == {"my-model", engine.model_name}
+        props = c.get("/props").json()
+        assert props["model_path"] == str(engine.loaded.model_dir) and props["model_alias"] == "my-model"
