@@ -277,14 +277,19 @@ def test_openapi_describes_what_the_server_answers(client):
     assert doc["paths"]["/polykv/pools"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     chat = schemas["ChatCompletionRequest"]["properties"]["messages"]
     assert chat["minItems"] == 1
-    prompt = schemas["CompletionRequest"]["properties"]["prompt"]
+    prompt = schemas["OpenAICompletionRequest"]["properties"]["prompt"]
     assert {"type": "string", "minLength": 1} in prompt["anyOf"]
     pool = schemas["CreatePoolRequest"]
     assert pool["oneOf"] == [{"required": [n]} for n in ("tokens", "text", "messages", "from_session")]
     assert pool["properties"]["label"]["maxLength"] == 256
+    sampling = schemas["CompletionRequest"]["properties"]
+    assert (sampling["temperature"]["minimum"], sampling["temperature"]["maximum"]) == (0, 100)
+    assert sampling["n_probs"]["maximum"] == 20
     # what the schema forbids, the server refuses
+    err(client.post("/completion", json={"prompt": "x", "temperature": 100.5}), 400, "temperature")
+    err(client.post("/completion", json={"prompt": "x", "n_probs": 21}), 400)
     err(client.post("/v1/chat/completions", json={"messages": []}), 400)
-    err(client.post("/completion", json={"prompt": ""}), 400)
+    err(client.post("/v1/completions", json={"prompt": ""}), 400)
     err(client.post("/polykv/pools", json={}), 400, "exactly one")
 
 
