@@ -33,6 +33,12 @@ PROMPT_SCHEMA = {"anyOf": [
     {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1,
      "maxItems": 1}]}
 NON_EMPTY = {"minItems": 1}
+MAX_TOP_LOGPROBS = 20  # SamplingParams' limit
+
+
+def _range(minimum: float, maximum: float | None = None) -> dict:
+    """The documented range of a number the engine checks (SamplingParams keeps the runtime check)."""
+    return {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
 
@@ -93,10 +99,11 @@ class PolyKVFields(_Lenient):
 
 
 class SamplingFields(_Lenient):
-    temperature: float | None = Field(None, description="0 = greedy (default 0.8)")
-    top_k: int | None = Field(None, description="0 or -1 = off (default 40)")
-    top_p: float | None = Field(None, description="nucleus sampling (default 0.95)")
-    min_p: float | None = Field(None, description="min-p sampling (default 0.05)")
+    temperature: float | None = Field(None, description="0 = greedy (default 0.8)", json_schema_extra=_range(0, 100))
+    top_k: int | None = Field(None, description="0 or -1 = off (default 40)", json_schema_extra=_range(-1))
+    top_p: float | None = Field(None, description="nucleus sampling (default 0.95)",
+                                json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    min_p: float | None = Field(None, description="min-p sampling (default 0.05)", json_schema_extra=_range(0, 1))
     seed: int | None = Field(None, description="per-request seed (-1 or null = random)")
     stop: StopField = Field(None, description="strings that end generation")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
@@ -123,7 +130,8 @@ class CompletionRequest(SamplingFields, PolyKVFields):
     n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)")
     max_tokens: int | None = Field(None, description="alias of n_predict")
     stream: bool = False
-    n_probs: int = Field(0, description="top alternatives to report per token (completion_probabilities)")
+    n_probs: int = Field(0, description="top alternatives to report per token (completion_probabilities)",
+                         json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
     cache_prompt: bool = Field(True, description="accepted for compatibility; sessions always cache")
     return_tokens: bool = Field(False, description="include the generated token ids")
     id_slot: int | None = Field(None, description="accepted for compatibility; use session_id")
@@ -149,7 +157,8 @@ class OpenAICompletionRequest(SamplingFields, PolyKVFields):
     best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, description="top alternatives per token (0..20)")
+    logprobs: int | None = Field(None, description="top alternatives per token (0..20)",
+                                 json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
     echo: bool = False
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
@@ -170,7 +179,7 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
