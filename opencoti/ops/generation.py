@@ -18,6 +18,7 @@ from ..engine.constraints_request import constraint_from_request, logit_bias_fro
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.tool_calls import ToolCall, ToolStreamFilter, resolve_tool_output
+from .chat_continue import chat_prompt
 from .context import Context
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest, PolyKVFields, SamplingFields
 
@@ -142,7 +143,8 @@ def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
         raise InvalidRequestError("top_logprobs needs logprobs: true")
     kwargs = engine_kwargs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prompt = prepare_chat(ctx.engine.tokenizer, body.messages, body.tools, body.tool_choice)
+    prompt = chat_prompt(ctx.engine.tokenizer, body.messages, body.tools, body.tool_choice,
+                         body.add_generation_prompt, body.continue_final_message)
     constraint = body_constraint(body, tool_mode=prompt.choice.mode, tool_name=prompt.choice.name,
                                  tools=normalize_tools(body.tools), prefill=prompt.prefill,
                                  parallel_tool_calls=body.parallel_tool_calls is not False)
