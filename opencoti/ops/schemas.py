@@ -182,6 +182,10 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
     top_logprobs: int | None = Field(None, json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
     response_format: dict[str, Any] | None = None
     user: str | None = None
+    add_generation_prompt: bool | None = Field(None, description="open the assistant turn (default true; false "
+                                                                 "when continuing the final assistant message)")
+    continue_final_message: bool | None = Field(None, description="continue the final assistant message instead "
+                                                                  "of starting a new one (default: when it is last)")
 
 
 class TokenizeRequest(_Lenient):
