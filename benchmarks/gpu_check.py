@@ -100,9 +100,9 @@ def make_backend(args, cascade: str, impl: str = "levels"):
 
 def install_backend(eng, backend) -> None:
     """Dry run only: put ``backend`` where the engine's step loop looks for it (it is idle now)."""
-    sched = eng.core.scheduler
-    assert sched.backend is eng.backend
-    eng.backend = sched.backend = backend
+    runner = eng.core.runner  # the model runner executes each step's batch
+    assert runner.backend is eng.backend
+    eng.backend = runner.backend = backend
 
 
 # ============================================================================ 1. kernels

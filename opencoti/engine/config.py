@@ -152,6 +152,10 @@ class EngineConfig:
         engine its own range so that ids stay unique across engines and say which one holds a pool.
     state_dir: where the pool tree, named sessions and id marks persist across restarts (None:
         nothing persists; see docs/persistence.md).
+    prefix_cache: share the KV of any cached prefix automatically (requests without a pool or a
+        session id included); finished requests leave their full pages as evictable cache.
+    session_ttl_s: an idle session nobody named (created without session_id) ends after this many
+        seconds; its pages fall into the prefix cache.
     debug_checks: check the KV invariants each time the step loop goes idle (also on with the
         environment variable OPENCOTI_DEBUG_CHECKS=1).
     """
@@ -176,6 +180,8 @@ class EngineConfig:
     pool_id_base: int = 0
     debug_checks: bool = False
     state_dir: str | None = None
+    prefix_cache: bool = True
+    session_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -210,5 +216,8 @@ class EngineConfig:
                f"state_dir must be a directory path or None, got {self.state_dir!r}")
         _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,
                f"pool_id_base must be an integer in [0, 2**53 - 2**32), got {self.pool_id_base!r}")
+        _check(isinstance(self.prefix_cache, bool), "prefix_cache must be a boolean")
+        _check(_is_number(self.session_ttl_s) and self.session_ttl_s >= 0,
+               f"session_ttl_s must be a number >= 0, got {self.session_ttl_s!r}")
         _check(_is_number(self.pool_grace_ttl_s) and self.pool_grace_ttl_s >= 0,
                f"pool_grace_ttl_s must be >= 0, got {self.pool_grace_ttl_s!r}")

@@ -18,6 +18,7 @@ from .config import EngineConfig, SamplingParams
 from .errors import (CapacityError, ContextLengthError, InvalidRequestError, PoolContractError, SessionBusyError, SessionNotFoundError)
 from .kv.pages import PagePool
 from .kv.pools import Pool, PoolTree, Residency, common_prefix_len
+from .cache_ops import PrefixCacheMixin
 from .kv.tables import KVTables
 from .pool_ops import PoolOpsMixin
 from .results import GenerationResult, RequestInfo, TokenDelta
@@ -45,9 +46,10 @@ class PreparedRequest:
     pool: Pool | None
     shared_prefix_n_tokens: int | None
     sampler_state: SamplerState | None = None  # constraint / penalties / bias (sampling_state.py)
+    cache_salt: str | None = None  # prefix-cache namespace (requests share cached KV only within one)
 
 
-class EngineCore(PoolOpsMixin):
+class EngineCore(PoolOpsMixin, PrefixCacheMixin):
     def __init__(self, config: EngineConfig, *, model, tokenizer, backend, kv: PagePool, max_context: int,
                  device):
         self.config = config
@@ -60,16 +62,18 @@ class EngineCore(PoolOpsMixin):
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.sessions: dict[str, Session] = {}
         self.tree = PoolTree(config.max_pools, id_base=config.pool_id_base)
-        self.tables = KVTables(kv)
+        self.tables = KVTables(kv, prefix_cache=config.prefix_cache)
         self.tables.reclaim = self.reclaim
         self.sampler = Sampler()
         self.scheduler = Scheduler(tables=self.tables, max_batch_tokens=config.max_batch_tokens,
                                    max_running=config.max_running, on_stuck=self._on_stuck)
         self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
         self.last_step = StepStats()
+        self._init_prefix_cache()
         self._request_ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
-                         "evicted_sessions": 0, "evicted_pools": 0, "preemptions": 0}
+                         "evicted_sessions": 0, "evicted_pools": 0, "preemptions": 0,
+                         "auto_prefix_tokens": 0, "expired_sessions": 0}
         # Observability hooks, called on the step thread: (event, data) with events
         # submit {job}, token {job, now}, finish {job}, materialized {pool}, step {stats}.
         self.listeners: list[Callable[[str, dict], None]] = []
@@ -153,7 +157,7 @@ class EngineCore(PoolOpsMixin):
 
     def prepare(self, prompt: list[int], params: SamplingParams, emit: Emit, *, session_id: str | None = None,
                 pool_id: int | None = None, shared_prefix_n_tokens: int | None = None,
-                overcommit: bool = False) -> PreparedRequest:
+                overcommit: bool = False, cache_salt: str | None = None) -> PreparedRequest:
         """Validate a generation request and plan its admission. No side effect: nothing changes
         until ``commit`` (called on the same step-thread turn, so the checks still hold)."""
         prompt = self._check_tokens(prompt)
@@ -162,6 +166,8 @@ class EngineCore(PoolOpsMixin):
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids contains an id outside the vocabulary")
         self._check_fits(len(prompt), params.max_tokens)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string")
         session = None
         if session_id is not None:
             self._check_session_id(session_id)
@@ -189,7 +195,7 @@ class EngineCore(PoolOpsMixin):
         # grammar, logit bias and penalties checked against the model (no side effect)
         sampler_state = SamplerState.for_request(params, prompt, self.tokenizer, self.vocab_size)
         return PreparedRequest(plan, prompt, params, emit, session_id, session, pool, shared_prefix_n_tokens,
-                               sampler_state=sampler_state)
+                               sampler_state=sampler_state, cache_salt=cache_salt)
 
     def commit(self, req: PreparedRequest, admission: dict | None = None) -> Job:
         """Commit a prepared request: create/attach its session and queue its job.
@@ -197,12 +203,12 @@ class EngineCore(PoolOpsMixin):
         prompt, params, emit, session, pool = req.prompt, req.params, req.emit, req.session, req.pool
         session_id, shared_prefix_n_tokens = req.session_id, req.shared_prefix_n_tokens
         if session is None:
-            session = Session(session_id or f"s-{uuid.uuid4().hex[:12]}")
+            session = Session(session_id or f"s-{uuid.uuid4().hex[:12]}", anonymous=session_id is None)
             self.sessions[session.session_id] = session
         limit = len(prompt) - 1  # the last prompt token is always computed (its logits are needed)
         cur = self._session_pool(session)
-        if pool is not None and cur is not None and cur is not pool:
-            self._drop_session_kv(session)  # moving to another pool: its cache borrows the old pool's pages
+        if pool is not None and cur is not pool and (cur is not None or session.seq.num_borrowed_pages):
+            self._drop_session_kv(session)  # moving to a pool: its cache borrows another pool's (or the cache's) pages
             cur = None
         if pool is None and cur is not None and cur.residency != Residency.RELEASED:
             pool = cur  # a later turn stays on its pool
@@ -228,18 +234,19 @@ class EngineCore(PoolOpsMixin):
         job.stopper = StopStringMatcher(params.stop)
         job.sampler_state = req.sampler_state
         cache_n = max(pool_p, own_p)
-        job.timings.cache_n = cache_n
+        auto_p = self._plan_auto(job, session.pool_id is not None, req.cache_salt)
+        job.timings.cache_n = max(cache_n, auto_p)
         use_own = own_p >= pool_p and own_p > 0
         job.start_plan = lambda: self._start_session_job(job, use_own, cache_n)
         session.job = job
         session.last_access = time.monotonic()
         info = RequestInfo(request_id=f"req-{next(self._request_ids)}", session_id=session.session_id,
-                           pool_id=session.pool_id, cached_prefix_tokens=cache_n, prompt_tokens=len(prompt),
+                           pool_id=session.pool_id, cached_prefix_tokens=job.timings.cache_n, prompt_tokens=len(prompt),
                            rematerialized_pools=[p.pool_id for p in waits], admission=admission)
         job.info = info
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(prompt)
-        self.counters["cached_prompt_tokens"] += cache_n
+        self.counters["cached_prompt_tokens"] += job.timings.cache_n
         self.scheduler.add(job)
         for fn in self.listeners:
             fn("submit", {"job": job})
@@ -267,6 +274,9 @@ class EngineCore(PoolOpsMixin):
         else:
             p, src = cache_n, old.page_table
             borrowed = min(old.num_borrowed_pages, p // self.page_size)
+        auto = self._auto_start(job, p)  # the prefix index, when it has more
+        if auto is not None:
+            return auto
         from_own = src is old.page_table
         if from_own:  # its own cache: in place when its partial page is its own
             if not self.tables.continue_from(old, job.seq, p, borrowed):
@@ -337,6 +347,7 @@ class EngineCore(PoolOpsMixin):
             pool = self._session_pool(session)
             if pool is not None:
                 pool.last_access = time.time()
+            self._after_request(session)
         self.counters["preemptions"] += job.num_preemptions
         for fn in self.listeners:
             fn("finish", {"job": job})
@@ -378,27 +389,6 @@ class EngineCore(PoolOpsMixin):
 
 
     # ======================================================================== memory
-    def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
-        """Free at least num_pages if possible: idle sessions' KV first, then idle pools (LRU).
-        An evicted session stays attached to its pool (it recomputes on its next turn)."""
-        start = self.kv.num_free
-        idle = sorted((s for s in self.sessions.values() if s.is_idle and s.seq.page_table and s is not keep),
-                      key=lambda s: s.last_access)
-        for s in idle:
-            if self.kv.num_free - start >= num_pages:
-                break
-            self._drop_session_kv(s, detach=False)
-            self.counters["evicted_sessions"] += 1
-        now = time.monotonic()
-        while self.kv.num_free - start < num_pages:
-            cands = [p for p in self.tree.pools.values()
-                     if p.residency == Residency.RESIDENT and not p.pinned and not self._auto_pinned(p, now)]
-            if not cands:
-                break
-            self._evict_pool(min(cands, key=lambda p: p.last_access))
-            self.counters["evicted_pools"] += 1
-        return self.kv.num_free - start
-
     def _sessions_in_use(self, pool: Pool) -> bool:
         for sid in pool.sessions:
             s = self.sessions.get(sid)

@@ -22,11 +22,12 @@ from .admission import AdmissionController
 from .attention import select_backend
 from .config import EngineConfig, SamplingParams
 from .core import EngineCore
-from .errors import EngineClosedError, InvalidRequestError, SessionBusyError
+from .errors import EngineClosedError, InvalidRequestError
 from .kv.pages import PagePool
 from .metrics import Metrics
-from .persist.sync import open_state, set_owner
-from .results import GenerationResult, PoolInfo
+from .pool_api import PoolAPIMixin
+from .persist.sync import open_state
+from .results import GenerationResult
 from .session import MaterializeJob
 from .streams import AsyncTokenStream, TokenStream
 
@@ -50,7 +51,7 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-class Engine:
+class Engine(PoolAPIMixin):
     """In-process inference engine. See ``EngineConfig`` for options.
 
     >>> eng = Engine.from_default()
@@ -144,6 +145,7 @@ class Engine:
             if busy and not core.has_work:
                 busy = False
                 self._idle_check()
+            core.expire_sessions()
             adm = self._admission
             adm.tick()  # admission deadlines: settle windows that ran out, held requests to re-try
             release_at = core.release_due()  # pool releases deferred by the grace TTL
@@ -152,6 +154,9 @@ class Engine:
                     cmd = self._cmds.get_nowait()
                 else:
                     waits = [] if release_at is None else [release_at - time.monotonic()]
+                    expiry = core.next_expiry()  # an idle anonymous session to end
+                    if expiry is not None:
+                        waits.append(expiry)
                     wake = adm.next_deadline()
                     if wake is not None:
                         waits.append(wake - adm.clock())
@@ -276,24 +281,27 @@ class Engine:
 
     # ======================================================================== generation
     def _start(self, prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens,
-               sink: Callable[[tuple], None], overcommit: bool = False):
+               sink: Callable[[tuple], None], overcommit: bool = False, cache_salt: str | None = None):
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
         return self._admission.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,
-                                      shared_prefix_n_tokens=shared_prefix_n_tokens, overcommit=overcommit)
+                                      shared_prefix_n_tokens=shared_prefix_n_tokens, overcommit=overcommit,
+                                      cache_salt=cache_salt)
 
     def stream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict] | None = None,
                tools: list[dict] | None = None, params: SamplingParams | None = None, session_id: str | None = None,
                pool_id: int | None = None, shared_prefix_n_tokens: int | None = None,
-               overcommit: bool = False) -> "TokenStream":
+               overcommit: bool = False, cache_salt: str | None = None) -> "TokenStream":
         """Start a request; iterate the result for TokenDelta events, then read ``.result``.
 
         ``pool_id`` attaches to a pool (the shared prefix P is found automatically, or validated when
         ``shared_prefix_n_tokens`` is given); ``session_id`` names the session whose KV outlives the
-        request; ``overcommit`` bypasses an enforced admission floor."""
+        request; ``overcommit`` bypasses an enforced admission floor. Any cached prefix is reused
+        automatically (``EngineConfig.prefix_cache``); requests share cached KV only with requests
+        of the same ``cache_salt``."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, q.put,
-                          overcommit)
+                          overcommit, cache_salt)
         job = fut.result()  # raises the validation error, if any
         return TokenStream(self, job, q)
 
@@ -306,7 +314,7 @@ class Engine:
 
     async def astream(self, prompt: str | Seq[int] | None = None, *, messages=None, tools=None, params=None,
                       session_id=None, pool_id=None, shared_prefix_n_tokens=None,
-                      overcommit: bool = False) -> "AsyncTokenStream":
+                      overcommit: bool = False, cache_salt: str | None = None) -> "AsyncTokenStream":
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -314,7 +322,7 @@ class Engine:
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
         fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, sink,
-                          overcommit)
+                          overcommit, cache_salt)
         job = await asyncio.wrap_future(fut)
         return AsyncTokenStream(self, job, q)
 
@@ -328,136 +336,6 @@ class Engine:
         if not self._closed:
             self._submit(self.core.cancel, job)
 
-    # ======================================================================== sessions & pools
-    def release_session(self, session_id: str) -> None:
-        self._call(self.core.release_session, session_id)
-
-    def _pool_tokens(self, tokens, text, messages, tools, add_generation_prompt) -> list[int] | None:
-        given = sum(x is not None for x in (tokens, text, messages))
-        if given > 1:
-            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
-        if text is not None:
-            if not isinstance(text, str) or not text:
-                raise InvalidRequestError("text must be a non-empty string")
-            return self.tokenize(text)
-        if messages is not None:
-            return self.tokenize(self.apply_chat_template(messages, tools=tools,
-                                                          add_generation_prompt=add_generation_prompt))
-        return None if tokens is None else list(tokens) if isinstance(tokens, (list, tuple)) else tokens
-
-    def _pool_call(self, op: Callable, *args, tenant: str | None = None, **kwargs) -> PoolInfo:
-        done: Future = Future()
-
-        def on_done(result):
-            if isinstance(result, BaseException):
-                done.set_exception(result)
-            else:
-                done.set_result(result)
-
-        def run():
-            pool = op(on_done, *args, **kwargs)
-            set_owner(pool, tenant)  # the owning tenant (tenancy.py): given, else the parent's
-            return pool
-
-        self._call(run)
-        pool = done.result()
-        return self._call(self.core.pool_info, pool)
-
-    def create_pool(self, *, tokens: Seq[int] | None = None, text: str | None = None,
-                    messages: list[dict] | None = None, tools: list[dict] | None = None,
-                    from_session: str | None = None, pinned: bool = False, label: str = "",
-                    add_generation_prompt: bool = False, tenant: str | None = None) -> PoolInfo:
-        """Create a root pool and materialize it (prefill only). Returns when it is resident.
-
-        ``messages`` are rendered with the chat template (``add_generation_prompt`` False by
-        default, so a later chat request that continues the conversation attaches to it).
-        """
-        toks = self._pool_tokens(tokens, text, messages, tools, add_generation_prompt)
-        if toks is not None and from_session is not None:
-            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
-        return self._pool_call(self.core.create_pool, tokens=toks, from_session=from_session, pinned=pinned,
-                               label=label, tenant=tenant)
-
-    def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Seq[int] | None = None,
-                  text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
-                  from_session: str | None = None, pinned: bool = False, label: str = "",
-                  add_generation_prompt: bool = False, tenant: str | None = None) -> PoolInfo:
-        """Fork ``parent_id`` at ``branch_pos`` D (default: the parent's L, i.e. extend).
-
-        ``tokens`` (or text/messages) is the child's FULL prefix [0, L); ``tokens[0:D]`` must equal
-        the parent's (else PoolContractError, nothing changes). The child computes only [D, L).
-        """
-        toks = self._pool_tokens(tokens, text, messages, tools, add_generation_prompt)
-        if toks is not None and from_session is not None:
-            raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
-        if branch_pos is None:
-            branch_pos = self.pool(parent_id).prefix_len
-        return self._pool_call(self.core.fork_pool, parent_id, branch_pos, tokens=toks, from_session=from_session,
-                               pinned=pinned, label=label, tenant=tenant)
-
-    def pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.tree.get(pool_id)))
-
-    def pools(self) -> dict:
-        """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
-        def run():
-            st = self.core.pools_status()
-            rows = {x["session_id"]: x for x in self._metrics.snapshot()["sessions"]}
-            for p in st["pools"]:
-                for sess in p["sessions"]:
-                    row = rows.get(sess["session_id"], {})
-                    sess["tps_ewma"] = row.get("tps_ewma", 0.0)
-                    sess["ttft_ms"] = row.get("ttft_ms")
-            return st
-        return self._call(run)
-
-    def pin_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, True)))
-
-    def unpin_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, False)))
-
-    def evict_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.evict_pool(pool_id)))
-
-    def flush_pool(self, pool_id: int) -> int:
-        """End the idle sessions attached to the pool; returns how many."""
-        return self._call(self.core.flush_pool, pool_id)
-
-    def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
-        """Release a pool (leaves first). Within its grace TTL the release is deferred until the
-        grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now."""
-        self._call(self.core.release_pool, pool_id, immediate)
-
-    def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
-                        text: str | None = None, messages: list[dict] | None = None,
-                        branch_pos: int | None = None, release_old: bool = True) -> dict:
-        """Compaction by re-fork: fork the stable ancestor with the compacted prefix
-        (e.g. system + summary + recent tail), move the session onto it, release the old pool
-        when nothing else uses it. Returns the new pool and KV pages before/after."""
-        toks = self._pool_tokens(tokens, text, messages, None, False)
-        if toks is None:
-            raise InvalidRequestError("compaction needs the compacted prefix (tokens, text or messages)")
-        def check():
-            s = self.core.get_session(session_id)
-            if s.job is not None:
-                raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
-            return self.core.kv.num_used, s.pool_id
-
-        before, old_pool_id = self._call(check)
-        if branch_pos is None:
-            branch_pos = self.pool(ancestor_pool_id).prefix_len
-        info = self.fork_pool(ancestor_pool_id, branch_pos=branch_pos, tokens=toks, label="compacted")
-        try:
-            released = self._call(self.core.move_session, session_id, info.pool_id,
-                                  old_pool_id if release_old else None, ancestor_pool_id)
-        except Exception:
-            self._call(self.core.release_pool, info.pool_id)  # nothing half-done
-            raise
-        after = self._call(lambda: self.core.kv.num_used)
-        return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before,
-                "kv_pages_after": after, "page_bytes": self.kv.page_bytes}
-
     def check_integrity(self) -> None:
         """Assert the KV refcount and ownership invariants (runs on the step thread). In debug mode
         (``EngineConfig.debug_checks`` or OPENCOTI_DEBUG_CHECKS=1) the loop also checks them each
@@ -467,10 +345,8 @@ class Engine:
         self._call(self.core.check_integrity)
 
     def stats(self) -> dict:
-        return self._call(lambda: {**self.core.counters, "kv_pages_used": self.kv.num_used,
-                                   "kv_pages_total": self.kv.num_pages, "sessions": len(self.core.sessions),
-                                   "running": len(self.core.scheduler.running),
-                                   "waiting": len(self.core.scheduler.waiting)})
+        """Counters, KV pages, sessions, queue lengths and the prefix cache (pages, bytes, hit rate)."""
+        return self._call(self.core.stats)
 
     def weights_info(self) -> dict:
         """The projection weight format, the kernel per shape, weight bytes read per decode step, why

@@ -206,7 +206,7 @@ class Metrics:
 
     def kv_cells(self, keep_pool=None) -> dict:
         """KV cells (tokens) of the engine: total, free (free pages plus what ``reclaim`` would free
-        on demand: idle sessions' own pages and evictable pools, except ``keep_pool`` and its
+        on demand: prefix-cache pages, idle sessions' own pages and evictable pools, except ``keep_pool`` and its
         ancestors, which a new session on ``keep_pool`` would use), and reserved (pages running
         requests still need to reach their max_tokens). ``available`` = free - reserved."""
         core, kv = self.core, self.core.kv
@@ -220,6 +220,7 @@ class Metrics:
         reclaimable += sum(len(p.seq.owned_pages) for p in core.tree.pools.values()
                            if p.residency == "resident" and not p.pinned and p.pool_id not in keep
                            and not core._auto_pinned(p, now))
+        reclaimable += core.tables.num_cache_only()  # pages only the prefix cache holds
         reserved = 0
         for job in self._generation_jobs():
             if job.params.max_tokens is None:

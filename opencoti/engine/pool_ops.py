@@ -216,6 +216,7 @@ class PoolOpsMixin:
             pool.release_at = pool.grace_until
             return
         self._unlink(pool)
+        self._expire_with_pool(pool)  # idle anonymous sessions do not keep a released pool's pages
 
     def release_due(self, now: float | None = None) -> float | None:
         """Complete deferred releases whose grace ran out (a descendant that came back and left
@@ -299,7 +300,28 @@ class PoolOpsMixin:
             rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label,
             release_in_s=None if pool.release_at is None else max(0.0, max(pool.release_at, pool.grace_until) - now))
 
+    def _holders(self) -> list:
+        """Every sequence that holds pages: pools (live and released) and sessions."""
+        return ([p.seq for p in self.tree.pools.values()] + [p.seq for p in self.tree.released.values()]
+                + [s.seq for s in self.sessions.values()])
+
+    def kv_accounting(self) -> tuple[int, int, int]:
+        """(pages held by pools and sessions, pages held only by the prefix cache (evicted on demand,
+        so reported apart like free pages), pages no pool or session owns: the cache owner's)."""
+        cache_only = self.tables.num_cache_only()
+        owned = sum(len(s.owned_pages) for s in self._holders())
+        return self.kv.num_used - cache_only, cache_only, self.kv.num_used - owned
+
+    def stats(self) -> dict:
+        used, cache_only, cache_owned = self.kv_accounting()
+        return {**self.counters, "kv_pages_used": used, "kv_pages_cache": cache_only,
+                "kv_pages_total": self.kv.num_pages, "sessions": len(self.sessions),
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "prefix_cache": self.cache_status(cache_only, cache_owned)}
+
     def pools_status(self) -> dict:
+        used, cache_only, cache_owned = self.kv_accounting()
+        cache = self.cache_status(cache_only, cache_owned)
         return {
             "pools": [self.pool_info(p).as_dict() for p in sorted(self.tree.pools.values(), key=lambda p: p.pool_id)],
             "tree_depth": self.tree.depth(),
@@ -309,19 +331,22 @@ class PoolOpsMixin:
             "seq_ids_used": self.tree.num_used,
             "seq_ids_max": self.tree.max_pools,
             "kv_pages_total": self.kv.num_pages,
-            "kv_pages_used": self.kv.num_used,
-            "kv_bytes_used": self.kv.num_used * self.kv.page_bytes,
+            "kv_pages_used": used,  # held by pools and sessions (cache-only pages are reported apart)
+            "kv_bytes_used": used * self.kv.page_bytes,
+            "kv_pages_cache": cache_only,  # held only by the prefix cache: evicted first, on demand
+            "cache_kv_bytes": cache_only * self.kv.page_bytes,
+            "cache_hit_rate": cache["hit_rate"],
             "page_size": self.page_size,
+            "prefix_cache": cache,
         }
 
     def check_integrity(self) -> None:
-        """Refcounts match the page tables, and every used page has exactly one owner."""
-        holders = [p.seq for p in self.tree.pools.values()] + [p.seq for p in self.tree.released.values()]
-        self.tables.check_integrity(holders + [s.seq for s in self.sessions.values()])
+        """Refcounts match the page tables (and the prefix index), and every used page has exactly
+        one owner: a pool, a session, or else the cache."""
+        self.tables.check_integrity(self._holders())
         for s in self.sessions.values():
             pool = self._session_pool(s)
-            if s.seq.num_borrowed_pages:
-                assert pool is not None, f"session {s.session_id} borrows pages without a pool"
+            if s.seq.num_borrowed_pages and pool is not None:  # without a pool it borrows from the cache
                 n = s.seq.num_borrowed_pages
                 assert s.seq.page_table[:n] == pool.seq.page_table[:n], f"session {s.session_id} borrow mismatch"
         for p in self.tree.pools.values():

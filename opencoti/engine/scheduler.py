@@ -37,6 +37,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.on_stuck = on_stuck  # a job that cannot get pages even alone
+        self.blocked: Callable[[_Work], bool] = lambda job: False  # waits for a prefix another job computes
         self.waiting: deque[_Work] = deque()
         self.running: list[_Work] = []
         self._admit_counter = 0
@@ -60,18 +61,28 @@ class Scheduler:
     def preempt(self, job: _Work) -> None:
         """Drop a running job's KV and requeue it at the front; it recomputes from its tokens."""
         self.running.remove(job)
+        self._unstart(job)
+        self.waiting.appendleft(job)
+
+    def _release_waiting(self) -> bool:
+        """Drop the pages of waiting jobs that started (got their shared prefix) but could not get
+        pages to compute: they hold memory a running job needs. True when any was released."""
+        held = [j for j in self.waiting if j.started and j.seq.page_table]
+        for job in held:
+            self._unstart(job)
+        return bool(held)
+
+    def _unstart(self, job: _Work) -> None:
         self.tables.drop(job.seq)
         job.started = False
         job.state = SessionState.WAITING
         job.num_preemptions += 1
-        self.waiting.appendleft(job)
 
-    @staticmethod
-    def _deps_ready(job: _Work) -> bool:
-        return all(p.residency == "resident" for p in job.wait_for)
+    def _deps_ready(self, job: _Work) -> bool:
+        return all(p.residency == "resident" for p in job.wait_for) and not self.blocked(job)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> Batch:
+    def schedule(self, retry: bool = True) -> Batch:
         """The jobs to compute this step and how many tokens each (their pages are allocated)."""
         batch: Batch = []
         budget = self.max_batch_tokens
@@ -80,6 +91,8 @@ class Scheduler:
             if job not in self.running:
                 continue  # preempted below
             while not self._ensure_pages(job, job.seq.num_cached + 1):
+                if self._release_waiting():
+                    continue
                 victims = [j for j in self.running if j is not job and j.admit_seq > job.admit_seq]
                 if not victims:
                     victims = [j for j in self.running if j is not job]
@@ -119,6 +132,8 @@ class Scheduler:
             batch.append((job, n))
             budget -= n
         if not batch and self.running:
+            if retry and self._release_waiting():
+                return self.schedule(retry=False)
             if len(self.running) > 1:
                 self.preempt(max(self.running, key=lambda j: j.admit_seq))
                 return self.schedule()

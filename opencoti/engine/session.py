@@ -18,14 +18,21 @@ class Sequence:
     owned by whoever owns the sequence (a session or a pool).
     """
 
-    __slots__ = ("tokens", "page_table", "num_cached", "num_borrowed_pages", "num_shared_tokens")
+    __slots__ = ("tokens", "page_table", "num_cached", "num_borrowed_pages", "num_shared_tokens", "salt_root",
+                 "page_keys", "index_node", "cacheable")
 
-    def __init__(self, tokens: list[int] | None = None):
+    def __init__(self, tokens: list[int] | None = None, salt_root: bytes = b""):
         self.tokens: list[int] = list(tokens or [])
         self.page_table: list[int] = []
         self.num_cached = 0
         self.num_borrowed_pages = 0
         self.num_shared_tokens = 0  # leading tokens shared with the session's pool (for reporting)
+        # prefix index bookkeeping (KVTables): the chained keys of its full pages walked so far, the
+        # index entry of the last one, and whether its pages may enter the index at all
+        self.salt_root = salt_root
+        self.page_keys: list[bytes] = []
+        self.index_node = None
+        self.cacheable = True
 
     @property
     def owned_pages(self) -> list[int]:
@@ -46,8 +53,9 @@ class SessionState(str, enum.Enum):
 class Session:
     """A leaf: one agent's private continuation, optionally attached to a pool."""
 
-    def __init__(self, session_id: str):
+    def __init__(self, session_id: str, anonymous: bool = False):
         self.session_id = session_id
+        self.anonymous = anonymous  # nobody named it: it expires when idle for session_ttl_s
         self.pool_id: int | None = None
         self.seq = Sequence()
         self.job: "Job | None" = None
@@ -133,6 +141,7 @@ class Job(_Work):
     truncated: bool = False
     info: Any = None  # RequestInfo
     sampler_state: Any = None  # SamplerState: constraint matcher, penalty window, logit bias
+    prompt_keys: list = field(default_factory=list)  # prefix-index keys of the prompt's full pages
 
 
 @dataclass(kw_only=True)

@@ -80,7 +80,7 @@ def engine_kwargs(body: PolyKVFields) -> dict:
         raise InvalidRequestError("session_id must be a non-empty string of printable ASCII characters "
                                   "(it is echoed in the x-session-id header)")
     return dict(session_id=sid, pool_id=body.pool_id, shared_prefix_n_tokens=body.shared_prefix_n_tokens,
-                overcommit=body.overcommit)
+                overcommit=body.overcommit, cache_salt=body.cache_salt)
 
 
 @dataclass

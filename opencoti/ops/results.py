@@ -59,9 +59,15 @@ class PoolTree(_Model):
     tree_depth: int = 0
     """Depth of the deepest pool."""
     kv_pages_used: int = 0
-    """KV pages in use (pools + sessions)."""
+    """KV pages held by pools and sessions (pages only the prefix cache holds: ``kv_pages_cache``)."""
     kv_pages_total: int = 0
     """KV pages in the cache."""
+    kv_pages_cache: int = 0
+    """Pages only the prefix cache holds: reusable, evicted first (LRU, leaves first) when memory is needed."""
+    cache_kv_bytes: int = 0
+    """Bytes of those pages."""
+    cache_hit_rate: float = 0.0
+    """Prompt tokens reused from cached KV (pools, sessions, automatic prefix cache) / prompt tokens."""
 
     def get(self, pool_id: int) -> Pool | None:
         """The pool with this id, or None."""

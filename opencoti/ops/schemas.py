@@ -96,6 +96,8 @@ class PolyKVFields(_Lenient):
                                                            "(a new one is made when absent; returned in x-session-id)")
     shared_prefix_n_tokens: int | None = Field(None, description="explicit P (validated against the pool)")
     overcommit: bool = Field(False, description="bypass an enforced admission floor for this request")
+    cache_salt: str | None = Field(None, description="prefix-cache namespace: requests share cached KV only with "
+                                                     "requests of the same salt (vLLM's cache_salt)")
 
 
 class SamplingFields(_Lenient):

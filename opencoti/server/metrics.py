@@ -49,6 +49,10 @@ class _EngineCollector:
              st["kv_pages_used"] / st["kv_pages_total"] if st["kv_pages_total"] else 0.0),
             ("opencoti:kv_cache_pages_used", "KV pages in use", st["kv_pages_used"]),
             ("opencoti:kv_cache_pages_total", "KV pages allocated at start", st["kv_pages_total"]),
+            ("opencoti:prefix_cache_pages", "KV pages held only as reusable prefix cache (evictable)",
+             st["prefix_cache"]["cache_pages"]),
+            ("opencoti:prefix_cache_hit_rate", "Prompt tokens reused from cached KV / prompt tokens (lifetime)",
+             st["prefix_cache"]["hit_rate"]),
         ):
             g = GaugeMetricFamily(name, help_)
             g.add_metric([], value)

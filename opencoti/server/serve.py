@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="projection weight format (default auto: the fastest that passes the accuracy gate)")
     p.add_argument("--pool-grace-ttl", type=float, default=30.0, help="seconds an interior pool stays pinned after "
                                                                       "its last descendant leaves (default 30)")
+    p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
+                   help="reuse any cached prompt prefix automatically, for requests without a pool or a session "
+                        "id too (default on)")
+    p.add_argument("--session-ttl", type=float, default=300.0,
+                   help="seconds an idle session created without a session_id lives on (default 300)")
     p.add_argument("--n-predict", "-n", type=int, default=-1,
                    help="default max tokens when a request gives none (-1 = until EOS / context)")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
@@ -97,6 +102,7 @@ def run(args) -> int:
             kv_budget_tokens=args.kv_budget_tokens, kv_budget_mib=args.kv_budget_mib, max_pools=args.max_pools,
             max_running=args.parallel, max_context=args.ctx_size, max_batch_tokens=args.batch_tokens,
             num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl,
+            prefix_cache=args.prefix_cache == "on", session_ttl_s=args.session_ttl,
             state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights)
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),

@@ -229,7 +229,8 @@ def test_slot_save_restore_erase(make_engine, tmp_path):
     assert ra.token_ids == rb.token_ids
     eng.check_integrity()
     assert erase_session(eng, "b")["n_erased"] == len(cont) + 4
-    rb2 = eng.generate(cont, session_id="b", params=SamplingParams.greedy(4))
+    # (a salt of its own: the prompt is still in the prefix cache, through session a)
+    rb2 = eng.generate(cont, session_id="b", params=SamplingParams.greedy(4), cache_salt="erased")
     assert rb2.info.cached_prefix_tokens == 0 and rb2.token_ids == ra.token_ids
     with pytest.raises(InvalidRequestError, match="no slot file"):
         restore_session(eng, "b", "missing.bin")

@@ -20,6 +20,22 @@ from opencoti.engine import (CapacityError, InvalidRequestError, NotFoundError, 
 PAGE_SIZES = [1, 4, 16]
 
 
+@pytest.fixture
+def make_engine(make_engine):
+    """Engines with the automatic prefix cache off: these tests check the explicit pool semantics
+    and exact ownership accounting (pools + sessions == pages in use); test_prefix_cache.py checks
+    pools with the cache on (the cache then owns what nobody else does)."""
+    def factory(**kw):
+        kw.setdefault("prefix_cache", False)
+        return make_engine(**kw)
+    return factory
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine()
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -48,7 +64,7 @@ _ref_counter = itertools.count(1)
 def reference(eng, prompt: list[int], n: int = 8) -> list[int]:
     """Greedy tokens of ``prompt`` in a fresh session with no pool (then the session is released)."""
     sid = f"ref-{next(_ref_counter)}"
-    res = eng.generate(list(prompt), params=greedy(n), session_id=sid)
+    res = eng.generate(list(prompt), params=greedy(n), session_id=sid, cache_salt=sid)  # its own salt: no reuse
     assert res.info.pool_id is None and res.info.cached_prefix_tokens == 0
     eng.release_session(sid)
     return res.token_ids

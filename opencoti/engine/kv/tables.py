@@ -10,6 +10,10 @@ class is the only code that touches ``PagePool.incref/decref/allocate/copy_page`
 Ownership: a sequence owns ``page_table[num_borrowed_pages:]`` (pages it allocated itself) and
 only reads the leading borrowed pages. Pages that are in use but owned by no pool or session are
 attributed to the prefix cache.
+
+With the prefix cache on, full pages are listed in a ``PrefixIndex`` as soon as they are
+computed (the index holds a reference of its own), so a later request with the same prefix
+shares them copy-free, and pages nobody holds any more stay resident as evictable cache.
 """
 
 from __future__ import annotations
@@ -18,15 +22,18 @@ from typing import Callable, Iterable, Sequence as Seq
 
 from ..session import Sequence
 from .pages import PagePool
+from .prefix_index import Match, PrefixIndex, Tail
 
 Reclaim = Callable[..., int]  # reclaim(num_pages, keep=None) -> pages freed
 
 
 class KVTables:
-    def __init__(self, kv: PagePool):
+    def __init__(self, kv: PagePool, prefix_cache: bool = False):
         self.kv = kv
         self.page_size = kv.page_size
         self.reclaim: Reclaim = lambda n, keep=None: 0  # installed by the core (memory policy)
+        self.index: PrefixIndex | None = PrefixIndex(kv.page_size) if prefix_cache else None
+        self.evicted_pages = 0  # cache pages evicted (lifetime)
 
     # ---- capacity ----------------------------------------------------------------------
     def _reserve(self, n: int, keep=None) -> bool:
@@ -42,15 +49,21 @@ class KVTables:
         partial last page copied. None (nothing changed) when no page is free for the copy.
         ``keep``: a session whose pages are the source and must survive a reclaim."""
         full, part = divmod(n_tokens, self.page_size)
-        if part and not self._reserve(1, keep):
+        return self._build(list(src[:full]), src[full] if part else None, keep)
+
+    def _build(self, full_pages: list[int], copy_from: int | None, keep=None) -> list[int] | None:
+        # hold the sources first: a reclaim for the copy may evict cache-only pages
+        held = full_pages + ([copy_from] if copy_from is not None else [])
+        self.kv.incref(held)
+        if copy_from is None:
+            return full_pages
+        if not self._reserve(1, keep):
+            self.kv.decref(held)
             return None
-        table = list(src[:full])
-        self.kv.incref(table)
-        if part:
-            page = self.kv.allocate(1)[0]
-            self.kv.copy_page(src[full], page)
-            table.append(page)
-        return table
+        page = self.kv.allocate(1)[0]
+        self.kv.copy_page(copy_from, page)
+        self.kv.decref([copy_from])
+        return full_pages + [page]
 
     def share_into(self, seq: Sequence, src: Seq[int], n_tokens: int, borrowed: int, keep=None) -> bool:
         """Give an empty ``seq`` the KV of ``[0, n_tokens)`` of ``src`` (its first ``borrowed``
@@ -62,6 +75,18 @@ class KVTables:
         seq.page_table = table
         seq.num_cached = n_tokens
         seq.num_borrowed_pages = borrowed
+        return True
+
+    def share_match(self, seq: Sequence, match: Match) -> bool:
+        """Give an empty ``seq`` the KV of an index match (full pages by refcount, the partial page
+        copied); its pages are borrowed from the cache. False (nothing changed) when no page is free."""
+        assert not seq.page_table, "share_match needs a sequence without pages"
+        table = self._build(list(match.pages), match.partial_page if match.partial_tokens else None)
+        if table is None:
+            return False
+        seq.page_table = table
+        seq.num_cached = match.num_tokens(self.page_size)
+        seq.num_borrowed_pages = len(match.pages)
         return True
 
     def continue_from(self, old: Sequence, new: Sequence, n_tokens: int, borrowed: int) -> bool:
@@ -80,6 +105,7 @@ class KVTables:
             new.page_table, old.page_table = table, []
         old.num_cached = 0
         old.num_borrowed_pages = 0
+        old.page_keys, old.index_node = [], None
         new.num_cached = n_tokens
         new.num_borrowed_pages = borrowed
         return True
@@ -99,8 +125,86 @@ class KVTables:
         return not n_tokens % self.page_size or self._reserve(1, keep)
 
     def advance(self, seq: Sequence, n_tokens: int) -> None:
-        """``n_tokens`` more of ``seq``'s tokens now have KV in its pages (computed this step)."""
+        """``n_tokens`` more of ``seq``'s tokens now have KV in its pages (computed this step); full
+        pages enter the prefix index."""
         seq.num_cached += n_tokens
+        if self.index is not None and seq.cacheable and len(seq.page_keys) < seq.num_cached // self.page_size:
+            self._register(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        index, ps = self.index, self.page_size
+        node = seq.index_node
+        if seq.page_keys and (node is None or index.by_page.get(node.page) is not node):
+            seq.page_keys, node = [], None  # its last entry was evicted meanwhile: walk again
+        if node is None:
+            node = index.root(seq.salt_root)
+        key = seq.page_keys[-1] if seq.page_keys else seq.salt_root
+        for i in range(len(seq.page_keys), seq.num_cached // ps):
+            toks = tuple(seq.tokens[i * ps:(i + 1) * ps])
+            key = index.key_fn(key, toks)
+            e = index.lookup_entry(key, node, toks)
+            if e is None:
+                page = seq.page_table[i]
+                old = index.by_page.get(page)
+                if isinstance(old, Tail):  # the page was a finished request's tail; now it is full
+                    index.remove(old)
+                    self.kv.decref([page])
+                e = index.add(key, node, page, toks)
+                if e is None:  # the key names another prefix (a collision) or the page is listed elsewhere
+                    seq.cacheable = False
+                    return
+                self.kv.incref([page])
+            seq.page_keys.append(key)
+            seq.index_node = node = e
+
+    def cache_tail(self, seq: Sequence) -> None:
+        """List ``seq``'s partial last page as a tail (valid for its computed slots), so the next
+        request continuing this text copies it instead of recomputing it."""
+        if self.index is None or not seq.cacheable:
+            return
+        full, part = divmod(seq.num_cached, self.page_size)
+        if not part or len(seq.page_keys) != full or len(seq.page_table) <= full:
+            return
+        page = seq.page_table[full]
+        node = seq.index_node if full else self.index.root(seq.salt_root)
+        if node is None or (full and self.index.by_page.get(node.page) is not node):
+            return
+        old = self.index.by_page.get(page)
+        if isinstance(old, Tail):
+            if len(old.tokens) >= part:
+                return
+            self.index.remove(old)
+            self.kv.decref([page])
+        elif old is not None:
+            return
+        if self.index.add_tail(node, page, tuple(seq.tokens[full * self.page_size:seq.num_cached])):
+            self.kv.incref([page])
+
+    def match(self, tokens, salt_root: bytes, limit: int, keys: list | None = None) -> Match | None:
+        if self.index is None or limit <= 0:
+            return None
+        return self.index.match(tokens, salt_root, limit, keys)
+
+    def evict_cache(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` cache-only pages, least recently used leaves first."""
+        if self.index is None or num_pages <= 0:
+            return 0
+        freed = 0
+        for item in self.index.eviction_order(self.kv.refcount):
+            self.index.remove(item)
+            self.kv.decref([item.page])
+            freed += 1
+            if freed >= num_pages:
+                break
+        self.evicted_pages += freed
+        return freed
+
+    def num_cache_only(self) -> int:
+        """Pages only the index holds (all of them can be evicted, leaves first)."""
+        if self.index is None:
+            return 0
+        rc = self.kv.refcount
+        return sum(1 for p in self.index.by_page if rc[p] == 1)
 
     def hand_over(self, seq: Sequence, n_pages: int) -> None:
         """``seq``'s first ``n_pages`` pages are now owned by another table (a pool adopted them);
@@ -109,21 +213,42 @@ class KVTables:
         seq.num_borrowed_pages = n_pages
 
     def drop(self, seq: Sequence) -> None:
-        """Release every page of ``seq``'s table; its tokens stay (they can be recomputed)."""
+        """Release every page of ``seq``'s table; its tokens stay (they can be recomputed). Pages
+        the prefix index lists stay resident as cache."""
         self.kv.decref(seq.page_table)
         seq.page_table = []
         seq.num_cached = 0
         seq.num_borrowed_pages = 0
+        seq.page_keys, seq.index_node = [], None
 
     # ---- checks ------------------------------------------------------------------------
-    def check_integrity(self, holders: Iterable[Sequence]) -> None:
-        """Refcount == number of tables holding each page; every owned page has one owner."""
+    def check_integrity(self, holders: Iterable[Sequence]) -> int:
+        """Refcount == number of tables holding each page (+1 when the index lists it); every
+        owned page has one owner. Returns the number of cache pages (in use, owned by no table)."""
         seqs = list(holders)
-        self.kv.check_integrity([s.page_table for s in seqs])
+        cached = [[p] for p in self.index.by_page] if self.index is not None else []
+        self.kv.check_integrity([s.page_table for s in seqs] + cached)
         owned: list[int] = []
         for s in seqs:
             assert 0 <= s.num_borrowed_pages <= len(s.page_table), "borrowed pages beyond the table"
             assert s.num_cached <= len(s.page_table) * self.page_size, "cached tokens without pages"
             owned += s.owned_pages
         assert len(owned) == len(set(owned)), "a page has two owners"
-        assert len(owned) == self.kv.num_used, f"ownership: {len(owned)} owned pages != {self.kv.num_used} pages in use"
+        if self.index is None:
+            assert len(owned) == self.kv.num_used, f"ownership: {len(owned)} owned pages != {self.kv.num_used} in use"
+        else:
+            self._check_index()
+        return self.kv.num_used - len(owned)
+
+    def _check_index(self) -> None:
+        index = self.index
+        for key, e in index.entries.items():
+            assert e.key == key and index.by_page.get(e.page) is e, "index entry not listed by its page"
+            assert e.parent.children.get(key) is e, "index entry missing from its parent"
+            assert len(e.tokens) == self.page_size, "a full-page entry without a full page of tokens"
+            parent = e.parent
+            assert parent.page is None or index.by_page.get(parent.page) is parent, "an entry under an evicted parent"
+        for page, item in index.by_page.items():
+            assert item.page == page and self.kv.refcount[page] >= 1
+            if isinstance(item, Tail):
+                assert item.parent.tails.get(page) is item and 0 < len(item.tokens) < self.page_size
