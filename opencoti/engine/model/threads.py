@@ -96,10 +96,11 @@ class ThreadAdapter:
     Exploration: after ``explore_every`` steps on the current best (doubling up to
     ``max_explore_every`` while it stays best, back to the minimum when it slows down by 30%),
     one step runs on another count (the one measured least recently); an exploration sample
-    replaces that count's estimate (it may be stale), steps on the best one are smoothed.
+    replaces that count's estimate when it is better (the old value may be stale) and is averaged
+    in when worse (one unlucky step must not rule a count out); steps on the best are smoothed.
     """
 
-    def __init__(self, max_threads: int | None = None, *, explore_every: int = 8, max_explore_every: int = 256,
+    def __init__(self, max_threads: int | None = None, *, explore_every: int = 8, max_explore_every: int = 64,
                  alpha: float = 0.3, set_threads=torch.set_num_threads):
         self.max_threads = max(1, max_threads or usable_cpus())
         self.choices = list(range(1, self.max_threads + 1)) if self.max_threads <= 4 else sorted(
@@ -140,8 +141,10 @@ class ThreadAdapter:
         b, n = _bucket(tokens), self.current
         per_tok = seconds / max(tokens, 1)
         est = self.est[b]
-        if n not in est or n != self.best[b]:  # first or exploration sample: the fresh value counts
+        if n not in est:
             est[n] = per_tok
+        elif n != self.best[b]:  # exploration sample: a better one counts fully (the old value may be
+            est[n] = per_tok if per_tok < est[n] else 0.5 * (est[n] + per_tok)  # stale), a worse one half
         else:
             est[n] = (1 - self.alpha) * est[n] + self.alpha * per_tok
         self.seen[(b, n)] = self.steps
