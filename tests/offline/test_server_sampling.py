@@ -290,3 +290,28 @@ def test_models_list_aliases_and_props_reports_the_model_path(engine):
         assert m["id"] == "my-model" and set(m["aliases"]) == {"my-model", engine.model_name}
         props = c.get("/props").json()
         assert props["model_path"] == str(engine.loaded.model_dir) and props["model_alias"] == "my-model"
+
+
+def test_continue_final_message_and_add_generation_prompt(client, engine):
+    prefix = [{"role": "user", "content": "Count"}]
+    cont = prefix + [{"role": "assistant", "content": "1, 2"}]
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    tmpl = engine.apply_chat_template(prefix)  # ends with the opened assistant turn
+    want = client.post("/completion", json={"prompt": tmpl + "1, 2", "n_predict": 4, "temperature": 0,
+                                            "ignore_eos": True}).json()["content"]
+    for extra in ({}, {"continue_final_message": True, "add_generation_prompt": False}):
+        r = client.post("/v1/chat/completions", json={"messages": cont, **greedy, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want  # only the continuation
+        assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenize(tmpl + "1, 2"))
+    r = client.post("/v1/chat/completions", json={"messages": prefix, "add_generation_prompt": False, **greedy})
+    assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenize(
+        engine.apply_chat_template(prefix, add_generation_prompt=False)))
+    new_turn = client.post("/v1/chat/completions", json={"messages": cont, "continue_final_message": False,
+                                                         "add_generation_prompt": True, **greedy}).json()
+    assert new_turn["usage"]["prompt_tokens"] == len(engine.tokenize(engine.apply_chat_template(cont)))
+    for body, match in (({"messages": cont, "continue_final_message": True, "add_generation_prompt": True},
+                         "cannot both be true"),
+                        ({"messages": prefix, "continue_final_message": True}, "end with an assistant"),
+                        ({"messages": cont + [{"role": "assistant", "content": "3"}]}, "two or more assistant")):
+        assert_400(client.post("/v1/chat/completions", json=body), match)
