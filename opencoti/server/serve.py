@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-predict", "-n", type=int, default=-1,
                    help="default max tokens when a request gives none (-1 = until EOS / context)")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
+    p.add_argument("--seed", "-s", type=int, default=-1,
+                   help="RNG seed for requests that give none (-1 = random at start, like llama.cpp)")
     p.add_argument("--tps-interval-ms", type=float, default=500.0, help="GET /polykv/tps SSE period (default 500)")
     p.add_argument("--max-body-mib", type=float, default=16.0, help="request body limit (default 16 MiB)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -69,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def engine_seed(seed: int) -> int:
+    """The engine's default seed from ``--seed``: -1 draws a random one (llama.cpp's default)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1 if seed == -1 else seed
 
 
 def allowed_hosts(bind: str, extra: list[str]) -> list[str] | None:
@@ -103,7 +110,8 @@ def run(args) -> int:
             max_running=args.parallel, max_context=args.ctx_size, max_batch_tokens=args.batch_tokens,
             num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl,
             prefix_cache=args.prefix_cache == "on", session_ttl_s=args.session_ttl,
-            state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights)
+            state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights,
+            seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,

@@ -315,3 +315,14 @@ def test_continue_final_message_and_add_generation_prompt(client, engine):
                         ({"messages": prefix, "continue_final_message": True}, "end with an assistant"),
                         ({"messages": cont + [{"role": "assistant", "content": "3"}]}, "two or more assistant")):
         assert_400(client.post("/v1/chat/completions", json=body), match)
+
+
+def test_serve_seed_flag():
+    import argparse
+
+    from opencoti.server.serve import add_arguments, engine_seed
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).seed == -1 and p.parse_args(["--seed", "42"]).seed == 42
+    assert engine_seed(42) == 42 and engine_seed(-1) != engine_seed(-1)  # -1: random per start
