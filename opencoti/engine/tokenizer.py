@@ -208,7 +208,9 @@ class _ByteTokenizer(Tokenizer):
             if special is not None:
                 ids.append(special)
             else:
-                ids.extend(piece.encode("utf-8"))
+                data = piece.encode("utf-8")
+                for i in range(0, len(data), 1 << 16):  # in slices: other threads run in between
+                    ids.extend(data[i:i + (1 << 16)])
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
