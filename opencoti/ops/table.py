@@ -18,7 +18,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from .. import __version__
-from ..engine.chat import template_caps
+from ..engine.chat import render_chat, template_caps
 from ..engine.errors import InvalidRequestError, OpencotiError
 from . import results as R
 from .context import Context
@@ -139,7 +139,6 @@ def _detokenize(ctx: Context, body: DetokenizeRequest) -> dict:
 
 
 def _apply_template(ctx: Context, body: ApplyTemplateRequest) -> dict:
-    from ..engine.chat import render_chat
     return {"prompt": render_chat(ctx.engine.tokenizer, body.messages, body.tools, body.add_generation_prompt)}
 
 
