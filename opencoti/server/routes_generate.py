@@ -361,3 +361,30 @@ async def infill(request: Request, ctx: Context = Depends(get_ctx), state: Serve
     tokens = [fim[0], *parts["input_prefix"], fim[1], *parts["input_suffix"], fim[2], *parts["prompt"]]
     body = CompletionRequest(**{**raw, "prompt": tokens})
     return await _completion(request, body, ctx, state)
+
+
+# ============================================================================ POST /slots/{id}?action= (llama.cpp)
+@router.post("/slots/{slot_id}", tags=["llama.cpp"], responses=error_responses((400, 404, 409, 501)),
+             summary="save / restore / erase a session's KV cache by file name (llama.cpp slot actions; "
+                     "the slot id is a session id)")
+async def slot_action(request: Request, slot_id: str, action: str = "", ctx: Context = Depends(get_ctx)):
+    from ..engine.persist.slots import erase_session, restore_session, save_session
+
+    if action not in ("save", "restore", "erase"):
+        raise ApiError(400, f"action must be save, restore or erase, got {action!r}", "invalid_request_error")
+    filename = None
+    if action != "erase":
+        try:
+            raw = await request.json()
+        except ValueError:
+            raw = None
+        filename = raw.get("filename") if isinstance(raw, dict) else None
+        if not isinstance(filename, str) or not filename:
+            raise ApiError(400, "the body must be {\"filename\": ...}", "invalid_request_error")
+    if action == "save":
+        out = await run_in_threadpool(save_session, ctx.engine, slot_id, filename)
+    elif action == "restore":
+        out = await run_in_threadpool(restore_session, ctx.engine, slot_id, filename)
+    else:
+        out = await run_in_threadpool(erase_session, ctx.engine, slot_id)
+    return SafeJSONResponse({"id_slot": slot_id, **out})

@@ -326,3 +326,24 @@ def test_serve_seed_flag():
     add_arguments(p)
     assert p.parse_args([]).seed == -1 and p.parse_args(["--seed", "42"]).seed == 42
     assert engine_seed(42) == 42 and engine_seed(-1) != engine_seed(-1)  # -1: random per start
+
+
+def test_slot_actions_map_onto_session_persistence(engine, make_engine, tmp_path):
+    # without a state directory: 501, like llama.cpp without --slot-save-path
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        sid = c.post("/completion", json={"prompt": "hello", "n_predict": 2}).headers["x-session-id"]
+        r = c.post(f"/slots/{sid}?action=save", json={"filename": "a.bin"})
+        assert r.status_code == 501 and "--state-dir" in r.json()["error"]["message"]
+        assert_400(c.post(f"/slots/{sid}?action=frob", json={}), "save, restore or erase")
+    eng = make_engine(state_dir=str(tmp_path))
+    with TestClient(create_app(eng), raise_server_exceptions=False) as c:
+        sid = c.post("/completion", json={"prompt": "hello there", "n_predict": 2}).headers["x-session-id"]
+        saved = c.post(f"/slots/{sid}?action=save", json={"filename": "a.bin"})
+        assert saved.status_code == 200, saved.text
+        assert saved.json()["id_slot"] == sid and saved.json()["n_saved"] > 0
+        erased = c.post(f"/slots/{sid}?action=erase")
+        assert erased.status_code == 200 and erased.json()["n_erased"] > 0
+        restored = c.post(f"/slots/{sid}?action=restore", json={"filename": "a.bin"})
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["n_restored"] == saved.json()["n_saved"]
+        assert_400(c.post(f"/slots/{sid}?action=save", json={}), "filename")
