@@ -120,7 +120,7 @@ def test_tree_kv_tps_and_actions(server, browser, engine):
     for pid in (root["pool_id"], child["pool_id"]):
         own = page.get_attribute(f"#tree [data-pool='{pid}'] [data-field='own']", "data-bytes")
         assert int(own) == pools[pid]["own_kv_bytes"]
-    assert page.locator(f"#cap tr[data-pool='{root['pool_id']}']").count() == 1
+    page.wait_for_selector(f"#cap tr[data-pool='{root['pool_id']}']", timeout=10_000)  # capacity rows follow the tree
 
     # live tps arrives (the page updates without reloading)
     page.wait_for_function("() => document.querySelector(\"[data-session='agent-1']\") && "
