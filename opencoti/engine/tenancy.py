@@ -232,14 +232,31 @@ class TenantEngine:
             raise InvalidRequestError("cache_salt is not supported by this engine")
         return kw
 
+    def _anonymous(self, kw: dict, gen: dict) -> None:
+        """A session the view named for the client is still nobody's choice: it expires like the
+        engine's own anonymous sessions (marked on the step thread, after the request was queued)."""
+        if kw.get("session_id") is None:
+            sid = gen["session_id"]
+
+            def mark():
+                s = self._eng.core.sessions.get(sid)
+                if s is not None:
+                    s.anonymous = True
+            self._eng._submit(mark)
+
     def stream(self, prompt=None, **kw) -> "TenantStream":
-        return TenantStream(self._call(self._eng.stream, prompt, **self._gen_kwargs(kw)), self)
+        gen = self._gen_kwargs(kw)
+        inner = self._call(self._eng.stream, prompt, **gen)
+        self._anonymous(kw, gen)
+        return TenantStream(inner, self)
 
     async def astream(self, prompt=None, **kw) -> "TenantStream":
+        gen = self._gen_kwargs(kw)
         try:
-            inner = await self._eng.astream(prompt, **self._gen_kwargs(kw))
+            inner = await self._eng.astream(prompt, **gen)
         except OpencotiError as e:
             raise self._errors(e) from None
+        self._anonymous(kw, gen)
         return TenantStream(inner, self)
 
     def generate(self, prompt=None, **kw):

@@ -62,8 +62,11 @@ def test_sessions_are_per_tenant(views):
     assert s.info.session_id == "agent-2"
     list(s)
     assert s.result.info.session_id == "agent-2"
-    anon = bob.generate([1, 2, 3], params=SamplingParams.greedy(1))  # a made-up id, in bob's namespace
-    assert anon.session_id.startswith("s-") and eng._call(lambda: f"bob:{anon.session_id}" in eng.core.sessions)
+    anon = bob.generate([1, 2, 3], params=SamplingParams.greedy(1))  # a made-up id, in bob's namespace ...
+    assert anon.session_id.startswith("s-")
+    s = eng._call(lambda: eng.core.sessions.get(f"bob:{anon.session_id}"))
+    assert s is not None and s.anonymous and not eng._call(lambda: eng.core.sessions["bob:agent-1"].anonymous)
+    # ... that expires like the engine's own anonymous sessions (session_ttl_s)
     with pytest.raises(SessionNotFoundError) as e:
         bob.release_session("agent-2")
     assert "alice" not in str(e.value) and "bob:" not in str(e.value)
@@ -112,3 +115,19 @@ def test_async_streams_and_refused_surface(views):
     assert alice.configure_tps() == eng.configure_tps()
     with pytest.raises(InvalidRequestError):
         TenantEngine(eng, "bad name")
+
+
+def test_automatic_prefix_reuse_stays_within_a_tenant(views):
+    eng, alice, bob = views
+    prompt = list(range(60, 100))
+    greedy = SamplingParams.greedy(2)
+    first = alice.generate(prompt, session_id="a1", params=greedy)
+    assert first.info.cached_prefix_tokens == 0
+    again = alice.generate(prompt, session_id="a2", params=greedy)
+    assert again.info.cached_prefix_tokens > 0  # alice's own cached prefix is reused ...
+    other = bob.generate(prompt, session_id="b1", params=greedy)
+    assert other.info.cached_prefix_tokens == 0  # ... never bob's (nor the engine's unsalted one)
+    assert other.token_ids == first.token_ids
+    assert bob.generate(prompt, session_id="b2", params=greedy).info.cached_prefix_tokens > 0
+    plain = eng.generate(prompt, params=greedy)  # a request without a tenant shares with neither
+    assert plain.info.cached_prefix_tokens == 0
