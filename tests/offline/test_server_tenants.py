@@ -107,3 +107,15 @@ def test_sessions_are_per_tenant(client):
 def test_one_key_and_tenants_do_not_mix(engine):
     with pytest.raises(ValueError, match="api_key"):
         create_app(engine, config=ServerConfig(api_key="k" * 12, tenant_keys=KEYS))
+
+
+def test_automatic_prefix_reuse_never_crosses_tenants(client):
+    req = {"prompt": list(range(60, 110)), **GREEDY}
+    assert ok(client.post("/completion", json=req, headers=A))["tokens_cached"] == 0
+    assert ok(client.post("/completion", json=req, headers=B))["tokens_cached"] == 0  # not alice's cache
+    assert ok(client.post("/completion", json={**req, "cache_salt": "x"}, headers=A))["tokens_cached"] == 0
+    assert ok(client.post("/completion", json=req, headers=A2))["tokens_cached"] > 0  # alice's, by her other key
+    r = client.post("/completion", json=req, headers=A)
+    assert ok(r)["tokens_cached"] > 0 and r.headers["x-session-id"].startswith("s-")
+    assert [s["session_id"] for s in ok(client.get("/slots", headers=B))] != []  # bob sees his anonymous one ...
+    assert all(s["session_id"] not in {r.headers["x-session-id"]} for s in ok(client.get("/slots", headers=B)))
