@@ -22,9 +22,11 @@ from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.utils.utils import _build_model_kwargs
 from pydantic import AliasChoices
 
-STRUCTURED_OUTPUT = False
-"""Whether chat requests take ``response_format={"type": "json_schema", ...}`` (constrained
-decoding): ``create_agent(response_format=...)`` then uses the provider strategy, else tool calls."""
+STRUCTURED_OUTPUT = True
+"""Chat requests take ``response_format={"type": "json_schema", ...}`` and decode under the schema
+(also combined with tools in ``auto`` mode: a tool call or the JSON answer), so
+``create_agent(response_format=...)`` uses the provider strategy and ``with_structured_output``'s
+``json_schema`` / ``json_mode`` methods constrain the answer instead of forcing a tool call."""
 
 # The chat request fields of `opencoti serve` (and of the in-process operations), besides the
 # messages themselves; used when the server's schema module cannot be imported.

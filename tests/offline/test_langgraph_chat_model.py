@@ -396,3 +396,21 @@ def test_structured_output_constrained_when_the_server_constrains(monkeypatch):
     assert m.with_structured_output(None, method="json_mode").invoke("x") == {"value": 42}
     assert sc.requests[-1]["extra_body"]["response_format"] == {"type": "json_object"}
     assert "tools" not in sc.requests[-1]
+
+
+def test_constrained_structured_output_and_create_agent_strategy(engine):
+    """On the engine (random weights): the answer is constrained to the schema, so it parses."""
+    from langchain.agents import create_agent
+    model = OpencotiChatModel(engine=engine, temperature=0, max_tokens=64)
+    assert model.profile["structured_output"]
+    out = model.with_structured_output(Answer, method="json_schema", strict=True).invoke("a number")
+    assert isinstance(out, Answer)
+    from pydantic import ConfigDict
+
+    class Closed(Answer):
+        model_config = ConfigDict(extra="forbid")  # no further keys for the random weights to invent
+
+    agent = create_agent(model, tools=[], response_format=Closed)  # the profile picks the provider strategy
+    res = agent.invoke({"messages": [{"role": "user", "content": "a number"}]})
+    assert isinstance(res["structured_response"], Closed)
+    assert res["messages"][-1].response_metadata["finish_reason"] == "stop"
