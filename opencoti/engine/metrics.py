@@ -64,6 +64,7 @@ class Activity:
     n_warming: int  # in flight, not measured yet
     n_decoding: int  # decode batch size (active + warming that are decoding)
     tps_by_session: dict  # session_id -> tps of active sessions
+    n_inflight: int = 0  # generation requests in flight (waiting, prefilling or decoding)
 
 
 class Metrics:
@@ -189,8 +190,9 @@ class Metrics:
 
     def activity(self) -> Activity:
         tps: dict[str, float] = {}
-        n_warming = n_decoding = 0
+        n_warming = n_decoding = n_inflight = 0
         for job in self._generation_jobs():
+            n_inflight += 1
             sid = job.session.session_id
             m = self.meters.get(sid)
             fresh = m is not None and m.is_fresh(job)
@@ -202,7 +204,7 @@ class Metrics:
             elif not fresh:
                 n_warming += 1
         mean = sum(tps.values()) / len(tps) if tps else None
-        return Activity(mean, len(tps), n_warming, n_decoding, tps)
+        return Activity(mean, len(tps), n_warming, n_decoding, tps, n_inflight)
 
     def kv_cells(self, keep_pool=None) -> dict:
         """KV cells (tokens) of the engine: total, free (free pages plus what ``reclaim`` would free

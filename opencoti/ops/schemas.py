@@ -244,6 +244,7 @@ class AdmissionRequest(_Strict):
     settle_tokens: int | None = None
     settle_max_ms: float | None = None
     queue_timeout_ms: float | None = None
+    forecast: Literal["adaptive", "conservative"] | None = None
 
 
 class CompactRequest(_Strict):

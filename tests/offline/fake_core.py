@@ -21,6 +21,7 @@ class FakeCore:
         self.page_size = page_size
         self.max_context = max_context
         self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=64 * page_size)
+        self.tables = SimpleNamespace(num_cache_only=lambda: 0)  # no prefix-cache-only pages
         self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
 

@@ -248,7 +248,9 @@ class Harness:
         self.adm = AdmissionController(engine, self.metrics, clock=clock)
         self.pool = core.tree.add(None, 0, list(range(1, 21)))
         self.pool.residency = Residency.RESIDENT
-        self.adm.set_policy(self.pool.pool_id, **policy)
+        # these tests script tokens, not engine steps: the drop-based forecast (the adaptive one
+        # learns from step events, see test_adaptive_forecast_through_the_controller)
+        self.adm.set_policy(self.pool.pool_id, **{"forecast": "conservative", **policy})
 
     def plan(self, sid, n_prompt=30, max_tokens=100, overcommit=False) -> AdmissionPlan:
         s = self.core.sessions.get(sid)
@@ -301,6 +303,13 @@ class Harness:
     def tick(self, t):
         self.t = t
         self.adm.tick(t)
+
+    def steps(self, batch, step_s, n):
+        """``n`` pure-decode engine steps of ``batch`` sequences, ``step_s`` each (stats only)."""
+        stats = SimpleNamespace(num_seqs=batch, num_decode=batch, num_prefill_tokens=0, num_tokens=batch,
+                                total_s=step_s, model_s=step_s)
+        for _ in range(n):
+            self.core.emit("step", stats=stats)
 
     def cap(self, **kw):
         return self.adm.capacity(self.pool.pool_id, **kw)
@@ -415,6 +424,31 @@ def test_scripted_gate_reject_continuation_overcommit_and_context_arm():
     h.adm.set_policy(h.pool.pool_id, mode="advisory")
     h.submit("d")
     assert not h.cap()["can_admit"]
+
+
+def test_adaptive_forecast_through_the_controller():
+    h = Harness(target_tps_per_session=6.0, forecast="adaptive", settle_tokens=48)
+    a = h.submit("a")
+    cap = h.cap()
+    # nothing measured at this batch size yet: the conservative model (10 tps is not known either)
+    assert cap["forecast"] == "adaptive" and cap["forecast_kind"] == "model" and not cap["can_admit"]
+    h.steps(1, 0.1, 20)  # quiet steps: the settle window needs only a few tokens
+    h.run(0.45, (a, 10.0))
+    cap = h.cap()
+    assert not cap["settling"] and cap["forecast_kind"] == "conservative"
+    assert cap["projected_mean_tps_if_admitted"] == pytest.approx(5.0)  # a full share: the bound
+    assert cap["projected_mean_tps_measured"] == pytest.approx(10 / 1.5)  # half a share: the estimate
+    assert cap["can_admit"] and cap["probe"]  # the frontier, and the engine is above the floor now
+    b = h.submit("b")
+    assert h.adm._settle_tokens(h.adm.states[h.pool.pool_id]) == 4  # sized from the (zero) noise
+    h.steps(2, 0.125, 20)
+    h.run(1.5, (a, 8.0), (b, 8.0))
+    cap = h.cap()
+    assert cap["forecast_kind"] == "extrapolated" and cap["projected_mean_tps_measured"] == pytest.approx(10 / 1.5)
+    assert cap["can_admit"] and not cap["probe"]  # noiseless points on a line: the bound itself passes
+    h.adm.set_policy(h.pool.pool_id, target_tps_per_session=7.0)  # the estimate fails: no probe
+    cap = h.cap()
+    assert not cap["can_admit"] and cap["reason"] == REASON_FLOOR and not cap["probe"]
 
 
 def test_known_session_in_capacity():
@@ -614,8 +648,9 @@ def test_queue_holds_fifo_until_capacity_returns_and_times_out(loaded):
 def test_settling_is_a_bounded_hold_not_a_reject(make_engine):
     eng = make_engine()
     pool = eng.create_pool(tokens=toks(9, 24))
+    # conservative: a settle window of settle_tokens (the adaptive one closes once the noise allows)
     eng.set_admission(pool.pool_id, target_tps_per_session=1e-3, mode="enforced", settle_tokens=1_000_000,
-                      settle_max_ms=150)
+                      settle_max_ms=150, forecast="conservative")
     thread, _ = _background(eng, pool.pool_id, "first", n=400, min_tokens=1)
     r = eng.generate(toks(9, 24) + toks(6, 6), params=greedy(4), pool_id=pool.pool_id, session_id="second")
     adm = r.info.admission

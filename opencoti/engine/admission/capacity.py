@@ -16,11 +16,16 @@ A pool's capacity report answers "does one more session fit?" from these arms, c
 Projection (all tps numbers are *experienced decode tps*, see ``metrics``):
 
 * ``projected_mean_tps_model`` = ``mean * n / (n + 1)`` with n = the current decode batch: the
-  conservative flat-throughput bound (every extra session costs a full share).
-* ``projected_mean_tps_measured`` = ``mean - drop`` once the pool has absorbed >= 1 admit, where
-  ``drop`` is the pool's learned per-admit drop (``forecast.DropForecast``): its mean, raised by
-  its uncertainty (an upper confidence bound) while few or noisy samples exist. The floor uses
-  the measured projection when it exists, else the model.
+  conservative flat-throughput bound (every extra session costs a full share). Always reported.
+* ``forecast: "adaptive"`` (default): the engine's measured step time per batch size
+  (``forecast.StepForecast``) projects the tps at one more session; the floor arm checks the
+  upper confidence bound of that step time (``projected_mean_tps_if_admitted``), and the estimate
+  (``projected_mean_tps_measured``) when the next batch size is the frontier (never measured: a
+  probe, at most one size beyond what was measured). An estimate that passes while the bound
+  does not holds the spawn: ``"next admit may cross the floor (uncertain drop)"``.
+* ``forecast: "conservative"``: ``projected_mean_tps_measured`` = ``mean - drop_ewma`` once the
+  pool has absorbed >= 1 admit (the drop measured at the end of each settle window), else the
+  model.
 * **Idle estimate**: when nothing decodes but the pool has sessions attached and a fresh settled
   mean, the projection starts from that mean (``projected_idle_estimate: true``).
 """
@@ -59,6 +64,13 @@ class CapacityInputs:
     largest_session_share: float = 0.0  # max ctx_used / ctx_total over the pool's sessions
     known_session: bool = False
     idle_fresh_s: float = IDLE_FRESH_S
+    # the adaptive forecast (tps = calibration / step time) for the batch growing by one session
+    fc_kind: str = "none"  # measured | extrapolated | conservative | unmeasured (the current batch) | none
+    fc_now_tps: float | None = None
+    fc_est_tps: float | None = None
+    fc_bound_tps: float | None = None
+    fc_frontier: bool = False
+    fc_headroom: int | None = None  # more sessions whose bound stays >= the floor
 
 
 def model_ratio(n: int, k: int = 1) -> float:
@@ -79,11 +91,23 @@ def compute_capacity(x: CapacityInputs) -> dict:
     drop = None
     if x.drop_samples:
         drop = x.drop_bound if x.drop_bound is not None else x.drop_ewma
+    # adaptive, once the current batch size has step statistics; before that the conservative model
+    adaptive = p.forecast == "adaptive" and x.fc_kind not in ("none", "unmeasured")
+    probe = False
     if base is not None:
         model = base * model_ratio(max(n, 1))
-        if drop is not None:
+        if drop is not None and p.forecast != "adaptive":
             measured = max(0.0, base - drop)
-    projected = measured if measured is not None else model
+    if adaptive:
+        measured = x.fc_est_tps
+        projected = x.fc_bound_tps
+        # the frontier (a batch size never measured) is probed while the engine is above the floor
+        # now, when the estimate passes, or with a single size measured (no slope known at all)
+        probe = (x.fc_frontier and floor is not None and projected is not None and projected < floor
+                 and x.fc_now_tps is not None and x.fc_now_tps >= floor
+                 and (x.fc_kind == "conservative" or (measured is not None and measured >= floor)))
+    else:
+        projected = measured if measured is not None else model
 
     marginal = max(int(x.marginal_tokens), 1)
     headroom_sessions = max(0, x.available_cells) // marginal
@@ -93,7 +117,10 @@ def compute_capacity(x: CapacityInputs) -> dict:
 
     # how many more sessions the floor allows (measured drop when known, else the model)
     tps_headroom = None
-    if floor is not None and base is not None:
+    if adaptive and floor is not None:
+        tps_headroom = x.fc_headroom if x.fc_headroom is not None else int(projected is not None and projected >= floor)
+        tps_headroom = max(tps_headroom, 1) if probe else tps_headroom
+    elif floor is not None and base is not None:
         if measured is not None:
             tps_headroom = max(0, int((base - floor) // drop)) if drop > 0 else \
                 (headroom_sessions if base >= floor else 0)
@@ -109,7 +136,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
     guaranteed = x.n_pool_sessions < p.guarantee_min_sessions and x.n_engine_inflight < p.guarantee_min_sessions
     window_open = x.settle_remaining_s is not None
     settling = window_open and p.has_floor  # a pool without a floor measures but never waits
-    below = floor is not None and projected is not None and projected < floor
+    below = floor is not None and not probe and projected is not None and projected < floor
     if not context_ok:
         can, reason = False, REASON_CONTEXT
     elif guaranteed:
@@ -119,7 +146,8 @@ def compute_capacity(x: CapacityInputs) -> dict:
     elif headroom_sessions < 1:
         can, reason = False, REASON_KV
     elif below:
-        mean_only = measured is not None and x.drop_ewma is not None and base - x.drop_ewma >= floor
+        mean_only = (measured is not None and measured >= floor) if adaptive else \
+            measured is not None and x.drop_ewma is not None and base - x.drop_ewma >= floor
         can = False
         reason = REASON_FLOOR_IDLE if idle_estimate else REASON_UNCERTAIN if mean_only else REASON_FLOOR
     else:
@@ -131,6 +159,9 @@ def compute_capacity(x: CapacityInputs) -> dict:
         "projected_mean_tps_model": model,
         "projected_mean_tps_measured": measured,
         "projected_idle_estimate": idle_estimate,
+        "forecast": p.forecast,
+        "forecast_kind": x.fc_kind if adaptive else "drop" if measured is not None else "model",
+        "probe": probe,
         "drop_per_admit_ewma": x.drop_ewma,
         "drop_per_admit_bound": drop,
         "drop_samples": x.drop_samples,

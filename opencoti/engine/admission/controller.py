@@ -22,7 +22,9 @@ from ..checks import is_int
 from ..errors import InvalidRequestError, PoolSaturatedError
 from .capacity import CapacityInputs, compute_capacity
 from .decide import ADMIT, HOLD, REJECT, AdmissionPlan, Decision, GateInputs, decide
-from .policy import ENFORCED, QUEUE, REASON_CONTEXT, REASON_OK, REASON_QUEUE_TIMEOUT, AdmissionPolicy
+from .forecast import StepForecast
+from .policy import (ADAPTIVE, ENFORCED, IDLE_FRESH_S, QUEUE, REASON_CONTEXT, REASON_OK, REASON_QUEUE_TIMEOUT,
+                     AdmissionPolicy)
 from .state import Held, PoolState
 
 log = logging.getLogger("opencoti.admission")
@@ -47,6 +49,8 @@ class AdmissionController:
         self._last_refresh = -math.inf
         self._closed = False
         self._retry_due = False  # something changed: re-try held requests at the next tick
+        self.forecast = StepForecast()  # engine-wide step time per batch size
+        self._batch = (0, -math.inf)  # (requests in flight, since when): calibration needs a steady batch
         self.listener_errors = 0
         self.core.listeners.append(self._on_event)
 
@@ -133,7 +137,7 @@ class AdmissionController:
             self._expire(st, now)
             if st.settle is not None and self._settling.get(st.settle.session_id) == st.pool_id:
                 del self._settling[st.settle.session_id]
-            st.start_settle(now, job.session.session_id, mean)
+            st.start_settle(now, job.session.session_id, mean, self.metrics.activity().n_inflight)
             self._settling[job.session.session_id] = st.pool_id
             self._event(st.pool_id, "admit", session_id=job.session.session_id, mean_at_admit=mean,
                         admits_in_window=st.settle.admits)
@@ -212,16 +216,42 @@ class AdmissionController:
             cands.append(st.marginal_ewma)
         partial = 1 if pool.prefix_len % ps else 0  # the pool's partial last page is copied per session
         marginal = (-(-int(math.ceil(max(cands))) // ps) + partial) * ps
-        return CapacityInputs(
+        fc = self._forecast_inputs(st, act, len(pool.sessions), now)
+        return CapacityInputs(**fc,
             policy=st.policy, mean=act.mean_active_tps, n_active=act.n_active, n_warming=act.n_warming,
             n_decoding=act.n_decoding, n_pool_sessions=len(pool.sessions),
-            n_engine_inflight=act.n_decoding + act.n_warming,
+            n_engine_inflight=act.n_inflight,
             settle_remaining_s=st.settle_remaining_s(now), drop_ewma=st.drop_ewma, drop_samples=st.drop_samples,
             last_settled_mean=st.last_settled_mean,
             last_settled_age_s=None if st.last_settled_t is None else now - st.last_settled_t,
             available_cells=cells["available"], free_cells=cells["free"], total_cells=cells["total"],
             marginal_tokens=marginal, expected_tokens=expected_tokens,
             context_left=core.max_context - pool.prefix_len, largest_session_share=largest, known_session=known)
+
+    def _forecast_inputs(self, st: PoolState, act, n_pool_sessions: int, now: float) -> dict:
+        """The adaptive forecast for one more session: tps now, estimated and bounded after it."""
+        if st.policy.forecast != ADAPTIVE:
+            return {}
+        b = act.n_inflight
+        if b == 0 and n_pool_sessions and st.last_settled_t is not None and now - st.last_settled_t < IDLE_FRESH_S:
+            b = n_pool_sessions  # between turns: they come back (the idle estimate)
+        fc = self.forecast
+        c = fc.calibration
+        pr = fc.project(b)
+        tps = lambda s: None if s is None or s <= 0 else c / s  # noqa: E731
+        kind = "unmeasured" if pr.kind == "none" and b > 0 else pr.kind  # running, but this batch size has no data
+        out = {"fc_kind": kind, "fc_now_tps": tps(pr.now_s), "fc_est_tps": tps(pr.est_s),
+               "fc_bound_tps": tps(pr.bound_s), "fc_frontier": pr.frontier}
+        floor = st.policy.target_tps_per_session
+        if floor is not None and pr.bound_s is not None:
+            k = 0
+            while k < 64:
+                q = fc.project(b, k + 1)
+                if q.bound_s is None or c / q.bound_s < floor:
+                    break
+                k += 1
+            out["fc_headroom"] = k
+        return out
 
     def _soonest_finish_s(self) -> float | None:
         """Soonest expected end of a running request: remaining max_tokens / its tps."""
@@ -239,7 +269,13 @@ class AdmissionController:
         return best
 
     def _refresh(self, now: float) -> None:
-        act = None
+        act = self.metrics.activity()
+        b = act.n_inflight
+        if b != self._batch[0]:
+            self._batch = (b, now)
+        elif (act.mean_active_tps is not None and not act.n_warming and not self._settling
+              and now - self._batch[1] >= self.metrics.cfg.window_s):
+            self.forecast.calibrate(act.mean_active_tps, b)  # the tps window covers only this batch size
         for pid, st in list(self.states.items()):
             pool = self.core.tree.pools.get(pid)
             if pool is None:
@@ -249,7 +285,6 @@ class AdmissionController:
                         del self._settling[sid]
                 continue
             if st.settle is None and pool.sessions:
-                act = act or self.metrics.activity()
                 if act.mean_active_tps is not None:
                     st.last_settled_mean, st.last_settled_t = act.mean_active_tps, now
 
@@ -283,6 +318,10 @@ class AdmissionController:
         try:
             if event == "token":
                 self._on_token(data["job"])
+            elif event == "step":
+                st = data["stats"]
+                self.forecast.observe(st.num_seqs if st.num_decode == st.num_seqs else 0, st.num_prefill_tokens,
+                                      st.total_s)
             elif event == "finish":
                 self._on_finish(data["job"])
         except Exception:  # noqa: BLE001 - admission bookkeeping must never take a request down
@@ -296,8 +335,15 @@ class AdmissionController:
         if st is None or st.settle is None:
             return
         st.settle.tokens += 1
-        if st.settle.tokens >= st.policy.settle_tokens:
+        if st.settle.tokens >= self._settle_tokens(st):
             self._end_settle(st, self.clock(), self.metrics.activity().mean_active_tps, fold=True, by="tokens")
+
+    def _settle_tokens(self, st: PoolState) -> int:
+        """Tokens the open settle window waits for: the policy's settle_tokens, or (adaptive) as
+        many as the measured noise at the new batch size needs, within that."""
+        if st.policy.forecast != ADAPTIVE:
+            return st.policy.settle_tokens
+        return self.forecast.settle_tokens(st.settle.batch, st.policy.settle_tokens)
 
     def _on_finish(self, job) -> None:
         s = job.session
@@ -320,7 +366,7 @@ class AdmissionController:
             # the admitted session left before the window closed: its load is gone; keep the
             # measurement only if it stayed for at least half the window
             self._end_settle(st, self.clock(), self.metrics.activity().mean_active_tps,
-                             fold=st.settle.tokens >= st.policy.settle_tokens // 2, by="finish")
+                             fold=st.settle.tokens >= self._settle_tokens(st) // 2, by="finish")
         if any(st.queue for st in self.states.values()):
             self._retry_due = True
 

@@ -94,7 +94,7 @@ def _reject(plan: AdmissionPlan, g: GateInputs, cap: dict, prefix: str = "", rea
     policy = g.capacity.policy
     retry = retry_after_s(cap, g.soonest_finish_s, policy.settle_max_ms)
     detail = cap["reason"]
-    if cap["reason"] in FLOOR_REASONS:
+    if cap["reason"] in FLOOR_REASONS and cap["projected_mean_tps_if_admitted"] is not None:
         detail += f" ({cap['projected_mean_tps_if_admitted']:.2f} < {policy.target_tps_per_session:g} tokens/s)"
     elif cap["reason"] == REASON_CONTEXT:
         detail += f" ({cap['expected_tokens']} tokens expected, {cap['kv_available_cells']} KV cells available)"

@@ -9,6 +9,7 @@ from ..errors import InvalidRequestError
 
 ADVISORY, ENFORCED = "advisory", "enforced"
 REJECT, WARN, QUEUE = "reject", "warn", "queue"
+ADAPTIVE, CONSERVATIVE = "adaptive", "conservative"
 
 REASON_OK = "ok"
 REASON_GUARANTEED = "guaranteed minimum"
@@ -39,7 +40,11 @@ class AdmissionPolicy:
         fewer requests in flight than this, a new session is always admitted (the context arm
         still applies). Speed is shared by the whole engine, so the promise is checked against the
         engine's load: N pools guaranteeing 1 session each do not force N sessions past the floor.
-    settle_tokens / settle_max_ms: the settle window after each new-session admit.
+    settle_tokens / settle_max_ms: the settle window after each new-session admit (at most; the
+        adaptive forecast ends it as soon as the new batch size's step time is known well enough).
+    forecast: how the tps after one more admit is projected: "adaptive" (the engine's step time
+        per batch size, learned online, with an upper confidence bound; see ``forecast``) or
+        "conservative" (mean * n/(n+1) until a measured per-admit drop exists, then mean - drop).
     queue_timeout_ms: how long ``queue`` holds a request before failing it with PoolSaturatedError.
     """
 
@@ -50,6 +55,7 @@ class AdmissionPolicy:
     settle_tokens: int = 48
     settle_max_ms: float = 5000.0
     queue_timeout_ms: float = 30000.0
+    forecast: str = ADAPTIVE
 
     def __post_init__(self) -> None:
         def check(cond: bool, msg: str) -> None:
@@ -70,6 +76,8 @@ class AdmissionPolicy:
               f"settle_max_ms must be a positive number of milliseconds (<= 1 h), got {self.settle_max_ms!r}")
         check(is_number(self.queue_timeout_ms) and 0 < self.queue_timeout_ms <= 86_400_000,
               f"queue_timeout_ms must be a positive number of milliseconds (<= 24 h), got {self.queue_timeout_ms!r}")
+        check(self.forecast in (ADAPTIVE, CONSERVATIVE),
+              f"forecast must be adaptive|conservative, got {self.forecast!r}")
 
     @property
     def has_floor(self) -> bool:

@@ -1,0 +1,192 @@
+"""A simulated engine: the real ``Metrics`` and ``AdmissionController`` on a simulated clock.
+
+``SimCore`` stands in for ``EngineCore`` (sessions, one pool tree, the scheduler's job lists, KV
+page counts, ``prepare`` / ``commit``, the listener events); ``SimEngine`` stands in for
+``Engine`` (a command runs at once on the simulated step thread) and runs the step loop:
+``AdmissionController.tick`` every iteration, one step of every running and waiting request at a
+time, whose duration a ``StepClock`` draws from a profile. Requests go through
+``AdmissionController.submit`` exactly as on the real engine: prepare -> decide -> commit.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+from ..engine.admission import AdmissionController, AdmissionPlan
+from ..engine.config import SamplingParams
+from ..engine.errors import SessionBusyError
+from ..engine.kv.pools import PoolTree, Residency
+from ..engine.metrics import Metrics
+from ..engine.session import Job, Sequence, Session, SessionState
+from .profile import StepClock, StepProfile
+
+
+@dataclass
+class _Prepared:
+    plan: AdmissionPlan
+    prompt: list
+    params: SamplingParams
+    emit: Callable
+    session_id: str | None
+    session: Session | None
+    pool: object
+
+
+class _Stats:
+    __slots__ = ("num_seqs", "num_decode", "num_prefill_tokens", "num_tokens", "total_s", "model_s")
+
+    def __init__(self, seqs: int, decode: int, prefill: int, total_s: float):
+        self.num_seqs, self.num_decode, self.num_prefill_tokens = seqs, decode, prefill
+        self.num_tokens, self.total_s, self.model_s = decode + prefill, total_s, total_s
+
+
+class SimCore:
+    """Enough of EngineCore for Metrics and the AdmissionController (no tensors anywhere)."""
+
+    def __init__(self, *, num_pages: int = 4096, page_size: int = 16, max_context: int = 8192):
+        self.listeners: list = []
+        self.sessions: dict[str, Session] = {}
+        self.tree = PoolTree(16)
+        self.page_size = page_size
+        self.max_context = max_context
+        self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=1024)
+        self.tables = SimpleNamespace(num_cache_only=lambda: 0)  # no prefix-cache-only pages
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
+
+    @staticmethod
+    def _auto_pinned(pool, now):
+        return True
+
+    def add_pool(self, n_tokens: int):
+        pool = self.tree.add(None, 0, list(range(1, n_tokens + 1)))
+        pool.residency = Residency.RESIDENT
+        return pool
+
+    def emit(self, event: str, **data) -> None:
+        for fn in self.listeners:
+            fn(event, data)
+
+    # ---------------------------------------------------------------- the request path
+    def prepare(self, prompt, params, emit, *, session_id=None, pool_id=None, shared_prefix_n_tokens=None,
+                overcommit=False) -> _Prepared:
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is not None and session.job is not None:
+            raise SessionBusyError(f"session {session_id!r} is serving another request")
+        pool = self.tree.get(pool_id) if pool_id is not None else None
+        plan = AdmissionPlan(pool_id=pool_id, session_id=session_id,
+                             new_to_pool=pool is not None and (session is None or session.pool_id != pool_id),
+                             prompt_len=len(prompt), prefix_len=pool.prefix_len if pool is not None else 0,
+                             max_tokens=params.max_tokens, overcommit=overcommit)
+        return _Prepared(plan, list(prompt), params, emit, session_id, session, pool)
+
+    def commit(self, req: _Prepared, admission: dict | None = None) -> Job:
+        s = req.session
+        if s is None:
+            s = self.sessions[req.session_id] = Session(req.session_id)
+        pool = req.pool
+        if pool is not None:
+            s.pool_id = pool.pool_id
+            pool.sessions.add(s.session_id)
+        job = Job(seq=Sequence(list(req.prompt)), params=req.params, emit=req.emit, session=s,
+                  prompt_len=len(req.prompt), max_context=self.max_context)
+        cached = min(pool.prefix_len, len(req.prompt) - 1) if pool is not None else 0
+        job.info = SimpleNamespace(pool_id=s.pool_id, prompt_tokens=len(req.prompt), cached_prefix_tokens=cached,
+                                   admission=admission)
+        job.sim_cached = cached
+        s.job, s.seq = job, job.seq
+        self.scheduler.waiting.append(job)
+        self.counters["requests"] += 1
+        self.emit("submit", job=job)
+        return job
+
+    def cancel(self, job) -> None:
+        self.finish(job, "cancelled")
+
+    def finish(self, job, reason: str = "length") -> None:
+        for q in (self.scheduler.running, self.scheduler.waiting):
+            if job in q:
+                q.remove(job)
+        job.finish_reason = reason
+        job.session.job = None
+        self.emit("finish", job=job)
+
+    def release_session(self, session_id: str) -> None:
+        s = self.sessions.pop(session_id)
+        pool = self.tree.pools.get(s.pool_id) if s.pool_id is not None else None
+        if pool is not None:
+            pool.sessions.discard(session_id)
+
+
+class SimEngine:
+    """The step loop of a simulated engine on a simulated clock (deterministic under ``seed``)."""
+
+    def __init__(self, profile: StepProfile, seed: int, *, adaptive: bool = True, **core_kw):
+        self.t = 0.0
+        self.profile = profile
+        self.steps = StepClock(profile, seed)
+        self.core = SimCore(**core_kw)
+        clock = lambda: self.t  # noqa: E731
+        self.metrics = Metrics(self.core, clock=clock, wall_clock=clock)
+        self.admission = AdmissionController(self, self.metrics, clock=clock)
+        self.on_token: Callable | None = None  # (job, t) after every generated token
+        self.on_finish: Callable | None = None  # (job, t) when a request ends
+        self.step_log: list[tuple] = []  # (t_end, b, prefill_tokens, duration)
+
+    def _submit(self, fn, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
+        return fut
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.core.scheduler.running or self.core.scheduler.waiting)
+
+    def step(self) -> None:
+        """One engine step: every waiting request is prefilled (and samples its first token),
+        every running one decodes a token."""
+        sch = self.core.scheduler
+        new = list(sch.waiting)
+        run = list(sch.running)
+        prefill = sum(max(j.prompt_len - j.sim_cached, 1) for j in new)
+        batch = run + new
+        ctx = sum(len(j.seq.tokens) for j in batch)
+        dt = self.steps.step(self.t, len(batch), prefill, ctx)
+        self.t += dt
+        self.step_log.append((self.t, len(batch), prefill, dt))
+        for j in new:
+            sch.waiting.remove(j)
+            sch.running.append(j)
+            j.state, j.started = SessionState.DECODE, True
+        for j in batch:
+            j.generated.append(1)
+            j.seq.tokens.append(1)
+            self.core.counters["generated_tokens"] += 1
+            self.core.emit("token", job=j, now=self.t)
+            if self.on_token is not None:
+                self.on_token(j, self.t)
+        for j in batch:
+            if len(j.generated) >= j.params.max_tokens:
+                self.core.finish(j)
+                if self.on_finish is not None:
+                    self.on_finish(j, self.t)
+        self.core.emit("step", stats=_Stats(len(batch), len(run), prefill, dt))
+
+    def run_until(self, t_end: float) -> None:
+        """Run the loop until the clock reaches ``t_end`` (the last step may end after it)."""
+        adm = self.admission
+        while self.t < t_end:
+            adm.tick(self.t)
+            if self.has_work:
+                self.step()
+                continue
+            wake = adm.next_deadline()
+            nxt = t_end if wake is None else min(t_end, max(wake, self.t + 1e-6))
+            self.t = max(self.t, nxt)
