@@ -118,10 +118,13 @@ class EngineReplica:
 
     async def _asgi(self, req: dict):
         body = req.get("body") or b""
+        # the client's headers as sent (Host and Origin included: the app's Host/Origin checks see
+        # what the client sent), with the length of the body as read
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.get("headers", [])
-                   if k.lower() not in ("content-length", "host")]
+                   if k.lower() not in ("content-length", "transfer-encoding")]
         headers.append((b"content-length", str(len(body)).encode()))
-        headers.append((b"host", b"opencoti-replica"))
+        if not any(k == b"host" for k, _ in headers):
+            headers.append((b"host", b"opencoti-replica"))
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
                  "method": req["method"], "scheme": "http", "path": req["path"], "raw_path": req["path"].encode(),
                  "query_string": req.get("query", "").encode("latin-1"), "root_path": "", "headers": headers,

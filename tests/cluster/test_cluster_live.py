@@ -143,11 +143,22 @@ def test_prefix_affinity_for_plain_requests(cluster):
                for lang in ("French", "German", "Spanish", "Italian")]
     seen: dict[int, set] = {k: set() for k in range(len(systems))}
     before = requests_by_replica(c)
-    for i in range(3):
-        for k, s in enumerate(systems):
-            r = chat(c, s, f"question {i}")
-            assert r.status_code == 200, r.text
-            seen[k].add(int(r.headers["x-opencoti-replica"]))
+
+    def ask(k: int, i: int) -> None:
+        r = chat(c, systems[k], f"question {i}")
+        assert r.status_code == 200, r.text
+        seen[k].add(int(r.headers["x-opencoti-replica"]))
+
+    # the first round arrives at once (the least loaded replica takes each new prompt), the
+    # next rounds one request at a time (each follows its prompt's cached prefix)
+    first = [threading.Thread(target=ask, args=(k, 0)) for k in range(len(systems))]
+    for t in first:
+        t.start()
+    for t in first:
+        t.join()
+    for i in (1, 2):
+        for k in range(len(systems)):
+            ask(k, i)
     # every request with the same system prompt went to one replica; new prompts spread
     assert all(len(v) == 1 for v in seen.values()), seen
     home = {k: next(iter(v)) for k, v in seen.items()}
