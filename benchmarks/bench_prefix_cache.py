@@ -94,7 +94,9 @@ def bench_fanout(args, P: int, N: int, Q: int, G: int) -> dict:
             out[f"auto_r{rnd}_s"] = w
             out[f"auto_r{rnd}_cache_n"] = [r.cache_n for r in res]
             out[f"auto_r{rnd}_prompt_n"] = [r.timings["prompt_n"] for r in res]
-            out[f"auto_r{rnd}_equal_to_pool"] = [r.token_ids for r in res] == ref
+            # greedy tokens equal to the pool path's, per request (a different batch composition can
+            # flip a near-tie argmax under quantized weights; the offline tests check exactness in fp32)
+            out[f"auto_r{rnd}_equal_to_pool"] = sum(r.token_ids == t for r, t in zip(res, ref))
         if not args.quick:  # for scale: no pool, cache off (everything recomputed each time)
             w, res = fan_out(pooled, prompts, G)
             out["nocache_s"] = w
@@ -227,7 +229,8 @@ def main() -> None:
         ], title=f"(a) fan-out, P={a['P']} N={a['N']} Q={a['Q']} G={a['G']}")
         print(f"cache_n round 1: pool {a['pool_r1_cache_n']}, auto {a['auto_r1_cache_n']}; "
               f"auto prompt_n round 1 {a['auto_r1_prompt_n']}, round 2 {a['auto_r2_prompt_n']}; "
-              f"same tokens as the pool path: {a['auto_r1_equal_to_pool'] and a['auto_r2_equal_to_pool']}; "
+              f"requests with the pool path's tokens: {a['auto_r1_equal_to_pool']}/{a['N']} (round 1), "
+              f"{a['auto_r2_equal_to_pool']}/{a['N']} (round 2); "
               f"no pool + cache off: {fmt(a.get('nocache_s'))} s")
     if "b" in args.only:
         log("(b) 6-turn conversation over HTTP")

@@ -25,7 +25,6 @@ from .results import GenerationResult, RequestInfo, TokenDelta
 from .runner import ModelRunner
 from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
 from .sampling_state import SamplerState
-from .sampling_state import SamplerState
 from .scheduler import Scheduler, StepStats
 from .session import Job, MaterializeJob, Sequence, Session, SessionState
 
