@@ -83,7 +83,9 @@ def main() -> int:
             return httpx.post(base + "/tokenize", content=body, headers=json_h, timeout=900).status_code
 
         def completion_ids():
-            body = json.dumps({"prompt": list(range(1, 200)) * (words // 40), "n_predict": 1}).encode()
+            n_ids = int(args.body_mib * 2**20 / 5)  # ~5 bytes per id in JSON ("123, ")
+            body = json.dumps({"prompt": (list(range(100, 1000)) * (n_ids // 900 + 1))[:n_ids],
+                               "n_predict": 1}).encode()
             return httpx.post(base + "/completion", content=body, headers=json_h, timeout=900).status_code
 
         def streams():
