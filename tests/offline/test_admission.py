@@ -66,7 +66,9 @@ def test_policy_defaults_and_merge():
 
 # ============================================================================ the math
 def inputs(**kw) -> CapacityInputs:
-    base = dict(policy=AdmissionPolicy(target_tps_per_session=5.0), mean=10.0, n_active=2, n_decoding=2,
+    # the drop-based projection is the conservative forecast's (test_admission_sim covers the adaptive one)
+    base = dict(policy=AdmissionPolicy(target_tps_per_session=5.0, forecast="conservative"), mean=10.0, n_active=2,
+                n_decoding=2,
                 n_pool_sessions=2, available_cells=1000, free_cells=1000, total_cells=1000, marginal_tokens=100)
     base.update(kw)
     return CapacityInputs(**base)
@@ -85,7 +87,7 @@ def test_model_projection_and_measured_projection():
     assert cap["projected_mean_tps_model"] == pytest.approx(10 * 2 / 3)  # always reported
     assert cap["drop_per_admit_ewma"] == 1.5
     # the floor uses the measured projection: 8.5 passes a floor of 8 that the model (6.67) fails
-    p8 = AdmissionPolicy(target_tps_per_session=8.0)
+    p8 = AdmissionPolicy(target_tps_per_session=8.0, forecast="conservative")
     assert compute_capacity(inputs(policy=p8, drop_ewma=1.5, drop_samples=1))["can_admit"]
     cap = compute_capacity(inputs(policy=p8))
     assert not cap["can_admit"] and cap["reason"] == REASON_FLOOR
@@ -106,7 +108,7 @@ def test_fold_drop_ewma_alpha_03():
 
 def test_idle_estimate_fresh_vs_stale():
     fresh = inputs(mean=None, n_active=0, n_decoding=0, n_pool_sessions=2, last_settled_mean=9.0,
-                   last_settled_age_s=5.0, policy=AdmissionPolicy(target_tps_per_session=7.0))
+                   last_settled_age_s=5.0, policy=AdmissionPolicy(target_tps_per_session=7.0, forecast="conservative"))
     cap = compute_capacity(fresh)
     assert cap["projected_idle_estimate"]
     assert cap["projected_mean_tps_model"] == pytest.approx(9.0 * 2 / 3)
