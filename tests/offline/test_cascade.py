@@ -138,3 +138,23 @@ def test_engine_greedy_on_equals_off(make_engine):
         outs[mode] = res
         assert (eng.backend.num_cascade_steps > 0) == (mode == "on")
     assert outs["on"] == outs["off"]
+
+
+def test_cascade_groups_requests_sharing_through_the_prefix_cache(make_engine):
+    """No pool: plain requests that share a prefix through the automatic index share page ids,
+    so cascade attention groups them like pooled sessions; greedy output equals cascade off."""
+    prefix = [(11 * j) % 250 + 1 for j in range(80)]
+    outs = {}
+    for mode in ("on", "off"):
+        eng = make_engine(cascade=mode)
+        eng.generate(prefix, params=SamplingParams.greedy(1))  # the prefix is now cached
+        streams = [eng.stream(prefix + [i + 1] * (i + 2), params=SamplingParams.greedy(10, ignore_eos=True))
+                   for i in range(5)]
+        res = []
+        for s in streams:
+            assert s.info.cached_prefix_tokens >= 80 // 4 * 4 and s.info.pool_id is None
+            list(s)
+            res.append(s.result.token_ids)
+        outs[mode] = res
+        assert (eng.backend.num_cascade_steps > 0) == (mode == "on")
+    assert outs["on"] == outs["off"]
