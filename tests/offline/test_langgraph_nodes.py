@@ -144,7 +144,8 @@ def test_gate_waits_out_settling(engine):
     client = PolyKVClient(engine=engine)
     pool = client.create_pool(tokens=engine.tokenize("settling pool prefix"))
     client.set_admission(pool.pool_id, target_tps_per_session=1.0, mode="enforced", on_saturation="queue",
-                         settle_tokens=1_000_000, settle_max_ms=300, forecast="conservative")  # a fixed window
+                         settle_tokens=1_000_000, settle_max_ms=2500, forecast="conservative")  # a fixed window, long
+    # enough for the gate to see it open on a loaded machine
     first = engine.stream(engine.tokenize("settling pool prefix") + [7, 8], pool_id=pool.pool_id, session_id="first",
                           params=SamplingParams.greedy(300, ignore_eos=True))
     next(first)  # admitted and decoding: the settle window is open
