@@ -239,11 +239,17 @@ def test_slot_save_restore_erase(make_engine, tmp_path):
         restore_session(eng, "b", "junk.bin")
     # tenants: their own session names, no way to another's session
     alice, bob = TenantEngine(eng, "alice"), TenantEngine(eng, "bob")
-    assert restore_session(alice, "a", "a.bin")["n_restored"] == n
-    save_session(alice, "a", "alice.bin")
+    with pytest.raises(InvalidRequestError, match="no slot file"):  # a tenant has its own file names
+        restore_session(alice, "a", "a.bin")
+    alice.generate(prompt, session_id="a", params=SamplingParams.greedy(2))
+    m = save_session(alice, "a", "a.bin")["n_saved"]
+    assert restore_session(alice, "a2", "a.bin")["n_restored"] == m
+    assert (tmp_path / "state" / "slots" / "alice" / "a.bin").exists()
     with pytest.raises(SessionNotFoundError) as e:
         save_session(bob, "a", "bob.bin")
     assert "alice" not in str(e.value)
+    with pytest.raises(InvalidRequestError, match="no slot file"):
+        restore_session(bob, "a", "a.bin")
     eng.check_integrity()
     plain = make_engine()
     plain.generate([1, 2, 3], session_id="a", params=SamplingParams.greedy(1))

@@ -1,7 +1,7 @@
 """Save, restore and erase a session's KV cache by file name, like llama.cpp's
 ``POST /slots/{id}?action=save|restore|erase`` (there a slot, here a session).
 
-Files live in ``<state_dir>/slots/``; without a state directory these calls answer 501 as
+Files live in ``<state_dir>/slots/`` (a tenant's in ``slots/<tenant>/``); without a state directory these calls answer 501 as
 llama.cpp does without ``--slot-save-path``. A file holds the session's cached tokens and their
 KV (``kvfile`` format with the tokens appended and the model's identity in the header), so a
 restore needs no recomputation: the session gets private pages holding exactly that KV (it is
@@ -42,7 +42,8 @@ def _resolve(engine, session_id: str):
     return engine, session_id
 
 
-def _path(engine, filename) -> Path:
+def _path(engine, filename, tenant: str | None = None) -> Path:
+    """``<state_dir>/slots/<filename>`` (a tenant's files in ``slots/<tenant>/``: its own names)."""
     state_dir = engine.config.state_dir
     if state_dir is None:
         raise SlotsNotSupportedError("this server does not support slot save/restore: start it with --state-dir")
@@ -50,14 +51,16 @@ def _path(engine, filename) -> Path:
         raise InvalidRequestError("Invalid filename: use 1-128 characters of A-Z a-z 0-9 . _ - "
                                   "(no paths), starting with a letter or digit")
     d = Path(state_dir).expanduser() / "slots"
-    d.mkdir(exist_ok=True)
+    if tenant is not None:
+        d = d / tenant
+    d.mkdir(parents=True, exist_ok=True)
     return d / filename
 
 
 def save_session(engine, session_id: str, filename: str) -> dict:
     """Write the session's cached tokens and their KV to ``filename``."""
     eng, sid = _resolve(engine, session_id)
-    path = _path(eng, filename)
+    path = _path(eng, filename, getattr(engine, "tenant", None))
     t0 = time.perf_counter()
 
     def snap():
@@ -79,7 +82,7 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
     """Replace the session's cache with the tokens and KV saved in ``filename`` (the session is
     created when it does not exist)."""
     eng, sid = _resolve(engine, session_id)
-    path = _path(eng, filename)
+    path = _path(eng, filename, getattr(engine, "tenant", None))
     t0 = time.perf_counter()
     if not path.exists():
         raise InvalidRequestError(f"no slot file named {filename!r}")
