@@ -347,3 +347,17 @@ def test_slot_actions_map_onto_session_persistence(engine, make_engine, tmp_path
         assert restored.status_code == 200, restored.text
         assert restored.json()["n_restored"] == saved.json()["n_saved"]
         assert_400(c.post(f"/slots/{sid}?action=save", json={}), "filename")
+
+
+def test_chat_stream_wire_shape(client):
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    deltas = [e["choices"][0]["delta"] for e in events[1:] if e["choices"]]
+    assert all(d.get("content") != "" for d in deltas)  # no empty-content deltas
+    assert all(e["system_fingerprint"].startswith("opencoti-") for e in events)
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert usage["timings"]["predicted_n"] == 6
