@@ -1,4 +1,4 @@
-"""`opencoti` command line: demo (the main job), serve, chat, bench."""
+"""`opencoti` command line: demo (the main job), serve, cluster serve, bench."""
 
 from __future__ import annotations
 
