@@ -45,7 +45,8 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.quick:
         lengths, args.repeats = lengths[:1], 1
-    eng = common.make_engine(args, kv_budget_tokens=max(lengths) * 2 + 64, max_batch_tokens=512)
+    # prefix_cache off: an evicted pool's pages must not come back from the prefix cache (a real recompute)
+    eng = common.make_engine(args, kv_budget_tokens=max(lengths) * 3 + 64, max_batch_tokens=512, prefix_cache=False)
     core, kv = eng.core, eng.kv
     text_tokens = eng.tokenize(TEXT)
     rows, results = [], []
@@ -78,6 +79,8 @@ def main() -> int:
                         os.close(fd)
 
                     def load():
+                        if kv.num_free < kv.pages_for(n):
+                            core.reclaim(kv.pages_for(n) - kv.num_free)
                         table = kv.allocate(kv.pages_for(n))
                         t0 = now()
                         ok = kvfile.load_kv(path, kv, table, 0, n, toks)
