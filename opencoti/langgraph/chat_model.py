@@ -412,13 +412,12 @@ class OpencotiChatModel(BaseChatModel):
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(self, schema: dict | type, *,
-                               method: Literal["function_calling", "json_schema", "json_mode"] = "json_schema",
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
                                include_raw: bool = False, strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
-        """Structured output. ``json_schema`` (the default, like ChatOpenAI's) constrains the answer to
-        the schema (``response_format``, decoded under a grammar) where the server
-        decodes under constraints (``params.STRUCTURED_OUTPUT``), else it forces the tool call;
-        ``function_calling`` forces a call of a tool made from ``schema`` (its arguments constrained);
+        """Structured output. ``function_calling`` forces a call of a tool made from ``schema``;
+        ``json_schema`` constrains the answer to the schema (``response_format``) where the server
+        decodes under constraints (``params.STRUCTURED_OUTPUT``), else it forces the tool call too;
         ``json_mode`` parses a JSON object from the answer (constrained to JSON where supported)."""
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
