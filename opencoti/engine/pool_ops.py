@@ -207,13 +207,18 @@ class PoolOpsMixin:
         ``pool_grace_ttl_s`` ago) the release is deferred: the pool stays resident and attachable
         until the grace ends (``release_in_s``); ``immediate`` releases it now."""
         pool = self.tree.get(pool_id)
-        live = [c.pool_id for c in pool.children if c.residency != Residency.RELEASED]
+        kids = [c for c in pool.children if c.residency != Residency.RELEASED]
+        live = [c.pool_id for c in kids if c.release_at is None]  # children released already wait out their grace
         if live:
             raise PoolBusyError(f"pool {pool_id} has child pools {live}; release them first (leaves first)")
         if pool.residency == Residency.MATERIALIZING:
             raise PoolBusyError(f"pool {pool_id} is materializing")
-        if not immediate and time.monotonic() < pool.grace_until:
-            pool.release_at = pool.grace_until
+        if immediate:
+            for c in kids:  # their release was asked for already: it happens now, leaves first
+                self.release_pool(c.pool_id, immediate=True)
+        elif kids or time.monotonic() < pool.grace_until:
+            # deferred: after its own grace, and after the deferred releases of its children
+            pool.release_at = max([pool.grace_until] + [c.release_at for c in kids])
             return
         self._unlink(pool)
         self._expire_with_pool(pool)  # idle anonymous sessions do not keep a released pool's pages
@@ -223,7 +228,9 @@ class PoolOpsMixin:
         again extends it). Returns the next due time (monotonic), or None."""
         now = time.monotonic() if now is None else now
         nxt = None
-        for pool in [p for p in self.tree.pools.values() if p.release_at is not None]:
+        # deepest first, so a parent whose children go in this pass goes in the same pass
+        for pool in sorted((p for p in self.tree.pools.values() if p.release_at is not None),
+                           key=lambda p: -p.depth()):
             pool.release_at = max(pool.release_at, pool.grace_until)
             busy = pool.live_children or self._sessions_in_use(pool) or pool.residency == Residency.MATERIALIZING
             if now >= pool.release_at and not busy:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from opencoti.engine import PoolNotFoundError, SamplingParams
+from opencoti.engine import PoolBusyError, PoolNotFoundError, SamplingParams
 
 
 def greedy(n: int) -> SamplingParams:
@@ -74,4 +74,34 @@ def test_release_is_deferred_by_the_grace_ttl_and_the_pool_stays_attachable(make
     eng.release_pool(p3.pool_id, immediate=True)
     with pytest.raises(PoolNotFoundError):
         eng.pool(p3.pool_id)
+    eng.check_integrity()
+
+
+def test_leaves_first_release_within_the_grace_ttl_defers_the_parent_too(make_engine):
+    """Releasing a just-used child then its parent (leaves first) is not refused: the child waits out its
+    grace, the parent goes after it; immediate=True on the parent takes the deferred children with it."""
+    eng = make_engine(pool_grace_ttl_s=0.6)
+    root = eng.create_pool(tokens=toks(7, 12))
+    child = eng.fork_pool(root.pool_id, tokens=toks(7, 12) + toks(8, 6))
+    eng.generate(toks(7, 12) + toks(8, 6) + [9], params=greedy(2), pool_id=child.pool_id, session_id="s")
+    eng.release_session("s")
+    eng.release_pool(child.pool_id)        # deferred (its grace)
+    eng.release_pool(root.pool_id)         # deferred after the child, not a 409
+    assert eng.pool(root.pool_id).release_in_s is not None
+    live = {p["pool_id"] for p in eng.pools()["pools"]}
+    assert {root.pool_id, child.pool_id} <= live
+    assert wait_for(lambda: not {root.pool_id, child.pool_id} & {p["pool_id"] for p in eng.pools()["pools"]})
+    eng.check_integrity()
+    # a child that was never released still blocks its parent
+    r2 = eng.create_pool(tokens=toks(10, 12))
+    c2 = eng.fork_pool(r2.pool_id, tokens=toks(10, 12) + toks(11, 6))
+    with pytest.raises(PoolBusyError):
+        eng.release_pool(r2.pool_id)
+    # immediate on the parent completes the children's pending releases first
+    eng.generate(toks(10, 12) + toks(11, 6) + [9], params=greedy(2), pool_id=c2.pool_id, session_id="t")
+    eng.release_session("t")
+    eng.release_pool(c2.pool_id)
+    eng.release_pool(r2.pool_id, immediate=True)
+    live = {p["pool_id"] for p in eng.pools()["pools"]}
+    assert r2.pool_id not in live and c2.pool_id not in live
     eng.check_integrity()
