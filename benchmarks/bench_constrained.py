@@ -6,9 +6,10 @@ own request, ``ignore_eos`` so every session decodes the same number of tokens).
 three modes on the same prompts, interleaved so drift in the machine's load hits them alike:
 
 * ``plain``: no constraint (the baseline);
-* ``json``: every session constrained to a JSON Schema (masks prefetched on the helper thread
-  while the next forward pass runs, the engine's default);
-* ``json-inline``: the same with the prefetch off (each mask computed inside the step).
+* ``json``: every session constrained to a JSON Schema (masks computed inside the step, only for
+  the constrained rows: the engine's default);
+* ``json-prefetch``: the same with the masks prefetched on a helper thread while the next forward
+  pass runs (``Sampler.prefetch_masks``).
 
 Decode step time = (T1 - T0) / (tokens received in (T0, T1] / C), where T0 = the moment every
 session has received its first token (all prefills done) and T1 = the moment the last token
@@ -141,7 +142,7 @@ def main() -> int:
                               ignore_eos=True, constraint=spec if constrained else None)
 
     sampler = engine_sampler(engine)
-    modes = {"plain": (False, True), "json": (True, True), "json-inline": (True, False)}
+    modes = {"plain": (False, False), "json": (True, False), "json-prefetch": (True, True)}
     results: dict[str, list[float]] = {m: [] for m in modes}
     cpu_results: dict[str, list[float]] = {m: [] for m in modes}
     valid = True
@@ -161,7 +162,7 @@ def main() -> int:
                 if not ok:
                     log(f"constrained output not accepted by the schema: {out['texts']!r}")
     if sampler is not None:
-        sampler.prefetch_masks = True
+        sampler.prefetch_masks = False
     micro = sampler_cost(engine_tokenizer(engine), engine_tokenizer(engine).vocab_size, spec, rows=args.sessions)
     engine.shutdown()
 
