@@ -351,8 +351,9 @@ def short(pr: dict) -> dict:
 
 
 def drain(http, limit_s: float) -> float:
-    """Wait until no pool is left: a released pool that was an interior one stays (auto-pinned) for
-    the server's grace TTL (``--pool-grace-ttl``, 30 s by default) before its pages are freed."""
+    """Wait until no pool is left: a released pool stays (auto-pinned) for the server's grace TTL
+    (``--pool-grace-ttl``, 30 s by default) after its last session or child left, so a chain of
+    forks released leaves first takes about one TTL per level before its pages are freed."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit_s:
         if not http.get("/polykv/pools").json()["pools"]:
@@ -377,8 +378,9 @@ def main() -> int:
     p.add_argument("--pools-per-client", type=int, default=4, help="live pools per client at most")
     p.add_argument("--page-size", type=int, default=16, help="the server's page size (pool prefix lengths)")
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds to wait after cleanup for released pools to leave (their grace TTL)")
+    p.add_argument("--drain-timeout", type=float, default=180.0,
+                   help="seconds to wait after cleanup for released pools to leave: a released pool waits out "
+                        "the grace TTL after its last child went, so a chain of forks takes one TTL per level")
     p.add_argument("--rss-tolerance", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-arg", action="append", default=[], help="extra `opencoti serve` argument (repeatable)")
