@@ -17,7 +17,8 @@ Three measurements on the bundled model, every ratio against a baseline measured
   (c) overhead of the index on a workload with no sharing at all (N=8 concurrent requests with
       unrelated random prompts): time spent in the index's own code (page keys at submit, lookups
       and page registration, the in-flight check, tails, eviction), measured by wrapping those
-      calls, as a share of the step time. Target <= 3%. Wall time vs the cache off for reference.
+      calls, as a share of the step time. Target <= 3%. Wall and step time vs the cache off for
+      reference (both engines alive, rounds alternating between them, against load drift).
 
 Run: .venv/bin/python benchmarks/bench_prefix_cache.py [--quick]
 """
@@ -166,45 +167,45 @@ class _Timer:
 
 
 def bench_overhead(args, N: int, P: int, G: int, rounds: int) -> dict:
+    """Both engines alive, rounds alternating between them (the same prompts, the order swapped
+    each round) so that a shared machine's drifting load hits both alike."""
     rng = random.Random(7)
     vocab = 49000
     out: dict = {"N": N, "P": P, "G": G, "rounds": rounds}
-    for cache in (True, False):
-        eng = common.make_engine(args, prefix_cache=cache)
-        key = "on" if cache else "off"
-        core = eng.core
-        step = {"s": 0.0, "n": 0}
-
-        def on_event(ev, data):
-            if ev == "step":
-                step["s"] += data["stats"].total_s
-                step["n"] += 1
-
-        timer = _Timer()
-        if cache:  # the index's own code paths (on the step thread)
-            core.tables.advance = timer.wrap(core.tables.advance)
-            core.tables.cache_tail = timer.wrap(core.tables.cache_tail)
-            core.tables.evict_cache = timer.wrap(core.tables.evict_cache)
-            core._plan_auto = timer.wrap(core._plan_auto)
-            core._auto_start = timer.wrap(core._auto_start)
-            core.scheduler.blocked = timer.wrap(core.scheduler.blocked)
-        try:
+    engines = {"on": common.make_engine(args, prefix_cache=True), "off": common.make_engine(args, prefix_cache=False)}
+    step = {k: {"s": 0.0, "n": 0} for k in engines}
+    wall = {k: 0.0 for k in engines}
+    timer = _Timer()
+    core = engines["on"].core  # the index's own code paths (on the step thread)
+    core.tables.advance = timer.wrap(core.tables.advance)
+    core.tables.cache_tail = timer.wrap(core.tables.cache_tail)
+    core.tables.evict_cache = timer.wrap(core.tables.evict_cache)
+    core._plan_auto = timer.wrap(core._plan_auto)
+    core._auto_start = timer.wrap(core._auto_start)
+    core.scheduler.blocked = timer.wrap(core.scheduler.blocked)
+    try:
+        for key, eng in engines.items():
             eng.generate([1, 2, 3, 4], params=greedy(2))
-            core.listeners.append(on_event)
-            t0 = now()
-            for _ in range(rounds):
-                prompts = [[rng.randrange(100, vocab) for _ in range(P)] for _ in range(N)]  # nothing shared
-                fan_out(eng, prompts, G)
-            out[f"wall_{key}_s"] = now() - t0
-            out[f"step_{key}_s"] = step["s"]
-            out[f"steps_{key}"] = step["n"]
-            if cache:
-                out["index_s"], out["index_calls"] = timer.s, timer.calls
-                out["cache"] = eng.stats()["prefix_cache"]
-        finally:
+
+            def on_event(ev, data, key=key):
+                if ev == "step":
+                    step[key]["s"] += data["stats"].total_s
+                    step[key]["n"] += 1
+            eng.core.listeners.append(on_event)
+        for r in range(rounds):
+            prompts = [[rng.randrange(100, vocab) for _ in range(P)] for _ in range(N)]  # nothing shared
+            for key in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                wall[key] += fan_out(engines[key], prompts, G)[0]
+        out["cache"] = engines["on"].stats()["prefix_cache"]
+    finally:
+        for eng in engines.values():
             eng.shutdown()
+    for key in engines:
+        out[f"wall_{key}_s"], out[f"step_{key}_s"], out[f"steps_{key}"] = wall[key], step[key]["s"], step[key]["n"]
+    out["index_s"], out["index_calls"] = timer.s, timer.calls
     out["index_share_of_step"] = ratio(out["index_s"], out["step_on_s"])
     out["wall_ratio_on_off"] = ratio(out["wall_on_s"], out["wall_off_s"])
+    out["step_ratio_on_off"] = ratio(out["step_on_s"], out["step_off_s"])
     return out
 
 
@@ -243,11 +244,12 @@ def main() -> None:
     if "c" in args.only:
         log("(c) index overhead, no sharing")
         payload["overhead"] = c = bench_overhead(args, args.sessions, 128 if args.quick else 256, G,
-                                                 1 if args.quick else 3)
+                                                 2 if args.quick else 4)
         print(f"\n(c) no sharing, N={c['N']} P={c['P']} G={c['G']} x{c['rounds']}: index code "
               f"{1e3 * c['index_s']:.1f} ms in {c['index_calls']} calls over {c['steps_on']} steps "
               f"({1e3 * c['step_on_s']:.0f} ms) = {100 * c['index_share_of_step']:.2f}% of step time (target <= 3%); "
-              f"wall {fmt(c['wall_on_s'])} s on vs {fmt(c['wall_off_s'])} s off ({fmt(c['wall_ratio_on_off'])}x)")
+              f"wall {fmt(c['wall_on_s'])} s on vs {fmt(c['wall_off_s'])} s off ({fmt(c['wall_ratio_on_off'])}x), "
+              f"step time {fmt(c['step_ratio_on_off'])}x (rounds alternate between the two engines)")
     path = common.write_json("prefix_cache", payload, args.out)
     log(f"wrote {path}")
 
