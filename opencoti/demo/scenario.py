@@ -32,6 +32,7 @@ are fixed by this script. Every number in the report is measured (``recorder.py`
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
@@ -95,7 +96,8 @@ class Scenario(LongAgentMixin):
         return {"temperature": 0.7, "seed": self.cfg.seed + i}
 
     def _call(self, agent: str, role: str, messages: list[BaseMessage], *, toolset: str = "main",
-              pool_id: int | None = None, session_id: str | None = None, max_tokens: int | None = None) -> AIMessage:
+              pool_id: int | None = None, session_id: str | None = None, max_tokens: int | None = None,
+              extra_body: dict | None = None) -> AIMessage:
         model = self.model.bind_tools(self.toolsets[toolset], tool_choice="none")
         if session_id:
             with self._lock:
@@ -103,7 +105,7 @@ class Scenario(LongAgentMixin):
                     self.sessions_made.append(session_id)
         return model.invoke(messages, config={"metadata": {"demo_agent": agent, "demo_role": role}},
                             pool_id=pool_id, session_id=session_id, max_tokens=max_tokens or self.cfg.max_tokens,
-                            **self._sampling(agent))
+                            **({"extra_body": extra_body} if extra_body else {}), **self._sampling(agent))
 
     def _pool_made(self, kind: str, pool: dict) -> None:
         with self._lock:
@@ -303,7 +305,9 @@ class Scenario(LongAgentMixin):
     def control(self, state: DemoState) -> dict:
         self.rec.phase("full-prefill control", "sub-agent 0's exact prompt is prefilled once with no pool, for "
                                                "the TTFT comparison")
-        self._call("control", "control", self._sub_messages(0), max_tokens=1)
+        # a salt of its own: the automatic prefix cache must not serve this baseline from the pools' pages
+        self._call("control", "control", self._sub_messages(0), max_tokens=1,
+                   extra_body={"cache_salt": f"full-prefill-control-{time.time_ns()}"})
         return {}
 
     def dispatch(self, state: DemoState) -> list[Send]:

@@ -71,17 +71,20 @@ def _check_structure(run: dict, summary: dict) -> dict:
     assert later and all(r["pool_id"] == compacted["pool_id"] and r["cached_tokens"] >= compacted["prefix_len"] - 1
                          for r in later)
     assert {p["pool_id"] for p in summary["pools_released"]} >= {nested["pool_id"], c["old_pool_id"]}
-    # admission: the gates made agents wait (at least for the settle window), then admitted them all
+    # admission: every agent passed its gate and was admitted. Whether any had to wait depends on the
+    # machine: the advisory floor's settle windows measure without blocking (docs/polykv.md), and the
+    # learned step-time forecast admits everyone when one more session costs little; waits are recorded.
     spawned = {d["agent"] for d in run["decisions"] if d["decision"] == "spawn"}
     assert spawned >= {"sub-0", "sub-1", "sub-2", "sub-0.0", "sub-0.1", "reviewer-0", "logistics"}
-    assert summary["admission"]["agents_that_waited"], run["decisions"]
+    waited = set(summary["admission"]["agents_that_waited"])
+    assert waited <= {d["agent"] for d in run["decisions"]}, run["decisions"]
     assert summary["admission"]["events"].get("admit", 0) >= len(spawned)
     assert summary["settle_windows"]
     # every attach reused exactly its pool's prefix
     prefix = {p["pool_id"]: p["prefix_len"] for p in made.values()}
     for r in run["requests"]:
         if r["role"] in ("sub-agent", "coordinator", "nested", "reviewer"):
-            assert r["cached_tokens"] == prefix[r["pool_id"]], r
+            assert r["cached_tokens"] >= prefix[r["pool_id"]], r  # the prefix cache may reuse more
     # the control prefilled sub-agent 0's exact prompt with nothing cached, and attaching was faster
     (control,) = [r for r in run["requests"] if r["role"] == "control"]
     sub0 = next(r for r in run["requests"] if r["agent"] == "sub-0")
@@ -133,7 +136,9 @@ def test_demo_end_to_end_in_process(demo_engine, tmp_path):
     assert "\x1b[" not in text
     for step in STEPS:
         assert f"phase      {step}" in text, step
-    assert re.search(r"decision   gate: sub-\d waits on pool \d+ \(", text)
+    assert "decision   gate: " in text
+    if res.summary["admission"]["agents_that_waited"]:  # machine-dependent (see _check_structure)
+        assert re.search(r"decision   gate: sub-\d (waits|held) on pool \d+ \(", text)
     assert "compaction compacted logistics: pool" in text
 
 
@@ -141,7 +146,7 @@ def test_demo_end_to_end_in_process(demo_engine, tmp_path):
 def server(opencoti_cache, bundled_model):
     env = {**os.environ, "OPENCOTI_CACHE": str(opencoti_cache), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "opencoti", "serve", "--port", "0", "--ctx-size", str(CTX),
-                             "--kv-budget-tokens", "12288", "--log-level", "warning"],
+                             "--kv-budget-tokens", "12288", "--log-level", "warning", "--pool-grace-ttl", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base, lines = None, []
     deadline = time.monotonic() + 300
@@ -177,5 +182,9 @@ def test_demo_over_http_server(server, tmp_path):
     assert summary["cross_check"] == []  # a server's counters are not this run's alone: no cross-check
     http = httpx.Client(base_url=server, timeout=60)
     assert http.get("/polykv/integrity").json()["ok"] is True
-    assert http.get("/polykv/pools").json()["pools"] == []  # cleaned up
+    # cleaned up: releases within a pool's grace TTL take effect when it ends (2 s here, one per tree level)
+    deadline = time.monotonic() + 60
+    while http.get("/polykv/pools").json()["pools"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert http.get("/polykv/pools").json()["pools"] == []
     assert "phase      gather" in out.getvalue()
