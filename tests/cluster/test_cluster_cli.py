@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'")
-httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'")
-httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.bundled, pytest.mark.timeout(900)]
 

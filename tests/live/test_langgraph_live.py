@@ -81,27 +81,27 @@ class TestOpencotiIntegration(ChatModelIntegrationTests):
     # ---- what the bundled 135M model does not do (greedy, fp32 engine; measured: these fail every run).
     # Tool calls and forced calls are grammar-constrained, so what is left is the model's choice of
     # *whether* / *which* tool to call and the content it writes, not the format.
-    @pytest.mark.xfail(reason=f"{SMALL_MODEL} does not call the tool with the arguments the suite asks for "
-                              "(unforced tool choice)", strict=True)
+    @pytest.mark.xfail(strict=True, reason=f"{SMALL_MODEL} does not call the tool with the arguments the suite asks for "
+                              "(unforced tool choice)")
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_tool_calling(self, model):
         super().test_tool_calling(model)
 
-    @pytest.mark.xfail(reason=f"{SMALL_MODEL} does not call the tool with the arguments the suite asks for "
-                              "(unforced tool choice)", strict=True)
+    @pytest.mark.xfail(strict=True, reason=f"{SMALL_MODEL} does not call the tool with the arguments the suite asks for "
+                              "(unforced tool choice)")
     async def test_tool_calling_async(self, model):
         await super().test_tool_calling_async(model)
 
-    @pytest.mark.xfail(reason=f"{SMALL_MODEL} does not choose to call the argument-less tool", strict=True)
+    @pytest.mark.xfail(strict=True, reason=f"{SMALL_MODEL} does not choose to call the argument-less tool")
     def test_tool_calling_with_no_arguments(self, model):
         super().test_tool_calling_with_no_arguments(model)
 
-    @pytest.mark.xfail(reason=STRUCTURED, strict=True)
+    @pytest.mark.xfail(strict=True, reason=STRUCTURED)
     @pytest.mark.parametrize("schema_type", ["pydantic"])  # typeddict / json_schema pass: see below
     def test_structured_output(self, model, schema_type):
         super().test_structured_output(model, schema_type)
 
-    @pytest.mark.xfail(reason=STRUCTURED, strict=True)
+    @pytest.mark.xfail(strict=True, reason=STRUCTURED)
     @pytest.mark.parametrize("schema_type", ["pydantic"])
     async def test_structured_output_async(self, model, schema_type):
         await super().test_structured_output_async(model, schema_type)
@@ -114,13 +114,12 @@ class TestOpencotiIntegration(ChatModelIntegrationTests):
     async def test_structured_output_other_schemas_async(self, model, schema_type):
         await ChatModelIntegrationTests.test_structured_output_async(self, model, schema_type)
 
-    @pytest.mark.xfail(reason=f"{SMALL_MODEL} does not fill the Joke schema's setup/punchline as the suite "
-                              "expects (pydantic v1 schema)", strict=True)
+    @pytest.mark.xfail(strict=True, reason=f"{SMALL_MODEL} does not fill the Joke schema's setup/punchline as the suite "
+                              "expects (pydantic v1 schema)")
     def test_structured_output_pydantic_2_v1(self, model):
         super().test_structured_output_pydantic_2_v1(model)
 
-    @pytest.mark.xfail(reason=f"{SMALL_MODEL} does not follow the suite's agent loop to the expected answer",
-                       strict=True)
+    @pytest.mark.xfail(strict=True, reason=f"{SMALL_MODEL} does not follow the suite's agent loop to the expected answer")
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model):
         super().test_agent_loop(model)
