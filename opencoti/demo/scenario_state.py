@@ -6,6 +6,7 @@ from typing import Annotated, Optional, TypedDict
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
+from ..engine.kv.pools import common_prefix_len
 from ..langgraph import PolyKVMessagesState, append_list, keep_latest
 
 
@@ -45,13 +46,7 @@ class _Empty:
     ctx_used = None
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+_common_prefix = common_prefix_len  # the engine's own prefix comparison
 
 
 def _message(d: dict) -> BaseMessage:
