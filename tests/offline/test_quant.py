@@ -191,15 +191,46 @@ def test_autotuner_without_measuring_uses_the_first_kernel_that_builds(monkeypat
     assert tuner.choose("int8", 16, 32) == "int8pack"
 
 
+class _FakeTuner:
+    def __init__(self, times: dict):
+        self.times = times
+
+    def timings(self, fmt, n, k):
+        return {f"k_{fmt}": self.times[fmt]}
+
+    def choose(self, fmt, n, k):
+        return f"k_{fmt}"
+
+
+@pytest.mark.parametrize("fmt,times,want", [
+    ("int4", {"int8": [0.016, 0.045], "bf16": [0.010, 0.025]}, "bf16"),  # 16-bit head measured faster
+    ("int4", {"int8": [0.010, 0.020], "bf16": [0.010, 0.025]}, "int8"),  # 8-bit faster: the default
+    ("int8", {"int8": [0.016, 0.045], "bf16": [0.010, 0.025]}, "bf16"),
+    ("bf16", {"int8": [0.001, 0.001], "bf16": [0.010, 0.025]}, "bf16"),  # float formats keep their own
+    ("fp32", {"int8": [0.001, 0.001], "bf16": [0.001, 0.001]}, "fp32"),
+])
+def test_head_format_takes_16_bits_only_where_measured_faster(fmt, times, want):
+    hf = tiny_model("llama").hf_config
+    assert weights.head_format(_FakeTuner(times), fmt, hf) == want
+
+
+def test_head_format_without_timings_keeps_the_8_bit_head():
+    class Unmeasured(_FakeTuner):
+        def timings(self, fmt, n, k):
+            return {}
+
+    assert weights.head_format(Unmeasured({}), "int4", tiny_model("llama").hf_config) == "int8"
+
+
 # ------------------------------------------------------------------------------------------ formats on a model
-def _on_format_grid(state: dict, fmt: str, tied: bool) -> dict:
+def _on_format_grid(state: dict, fmt: str, tied: bool, head_fmt: str) -> dict:
     """The state dict with every projection weight replaced by what ``fmt`` stores (as fp32)."""
     out = dict(state)
     for name, w in state.items():
         is_head = name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight")
         if not (name.endswith("_proj.weight") or is_head):
             continue
-        f = "int8" if fmt == "int4" and is_head else fmt
+        f = head_fmt if is_head else fmt
         out[name] = kernels._float(kernels.to_format(w, f))  # bf16: fp16 kernels store more precision
     return out
 
@@ -215,11 +246,14 @@ def test_quantized_model_computes_its_weights(fmt, arch):
     assert model.weights == fmt and model.weights_choice["reason"] == "requested"
     fp32 = weights.build_forward(loaded, weights="fp32", **kw)
     assert model.weight_bytes < fp32.weight_bytes
-    if fmt == "int4":  # the output projection stays int8
-        assert model.weights_info["kernels"]["320x64"].startswith("int8:")
+    head_fmt = model.weights_info["kernels"]["320x64"].split(":")[0]
+    if fmt == "int4":  # the output projection stays in 8 bits, or 16 where that is measured faster
+        assert head_fmt in ("int8", "bf16")
+    else:
+        assert head_fmt == fmt or (fmt == "int8" and head_fmt == "bf16")
     tied = loaded.hf_config.tie_word_embeddings
     grid = copy.copy(loaded)
-    grid.state_dict = _on_format_grid(loaded.state_dict, fmt, tied)
+    grid.state_dict = _on_format_grid(loaded.state_dict, fmt, tied, head_fmt)
     ref = weights.build_forward(grid, weights="fp32", **kw)
     ids = torch.tensor(loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3))
     got, want = model.dense_logits(ids), ref.dense_logits(ids)
@@ -253,7 +287,7 @@ def test_auto_reuses_cached_gate_results(monkeypatch, tmp_path):
     kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
               cache_dir=str(tmp_path))
     fake = {"fp32": 3.0, "int8": 1.0, "int4": 2.0, "bf16": 2.5}  # int8 first, then int4, bf16
-    monkeypatch.setattr(weights, "_estimate", lambda tuner, fmt, counts: fake[fmt])
+    monkeypatch.setattr(weights, "_estimate", lambda tuner, fmt, counts, hf: fake[fmt])
     first = weights.build_forward(tiny_model("llama"), **kw)
     assert first.weights_choice["gate"] and "int8" in first.weights_choice["gate"]
     monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: pytest.fail("the gate ran again"))
