@@ -12,7 +12,7 @@ from ..engine.errors import OpencotiError
 from ..ops.results import (AdmissionPolicy, Capacity, ChatChunk, ChatCompletion, CompactionResult, Completion, Pool,
                            PoolTree, SessionStatus, TpsSnapshot)
 from .base import ClientBase
-from .calls import chat_body, checked_str, completion_body, prefix_body, sampling
+from .calls import chat_body, checked_str, completion_body, prefix_body, release_query, sampling
 from .events import aggregate_chat, completion_from_dict
 from .transport import AsyncHttpTransport, AsyncInProcessTransport
 
@@ -129,10 +129,10 @@ class AsyncPolyKVClient(ClientBase):
     async def create_pool(self, *, tokens: Sequence[int] | None = None, text: str | None = None,
                           messages: list[dict] | None = None, tools: list[dict] | None = None,
                           from_session: str | None = None, add_generation_prompt: bool = False, pinned: bool = False,
-                          label: str = "") -> Pool:
+                          label: str = "", as_root: bool = False) -> Pool:
         return Pool(**await self._call("create_pool", body=prefix_body(
             tokens, text, messages, tools, from_session, add_generation_prompt, pinned=pinned or None,
-            label=label or None)))
+            label=label or None, as_root=as_root or None)))
 
     async def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Sequence[int] | None = None,
                         text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
@@ -148,8 +148,8 @@ class AsyncPolyKVClient(ClientBase):
     async def pools(self) -> PoolTree:
         return PoolTree(**await self._call("pools"))
 
-    async def release_pool(self, pool_id: int) -> None:
-        await self._call("release_pool", {"pool_id": pool_id})
+    async def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
+        await self._call("release_pool", {"pool_id": pool_id}, release_query(immediate))
 
     async def pin_pool(self, pool_id: int) -> Pool:
         return Pool(**await self._call("pin_pool", {"pool_id": pool_id}))

@@ -17,6 +17,12 @@ def prefix_body(tokens, text, messages, tools, from_session, add_generation_prom
     return body
 
 
+def release_query(immediate: bool) -> dict | None:
+    if not isinstance(immediate, bool):
+        raise InvalidRequestError(f"immediate must be a boolean, got {immediate!r}")
+    return {"immediate": "true"} if immediate else None
+
+
 def sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos) -> dict:
     return {"temperature": temperature, "max_tokens": max_tokens, "top_p": top_p, "top_k": top_k, "min_p": min_p,
             "seed": seed, "stop": list(stop) if stop else None, "ignore_eos": ignore_eos or None}

@@ -4,10 +4,12 @@ results (in-process, through ``opencoti.ops.generation.ChatTurn``), and folding 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Sequence
 
 from ..engine.results import GenerationResult, RequestInfo
 from ..ops.generation import ChatTurn, usage
+from ..ops.headers import admission_retry_after
 from ..ops.results import ChatChunk, ChatCompletion, Completion, GenerationInfo, ToolCall, Usage
 from .errors import APIStatusError, error_from_response
 
@@ -39,10 +41,19 @@ def info_from_headers(headers: Any) -> GenerationInfo:
         except ValueError:
             return None
 
+    def seconds(name: str) -> float | None:
+        v = headers.get(name)
+        try:
+            x = float(v) if v is not None else None
+        except ValueError:
+            return None
+        return x if x is not None and math.isfinite(x) and x >= 0 else None
+
     return GenerationInfo(session_id=headers.get("x-session-id") or "", pool_id=num("x-pool-id"),
                           cached_prefix_tokens=num("x-cached-prefix-tokens") or 0,
                           sessions_remaining=num("x-sessions-remaining"),
-                          admission_warning=headers.get("x-admission-warning"))
+                          admission_warning=headers.get("x-admission-warning"),
+                          admission_retry_after_s=seconds("x-admission-retry-after"))
 
 
 def usage_from_openai(u: dict | None) -> Usage | None:
@@ -113,7 +124,8 @@ def generation_info(info: RequestInfo) -> GenerationInfo:
     adm = info.admission or {}
     return GenerationInfo(session_id=info.session_id, pool_id=info.pool_id,
                           cached_prefix_tokens=info.cached_prefix_tokens,
-                          sessions_remaining=adm.get("sessions_remaining"), admission_warning=adm.get("warning"))
+                          sessions_remaining=adm.get("sessions_remaining"), admission_warning=adm.get("warning"),
+                          admission_retry_after_s=admission_retry_after(adm))
 
 
 def chat_end_chunks(turn: ChatTurn, gi: GenerationInfo, info: RequestInfo, result: GenerationResult,

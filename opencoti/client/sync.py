@@ -11,7 +11,7 @@ from ..engine.errors import OpencotiError
 from ..ops.results import (AdmissionPolicy, Capacity, ChatChunk, ChatCompletion, CompactionResult, Completion, Pool,
                            PoolTree, SessionStatus, TpsSnapshot)
 from .base import ClientBase
-from .calls import chat_body, checked_str, completion_body, prefix_body, sampling
+from .calls import chat_body, checked_str, completion_body, prefix_body, release_query, sampling
 from .events import aggregate_chat, completion_from_dict
 from .transport import HttpTransport, InProcessTransport
 
@@ -143,12 +143,14 @@ class PolyKVClient(ClientBase):
     def create_pool(self, *, tokens: Sequence[int] | None = None, text: str | None = None,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
                     from_session: str | None = None, add_generation_prompt: bool = False, pinned: bool = False,
-                    label: str = "") -> Pool:
+                    label: str = "", as_root: bool = False) -> Pool:
         """Create a root pool from exactly one of tokens / text / messages (+ tools) / from_session.
-        Returns when its prefix is resident."""
+        Returns when its prefix is resident. ``from_session`` of a session attached to a pool makes
+        a zero-copy child of that pool (branched at a page boundary) unless ``as_root``: then a
+        root, its borrowed prefix computed again (docs/polykv.md)."""
         return Pool(**self._call("create_pool", body=prefix_body(
             tokens, text, messages, tools, from_session, add_generation_prompt, pinned=pinned or None,
-            label=label or None)))
+            label=label or None, as_root=as_root or None)))
 
     def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Sequence[int] | None = None,
                   text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
@@ -169,9 +171,11 @@ class PolyKVClient(ClientBase):
         """The pool tree."""
         return PoolTree(**self._call("pools"))
 
-    def release_pool(self, pool_id: int) -> None:
-        """Release a pool (PoolBusyError while it has child pools: release leaves first)."""
-        self._call("release_pool", {"pool_id": pool_id})
+    def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
+        """Release a pool (PoolBusyError while it has child pools: release leaves first). Within the
+        pool's grace TTL the release is deferred (the pool stays attachable until then);
+        ``immediate`` releases it now."""
+        self._call("release_pool", {"pool_id": pool_id}, release_query(immediate))
 
     def pin_pool(self, pool_id: int) -> Pool:
         """Pin: never evicted."""

@@ -50,15 +50,17 @@ def merge_pools(per_replica: dict[int, dict], copies: dict[int, dict[int, int]])
 
 
 def merge_tps(per_replica: dict[int, dict]) -> dict:
-    """GET /polykv/tps snapshot: totals summed, mean_active_tps weighted by active sessions,
-    sessions concatenated (each with ``replica``)."""
+    """GET /polykv/tps snapshot: totals summed, mean_active_tps weighted by active sessions (null,
+    as on one server, when no session is decoding anywhere), sessions concatenated (each with
+    ``replica``)."""
     out: dict = {"ts": time.time()}
     for k in SUM_KEYS_TPS:
         vals = [s.get(k) for s in per_replica.values() if _num(s.get(k))]
         out[k] = sum(vals) if vals else None
-    n = sum(s.get("n_active") or 0 for s in per_replica.values())
-    w = sum((s.get("mean_active_tps") or 0) * (s.get("n_active") or 0) for s in per_replica.values())
-    out["mean_active_tps"] = w / n if n else 0.0
+    active = [s for s in per_replica.values() if _num(s.get("mean_active_tps")) and _num(s.get("n_active"))
+              and s["n_active"] > 0]
+    n = sum(s["n_active"] for s in active)
+    out["mean_active_tps"] = sum(s["mean_active_tps"] * s["n_active"] for s in active) / n if n else None
     if out.get("kv_total_cells"):
         used = out["kv_total_cells"] - (out.get("kv_free_cells") or 0)
         out["compaction_pressure"] = max((s.get("compaction_pressure") or 0) for s in per_replica.values())

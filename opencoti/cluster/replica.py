@@ -201,12 +201,12 @@ class EngineReplica:
         self.aliases[logical_id] = info.pool_id
         return info.as_dict()
 
-    def drop_copy(self, logical_id: int, route: dict | None = None) -> bool:
+    def drop_copy(self, logical_id: int, immediate: bool = False, route: dict | None = None) -> bool:
         local = self.aliases.pop(logical_id, None)
         if local is None:
             return False
         try:
-            self.engine.release_pool(local)
+            self.engine.release_pool(local, immediate=bool(immediate))
         except Exception:  # noqa: BLE001 - already gone
             pass
         return True

@@ -13,6 +13,9 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from ..engine.errors import OpencotiError
+from ..ops.schemas import ReleasePoolQuery
+from ..ops.validation import validate_query
 from . import aggregate
 from .hints import Hint, parse_json
 from .ids import tag_of
@@ -100,12 +103,18 @@ async def capacity(request: Request, pool_id: int):
 @ingress_app.api_route("/polykv/pools/{pool_id}", methods=["GET", "DELETE"], tags=["PolyKV"])
 async def pool(request: Request, pool_id: int):
     ing = _ingress()
+    immediate = False
+    if request.method == "DELETE":  # checked before any copy is dropped (nothing half-done)
+        try:
+            immediate = validate_query(ReleasePoolQuery, dict(request.query_params)).immediate
+        except OpencotiError as e:
+            return _err(400, str(e), "invalid_request_error")
     await ing._sync_copies()
     holders = POLICY.holders(pool_id)
     primary = tag_of(pool_id)
     if len(holders) < 2 or primary not in holders:
         if request.method == "DELETE" and pool_id in POLICY.copies:
-            await _drop_copies(ing, pool_id)
+            await _drop_copies(ing, pool_id, immediate)
         return await ing.forward(request, Hint(pool_id=pool_id), b"")
     try:
         st, h, body = await ing._collect(ing._req(request, b""), Hint(tag=primary))
@@ -113,7 +122,7 @@ async def pool(request: Request, pool_id: int):
         return _err(e.status, e.message, e.etype, e.headers)
     obj = _loads(body)
     if request.method == "DELETE" and st == 200:
-        await _drop_copies(ing, pool_id)
+        await _drop_copies(ing, pool_id, immediate)
     if st == 200 and isinstance(obj, dict):
         obj["replica"] = primary
         obj["copies"] = [{"replica": t, "pool_id": p} for t, p in sorted(holders.items())]
@@ -121,10 +130,10 @@ async def pool(request: Request, pool_id: int):
     return Response(body, status_code=st, media_type="application/json")
 
 
-async def _drop_copies(ing: ClusterIngress, pool_id: int) -> None:
+async def _drop_copies(ing: ClusterIngress, pool_id: int, immediate: bool = False) -> None:
     for t, local in list(POLICY.copies.get(pool_id, {}).items()):
         try:
-            await ing._call("drop_copy", Hint(tag=t), pool_id)
+            await ing._call("drop_copy", Hint(tag=t), pool_id, immediate)
         except Exception:  # noqa: BLE001 - a dead replica's copy is gone anyway
             pass
     await ing.registry.drop_pool.remote(pool_id)

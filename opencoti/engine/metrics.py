@@ -129,9 +129,12 @@ class Metrics:
         return c
 
     def _on_submit(self, job) -> None:
+        info = job.info
         if job.session is not None:
             self._t_submit[job.session.session_id] = self.clock()
-        info = job.info
+            m = self.meters.get(job.session.session_id)
+            if info is not None and m is not None and m.value() > 0:
+                info.session_tps = m.value()  # the rate the session decoded at before this request
         if info is None or info.pool_id is None:
             return
         c = self._pool_counter(info.pool_id)

@@ -50,17 +50,20 @@ class PoolAPIMixin:
     def create_pool(self, *, tokens: Seq[int] | None = None, text: str | None = None,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
                     from_session: str | None = None, pinned: bool = False, label: str = "",
-                    add_generation_prompt: bool = False, tenant: str | None = None) -> PoolInfo:
+                    add_generation_prompt: bool = False, as_root: bool = False,
+                    tenant: str | None = None) -> PoolInfo:
         """Create a root pool and materialize it (prefill only). Returns when it is resident.
 
         ``messages`` are rendered with the chat template (``add_generation_prompt`` False by
         default, so a later chat request that continues the conversation attaches to it).
+        ``from_session`` of a session attached to a resident pool makes a child of that pool
+        (zero-copy, branched at a page boundary) unless ``as_root`` (docs/polykv.md).
         """
         toks = self._pool_tokens(tokens, text, messages, tools, add_generation_prompt)
         if toks is not None and from_session is not None:
             raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
         return self._pool_call(self.core.create_pool, tokens=toks, from_session=from_session, pinned=pinned,
-                               label=label, tenant=tenant)
+                               label=label, as_root=as_root, tenant=tenant)
 
     def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Seq[int] | None = None,
                   text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,

@@ -72,14 +72,18 @@ class PoolOpsMixin:
         return s, s.seq.cached_tokens
 
     def create_pool(self, done: Callable, *, tokens: Seq[int] | None = None, from_session: str | None = None,
-                    pinned: bool = False, label: str = "") -> Pool | None:
-        """Create a root pool (from_session of a pooled session forks that pool, zero-copy)."""
+                    pinned: bool = False, label: str = "", as_root: bool = False) -> Pool | None:
+        """Create a root pool. from_session of a session attached to a resident pool forks that pool
+        at the page-aligned end of what the session borrows (zero-copy), unless ``as_root``: then the
+        snapshot is a root whose borrowed part is computed again (independent of that pool)."""
         if (tokens is None) == (from_session is None):
             raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
+        if not isinstance(as_root, bool):
+            raise InvalidRequestError(f"as_root must be a boolean, got {as_root!r}")
         if from_session is not None:
             s, toks = self._tokens_from_session(from_session)
             parent = self._session_pool(s)
-            if parent is not None and parent.residency == Residency.RESIDENT:
+            if not as_root and parent is not None and parent.residency == Residency.RESIDENT:
                 d = s.seq.num_borrowed_pages * self.page_size
                 return self.fork_pool(done, parent.pool_id, d, from_session=from_session, pinned=pinned,
                                       label=label, allow_empty=False)

@@ -17,6 +17,7 @@ class RequestInfo:
     prompt_tokens: int
     rematerialized_pools: list[int] = field(default_factory=list)
     admission: dict | None = None  # the admission decision for requests to enforced pools
+    session_tps: float | None = None  # the session's decode tps (tps_ewma) when accepted; None: never decoded
 
 
 @dataclass

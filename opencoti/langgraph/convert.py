@@ -125,7 +125,27 @@ def response_metadata(end: ChatChunk, info: GenerationInfo | None, status: Sessi
         md["sessions_remaining"] = info.sessions_remaining
     if info is not None and info.admission_warning:
         md["admission_warning"] = info.admission_warning
+    bp = backpressure(info)
+    if bp is not None:
+        md["backpressure"] = bp
     return md
+
+
+def backpressure(info: GenerationInfo | None) -> dict | None:
+    """``response_metadata["backpressure"]``: what an enforced pool's admission gate said when it
+    admitted this request as a session new to the pool (None otherwise: no gate applied; the same
+    cases as the ``X-Sessions-Remaining`` header). ``sessions_remaining``: new sessions the pool
+    could take at that moment, this one included (0: admitted only by ``warn`` or ``overcommit``);
+    ``warning``: only when admitted past a full pool; ``retry_after_s``: only when no other new
+    session fits after this one, the whole seconds until one is likely to."""
+    if info is None or info.sessions_remaining is None:
+        return None
+    bp: dict[str, Any] = {"sessions_remaining": info.sessions_remaining}
+    if info.admission_warning:
+        bp["warning"] = info.admission_warning
+    if info.admission_retry_after_s is not None:
+        bp["retry_after_s"] = info.admission_retry_after_s
+    return bp
 
 
 def parse_json_answer(message: BaseMessage, schema: type | None = None) -> Any:

@@ -50,6 +50,9 @@ class CreatePoolArgs(_Args):
         None, description="the prefix as chat messages (e.g. the system prompt), rendered like a chat request")
     text: Optional[str] = Field(None, description="the prefix as raw text (instead of messages)")
     from_session: Optional[str] = Field(None, description="snapshot this idle session's context as the prefix")
+    as_root: bool = Field(False, description="with from_session of a session attached to a pool: make an "
+                                             "independent root (the shared part is computed again) instead of a "
+                                             "zero-copy child of that pool")
     pinned: bool = Field(False, description="never evict this pool")
     label: str = Field("", description="a free-form label")
 
@@ -71,6 +74,12 @@ class PoolIdArgs(_Args):
     """A pool."""
 
     pool_id: int = Field(description="the pool id")
+
+
+class ReleasePoolArgs(PoolIdArgs):
+    """A pool to release."""
+
+    immediate: bool = Field(False, description="release now instead of after the pool's grace period")
 
 
 class PoolStatusArgs(_Args):
@@ -135,9 +144,9 @@ def _source(messages, text, from_session) -> dict:
             if v is not None}
 
 
-def _create_pool(messages=None, text=None, from_session=None, pinned=False, label="") -> Steps:
+def _create_pool(messages=None, text=None, from_session=None, as_root=False, pinned=False, label="") -> Steps:
     src = _source(messages, text, from_session)
-    pool = yield ("call", "create_pool", (), {**src, "pinned": pinned, "label": label})
+    pool = yield ("call", "create_pool", (), {**src, "pinned": pinned, "label": label, "as_root": as_root})
     return _pool_summary(pool), _record(pool, src)
 
 
@@ -166,8 +175,8 @@ def _capacity(pool_id, expected_tokens=None) -> Steps:
     return _capacity_summary((yield ("call", "capacity", (live,), {"expected_tokens": expected_tokens}))), {}
 
 
-def _release_pool(pool_id) -> Steps:
-    yield ("call", "release_pool", (pool_id,), {})
+def _release_pool(pool_id, immediate=False) -> Steps:
+    yield ("call", "release_pool", (pool_id,), {"immediate": immediate})
     return {"pool_id": pool_id, "released": True}, {str(pool_id): None}
 
 
@@ -253,8 +262,9 @@ _SPECS = [
     ("capacity", _capacity, CapacityArgs,
      "Whether one more sub-agent fits a pool under its tps floor and KV/context headroom, and why. "
      "Check it before spawning; when 'settling' is true, wait instead of spawning."),
-    ("release_pool", _release_pool, PoolIdArgs,
-     "Release a pool you no longer need (release child pools first)."),
+    ("release_pool", _release_pool, ReleasePoolArgs,
+     "Release a pool you no longer need (release child pools first). It stays usable for a short grace "
+     "period unless immediate is true."),
 ]
 
 

@@ -195,7 +195,10 @@ class GenerationInfo(_Model):
     sessions_remaining: int | None = None
     """Enforced pools: sessions that still fit (``X-Sessions-Remaining``)."""
     admission_warning: str | None = None
-    """Admitted under ``on_saturation: warn``: the warning."""
+    """Admitted under ``on_saturation: warn`` (or by ``overcommit`` past a full pool): the warning."""
+    admission_retry_after_s: float | None = None
+    """Enforced pools, when no other new session fits after this one: seconds until one is likely
+    to fit (``x-admission-retry-after``)."""
 
 
 class Usage(_Model):

@@ -228,6 +228,9 @@ class _PrefixSource(_Strict):
 class CreatePoolRequest(_PrefixSource):
     pinned: bool = False
     label: Label = ""
+    as_root: bool = Field(False, description="from_session of a session attached to a pool: make a root (its "
+                                             "borrowed prefix is computed again) instead of a zero-copy child of "
+                                             "that pool (the default); other prefixes always make a root")
 
 
 class ForkPoolRequest(_PrefixSource):
@@ -263,6 +266,11 @@ class CompactRequest(_Strict):
 class _Query(BaseModel):
     # query strings are text: numbers are parsed (lax), unknown parameters ignored
     model_config = ConfigDict(extra="ignore")
+
+
+class ReleasePoolQuery(_Query):
+    immediate: bool = Field(False, description="release now instead of after the pool's grace TTL (pending "
+                                               "releases of its children go first)")
 
 
 class CapacityQuery(_Query):

@@ -19,14 +19,14 @@ from pydantic import BaseModel
 
 from .. import __version__
 from ..engine.chat import render_chat, template_caps
-from ..engine.errors import InvalidRequestError, OpencotiError
+from ..engine.errors import InvalidRequestError, OpencotiError, PoolNotFoundError
 from . import results as R
 from .context import Context
 from .generation import run_completion
 from .prefix import prefix_tokens
 from .schemas import (AdmissionRequest, ApplyTemplateRequest, CapacityQuery, ChatCompletionRequest, CompactRequest,
                       CompletionRequest, CreatePoolRequest, DetokenizeRequest, EventsQuery, ForkPoolRequest,
-                      TokenizeRequest, TpsHistoryQuery)
+                      ReleasePoolQuery, TokenizeRequest, TpsHistoryQuery)
 from .validation import validate_json, validate_query
 
 PATH_PARAMS = {"pool_id": int, "session_id": str}
@@ -145,7 +145,7 @@ def _apply_template(ctx: Context, body: ApplyTemplateRequest) -> dict:
 def _create_pool(ctx: Context, body: CreatePoolRequest) -> dict:
     tokens, from_session = prefix_tokens(ctx, body, body.from_session, body.add_generation_prompt)
     return ctx.engine.create_pool(tokens=tokens, from_session=from_session, pinned=body.pinned,
-                                  label=body.label).as_dict()
+                                  label=body.label, as_root=body.as_root).as_dict()
 
 
 def _fork_pool(ctx: Context, pool_id: int, body: ForkPoolRequest) -> dict:
@@ -169,9 +169,14 @@ def _pool(ctx: Context, pool_id: int) -> dict:
     return {**root, "subtree": subtree}
 
 
-def _release_pool(ctx: Context, pool_id: int) -> dict:
-    ctx.engine.release_pool(pool_id)
-    return {"pool_id": pool_id, "released": True}
+def _release_pool(ctx: Context, pool_id: int, query: ReleasePoolQuery) -> dict:
+    eng = ctx.engine
+    eng.release_pool(pool_id, immediate=query.immediate)
+    try:  # deferred by the grace TTL: the pool lives on (attachable) until release_in_s
+        release_in_s = eng.pool(pool_id).release_in_s
+    except PoolNotFoundError:
+        release_in_s = None  # released now
+    return {"pool_id": pool_id, "released": True, "release_in_s": release_in_s}
 
 
 def _flush_pool(ctx: Context, pool_id: int) -> dict:
@@ -236,8 +241,9 @@ _ROWS = [
               summary="the pool tree with sessions, KV bytes by ownership"),
     Operation("pool", "GET", "/polykv/pools/{pool_id}", _pool, result=R.Pool, tags=_P,
               summary="one pool and its subtree", errors=_POOL),
-    Operation("release_pool", "DELETE", "/polykv/pools/{pool_id}", _release_pool, tags=_P,
-              summary="release a pool (409 while it has child pools)", errors=_POOL_CONFLICT),
+    Operation("release_pool", "DELETE", "/polykv/pools/{pool_id}", _release_pool, query=ReleasePoolQuery, tags=_P,
+              summary="release a pool (409 while it has child pools; deferred within its grace TTL unless "
+                      "immediate)", errors=_POOL_CONFLICT),
     Operation("fork_pool", "POST", "/polykv/pools/{pool_id}/fork", _fork_pool, body=ForkPoolRequest, result=R.Pool,
               tags=_P, summary="fork: extend (branch_pos == L) or COW branch (branch_pos < L)",
               errors=_POOL_CONFLICT),

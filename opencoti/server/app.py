@@ -26,13 +26,15 @@ from .middleware import (PUBLIC_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, Re
 from .openapi import install_openapi
 from .routes_dashboard import router as dashboard_router
 from .routes_generate import router as generate_router
+from .routes_monitor import metrics_router
 from .routes_monitor import router as monitor_router
 from .routes_ops import operations_router
 from .state import ServerState
 from .tenants import TenantKeyMiddleware
 
 EXPOSED_HEADERS = ["x-session-id", "x-pool-id", "x-cached-prefix-tokens", "x-sessions-remaining",
-                   "x-admission-warning", "x-opencoti-resource", "retry-after"]
+                   "x-admission-warning", "x-admission-retry-after", "x-session-tps", "x-opencoti-resource",
+                   "retry-after"]
 
 
 def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Engine] | None = None,
@@ -61,6 +63,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     install_handlers(app)
     install_openapi(app, auth=bool(config.api_key or config.tenant_keys), public_paths=PUBLIC_PATHS)
     routers = [operations_router(), generate_router, monitor_router, dashboard_router]
+    if config.metrics:  # off: /metrics is an unknown route (404) and nothing is collected for it
+        routers.append(metrics_router)
     for router in routers:
         app.include_router(router)
     # (path regex, methods) of every route, for the Allow header of a 405
@@ -73,7 +77,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     elif config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(RequestGuardMiddleware, allowed_hosts=config.allowed_hosts, cors_origins=config.cors_origins)
-    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    if state.metrics is not None:
+        app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
     if config.cors_origins:
         # like llama.cpp: the request's origin is echoed (with credentials allowed), also for '*'
         any_origin = "*" in config.cors_origins

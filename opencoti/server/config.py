@@ -18,6 +18,9 @@ class ServerConfig:
     body_timeout_s: a request body must arrive within this many seconds (408 otherwise).
     tenant_keys: ``{key: tenant}`` (an API keys file, ``tenants.load_keys_file``): every key a tenant that
         sees only its own pools and sessions (docs/persistence.md); not together with ``api_key``.
+    metrics: serve ``GET /metrics`` and collect its server-side series (request counters, latency
+        histograms). False (``--no-metrics``): ``/metrics`` answers 404 like any unknown route and
+        nothing is collected for it.
     """
 
     api_key: str | None = None
@@ -29,3 +32,4 @@ class ServerConfig:
     allowed_hosts: list[str] | None = None
     body_timeout_s: float = 30.0
     tenant_keys: dict[str, str] | None = None
+    metrics: bool = True

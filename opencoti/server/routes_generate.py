@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from ..engine.results import RequestInfo
 from ..ops import Context
+from ..ops.headers import generation_headers
 from ..ops.generation import (FINISH_OPENAI, ChatTurn, llama_final, opencoti_block, prepare_chat_request,
                               prepare_completion, prepare_openai_completion, usage)
 from ..ops.schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
@@ -42,16 +43,9 @@ _SSE = {"content": {"text/event-stream": {"schema": {"type": "string"},
 
 
 def info_headers(info: RequestInfo) -> dict[str, str]:
-    h = {"x-session-id": info.session_id, "x-cached-prefix-tokens": str(info.cached_prefix_tokens)}
-    if info.pool_id is not None:
-        h["x-pool-id"] = str(info.pool_id)
-    adm = info.admission
-    if adm is not None:
-        if adm.get("sessions_remaining") is not None:
-            h["X-Sessions-Remaining"] = str(int(adm["sessions_remaining"]))
-        if adm.get("warning"):
-            h["x-admission-warning"] = str(adm["warning"]).encode("ascii", "replace").decode()
-    return h
+    """The headers of a stream (written before its first token); ``generation_headers(info,
+    result.timings)`` for an answer sent whole (``opencoti.ops.headers``)."""
+    return generation_headers(info)
 
 
 # ============================================================================ logprobs formats
@@ -123,7 +117,7 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
         if body.n_probs:
             out["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs) for d in result.logprobs or []]
         return SafeJSONResponse(pick_fields(out, body.response_fields) if body.response_fields else out,
-                                headers=headers)
+                                headers=generation_headers(info, result.timings))
 
     n = 0
 
@@ -231,7 +225,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
             "system_fingerprint": f"opencoti-{model}",
             "choices": [choice(echo + result.text, FINISH_OPENAI.get(result.stop_reason, "stop"), lp)],
             "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info),
-        }, headers=headers)
+        }, headers=generation_headers(info, result.timings))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -293,7 +287,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
             "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
             "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info),
-        }, headers=headers)
+        }, headers=generation_headers(info, result.timings))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

@@ -1,5 +1,6 @@
-"""Monitoring routes that are not plain operations: ``GET /metrics`` (Prometheus text) and
-``GET /polykv/tps`` (an SSE stream every interval; ``?once=1`` answers the ``tps`` operation)."""
+"""Monitoring routes that are not plain operations: ``GET /metrics`` (Prometheus text; a router of
+its own, left out with ``--no-metrics``) and ``GET /polykv/tps`` (an SSE stream every interval;
+``?once=1`` answers the ``tps`` operation)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from .state import ServerState, get_ctx, get_state
 from .streaming import SSE_HEADERS, sse
 
 router = APIRouter()
+metrics_router = APIRouter()  # only with ServerConfig.metrics (``--no-metrics`` leaves it out)
 
 
-@router.get("/metrics", tags=["llama.cpp"], summary="Prometheus text exposition", response_class=PlainTextResponse)
+@metrics_router.get("/metrics", tags=["llama.cpp"], summary="Prometheus text exposition",
+                    response_class=PlainTextResponse)
 def metrics(state: ServerState = Depends(get_state)):
     return PlainTextResponse(state.metrics.render(state.engine if state.is_ready else None),
                              media_type=CONTENT_TYPE_LATEST)

@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "also answer NAME (repeatable; '*' for any)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (408 after; default 30)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="no GET /metrics (it answers 404) and no Prometheus series collected for it "
+                        "(default: on)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -117,7 +120,8 @@ def run(args) -> int:
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,
             default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias,
             tenant_keys=load_keys_file(args.api_keys_file) if args.api_keys_file else None,
-            allowed_hosts=allowed_hosts(args.host, args.allowed_host), body_timeout_s=args.body_timeout)
+            allowed_hosts=allowed_hosts(args.host, args.allowed_host), body_timeout_s=args.body_timeout,
+            metrics=not args.no_metrics)
         if server_config.body_timeout_s <= 0:
             raise OpencotiError("--body-timeout must be > 0")
         if server_config.tenant_keys and server_config.api_key:

@@ -34,7 +34,7 @@ class ServerState:
         self.started = time.time()
         self.stopping = threading.Event()
         self.stop_deadline: float | None = None  # time.monotonic() after which open streams end
-        self.metrics = ServerMetrics(lambda: self.engine)
+        self.metrics = ServerMetrics(lambda: self.engine) if config.metrics else None
         self._ctx: Context | None = None
         self._tenant_ctx: dict[str, Context] = {}  # with tenant keys: one view each
         self._loader: threading.Thread | None = None

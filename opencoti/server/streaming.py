@@ -72,16 +72,20 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class Tracker:
-    """Per-request latency metrics (TTFT, inter-token latency, end-to-end)."""
+    """Per-request latency metrics (TTFT, inter-token latency, end-to-end); does nothing with
+    metrics off (``--no-metrics``)."""
 
     def __init__(self, state: ServerState):
         self.m = state.metrics
         self.t0 = time.perf_counter()
         self.last: float | None = None
-        self.m.in_flight += 1
-        self.open = True
+        self.open = self.m is not None
+        if self.open:
+            self.m.in_flight += 1
 
     def token(self) -> None:
+        if self.m is None:
+            return
         now = time.perf_counter()
         if self.last is None:
             self.m.ttft.observe(now - self.t0)

@@ -197,7 +197,8 @@ def test_decide_reject_warn_queue_and_overcommit():
     assert d.action == ADMIT and d.kind == "warned" and "saturated" in d.warning
     assert d.info(12.0) == {"decision": "warned", "reason": REASON_FLOOR, "warning": d.warning,
                             "sessions_remaining": 0, "projected_mean_tps_if_admitted": pytest.approx(20 / 3),
-                            "held_ms": 12.0}
+                            "held_ms": 12.0, "retry_after": d.retry_after}
+    assert 0.5 <= d.retry_after <= 60  # no room for the next new session: when it is likely to fit
     oc = decide(AdmissionPlan(3, "x", True, 30, 20, 50, overcommit=True), gate())
     assert oc.action == ADMIT and oc.kind == "overcommit" and "overcommit" in oc.warning
     big = AdmissionPlan(3, "x", True, 30, 20, 5000, overcommit=True)

@@ -153,7 +153,8 @@ def test_journey_b_branch_contract_and_release_ordering(client, engine):
         409, "differs")
     # release ordering: a parent with children is a 409; leaves first
     err(client.delete(f"/polykv/pools/{root['pool_id']}"), 409, "child pools")
-    assert ok(client.delete(f"/polykv/pools/{branch['pool_id']}")) == {"pool_id": branch["pool_id"], "released": True}
+    assert ok(client.delete(f"/polykv/pools/{branch['pool_id']}")) == {"pool_id": branch["pool_id"], "released": True,
+                                                                       "release_in_s": None}  # no grace TTL here
     ok(client.delete(f"/polykv/pools/{root['pool_id']}"))
     err(client.delete(f"/polykv/pools/{root['pool_id']}"), 404)
     sid = r.headers["x-session-id"]

@@ -75,7 +75,8 @@ class Decision:
         cap = self.capacity
         return {"decision": self.kind, "reason": self.reason, "warning": self.warning,
                 "sessions_remaining": cap["sessions_remaining"],
-                "projected_mean_tps_if_admitted": cap["projected_mean_tps_if_admitted"], "held_ms": held_ms}
+                "projected_mean_tps_if_admitted": cap["projected_mean_tps_if_admitted"], "held_ms": held_ms,
+                "retry_after": self.retry_after}
 
 
 UNGATED = Decision(ADMIT, "ungated", "ok")
@@ -104,7 +105,16 @@ def _reject(plan: AdmissionPlan, g: GateInputs, cap: dict, prefix: str = "", rea
 
 
 def decide(plan: AdmissionPlan, g: GateInputs | None) -> Decision:
-    """Admit, hold or reject ``plan`` (pure). ``g`` None: the pool has no enforced policy."""
+    """Admit, hold or reject ``plan`` (pure). ``g`` None: the pool has no enforced policy.
+    An admit that leaves no room for another new session carries ``retry_after`` (when the next
+    one is likely to fit: the same estimate a 429 gives)."""
+    d = _decide(plan, g)
+    if d.action == ADMIT and d.capacity is not None and d.capacity["sessions_remaining"] <= 1:
+        d = replace(d, retry_after=retry_after_s(d.capacity, g.soonest_finish_s, g.capacity.policy.settle_max_ms))
+    return d
+
+
+def _decide(plan: AdmissionPlan, g: GateInputs | None) -> Decision:
     if not plan.gated or g is None or g.capacity.policy.mode != ENFORCED:
         return UNGATED
     x, now = g.capacity, g.now
