@@ -13,7 +13,8 @@ Three measurements on the bundled model, every ratio against a baseline measured
   (b) a 6-turn agent conversation over HTTP (the server's ASGI app in-process, no ids), each turn
       the whole conversation so far: prompt tokens computed (timings.prompt_n) vs the tokens that
       are new in each turn (not in the previous prompt or its answer). Target <= 1.1x; wall time
-      vs the prefix cache off.
+      vs the prefix cache off. The table also shows how many ids each answer's text encodes to
+      again: where that differs from the ids generated, the next prompt is realigned to them.
   (c) overhead of the index on a workload with no sharing at all (N=8 concurrent requests with
       unrelated random prompts): time spent in the index's own code (page keys at submit, lookups
       and page registration, the in-flight check, tails, eviction), measured by wrapping those
@@ -134,11 +135,15 @@ def bench_conversation(args, G: int) -> dict:
                     u = body["usage"]
                     cached = u["prompt_tokens_details"]["cached_tokens"]
                     new = u["prompt_tokens"] - prev_total if prev_total is not None else u["prompt_tokens"]
+                    answer = body["choices"][0]["message"]["content"]
                     rows.append({"prompt_tokens": u["prompt_tokens"], "cached": cached,
                                  "computed": u["prompt_tokens"] - cached, "new": new,
-                                 "completion_tokens": u["completion_tokens"]})
+                                 "completion_tokens": u["completion_tokens"],
+                                 # ids of the answer's text encoded again (!= completion_tokens: the
+                                 # tokenizer spells it otherwise; the engine realigns the next prompt)
+                                 "answer_encoded": len(eng.tokenize(answer))})
                     prev_total = u["prompt_tokens"] + u["completion_tokens"]
-                    messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                    messages.append({"role": "assistant", "content": answer})
                 out[f"wall_{key}_s"] = now() - t0
                 out[f"turns_{key}"] = rows
         finally:
@@ -236,8 +241,9 @@ def main() -> None:
     if "b" in args.only:
         log("(b) 6-turn conversation over HTTP")
         payload["conversation"] = b = bench_conversation(args, G)
-        print_table(["turn", "prompt tokens", "new", "computed", "cached"],
-                    [[str(i + 1), r["prompt_tokens"], r["new"], r["computed"], r["cached"]]
+        print_table(["turn", "prompt tokens", "new", "computed", "cached", "answer ids", "answer re-encoded"],
+                    [[str(i + 1), r["prompt_tokens"], r["new"], r["computed"], r["cached"], r["completion_tokens"],
+                      r["answer_encoded"]]
                      for i, r in enumerate(b["turns_on"])], title="(b) 6-turn conversation, no ids (cache on)")
         print(f"computed / new over turns 2-6: {fmt(b['computed_over_new'])} (target <= 1.10); "
               f"wall {fmt(b['wall_on_s'])} s on vs {fmt(b['wall_off_s'])} s off ({fmt(b['wall_ratio_on_off'])}x)")

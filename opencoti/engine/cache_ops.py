@@ -9,15 +9,32 @@ being computed by a running request waits for it (a step or two) instead of comp
 Memory: cache pages (held by the index alone) are evicted first, least recently used leaves
 first; then idle sessions' KV (which falls into the cache and is evicted in turn), then idle
 pools. An idle session nobody named expires after ``session_ttl_s``.
+
+Realignment: a conversation sent again as text carries the model's earlier answers, and the
+tokenizer may spell an answer with other ids than the model generated (``"a" "b"`` generated,
+``"ab"`` re-encoded), which would end the shared prefix inside the answer. Before a request is
+planned, its prompt is realigned to the exact ids of recent finished requests of the same salt
+(``_realign``): where the prompt and such a request diverge, the longest span that spells the same
+bytes in both (compared piece by piece and decoded, never across a special token) takes the
+earlier request's ids. The prompt's text is unchanged, so is the rest of its ids; only the spelling
+of text the model itself produced changes, and the KV shared afterwards is still matched token by
+token by the index.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
+from collections import deque
 
+from .errors import ContextLengthError
 from .kv.pools import Residency
 from .kv.prefix_index import salt_root
 from .session import Job, Session
+
+RECENT_REQUESTS = 64  # finished requests a prompt can be realigned to (per engine, all salts)
+_MAX_SPLICES = 16  # realigned spans per prompt (one per earlier answer it repeats)
+_SPLICE_TRIES = 4  # common boundaries tried per span when the last one does not decode cleanly
 
 
 class PrefixCacheMixin:
@@ -25,38 +42,141 @@ class PrefixCacheMixin:
     and _drop_session_kv, _evict_pool, _auto_pinned, _session_pool."""
 
     def _init_prefix_cache(self) -> None:
-        self._inflight: dict[bytes, Job] = {}  # page key -> the running job computing that page
+        self._inflight: dict[bytes, Job] = {}  # page key -> the job computing (or queued to compute) that page
         self._next_expiry_check = 0.0
         self.scheduler.blocked = self._waits_for_prefix
+        # (salt root, ids) of recent finished requests, prompt + answer: what prompts are realigned to
+        self._recent: deque[tuple[bytes, array]] = deque(maxlen=RECENT_REQUESTS)
+        self._pieces = None  # token id -> its piece of text (the tokenizer's own spelling), made on first use
 
     # ---- at commit ---------------------------------------------------------------------
     def _plan_auto(self, job: Job, pooled: bool, salt: str | None) -> int:
         """Prepare ``job`` for automatic sharing; returns the prompt tokens it is expected to
-        reuse from the index (cached now, or being computed by a running request)."""
+        reuse from the index (cached now, or computed by a request ahead of it, which it will wait
+        for). What it reuses in the end is counted when it starts (``_auto_start``)."""
         job.seq.salt_root = salt_root(salt)
         index = self.tables.index
         if index is None or pooled:
             return 0
         ps, tokens = self.page_size, job.seq.tokens
         limit = len(tokens) - 1
-        job.prompt_keys = index.keys_for(tokens, job.seq.salt_root, limit // ps)
-        m = index.match(tokens, job.seq.salt_root, limit, job.prompt_keys)
+        keys = job.prompt_keys = index.keys_for(tokens, job.seq.salt_root, limit // ps)
+        m = index.match(tokens, job.seq.salt_root, limit, keys)
         n = len(m.pages)
-        while n < len(job.prompt_keys) and self._computing(job.prompt_keys[n]) is not None:
-            n += 1
+        while n < len(keys) and self._owner(keys[n]) is not None:
+            n += 1  # computed by a request ahead of this one (running or queued): it will wait for it
+        for k in keys[n:]:  # pages this request computes: later arrivals expect them
+            self._inflight.setdefault(k, job)
         return max(m.num_tokens(ps), n * ps)
+
+    # ---- realignment (at prepare: no side effect) ---------------------------------------
+    def _realign(self, prompt: list[int], salt: str | None, params, floor: int = 0) -> list[int]:
+        """``prompt`` with each span that spells the same bytes as a recent finished request of
+        the same salt (past the point where they diverge, at or after ``floor``) taken from that
+        request's ids. Returns ``prompt`` itself when nothing changes, or when the realigned
+        prompt would not fit the context."""
+        root = salt_root(salt)
+        cands = [t for r, t in self._recent if r == root]
+        if not cands:
+            return prompt
+        live = [(t, 0) for t in reversed(cands)]  # (ids, where to start comparing); the most recent wins ties
+        out = array("q", prompt)
+        changed = False
+        for _ in range(_MAX_SPLICES):
+            best, d, scored = None, max(floor, 1) - 1, []
+            for t, lo in live:
+                n = _lcp(out, t, lo)
+                scored.append((t, n))
+                if n > d:
+                    best, d = t, n
+            if best is None or d >= len(out) or d >= len(best):
+                break
+            spliced = self._splice(out, best, d)
+            if spliced is None:
+                break
+            out, changed = spliced, True
+            live = [(t, d) for t, n in scored if n >= d]  # the others part from the prompt before d
+        if not changed or not self._fits(len(out), params.max_tokens):
+            return prompt
+        return out.tolist()
+
+    def _fits(self, n: int, max_tokens: int | None) -> bool:
+        try:
+            self._check_fits(n, max_tokens)
+        except ContextLengthError:
+            return False
+        return True
+
+    def _splice(self, out: array, ref: array, d: int) -> array | None:
+        """``out`` with its span from ``d`` replaced by ``ref``'s ids for the longest same text
+        (None: no such span). ``out[:d] == ref[:d]`` and ``out[d] != ref[d]``."""
+        pieces = self._pieces or self._make_pieces()
+        specials = self.tokenizer.special_token_ids
+        re_ids = _run(ref, d, specials, d + 8192)
+        pe = _plain(pieces(re_ids))
+        if not pe:
+            return None
+        se = "".join(pe)
+        pf = _plain(pieces(_run(out, d, specials, d + len(se))))  # a token spells at least one character
+        if not pf:
+            return None
+        sf = "".join(pf)
+        common = _lcp_str(se, sf)
+        ends_f = {}  # text length -> tokens of out's span that spell it
+        n = 0
+        for j, x in enumerate(pf, 1):
+            n += len(x)
+            ends_f[n] = j
+        ends_e = []
+        n = 0
+        for k, x in enumerate(pe, 1):
+            n += len(x)
+            if n > common:
+                break
+            if n in ends_f:
+                ends_e.append((k, ends_f[n]))
+        for k, j in reversed(ends_e[-_SPLICE_TRIES:]):
+            if self._same_text(re_ids[:k], out[d:d + j]):
+                return out[:d] + ref[d:d + k] + out[d + j:]
+        return None
+
+    def _make_pieces(self):
+        hf = self.tokenizer.hf_tokenizer
+        if hf is not None:
+            def pieces(ids):
+                return hf.convert_ids_to_tokens(list(ids))
+        else:
+            decode = self.tokenizer.decode
+
+            def pieces(ids):
+                return [decode([i], skip_special_tokens=False) for i in ids]
+        self._pieces = pieces
+        return pieces
+
+    def _same_text(self, a, b) -> bool:
+        """Both id runs decode to the same text (no cleanup of spaces, no replacement character)."""
+        hf = self.tokenizer.hf_tokenizer
+        if hf is not None:
+            ta = hf.decode(list(a), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            tb = hf.decode(list(b), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        else:
+            ta = self.tokenizer.decode(list(a), skip_special_tokens=False)
+            tb = self.tokenizer.decode(list(b), skip_special_tokens=False)
+        return ta == tb and "\ufffd" not in ta
 
     # ---- at start ----------------------------------------------------------------------
     def _auto_start(self, job: Job, p_other: int) -> bool | None:
         """Start ``job`` from the index when that reuses more than ``p_other`` tokens (its pool or
         its own cache). None: not from the index; False: no page for the partial copy yet."""
-        if not job.prompt_keys:
-            return None
         seq = job.seq
-        m = self.tables.match(seq.tokens, seq.salt_root, len(seq.tokens) - 1, job.prompt_keys)
+        m = self.tables.match(seq.tokens, seq.salt_root, len(seq.tokens) - 1, job.prompt_keys) \
+            if job.prompt_keys else None
         p = m.num_tokens(self.page_size) if m is not None else 0
         if p <= p_other:
-            self._mark_inflight(job, 0)
+            if job.prompt_keys:
+                self._mark_inflight(job, 0)
+            if not job.num_preemptions:
+                self._recount_cache_n(job, p_other)  # what it reuses, not what was expected at accept
             return None
         old = job.session.seq
         if not self.tables.share_match(seq, m):
@@ -84,12 +204,17 @@ class PrefixCacheMixin:
             if k not in index.entries and self._computing(k) is None:
                 self._inflight[k] = job
 
-    def _computing(self, key: bytes) -> Job | None:
+    def _owner(self, key: bytes) -> Job | None:
+        """The live request that computes (or, queued, will compute) the page of ``key``."""
         j = self._inflight.get(key)
-        if j is not None and (not j.started or j.finish_reason is not None):
+        if j is not None and j.finish_reason is not None:
             del self._inflight[key]
             j = None
         return j
+
+    def _computing(self, key: bytes) -> Job | None:
+        j = self._owner(key)
+        return j if j is not None and j.started else None
 
     def _waits_for_prefix(self, job) -> bool:
         """A waiting request whose next uncached prompt page a running request is computing."""
@@ -102,8 +227,14 @@ class PrefixCacheMixin:
         return r is not None and r is not job
 
     # ---- at finish ---------------------------------------------------------------------
-    def _after_request(self, session: Session) -> None:
+    def _after_request(self, session: Session, job: Job | None = None) -> None:
         self.tables.cache_tail(session.seq)
+        if job is not None:
+            for k in job.prompt_keys:
+                if self._inflight.get(k) is job:
+                    del self._inflight[k]
+            if job.generated and job.seq is session.seq:
+                self._recent.append((job.seq.salt_root, array("q", job.seq.tokens)))
         if not session.anonymous:
             return
         pool = self._session_pool(session)
@@ -190,3 +321,44 @@ class PrefixCacheMixin:
             # prompt tokens reused (pools, sessions and the automatic index) / prompt tokens
             "hit_rate": c["cached_prompt_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
+
+
+def _lcp(a: array, b: array, lo: int = 0) -> int:
+    """Length of the common prefix of two id arrays, known equal up to ``lo`` (compared a block at
+    a time)."""
+    n = min(len(a), len(b))
+    while lo < n:
+        hi = min(n, lo + 256)
+        if a[lo:hi] != b[lo:hi]:
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        lo = hi
+    return n
+
+
+def _lcp_str(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _run(ids: array, start: int, specials, limit: int) -> array:
+    """``ids[start:]`` up to the first special token (or ``limit``)."""
+    end = start
+    stop = min(len(ids), limit)
+    while end < stop and ids[end] not in specials:
+        end += 1
+    return ids[start:end]
+
+
+def _plain(pieces: list) -> list[str]:
+    """The pieces up to the first one that has no exact spelling (unknown id, partial character)."""
+    out = []
+    for x in pieces:
+        if not x or "\ufffd" in x:
+            break
+        out.append(x)
+    return out

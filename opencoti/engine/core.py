@@ -186,6 +186,9 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 raise PoolContractError(
                     f"shared_prefix_n_tokens={n} but the prompt differs from pool {pool.pool_id}'s tokens at "
                     f"position {common_prefix_len(prompt[:n], pool.tokens[:n])}")
+        # the model's own ids for the text of recent answers the prompt repeats (never inside a pool's prefix)
+        on_pool = pool or (self._session_pool(session) if session is not None else None)
+        prompt = self._realign(prompt, cache_salt, params, on_pool.prefix_len if on_pool is not None else 0)
         plan = AdmissionPlan(
             pool_id=pool.pool_id if pool is not None else None, session_id=session_id,
             new_to_pool=pool is not None and (session is None or session.pool_id != pool.pool_id),
@@ -306,7 +309,9 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         finish = None
         text = ""
         if token in self.eos_ids and not p.ignore_eos:
-            finish = "eos"
+            # a constrained output the budget closed (sampling_state.budget_closed) ended by length
+            st = job.sampler_state
+            finish = "length" if st is not None and st.budget_closed else "eos"
         elif token in p.stop_token_ids:
             finish = "stop"
         else:
@@ -346,7 +351,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             pool = self._session_pool(session)
             if pool is not None:
                 pool.last_access = time.time()
-            self._after_request(session)
+            self._after_request(session, job)
         self.counters["preemptions"] += job.num_preemptions
         for fn in self.listeners:
             fn("finish", {"job": job})

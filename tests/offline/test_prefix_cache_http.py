@@ -70,3 +70,59 @@ def test_cache_salt_isolates_over_http(make_engine):
         assert ask("a") > 0
         pools = http.get("/polykv/pools").json()
         assert pools["cache_kv_bytes"] >= 0 and 0 < pools["cache_hit_rate"] < 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_count_of_requests_that_arrive_together(make_engine, stream):
+    """x-cached-prefix-tokens against the final usage when requests sharing a prefix arrive in one
+    turn of the step loop: the first computes it, the others wait for it and reuse it all. An answer
+    sent whole writes the header when the request has ended; a stream writes it at accept time, from
+    the pages the request ahead of it is going to compute."""
+    import json
+    import threading
+    import time
+
+    eng = make_engine(page_size=4, kv_budget_tokens=8192)
+    ps = 4
+
+    def msgs(system: str, user: str) -> list:
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    system = "you share this system prompt with every other request. " * 2
+    common = len(eng.tokenize(eng.apply_chat_template(msgs(system, "a"))[:-len("a<|im_end|>\n<|im_start|>assistant\n")]))
+    system += "x" * (-common % ps)  # the shared prefix ends on a page boundary
+    prompts = [msgs(system, f"{c}: what now?") for c in "pqrst"]
+    shared = len(eng.tokenize(eng.apply_chat_template(prompts[0])[:-len("p: what now?<|im_end|>\n<|im_start|>assistant\n")]))
+    assert shared % ps == 0
+    out: list = [None] * len(prompts)
+
+    def post(i: int) -> None:
+        body = {"messages": prompts[i], "max_tokens": 3, "temperature": 0, "logit_bias": LETTERS, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            final = [e for e in events if e.get("usage")][-1]
+        else:
+            final = r.json()
+        out[i] = (int(r.headers["x-cached-prefix-tokens"]), final["usage"]["prompt_tokens_details"]["cached_tokens"],
+                  final["timings"]["cache_n"])
+
+    with TestClient(create_app(eng), raise_server_exceptions=False) as http:
+        gate = threading.Event()
+        held = eng._submit(gate.wait)  # the step thread waits: every request is accepted in one turn
+        ts = [threading.Thread(target=post, args=(i,)) for i in range(len(prompts))]
+        [t.start() for t in ts]
+        deadline = time.monotonic() + 30
+        while eng._cmds.qsize() < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        held.result(timeout=30)
+        [t.join(timeout=120) for t in ts]
+    assert all(o is not None for o in out), out
+    for header, cached, cache_n in out:
+        assert header == cached == cache_n, out
+    assert sorted(o[1] for o in out) == [0] + [shared] * (len(prompts) - 1)
