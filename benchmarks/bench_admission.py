@@ -229,20 +229,32 @@ def main() -> int:
                 [[k, f"{r['under_share']:.3f}", f"{r['deep_share']:.4f}", r["max_sessions"] - args.fit,
                   r["total_wall_s"], r["tok_s"]] for k, r in runs.items()],
                 title="the metrics of the simulator benchmark (session-decode seconds, from token times)")
-    print(f"ours / naive: under {fmt(rel('under_share'))} (target <= 0.5), deep {fmt(rel('deep_share'))} "
-          f"(target <= 0.2), wall {fmt(rel('total_wall_s'))} (target <= 1.15), tok/s {fmt(rel('tok_s'))}")
+    over = {k: r["max_sessions"] - args.fit for k, r in runs.items()}
+    targets = {"under-floor share": (rel("under_share"), 0.5), "deep share": (rel("deep_share"), 0.2),
+               "wall": (rel("total_wall_s"), 1.15)}
+
+    def verdict(x, limit):
+        return "n/a" if x is None else "PASS" if x <= limit + 1e-9 else "FAIL"
+
+    print("ours / naive (targets on the four metrics):")
+    for name, (x, limit) in targets.items():
+        print(f"  {name:18s} {fmt(x):>8s}  (target <= {limit:g}: {verdict(x, limit)})")
+    print(f"  {'overshoot':18s} ours {over['ours']}, naive {over['naive']}  "
+          f"(target ours <= 1: {verdict(over['ours'], 1)})")
+    print(f"  {'tok/s':18s} {fmt(rel('tok_s')):>8s}")
     ratio = (ours["time_under_floor_s"] / naive["time_under_floor_s"]) if naive["time_under_floor_s"] else None
     ok_ratio = ours["time_under_floor_s"] <= 0.5 * naive["time_under_floor_s"] + 1e-9
-    ok_over = ours["max_sessions"] - args.fit <= 1
+    ok_over = over["ours"] <= 1
     print("\ncalibration (per-session tps by concurrency): "
           + ", ".join(f"{n}: {v:.2f}" for n, v in cal.items()))
-    print(f"ours / naive time under floor: {fmt(ratio)} (target <= 0.5: {'PASS' if ok_ratio else 'FAIL'}); "
-          f"ours overshoot {ours['max_sessions'] - args.fit} (target <= 1: {'PASS' if ok_over else 'FAIL'})")
+    print(f"engine-mean time under floor, ours / naive: {fmt(ratio)}")
     info["loadavg_end"] = common.machine_info()["loadavg"]
     path = common.write_json("admission", {"config": vars(args), "machine": info, "calibration": cal,
                                            "floor": floor, "runs": runs,
                                            "targets": {"under_floor_ratio": ratio, "under_floor_ok": ok_ratio,
-                                                       "overshoot_ok": ok_over}}, args.out)
+                                                       "overshoot_ok": ok_over,
+                                                       "ratios": {k: x for k, (x, _) in targets.items()},
+                                                       "overshoot": over}}, args.out)
     log(f"wrote {path}")
     return 0
 

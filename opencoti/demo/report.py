@@ -59,6 +59,10 @@ def render_markdown(run: dict, summary: dict, charts: dict[str, str]) -> str:
     if floor is not None:
         add(f"| session-seconds decoding below the floor | {uf['session_under_s']:.1f} s of "
             f"{uf['session_active_s']:.1f} s |")
+    ge = summary.get("gate_effect")
+    if ge:
+        add(f"| share of decoding below the floor, with / without the gate (this run replayed) | "
+            f"{_pct(ge['with_gate']['under_share'])} / {_pct(ge['without_gate']['under_share'])} |")
     add(f"| tokens generated / prompt tokens / of which cached | {summary['totals']['generated_tokens']} / "
         f"{summary['totals']['prompt_tokens']} / {summary['totals']['cached_prompt_tokens']} |")
     add(f"| compactions | {len(summary['compactions'])} |")
@@ -122,6 +126,8 @@ def render_markdown(run: dict, summary: dict, charts: dict[str, str]) -> str:
         add(f"| {names.get(sid, sid)} | {d['active_s']:.1f} | {d['under_s']:.1f} | {_f(d['mean_tps'])} | {_f(d['min_tps'])} |")
     add(f"| **engine mean_active_tps** | {uf['engine']['active_s']:.1f} | {uf['engine']['under_s']:.1f} | | |")
     add("")
+    if ge:
+        add(gate_effect_markdown(ge, uf))
 
     add("## Admission\n")
     add("Gate decisions (the graph's `CapacityGateNode`s): "
@@ -191,6 +197,32 @@ def render_markdown(run: dict, summary: dict, charts: dict[str, str]) -> str:
         for e in run["errors"]:
             add(f"- {e}")
     return "\n".join(L) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def gate_effect_markdown(ge: dict, uf: dict) -> str:
+    """The with / without the gate table (``gate_effect.gate_effect``)."""
+    measured = uf["session_under_s"] / uf["session_active_s"] if uf.get("session_active_s") else None
+    speed = ", ".join(f"{b}: {_f(v)}" for b, v in ge["speed_tps"].items())
+    rows = ["### With and without the gate\n",
+            "The run without the gate did not happen, so both are replayed on the simulator "
+            "(`opencoti.sim`) with this run's own speed (per-session tok/s by sessions decoding: "
+            f"{speed}; noise sigma {_f(ge['noise_sigma'], 2)}) and its own model calls: with the gate each call "
+            "starts when it started here; without it, the agents that waited at a gate "
+            f"({', '.join(ge['agents_held']) or 'none'}; {ge['held_s']:.1f} s of waiting in all) start when they reached "
+            f"it. Shares are of session-decode seconds (rate over a session's last 8 tokens), means over "
+            f"{len(ge['seeds'])} seeds.\n",
+            "| | below the floor | below 80 % of it | most sessions decoding | replayed run time |",
+            "|---|---:|---:|---:|---:|"]
+    for name, key in (("with the gate", "with_gate"), ("without the gate", "without_gate")):
+        g = ge[key]
+        rows.append(f"| {name} | {_pct(g['under_share'])} | {_pct(g['deep_share'])} | {g['max_decoding']} | "
+                    f"{g['wall_s']:.1f} s |")
+    rows.append(f"| with the gate, as measured in this run (sampled session EWMAs) | {_pct(measured)} | | | |")
+    return "\n".join(rows) + "\n"
 
 
 def _json_default(o: Any):

@@ -6,6 +6,8 @@ import math
 import statistics
 from typing import Any
 
+from .gate_effect import gate_effect
+
 MiB = 2 ** 20
 
 
@@ -185,6 +187,7 @@ def summarize(run: dict) -> dict:
         "kv": kv_summary(samples),
         "ttft": ttft_summary(run.get("requests", [])),
         "under_floor": time_under_floor(samples, floor),
+        "gate_effect": gate_effect(run),
         "settle_windows": settle_windows(run.get("events", []), run.get("t_end")),
         "admission": admission_summary(run.get("events", []), run.get("decisions", [])),
         "concurrency": max_concurrency(samples),

@@ -10,7 +10,6 @@ time, whose duration a ``StepClock`` draws from a profile. Requests go through
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import SimpleNamespace

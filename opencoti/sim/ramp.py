@@ -9,8 +9,11 @@ Policies (the same engine code for both, only the orchestrator's rule differs):
 
 * ``naive``: spawn when nothing is measured yet or the raw ``mean_active_tps`` >= the floor.
 * ``ours``: spawn when ``capacity(pool)["can_admit"]`` (an advisory pool with the floor).
+* ``gate``: the LangGraph fan-out's decision: ``CapacityGateNode`` (with a ``SpawnPacer``) run on
+  the same capacity reports (its decision code driven step by step on the simulated clock).
 * ``oracle``: spawn while fewer than ``fit`` sessions are in flight (it knows the answer; what a
-  perfect policy would get on the profile, noise included).
+  perfect policy would get on the profile, noise included); ``oracle+1``: while fewer than
+  ``fit + 1`` (the most the overshoot target allows).
 
 Metrics, from the simulated token times (ground truth, not the engine's own estimates): a
 session's experienced rate at each token is its rate over its last ``rate_tokens`` intervals;
@@ -25,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..engine.config import SamplingParams
+from .bounds import wall_lower_bound
 from .engine import SimEngine
 from .profile import StepProfile
 
@@ -91,7 +95,7 @@ class RampResult:
     wall_s: float
     tok_s: float
     timeline: list = field(default_factory=list)  # (t, sessions in flight, mean rate of active sessions)
-    decisions: int = 0
+    spawns: list = field(default_factory=list)  # spawn times
 
     def row(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "timeline"}
@@ -109,6 +113,7 @@ def run_ramp(profile: StepProfile, policy: str, seed: int, cfg: RampConfig | Non
     tokens: dict[str, list[float]] = {}
     inflight: set[str] = set()
     state = {"spawned": 0, "max": 0, "t_first": None, "t_last": 0.0, "done": 0}
+    spawns: list[float] = []
     timeline: list = []
 
     def on_token(job, t):
@@ -125,22 +130,31 @@ def run_ramp(profile: StepProfile, policy: str, seed: int, cfg: RampConfig | Non
     params = SamplingParams.greedy(cfg.tokens, ignore_eos=True)
     prompt = list(range(1, cfg.prompt_tokens + 1))
 
-    def wants_spawn() -> bool:
+    gate = GateDriver(adm, pid) if policy == "gate" else None
+    if policy not in ("naive", "ours", "gate", "oracle", "oracle+1"):
+        raise ValueError(f"unknown ramp policy {policy!r}")
+
+    def wants_spawn(sid: str) -> bool:
         if policy == "naive":
             act = sim.metrics.activity()
             return act.n_active == 0 or act.mean_active_tps >= floor
-        if policy == "oracle":
-            return len(inflight) < cfg.fit
+        if policy in ("oracle", "oracle+1"):
+            return len(inflight) < cfg.fit + (policy == "oracle+1")
+        if gate is not None:
+            return gate.decide(sid)
         return adm.capacity(pid)["can_admit"]
 
     t_tick = 0.0
     while state["done"] < cfg.tasks and sim.t < cfg.max_time_s:
-        if state["spawned"] < cfg.tasks and wants_spawn():
-            sid = f"{policy}-{state['spawned']}"
+        sid = f"{policy}-{state['spawned']}"
+        if state["spawned"] < cfg.tasks and wants_spawn(sid):
             tokens[sid] = []
             fut = adm.submit(prompt, params, lambda ev: None, session_id=sid, pool_id=pid)
             fut.result()
+            if gate is not None:
+                gate.spawned(sid)
             inflight.add(sid)
+            spawns.append(sim.t)
             state["spawned"] += 1
             state["t_first"] = sim.t if state["t_first"] is None else state["t_first"]
             state["max"] = max(state["max"], len(inflight))
@@ -153,17 +167,71 @@ def run_ramp(profile: StepProfile, policy: str, seed: int, cfg: RampConfig | Non
     wall = state["t_last"] - (state["t_first"] or 0.0)
     n_tok = sum(len(ts) for ts in tokens.values())
     return RampResult(policy, seed, floor, under, deep, state["max"], max(0, state["max"] - cfg.fit), wall, n_tok / wall if wall > 0 else 0.0,
-                      timeline if keep_timeline else [])
+                      timeline if keep_timeline else [], spawns)
+
+
+class GateDriver:
+    """``CapacityGateNode``'s decision (with a ``SpawnPacer``), driven on the simulated engine: the
+    gate's own decision steps (capacity report, pacer turn, settled check, claim) with the capacity
+    reports of the simulated controller, as an in-process client would hand them over."""
+
+    def __init__(self, adm, pool_id: int):
+        from ..langgraph import CapacityGateNode, SpawnPacer
+        from ..langgraph._clients import ClientPair
+        from ..ops.results import Capacity
+
+        self.adm, self.pool_id, self.Capacity = adm, pool_id, Capacity
+        self.pacer = SpawnPacer()
+        # the gate never reaches a transport here: every step it asks for is answered below
+        self.gate = CapacityGateNode(ClientPair(None, None), spawn="work", hold="wait", on_hold="route",
+                                     pool_id=pool_id, pacer=self.pacer)
+        self.claimed: str | None = None
+
+    def decide(self, sid: str) -> bool:
+        gen, result = self.gate._steps({"session_id": sid}, self.pool_id), None
+        try:
+            while True:
+                step = gen.send(result)
+                result = None
+                if step[0] == "capacity":
+                    result = self.Capacity(**self.adm.capacity(step[1], expected_tokens=step[2]))
+                elif step[0] == "acquire":
+                    result = self.pacer.acquire(step[1], 0.0)
+                elif step[0] == "claim":
+                    self.claimed = step[2]
+                else:
+                    raise RuntimeError(f"unexpected gate step {step!r} with on_hold='route'")
+        except StopIteration as stop:
+            _cap, ok, extra = stop.value
+        assert not ok or extra.get("session_id") == sid
+        return ok
+
+    def spawned(self, sid: str) -> None:
+        """The spawned session was submitted: the pacer's claim ends once the engine knows it."""
+        if self.claimed is not None:
+            assert self.adm.capacity(self.pool_id, session_id=sid)["known_session"]
+            self.claimed = None
+            self.pacer.release(self.pool_id)
+
+
+def wall_bound(profile: StepProfile, cfg: RampConfig, extra: int = 1) -> dict:
+    """``bounds.wall_lower_bound`` for the ramp with at most ``fit + extra`` sessions in flight."""
+    return wall_lower_bound(profile, tasks=cfg.tasks, tokens=cfg.tokens, k=cfg.fit + extra,
+                            prompt_tokens=cfg.prompt_tokens, cached_tokens=cfg.cached_tokens)
 
 
 def compare(profile: StepProfile, seeds, cfg: RampConfig | None = None, admission: dict | None = None,
-            policy: str = "ours") -> dict:
-    """``policy`` (ours, or the oracle) vs naive on the same profile and seeds: per-seed results and
-    the ratios that the targets are about (means over seeds of each metric, ours / naive)."""
-    rows = {"ours": [], "naive": []}
-    for seed in seeds:
-        rows["ours"].append(run_ramp(profile, policy, seed, cfg, admission))
-        rows["naive"].append(run_ramp(profile, "naive", seed, cfg))
+            policy: str = "ours", naive: list | None = None) -> dict:
+    """``policy`` (ours, the gate, an oracle) vs naive on the same profile and seeds: per-seed
+    results and the ratios that the targets are about (means over seeds of each metric, ours /
+    naive), and ``wall_bound``: the lower bound on the wall time with at most fit (+0 / +1)
+    sessions in flight, and its ratio to naive's. ``naive``: naive's results on these seeds, if
+    already run."""
+    seeds = list(seeds)
+    rows = {"ours": [run_ramp(profile, policy, seed, cfg, admission) for seed in seeds],
+            "naive": list(naive) if naive is not None else [run_ramp(profile, "naive", seed, cfg) for seed in seeds]}
+    if [r.seed for r in rows["naive"]] != seeds:
+        raise ValueError("naive results for other seeds")
 
     def mean(pol, key):
         v = [getattr(r, key) for r in rows[pol]]
@@ -173,7 +241,12 @@ def compare(profile: StepProfile, seeds, cfg: RampConfig | None = None, admissio
         n = mean("naive", key)
         return mean("ours", key) / n if n > 0 else (0.0 if mean("ours", key) == 0 else math.inf)
 
-    return {"profile": profile.name, "seeds": list(seeds), "floor": rows["ours"][0].floor,
+    cfg = cfg or RampConfig.for_profile(profile)
+    naive_wall = mean("naive", "wall_s")
+    bounds = {f"fit+{x}": {**wall_bound(profile, cfg, x), "ratio": wall_bound(profile, cfg, x)["wall_s"] / naive_wall}
+              for x in (0, 1)}
+    return {"profile": profile.name, "seeds": list(seeds), "floor": rows["ours"][0].floor, "policy": policy,
+            "wall_bound": bounds,
             "under_ratio": rel("under_share"), "deep_ratio": rel("deep_share"), "wall_ratio": rel("wall_s"),
             "tok_s_ratio": rel("tok_s"), "overshoot_max": max(r.overshoot for r in rows["ours"]),
             "means": {pol: {k: mean(pol, k) for k in ("under_share", "deep_share", "overshoot", "wall_s", "tok_s")}

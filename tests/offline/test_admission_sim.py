@@ -15,8 +15,9 @@ import pytest
 from opencoti.engine.admission import AdmissionPolicy, CapacityInputs, compute_capacity
 from opencoti.engine.admission.forecast import StepForecast
 from opencoti.engine.errors import InvalidRequestError
+from opencoti.sim.bounds import burst_multiplier, wall_lower_bound
 from opencoti.sim.profile import StepClock, StepProfile, fit_profile, profile_names
-from opencoti.sim.ramp import compare, run_ramp
+from opencoti.sim.ramp import RampConfig, compare, run_ramp, wall_bound
 
 MEASURED = "epyc-2core-avx2"
 
@@ -110,6 +111,67 @@ def test_noisier_steps_give_wider_bounds_and_longer_settle_windows():
     assert quiet.settle_tokens(3, cap=48) >= 4
 
 
+def test_stalls_are_pooled_so_batch_sizes_can_be_told_apart():
+    """Rare long stalls (an OS preemption, a neighbour) do not depend on the batch size: they go to
+    the engine-wide excess, so each batch size's level keeps the spread of its ordinary steps."""
+    rng = random.Random(7)
+    fc = StepForecast()
+    raw = {3: [], 4: []}
+    for i in range(600):
+        b = 3 + i % 2
+        x = (0.40 if b == 3 else 0.45) * math.exp(rng.gauss(0, 0.1))
+        if rng.random() < 0.07:
+            x += rng.expovariate(1.0)  # a stall of 1 s on average
+        raw[b].append(x)
+        fc.observe(b, 0, x)
+    st3, st4 = fc.stats[3], fc.stats[4]
+    # a level keeps the part of a stall under the threshold (2x the level): a little above the plain steps
+    assert 0.40 <= st3.slow <= 0.40 * 1.12 and 0.45 <= st4.slow <= 0.45 * 1.12
+    assert fc.stall_s == pytest.approx(0.07, rel=0.5)  # the mean excess per step, whatever the batch
+    for b, st in ((3, st3), (4, st4)):  # expected step = level + excess = the raw mean
+        assert fc.step_s(st) == pytest.approx(sum(raw[b]) / len(raw[b]), rel=0.1)
+        mean = sum(raw[b]) / len(raw[b])
+        raw_cv = math.sqrt(sum((x - mean) ** 2 for x in raw[b]) / len(raw[b])) / mean
+        assert st.cv < 0.5 * raw_cv
+    # 12 % apart, told apart: the bound at 4 is below the estimate at 3 grown by 20 %
+    pr = fc.project(3)
+    assert pr.kind == "measured" and pr.est_s < pr.bound_s < 1.2 * pr.now_s
+
+
+def test_a_stall_among_the_first_steps_does_not_set_the_level():
+    fc = StepForecast()
+    for x in (0.1, 0.1, 0.11, 2.5, 0.09, 0.1, 0.1, 0.1, 0.1, 0.1):
+        fc.observe(2, 0, x)
+    assert 0.1 <= fc.stats[2].slow < 0.12  # the raw mean is 0.35
+    assert fc.stall_s > 0
+
+
+def test_wall_bound_is_the_linear_programme():
+    # 3 tasks x 10 tokens, at most 2 in flight: one lane runs two tasks back to back (20 steps); the
+    # cheapest 30 session-steps in 20 steps: 10 steps of 2 sessions (1.2 s) + 10 of 1 (1.0 s)
+    p = StepProfile(name="t", table={1: 1.0, 2: 1.2, 3: 1.3}, noise_sigma=0.0, prefill_s=0.0)
+    b = wall_lower_bound(p, tasks=3, tokens=10, k=2, prompt_tokens=5, cached_tokens=4)
+    assert b["wall_s"] == pytest.approx(22.0) and b["batches"] == {1: pytest.approx(10), 2: pytest.approx(10)}
+    assert wall_lower_bound(p, tasks=3, tokens=10, k=3, prompt_tokens=5, cached_tokens=4)["wall_s"] == \
+        pytest.approx(13.0)  # all three at once
+    noisy = StepProfile(name="n", table={1: 1.0, 2: 1.2}, noise_sigma=0.2, prefill_s=0.0, stall_prob=0.1,
+                        stall_mean_s=0.5, burst_factor=2.0, burst_on_mean_s=1.0, burst_off_mean_s=3.0)
+    nb = wall_lower_bound(noisy, tasks=3, tokens=10, k=2, prompt_tokens=5, cached_tokens=4)
+    assert nb["wall_s"] > 22.0 * noisy.mean_factor() * burst_multiplier(noisy)
+    with pytest.raises(ValueError):
+        wall_lower_bound(p, tasks=0, tokens=10, k=2, prompt_tokens=5, cached_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["epyc-2core-avx2", "gpu-knee"])
+def test_no_run_beats_the_wall_bound(name):
+    """The bound holds for the clairvoyant schedules too (fit and fit + 1 in flight, noise and all)."""
+    prof = StepProfile.load(name)
+    cfg = RampConfig.for_profile(prof)
+    for policy, extra in (("oracle", 0), ("oracle+1", 1)):
+        walls = [run_ramp(prof, policy, seed, cfg).wall_s for seed in (0, 1)]
+        assert sum(walls) / len(walls) >= 0.97 * wall_bound(prof, cfg, extra)["wall_s"]
+
+
 def test_capacity_probe_and_uncertain_hold():
     pol = AdmissionPolicy(target_tps_per_session=30.0)
     base = dict(policy=pol, mean=40.0, n_active=2, n_decoding=2, n_pool_sessions=2, n_engine_inflight=2,
@@ -121,10 +183,19 @@ def test_capacity_probe_and_uncertain_hold():
     # the bound below the floor on a measured size: hold, the drop is uncertain
     cap = compute_capacity(CapacityInputs(**base, fc_kind="measured", fc_est_tps=32.0, fc_bound_tps=28.0))
     assert not cap["can_admit"] and cap["reason"] == "next admit may cross the floor (uncertain drop)"
-    # the same at the frontier (never measured): a probe
-    cap = compute_capacity(CapacityInputs(**base, fc_kind="extrapolated", fc_est_tps=32.0, fc_bound_tps=28.0,
+    # at the frontier (never measured): a probe, when the estimate clears the floor by enough of its
+    # uncertainty (PROBE_MARGIN of estimate - bound) ...
+    cap = compute_capacity(CapacityInputs(**base, fc_kind="extrapolated", fc_est_tps=37.0, fc_bound_tps=28.0,
                                           fc_frontier=True))
     assert cap["can_admit"] and cap["probe"]
+    # ... but not a coin flip (estimate 32, bound 28, floor 30)
+    cap = compute_capacity(CapacityInputs(**base, fc_kind="extrapolated", fc_est_tps=32.0, fc_bound_tps=28.0,
+                                          fc_frontier=True))
+    assert not cap["can_admit"] and not cap["probe"] and cap["reason"] == "next admit may cross the floor (uncertain drop)"
+    # nor from a batch size not known to be above the floor now (its lower bound is under it)
+    cap = compute_capacity(CapacityInputs(**base, fc_kind="extrapolated", fc_est_tps=37.0, fc_bound_tps=28.0,
+                                          fc_frontier=True, fc_now_low_tps=29.0))
+    assert not cap["can_admit"] and not cap["probe"]
     cap = compute_capacity(CapacityInputs(**base, fc_kind="extrapolated", fc_est_tps=29.0, fc_bound_tps=25.0,
                                           fc_frontier=True))
     assert not cap["can_admit"] and cap["reason"] == "projected mean tps below floor"
@@ -136,25 +207,43 @@ def test_capacity_probe_and_uncertain_hold():
         pol.updated(forecast="optimistic")
 
 
+# ============================================================================ the LangGraph gate
+@pytest.mark.parametrize("name", ["epyc-2core-avx2", "gpu-knee"])
+def test_the_langgraph_gate_makes_the_same_decisions(name):
+    """CapacityGateNode + SpawnPacer (their decision code, driven on the simulated clock) spawn
+    exactly when ours does: the fan-out uses the controller's decisions, nothing of its own."""
+    prof = StepProfile.load(name)
+    ours, gate = run_ramp(prof, "ours", 0), run_ramp(prof, "gate", 0)
+    assert len(gate.spawns) == RampConfig.for_profile(prof).tasks
+    assert gate.spawns == ours.spawns
+    assert {k: v for k, v in gate.row().items() if k != "policy"} == {k: v for k, v in ours.row().items()
+                                                                       if k != "policy"}
+
+
 # ============================================================================ the targets
 TARGETS = {"under_ratio": 0.5, "deep_ratio": 0.2, "overshoot_max": 1, "wall_ratio": 1.15}
-# Where a target is out of reach, the limit asserted is the current result with a little room, so a
-# regression still fails (docs/benchmarks.md gives the numbers over 20 seeds and the oracle's):
-# * epyc-2core-avx2 (this loaded machine): even the oracle, which keeps exactly ``fit`` sessions,
-#   needs 1.15x naive's wall time (naive runs more sessions, and aggregate tps still grows there).
-# * bursty-neighbour: sessions admitted in a calm spell see the next burst; overshoot up to 3 and
-#   ~0.55x naive's under-floor time; the oracle itself needs 1.39x naive's wall time.
-LIMITS = {
-    "avx512-fast-cpu": TARGETS,
-    "gpu-knee": TARGETS,
-    "epyc-2core-avx2": {**TARGETS, "wall_ratio": 1.3},
-    "bursty-neighbour": {"under_ratio": 0.65, "deep_ratio": 0.4, "overshoot_max": 3, "wall_ratio": 1.6},
-}
+# What is not met, and why (docs/benchmarks.md gives the 20-seed numbers and the oracles'):
+# * bursty-neighbour, wall: no schedule with at most fit + 1 sessions in flight can finish within
+#   1.15x naive's wall (the bound of opencoti.sim.bounds is ~1.2x: naive runs all ten sessions);
+# * epyc-2core-avx2, wall: reachable in principle (the clairvoyant oracle gets ~1.14x), missed by the
+#   learning: the ramp through settle windows, and holding at fit - 1 while the measured tps at fit
+#   is within the noise of the floor. Asserted: within 10 % of the oracle's wall on the same seeds.
+UNREACHABLE = {"bursty-neighbour": {"wall_ratio"}}
+LEARNING_COST = {"epyc-2core-avx2": {"wall_ratio"}}
 
 
-@pytest.mark.parametrize("name", sorted(LIMITS))
+@pytest.mark.parametrize("name", ["avx512-fast-cpu", "bursty-neighbour", "epyc-2core-avx2", "gpu-knee"])
 def test_adaptive_policy_against_naive(name):
-    c = compare(StepProfile.load(name), seeds=[0, 1])
-    got = {k: c[k] for k in TARGETS}
-    assert all(got[k] <= v for k, v in LIMITS[name].items()), got
+    prof, seeds = StepProfile.load(name), [0, 1]
+    naive = [run_ramp(prof, "naive", s) for s in seeds]
+    c = compare(prof, seeds, naive=naive)
+    oracle = compare(prof, seeds, policy="oracle", naive=naive)
+    for k, limit in TARGETS.items():
+        if k in UNREACHABLE.get(name, ()):
+            assert c["wall_bound"]["fit+1"]["ratio"] > limit  # no policy within the overshoot target can
+            assert c[k] <= 1.15 * oracle[k], (k, c[k], oracle[k])
+        elif k in LEARNING_COST.get(name, ()):
+            assert c[k] <= 1.10 * oracle[k], (k, c[k], oracle[k])
+        else:
+            assert c[k] <= limit, (k, c[k])
     assert not math.isinf(c["wall_ratio"])

@@ -67,10 +67,14 @@ class CapacityInputs:
     # the adaptive forecast (tps = calibration / step time) for the batch growing by one session
     fc_kind: str = "none"  # measured | extrapolated | conservative | unmeasured (the current batch) | none
     fc_now_tps: float | None = None
+    fc_now_low_tps: float | None = None  # its lower confidence bound (None: same as fc_now_tps)
     fc_est_tps: float | None = None
     fc_bound_tps: float | None = None
     fc_frontier: bool = False
     fc_headroom: int | None = None  # more sessions whose bound stays >= the floor
+
+
+PROBE_MARGIN = 0.75  # a probe's estimate must clear the floor by this share of (estimate - bound)
 
 
 def model_ratio(n: int, k: int = 1) -> float:
@@ -102,10 +106,17 @@ def compute_capacity(x: CapacityInputs) -> dict:
         measured = x.fc_est_tps
         projected = x.fc_bound_tps
         # the frontier (a batch size never measured) is probed while the engine is above the floor
-        # now, when the estimate passes, or with a single size measured (no slope known at all)
+        # now, when the estimate passes, or with a single size measured (no slope known at all);
+        # "above the floor now" is judged on its lower confidence bound, so a size reached by a
+        # probe and not yet known to be above the floor is never the base of another probe
+        # probe only when the estimate clears the floor by PROBE_MARGIN of the estimate's
+        # uncertainty (estimate - bound): a probe that fails stays until a session ends, so a
+        # coin-flip probe costs more under-floor time than it can win
+        now = x.fc_now_low_tps if x.fc_now_low_tps is not None else x.fc_now_tps
         probe = (x.fc_frontier and floor is not None and projected is not None and projected < floor
-                 and x.fc_now_tps is not None and x.fc_now_tps >= floor
-                 and (x.fc_kind == "conservative" or (measured is not None and measured >= floor)))
+                 and now is not None and now >= floor
+                 and (x.fc_kind == "conservative"
+                      or (measured is not None and measured - floor >= PROBE_MARGIN * (measured - projected))))
     else:
         projected = measured if measured is not None else model
 

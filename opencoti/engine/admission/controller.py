@@ -240,8 +240,8 @@ class AdmissionController:
         pr = fc.project(b)
         tps = lambda s: None if s is None or s <= 0 else c / s  # noqa: E731
         kind = "unmeasured" if pr.kind == "none" and b > 0 else pr.kind  # running, but this batch size has no data
-        out = {"fc_kind": kind, "fc_now_tps": tps(pr.now_s), "fc_est_tps": tps(pr.est_s),
-               "fc_bound_tps": tps(pr.bound_s), "fc_frontier": pr.frontier}
+        out = {"fc_kind": kind, "fc_now_tps": tps(pr.now_s), "fc_now_low_tps": tps(pr.now_hi_s),
+               "fc_est_tps": tps(pr.est_s), "fc_bound_tps": tps(pr.bound_s), "fc_frontier": pr.frontier}
         floor = st.policy.target_tps_per_session
         if floor is not None and pr.bound_s is not None:
             k = 0

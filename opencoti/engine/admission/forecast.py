@@ -4,7 +4,15 @@ Every decoding session gets one token per engine step, so a session's experience
 1 / (step time), and admitting one more session changes everyone's tps by the ratio of the step
 times at B and B + 1 sequences in flight. ``StepForecast`` keeps, per batch size, exponentially
 weighted statistics of the measured pure-decode step time (mean, variance, effective samples) and
-projects the step time at B + 1 with an upper confidence bound:
+projects the step time at B + 1 with an upper confidence bound.
+
+A step is split into its *level* and a *stall*: the part beyond ``STALL_X`` times its batch size's
+level (a preempted thread, a neighbour's burst of I/O, a page fault) does not depend on the batch
+size, so it is pooled over all steps (``stalls``) instead of blurring one batch size's mean. On a
+loaded machine a stall every ~15 steps makes the raw per-step spread several times the level's, and
+a bound on the raw mean would need hundreds of steps per batch size to tell two sizes apart. The
+expected step time at B is its level + the mean stall excess per step; its standard error combines
+both. Projections:
 
 * **measured**: B + 1 was seen often enough: its mean + z standard errors.
 * **extrapolated**: B + 1 was not seen, but two or more batch sizes were: a weighted least-squares
@@ -26,11 +34,15 @@ per-token overheads make it a little below 1).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 Z = 2.0  # standard errors in a bound (about 97.5 % one-sided)
 ALPHA = 0.05  # weight of a new step in the per-batch-size statistics (about 40 steps of memory)
 SLOW_ALPHA = 0.005  # a second, slow mean per batch size: a bound never forgets a recent slowdown
+STALL_ALPHA = 0.002  # weight of a step in the engine-wide stall statistics (about 1000 steps)
+STALL_X = 2.0  # a step longer than this x its batch size's level is a stall (its excess is engine-wide)
+WARM = 8  # a batch size's first steps: clipped at STALL_X x their median (no level known yet)
 MIN_SAMPLES = 6  # steps at a batch size before it counts as measured
 PRECISION = 0.03  # relative precision of the step time a settle window waits for
 MIN_SETTLE_TOKENS = 4
@@ -38,18 +50,57 @@ THIN = 100  # a batch size measured over fewer steps may be probed again (its bo
 
 
 @dataclass
-class BatchStats:
-    n: int = 0  # steps seen (lifetime)
+class Ewma:
+    """An exponentially weighted mean and variance (a plain mean while few samples exist)."""
+
+    n: int = 0
     mean: float = 0.0
     var: float = 0.0
-    slow: float = 0.0  # the slow mean (SLOW_ALPHA)
 
     def add(self, x: float, alpha: float) -> None:
         self.n += 1
-        if self.n == 1:
-            self.mean, self.var, self.slow = x, 0.0, x
+        a = max(alpha, 1.0 / self.n)
+        d = x - self.mean
+        self.mean += a * d
+        self.var = (1 - a) * (self.var + a * d * d) if self.n > 1 else 0.0
+
+    def se(self, alpha: float) -> float:
+        """Standard error of the mean (the samples it effectively averages: at most 2 / alpha - 1)."""
+        n = min(float(self.n), 2.0 / alpha - 1)
+        return math.sqrt(self.var / n) if self.n > 1 else self.mean
+
+
+@dataclass
+class BatchStats:
+    """Step times at one batch size: the *level* (steps clipped at STALL_X x the level; what the
+    batch size costs) as a fast and a slow exponentially weighted mean. The excess of a clipped step
+    (a stall: the OS, a neighbour, a page fault) does not depend on the batch size and goes to the
+    engine-wide ``Stalls``, so one rare long step does not blur the comparison of batch sizes."""
+
+    n: int = 0  # steps seen (lifetime)
+    mean: float = 0.0  # fast level (ALPHA)
+    var: float = 0.0
+    slow: float = 0.0  # slow level (SLOW_ALPHA)
+    first: list = field(default_factory=list)  # the first WARM steps (raw)
+
+    def clip(self, x: float) -> float:
+        """The level part of a step of ``x`` seconds (its excess is ``x - clip(x)``); during the
+        warm-up, clipped at STALL_X x the median of the steps so far."""
+        ref = statistics.median(self.first + [x]) if self.n < WARM else self.mean
+        return min(x, STALL_X * ref)
+
+    def add(self, x: float, alpha: float) -> None:
+        """Add a step: raw during the warm-up (re-clipped at their median), its level after."""
+        self.n += 1
+        if self.n <= WARM:  # a plain mean of the warm-up steps, re-clipped at their median
+            self.first.append(x)
+            ref = STALL_X * statistics.median(self.first)
+            xs = [min(v, ref) for v in self.first]
+            self.mean = self.slow = sum(xs) / len(xs)
+            self.var = sum((v - self.mean) ** 2 for v in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
             return
-        a = max(alpha, 1.0 / self.n)  # a plain mean while few samples exist
+        self.first = self.first[:0]
+        a = max(alpha, 1.0 / self.n)
         d = x - self.mean
         self.mean += a * d
         self.var = (1 - a) * (self.var + a * d * d)
@@ -57,16 +108,16 @@ class BatchStats:
 
     @property
     def upper(self) -> float:
-        """The mean a bound starts from: the long-run mean, or the recent one when it is
+        """The level a bound starts from: the long-run level, or the recent one when it is
         significantly slower (a slowdown now, beyond what the noise explains). A noisy neighbour
-        that went quiet a moment ago stays in the long-run mean: it will be back."""
+        that went quiet a moment ago stays in the long-run level: it will be back."""
         if self.mean > self.slow + Z * self.se:
             return self.mean
         return self.slow
 
     @property
     def se_slow(self) -> float:
-        """Standard error of the long-run mean."""
+        """Standard error of the long-run level."""
         n = min(float(self.n), 2.0 / SLOW_ALPHA - 1)
         return math.sqrt(self.var / n) if self.n > 1 else self.mean
 
@@ -94,6 +145,7 @@ class Projection:
     bound_s: float | None
     kind: str  # measured | extrapolated | conservative | none
     frontier: bool  # b_to is beyond every batch size measured
+    now_hi_s: float | None = None  # upper confidence bound of the step time at b_from
 
     def ratio(self, bound: bool = True) -> float | None:
         """Factor on a session's tps from b_from to b_to (<= 1), or None."""
@@ -104,11 +156,15 @@ class Projection:
 
 
 class StepForecast:
-    """Engine-wide step-time statistics per batch size (fed with every pure-decode step)."""
+    """Engine-wide step-time statistics per batch size (fed with every pure-decode step).
+
+    The step time expected at a batch size is its level plus the engine-wide mean stall excess
+    per step; its standard error combines both."""
 
     def __init__(self, *, z: float = Z, alpha: float = ALPHA, min_samples: int = MIN_SAMPLES):
         self.z, self.alpha, self.min_samples = z, alpha, min_samples
         self.stats: dict[int, BatchStats] = {}
+        self.stalls = Ewma()  # excess seconds per step over the stall threshold (0 for most steps)
         self.calibration = 1.0  # experienced tps x step time, when steady
         self.calibration_samples = 0
 
@@ -118,14 +174,29 @@ class StepForecast:
         st = self.stats.get(batch)
         if st is None:
             st = self.stats[batch] = BatchStats()
-        st.add(total_s, self.alpha)
+        level = st.clip(total_s)
+        self.stalls.add(total_s - level, STALL_ALPHA)
+        st.add(total_s if st.n < WARM else level, self.alpha)
+
+    @property
+    def stall_s(self) -> float:
+        """Mean stall excess per step (engine-wide)."""
+        return self.stalls.mean if self.stalls.n else 0.0
+
+    def step_s(self, st: BatchStats, fast: bool = False) -> float:
+        """Expected step time at a batch size: its level (fast or bounding) + the mean stall excess."""
+        return (st.mean if fast else st.upper) + self.stall_s
+
+    def se(self, st: BatchStats) -> float:
+        """Standard error of ``step_s``."""
+        return math.sqrt(st.se_slow ** 2 + (self.stalls.se(STALL_ALPHA) if self.stalls.n > 1 else 0.0) ** 2)
 
     def calibrate(self, mean_tps: float, batch: int) -> None:
         """A steady sample: the experienced mean tps while ``batch`` sequences decode."""
         st = self.stats.get(batch)
         if st is None or st.n < self.min_samples or mean_tps <= 0:
             return
-        c = min(1.0, max(0.5, mean_tps * st.mean))
+        c = min(1.0, max(0.5, mean_tps * self.step_s(st, fast=True)))
         self.calibration_samples += 1
         a = max(0.1, 1.0 / self.calibration_samples)
         self.calibration += a * (c - self.calibration)
@@ -137,21 +208,22 @@ class StepForecast:
     def tps(self, batch: int) -> float | None:
         """Experienced tps expected at ``batch`` (measured sizes only)."""
         st = self.measured(batch)
-        return None if st is None else self.calibration / st.mean
+        return None if st is None else self.calibration / self.step_s(st, fast=True)
 
     def project(self, b: int, k: int = 1) -> Projection:
         """The step time when the batch grows from ``b`` to ``b + k``."""
         to = b + k
         known = {x: st for x, st in self.stats.items() if st.n >= self.min_samples}
         frontier = not known or to > max(known)
-        m = {x: st.upper for x, st in known.items()}  # long-run means (or a significant slowdown now)
+        m = {x: self.step_s(st) for x, st in known.items()}  # long-run means (or a significant slowdown now)
         now_s = m.get(b)
+        hi = None if now_s is None else now_s + self.z * self.se(known[b])
         st = known.get(to)
         if st is not None:
-            bound = m[to] + self.z * st.se_slow
+            bound = m[to] + self.z * self.se(st)
             if now_s is not None and to > b:
                 bound = max(bound, now_s)
-            return Projection(b, to, now_s, m[to], bound, "measured", st.n < THIN)
+            return Projection(b, to, now_s, m[to], bound, "measured", st.n < THIN, hi)
         if len(known) >= 2:
             xs = sorted(known)
             w = [min(known[x].n, 2.0 / SLOW_ALPHA) for x in xs]
@@ -168,16 +240,17 @@ class StepForecast:
             if below:
                 est = max(est, m[below[-1]])  # never cheaper than a smaller batch measured
             resid = math.sqrt(sum(wi * (m[x] - (my + slope * (x - mx))) ** 2 for wi, x in zip(w, xs)) / sw)
-            se = math.sqrt(sum((known[x].se_slow ** 2) for x in xs) / len(xs))
+            se = math.sqrt(sum((self.se(known[x]) ** 2) for x in xs) / len(xs))
             lever = 1.0 + (to - mx) ** 2 / sxx if sxx else 2.0
             bound = est + self.z * math.sqrt(lever) * (se + resid)
-            return Projection(b, to, now_s, est, bound, "extrapolated", frontier)
+            return Projection(b, to, now_s, est, bound, "extrapolated", frontier, hi)
         if now_s is not None and b > 0:
-            return Projection(b, to, now_s, now_s * (b + k / 2) / b, now_s * (b + k) / b, "conservative", frontier)
-        return Projection(b, to, now_s, None, None, "none", frontier)
+            return Projection(b, to, now_s, now_s * (b + k / 2) / b, now_s * (b + k) / b, "conservative", frontier,
+                              hi)
+        return Projection(b, to, now_s, None, None, "none", frontier, hi)
 
     def settle_tokens(self, batch: int, cap: int) -> int:
-        """Steps needed at ``batch`` for its mean step time to be known to PRECISION (at least 4, at most cap)."""
+        """Steps needed at ``batch`` for its level to be known to PRECISION (at least 4, at most cap)."""
         st = self.stats.get(batch)
         cvs = [s.cv for s in self.stats.values() if s.n >= self.min_samples]
         cv = st.cv if st is not None and st.n >= self.min_samples else (max(cvs) if cvs else 0.1)
@@ -185,5 +258,5 @@ class StepForecast:
         return min(cap, max(MIN_SETTLE_TOKENS, need))
 
     def as_dict(self) -> dict:
-        return {"calibration": self.calibration,
+        return {"calibration": self.calibration, "stall_s_per_step": self.stall_s,
                 "per_batch": {b: {"n": s.n, "mean_s": s.mean, "cv": s.cv} for b, s in sorted(self.stats.items())}}
