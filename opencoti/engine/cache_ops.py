@@ -24,8 +24,9 @@ token by the index.
 from __future__ import annotations
 
 import time
-from array import array
 from collections import deque
+
+import numpy as np
 
 from .errors import ContextLengthError
 from .kv.pools import Residency
@@ -35,6 +36,7 @@ from .session import Job, Session
 RECENT_REQUESTS = 64  # finished requests a prompt can be realigned to (per engine, all salts)
 _MAX_SPLICES = 16  # realigned spans per prompt (one per earlier answer it repeats)
 _SPLICE_TRIES = 4  # common boundaries tried per span when the last one does not decode cleanly
+_MAX_SPAN = 8192  # ids of an earlier request looked at per span
 
 
 class PrefixCacheMixin:
@@ -46,8 +48,9 @@ class PrefixCacheMixin:
         self._next_expiry_check = 0.0
         self.scheduler.blocked = self._waits_for_prefix
         # (salt root, ids) of recent finished requests, prompt + answer: what prompts are realigned to
-        self._recent: deque[tuple[bytes, array]] = deque(maxlen=RECENT_REQUESTS)
+        self._recent: deque[tuple[bytes, np.ndarray]] = deque(maxlen=RECENT_REQUESTS)
         self._pieces = None  # token id -> its piece of text (the tokenizer's own spelling), made on first use
+        self._specials = np.array(sorted(self.tokenizer.special_token_ids), dtype=np.int64)
 
     # ---- at commit ---------------------------------------------------------------------
     def _plan_auto(self, job: Job, pooled: bool, salt: str | None) -> int:
@@ -80,7 +83,7 @@ class PrefixCacheMixin:
         if not cands:
             return prompt
         live = [(t, 0) for t in reversed(cands)]  # (ids, where to start comparing); the most recent wins ties
-        out = array("q", prompt)
+        out = np.asarray(prompt, dtype=np.int64)
         changed = False
         for _ in range(_MAX_SPLICES):
             best, d, scored = None, max(floor, 1) - 1, []
@@ -107,21 +110,25 @@ class PrefixCacheMixin:
             return False
         return True
 
-    def _splice(self, out: array, ref: array, d: int) -> array | None:
+    def _splice(self, out: np.ndarray, ref: np.ndarray, d: int) -> np.ndarray | None:
         """``out`` with its span from ``d`` replaced by ``ref``'s ids for the longest same text
         (None: no such span). ``out[:d] == ref[:d]`` and ``out[d] != ref[d]``."""
         pieces = self._pieces or self._make_pieces()
-        specials = self.tokenizer.special_token_ids
-        re_ids = _run(ref, d, specials, d + 8192)
-        pe = _plain(pieces(re_ids))
-        if not pe:
-            return None
-        se = "".join(pe)
-        pf = _plain(pieces(_run(out, d, specials, d + len(se))))  # a token spells at least one character
-        if not pf:
-            return None
-        sf = "".join(pf)
-        common = _lcp_str(se, sf)
+        w = 32
+        while True:  # windows of ref's ids from d, widened until the two spellings part inside them
+            re_ids = _run(ref, d, self._specials, d + w)
+            pe = _plain(pieces(re_ids))
+            if not pe:
+                return None
+            se = "".join(pe)
+            pf = _plain(pieces(_run(out, d, self._specials, d + len(se))))  # a token spells a character or more
+            if not pf:
+                return None
+            sf = "".join(pf)
+            common = _lcp_str(se, sf)
+            if common < len(se) or len(pe) < w or w >= _MAX_SPAN:
+                break
+            w *= 4
         ends_f = {}  # text length -> tokens of out's span that spell it
         n = 0
         for j, x in enumerate(pf, 1):
@@ -136,15 +143,15 @@ class PrefixCacheMixin:
             if n in ends_f:
                 ends_e.append((k, ends_f[n]))
         for k, j in reversed(ends_e[-_SPLICE_TRIES:]):
-            if self._same_text(re_ids[:k], out[d:d + j]):
-                return out[:d] + ref[d:d + k] + out[d + j:]
+            if self._same_text(re_ids[:k], out[d:d + j].tolist()):
+                return np.concatenate([out[:d], ref[d:d + k], out[d + j:]])
         return None
 
     def _make_pieces(self):
         hf = self.tokenizer.hf_tokenizer
         if hf is not None:
             def pieces(ids):
-                return hf.convert_ids_to_tokens(list(ids))
+                return hf.convert_ids_to_tokens(ids)
         else:
             decode = self.tokenizer.decode
 
@@ -234,7 +241,7 @@ class PrefixCacheMixin:
                 if self._inflight.get(k) is job:
                     del self._inflight[k]
             if job.generated and job.seq is session.seq:
-                self._recent.append((job.seq.salt_root, array("q", job.seq.tokens)))
+                self._recent.append((job.seq.salt_root, np.asarray(job.seq.tokens, dtype=np.int64)))
         if not session.anonymous:
             return
         pool = self._session_pool(session)
@@ -323,18 +330,14 @@ class PrefixCacheMixin:
         }
 
 
-def _lcp(a: array, b: array, lo: int = 0) -> int:
-    """Length of the common prefix of two id arrays, known equal up to ``lo`` (compared a block at
-    a time)."""
+def _lcp(a: np.ndarray, b: np.ndarray, lo: int = 0) -> int:
+    """Length of the common prefix of two id arrays, known equal up to ``lo``."""
     n = min(len(a), len(b))
-    while lo < n:
-        hi = min(n, lo + 256)
-        if a[lo:hi] != b[lo:hi]:
-            while a[lo] == b[lo]:
-                lo += 1
-            return lo
-        lo = hi
-    return n
+    if lo >= n:
+        return n
+    neq = a[lo:n] != b[lo:n]
+    i = int(neq.argmax())
+    return lo + i if neq[i] else n
 
 
 def _lcp_str(a: str, b: str) -> int:
@@ -345,13 +348,12 @@ def _lcp_str(a: str, b: str) -> int:
     return i
 
 
-def _run(ids: array, start: int, specials, limit: int) -> array:
-    """``ids[start:]`` up to the first special token (or ``limit``)."""
-    end = start
-    stop = min(len(ids), limit)
-    while end < stop and ids[end] not in specials:
-        end += 1
-    return ids[start:end]
+def _run(ids: np.ndarray, start: int, specials: np.ndarray, limit: int) -> list[int]:
+    """``ids[start:]`` up to the first special token (or ``limit``), as a list."""
+    seg = ids[start:min(len(ids), limit)]
+    hit = np.isin(seg, specials)
+    end = int(hit.argmax()) if hit.any() else len(seg)
+    return seg[:end].tolist()
 
 
 def _plain(pieces: list) -> list[str]:

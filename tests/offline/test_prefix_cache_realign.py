@@ -7,8 +7,7 @@ Without realignment the shared prefix of the next turn ends inside the previous 
 
 from __future__ import annotations
 
-from array import array
-
+import numpy as np
 import openai
 import pytest
 from starlette.testclient import TestClient
@@ -164,7 +163,7 @@ def realign(eng, prompt: list[int], recent: list[list[int]], salt: str | None = 
         core = eng.core
         saved = list(core._recent)
         core._recent.clear()
-        core._recent.extend((salt_root(recent_salt), array("q", t)) for t in recent)
+        core._recent.extend((salt_root(recent_salt), np.asarray(t, dtype=np.int64)) for t in recent)
         try:
             return core._realign(list(prompt), salt, SamplingParams.greedy(4), floor)
         finally:
