@@ -16,6 +16,7 @@ from ..engine.constraints import ConstraintSpec
 from ..engine.sampling_choices import MAX_CHOICES
 from ..engine.constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from ..engine.errors import InvalidRequestError
+from ..engine.persist.slots import generation_session_id, slot_number
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.tool_calls import ToolCall, ToolStreamFilter, resolve_tool_output
 from .chat_continue import chat_prompt
@@ -75,7 +76,7 @@ def body_constraint(body: SamplingFields, **tool_fields: Any) -> ConstraintSpec 
 
 def engine_kwargs(body: PolyKVFields) -> dict:
     """The PolyKV fields of a body as ``Engine.stream`` keyword arguments (validated)."""
-    sid = body.session_id
+    sid = generation_session_id(body.session_id, body.id_slot)  # llama.cpp's slot N is the session "N"
     if sid is not None and (not sid or not sid.isascii() or not sid.isprintable()):
         raise InvalidRequestError("session_id must be a non-empty string of printable ASCII characters "
                                   "(it is echoed in the x-session-id header)")
@@ -212,7 +213,7 @@ def llama_final(ctx: Context, body: CompletionRequest, prepared: Prepared, info:
     """llama.cpp's final ``/completion`` answer (``content`` is empty on the last event of a stream)."""
     return {
         "index": 0, "content": content, "tokens": list(result.token_ids) if body.return_tokens else [],
-        "id_slot": -1, "stop": True, "model": ctx.model_name,
+        "id_slot": slot_number(info.session_id), "stop": True, "model": ctx.model_name,
         "tokens_predicted": len(result.token_ids), "tokens_evaluated": info.prompt_tokens,
         "generation_settings": generation_settings(ctx, prepared.params, body.stream),
         "prompt": prepared.prompt_text or "",

@@ -98,6 +98,9 @@ class PolyKVFields(_Lenient):
     overcommit: bool = Field(False, description="bypass an enforced admission floor for this request")
     cache_salt: str | None = Field(None, description="prefix-cache namespace: requests share cached KV only with "
                                                      "requests of the same salt (vLLM's cache_salt)")
+    id_slot: int | None = Field(None, description="llama.cpp's slot: slot N is the session named \"N\" (the same "
+                                                  "as session_id \"N\"); -1 or null = none",
+                                json_schema_extra={"minimum": -1})
 
 
 class SamplingFields(_Lenient):
@@ -136,7 +139,6 @@ class CompletionRequest(SamplingFields, PolyKVFields):
                          json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
     cache_prompt: bool = Field(True, description="accepted for compatibility; sessions always cache")
     return_tokens: bool = Field(False, description="include the generated token ids")
-    id_slot: int | None = Field(None, description="accepted for compatibility; use session_id")
     response_fields: list[str] | None = Field(None, description="only these fields of the answer ('a/b' takes b "
                                                                "from object a, keyed 'a/b')")
     return_progress: bool = Field(False, description="stream: report prompt processing progress (prompt_progress)")

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from .. import __version__
 from ..engine.chat import render_chat, template_caps
 from ..engine.errors import InvalidRequestError, OpencotiError, PoolNotFoundError
+from ..engine.persist.slots import slot_number
 from . import results as R
 from .context import Context
 from .generation import run_completion
@@ -123,8 +124,9 @@ def _props(ctx: Context) -> dict:
 
 def _slots(ctx: Context) -> list:
     snap = ctx.engine.tps_snapshot()
-    return [{"id": i, "id_task": -1, "n_ctx": s["ctx_total"], "is_processing": s["state"] != "idle", **s}
-            for i, s in enumerate(snap["sessions"])]
+    # llama.cpp's slot id: N for the session named "N" (id_slot N, /slots/N), -1 for other names
+    return [{"id": slot_number(s["session_id"]), "id_task": -1, "n_ctx": s["ctx_total"],
+             "is_processing": s["state"] != "idle", **s} for s in snap["sessions"]]
 
 
 def _tokenize(ctx: Context, body: TokenizeRequest) -> dict:

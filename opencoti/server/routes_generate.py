@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from ..engine.persist.slots import slot_number
 from ..engine.results import RequestInfo
 from ..ops import Context
 from ..ops.headers import generation_headers
@@ -130,7 +131,8 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
         nonlocal n
         n += 1
         chunk = {"index": index, "content": d.text, "tokens": [d.token_id],
-                 "stop": False, "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": info.prompt_tokens}
+                 "stop": False, "id_slot": slot_number(info.session_id), "tokens_predicted": n,
+                 "tokens_evaluated": info.prompt_tokens}
         if body.n_probs:
             chunk["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)]
         if n == 1 and body.return_progress:  # the prompt is done when its first token comes
@@ -360,10 +362,11 @@ async def infill(request: Request, ctx: Context = Depends(get_ctx), state: Serve
 # ============================================================================ POST /slots/{id}?action= (llama.cpp)
 @router.post("/slots/{slot_id}", tags=["llama.cpp"], responses=error_responses((400, 404, 409, 501)),
              summary="save / restore / erase a session's KV cache by file name (llama.cpp slot actions; "
-                     "the slot id is a session id)")
+                     "the slot id is a session id, slot number N the session named \"N\")")
 async def slot_action(request: Request, slot_id: str, action: str = "", ctx: Context = Depends(get_ctx)):
-    from ..engine.persist.slots import erase_session, restore_session, save_session
+    from ..engine.persist.slots import erase_session, restore_session, save_session, slot_session_id
 
+    slot_id = slot_session_id(slot_id)  # /slots/3 is the session "3" (400 for a negative number)
     if action not in ("save", "restore", "erase"):
         raise ApiError(400, f"action must be save, restore or erase, got {action!r}", "invalid_request_error")
     filename = None
@@ -381,4 +384,5 @@ async def slot_action(request: Request, slot_id: str, action: str = "", ctx: Con
         out = await run_in_threadpool(restore_session, ctx.engine, slot_id, filename)
     else:
         out = await run_in_threadpool(erase_session, ctx.engine, slot_id)
-    return SafeJSONResponse({"id_slot": slot_id, **out})
+    number = slot_number(slot_id)
+    return SafeJSONResponse({"id_slot": number if number >= 0 else slot_id, "session_id": slot_id, **out})

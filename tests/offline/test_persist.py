@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import numpy as np
 import pytest
 
 from opencoti.engine import EngineConfig, InvalidRequestError, PoolNotFoundError, SamplingParams
@@ -271,3 +272,49 @@ def test_a_pool_pinned_while_evicted_gets_its_kv_file_once_resident(make_engine,
     eng.shutdown()
     eng = make_engine(state_dir=str(state))
     assert eng.pool(p.pool_id).residency == "resident"
+
+
+def test_kv_files_are_keyed_by_the_weight_format(make_engine, tmp_path):
+    """The same tokens give other KV under other weights: a pinned pool's KV file saved with int4
+    projections is never loaded into an fp32 engine (it is recomputed, then saved again for fp32);
+    a slot file is refused with a clear error."""
+    from opencoti.engine.persist import kvfile
+    from opencoti.engine.persist.slots import restore_session, save_session
+
+    state = tmp_path / "state"
+    prompt = ROOT + [70, 71]
+    q = make_engine(state_dir=str(state), weights="int4")
+    p = q.create_pool(tokens=ROOT, pinned=True)
+    q.generate(prompt, session_id="s", params=SamplingParams.greedy(3))
+    save_session(q, "s", "s.bin")
+    q.shutdown()
+    path = state / "kv" / f"{p.pool_id}.kv"
+    head = kvfile.read_header(path)
+    assert head["kv"]["weights"] == "int4" and head["kv"]["kv_dtype"] == "float32"
+    int4_kv = np.fromfile(path, dtype="<f4", offset=kvfile.HEADER)
+
+    ref = make_engine(weights="fp32")  # what an fp32 engine computes for the pool
+    want = ref.generate(prompt, params=SamplingParams.greedy(6)).token_ids
+    ref.shutdown()
+
+    eng = make_engine(state_dir=str(state), weights="fp32")
+    assert eng._persist.stats["kv_loaded_pools"] == 0  # the int4 KV is not loaded ...
+    assert eng.pool(p.pool_id).residency == "evicted" and not path.exists()  # ... and the file is dropped
+    with pytest.raises(InvalidRequestError, match="int4 weights.*fp32 weights.*cannot be restored"):
+        restore_session(eng, "t", "s.bin")
+    r = eng.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(6))
+    assert r.info.rematerialized_pools == [p.pool_id] and r.token_ids == want  # recomputed with fp32
+    eng._persist.kv_writer.flush()
+    assert kvfile.read_header(path)["kv"]["weights"] == "fp32"  # saved again, for fp32
+    fp32_kv = np.fromfile(path, dtype="<f4", offset=kvfile.HEADER)
+    assert fp32_kv.shape == int4_kv.shape and not np.allclose(fp32_kv, int4_kv, atol=1e-3)  # it would be wrong
+    eng.shutdown()
+
+    eng = make_engine(state_dir=str(state), weights="fp32", page_size=8)  # same weights, another page size
+    assert eng._persist.stats["kv_loaded_pools"] == 1 and eng.pool(p.pool_id).residency == "resident"
+    r = eng.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(6))
+    assert r.info.rematerialized_pools == [] and r.token_ids == want
+    eng.shutdown()
+
+    eng = make_engine(state_dir=str(state), weights="fp32", dtype="bfloat16")  # another KV dtype
+    assert eng._persist.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"

@@ -1,7 +1,9 @@
 """KV of a token range on disk: save a pool's own KV ``[D, L)`` from its pages, load it back.
 
 File format (``<pool_id>.kv``): a 4 KiB-aligned header (magic, JSON: dtype, shape, the hash of the
-pool's tokens, so a file never loads into another prefix) followed by K then V as
+pool's tokens, so a file never loads into another prefix, and the identity of what computed the KV:
+model, weight format, KV dtype, so KV saved under ``--weights int4`` never loads into an fp32
+engine) followed by K then V as
 ``[num_layers, n_tokens, num_kv_heads, head_dim]`` raw little-endian arrays. Written to a
 temporary file, fsync'ed, then renamed: a reader sees a complete file or none. Loading maps the
 file (``np.memmap``) and copies token rows straight into the pages.
@@ -115,15 +117,27 @@ def read_header(path: str | os.PathLike) -> dict | None:
         return None
 
 
+def header_matches(head: dict | None, start: int, tokens: Sequence[int], identity: dict | None) -> bool:
+    """Whether a header names KV of ``tokens`` from ``start`` computed by ``identity`` (a header
+    without the identity asked for does not match: its KV may come from other weights)."""
+    return (head is not None and head.get("start") == start and head.get("tokens") == tokens_digest(tokens)
+            and (identity is None or head.get("kv") == identity))
+
+
+def matches(path: str | os.PathLike, start: int, tokens: Sequence[int], identity: dict | None) -> bool:
+    return header_matches(read_header(path), start, tokens, identity)
+
+
 def load_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, end: int,
-            tokens: Sequence[int]) -> bool:
+            tokens: Sequence[int], *, identity: dict | None = None) -> bool:
     """Copy the saved KV of ``[start, end)`` into ``page_table``'s slots. False (and nothing
-    written) when the file is missing or does not match (other tokens, dtype or shape)."""
+    written) when the file is missing or does not match (other tokens, dtype or shape, or - when
+    ``identity`` is given - another model, weight format or KV dtype)."""
     head = read_header(path)
     dtype = _NP.get(kv.dtype)
     shape = [kv.num_layers, end - start, kv.num_kv_heads, kv.head_dim]
-    if (head is None or dtype is None or head.get("shape") != shape or head.get("start") != start
-            or head.get("dtype") != str(kv.dtype).replace("torch.", "") or head.get("tokens") != tokens_digest(tokens)):
+    if (not header_matches(head, start, tokens, identity) or dtype is None or head.get("shape") != shape
+            or head.get("dtype") != str(kv.dtype).replace("torch.", "")):
         return False
     count = int(np.prod(shape))
     try:
@@ -169,8 +183,9 @@ class KvWriter:
             self._thread.start()
         self._q.put(item)
 
-    def save(self, path: Path, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int]) -> None:
-        self._put(("save", path, k, v, start, list(tokens)))
+    def save(self, path: Path, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int],
+             identity: dict | None = None) -> None:
+        self._put(("save", path, k, v, start, list(tokens), identity))
 
     def drop(self, path: Path) -> None:
         self._put(("drop", path))
@@ -195,7 +210,7 @@ class KvWriter:
                 return
             try:
                 if item[0] == "save":
-                    write_kv(*item[1:])
+                    write_kv(*item[1:6], extra=None if item[6] is None else {"kv": item[6]})
                 elif item[0] == "drop":
                     item[1].unlink(missing_ok=True)
                 else:

@@ -7,6 +7,12 @@ KV (``kvfile`` format with the tokens appended and the model's identity in the h
 restore needs no recomputation: the session gets private pages holding exactly that KV (it is
 detached from its pool; its next request reuses the restored prefix).
 
+Numeric slot ids: llama.cpp clients name slots by number (``"id_slot": 3`` on a generation,
+``/slots/3``). Slot number N is the session named ``"N"``: ``id_slot: 3``, ``session_id: "3"`` and
+``/slots/3`` all name one session, and ``GET /slots`` gives that session the ``id`` 3 (sessions with
+other names have the ``id`` -1, llama.cpp's "none"). ``id_slot: -1`` is llama.cpp's "any slot": no
+session is named. Other negative numbers are refused.
+
 Each function takes the :class:`Engine` or a tenant's :class:`TenantEngine` (whose session ids
 it maps) and runs its engine work on the step thread; the file is written and read by the caller.
 """
@@ -20,9 +26,57 @@ from pathlib import Path
 from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
 from ..session import Sequence, Session
 from . import kvfile
-from .sync import identity_of
+from .sync import identity_of, kv_identity_of
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NUMBER = re.compile(r"[+-]?[0-9]+")
+_CANONICAL = re.compile(r"0|[1-9][0-9]*")
+MAX_SLOT_DIGITS = 18
+
+
+def slot_session_id(slot) -> str:
+    """The session that a llama.cpp slot id names: a slot number N (an int, or a path segment of
+    digits such as ``"3"`` or ``"03"``) is the session ``"N"``; any other string is a session id
+    itself. Raises InvalidRequestError for a negative number (``-1``, "any slot", names none) and
+    for a bool or another type."""
+    if isinstance(slot, str) and not _NUMBER.fullmatch(slot.strip()):
+        return slot
+    if isinstance(slot, bool) or not isinstance(slot, (int, str)):
+        raise InvalidRequestError(f"id_slot must be an integer, got {type(slot).__name__}")
+    if isinstance(slot, str):
+        digits = slot.strip().lstrip("+-").lstrip("0")
+        if len(digits) > MAX_SLOT_DIGITS:
+            raise InvalidRequestError(f"slot id {slot!r} is too large (at most {MAX_SLOT_DIGITS} digits)")
+        slot = int(slot)
+    if slot < 0:
+        raise InvalidRequestError(f"slot id {slot} names no session: use a slot number >= 0 (slot N is the "
+                                  "session named \"N\") or a session id; -1 (any slot) only applies to a "
+                                  "generation's id_slot")
+    if slot >= 10 ** MAX_SLOT_DIGITS:
+        raise InvalidRequestError(f"slot id {slot} is too large (at most {MAX_SLOT_DIGITS} digits)")
+    return str(slot)
+
+
+def slot_number(session_id: str | None) -> int:
+    """The llama.cpp slot id of a session: N for the session named ``"N"`` (as ``slot_session_id``
+    writes it), else -1."""
+    if isinstance(session_id, str) and len(session_id) <= MAX_SLOT_DIGITS and _CANONICAL.fullmatch(session_id):
+        return int(session_id)
+    return -1
+
+
+def generation_session_id(session_id: str | None, id_slot) -> str | None:
+    """The session of a generation request given ``session_id`` and/or llama.cpp's ``id_slot``
+    (-1 or absent: none); 400 when they name two different sessions."""
+    if id_slot is None or (isinstance(id_slot, int) and not isinstance(id_slot, bool) and id_slot == -1):
+        return session_id
+    if isinstance(id_slot, str):
+        raise InvalidRequestError(f"id_slot must be an integer, got {id_slot!r}")
+    sid = slot_session_id(id_slot)
+    if session_id is not None and session_id != sid:
+        raise InvalidRequestError(f"id_slot {id_slot} is the session {sid!r}, but session_id is {session_id!r}: "
+                                  "give one of them (or both naming the same session)")
+    return sid
 
 
 class SlotsNotSupportedError(OpencotiError):
@@ -73,7 +127,7 @@ def save_session(engine, session_id: str, filename: str) -> dict:
         return toks, k, v
 
     toks, k, v = _mapped(engine, eng._call, snap)
-    nbytes = kvfile.write_kv(path, k, v, 0, toks, extra={"identity": identity_of(eng)}, store_tokens=True)
+    nbytes = kvfile.write_kv(path, k, v, 0, toks, extra={"identity": identity_of(eng), "kv": kv_identity_of(eng)}, store_tokens=True)
     return {"filename": filename, "n_saved": len(toks), "n_written": nbytes,
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
@@ -92,6 +146,9 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
         raise InvalidRequestError(f"{filename!r} is not a slot file")
     if head.get("identity") != identity_of(eng):
         raise InvalidRequestError(f"{filename!r} was saved by another model ({head.get('identity')})")
+    if head.get("kv") != kv_identity_of(eng):  # same tokens, other KV: never load it
+        raise InvalidRequestError(f"{filename!r} holds KV computed {_kv_desc(head.get('kv'))}, this server computes "
+                                  f"it {_kv_desc(kv_identity_of(eng))}: it cannot be restored here")
     core = eng.core
 
     def restore():
@@ -140,6 +197,13 @@ def erase_session(engine, session_id: str) -> dict:
         return n
 
     return {"n_erased": _mapped(engine, eng._call, erase)}
+
+
+def _kv_desc(ident) -> str:
+    if not isinstance(ident, dict):
+        return "by an unknown engine"
+    return (f"with {ident.get('weights')} weights and {ident.get('kv_dtype')} KV "
+            f"(model {ident.get('model')}, fingerprint {ident.get('fingerprint')})")
 
 
 def _mapped(engine, fn, *args):

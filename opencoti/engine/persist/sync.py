@@ -13,6 +13,7 @@ is answered, so whatever a client was told survives a crash.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -36,9 +37,11 @@ def owner_of(obj) -> str | None:
 class Persister:
     enabled = True
 
-    def __init__(self, store: StateStore, core, *, admission=None, kv_files: bool = True):
+    def __init__(self, store: StateStore, core, *, admission=None, kv_files: bool = True,
+                 kv_identity: dict | None = None):
         self.store = store
         self.core = core
+        self.kv_identity = kv_identity  # written into every KV file; a file of another identity is not loaded
         self.admission = admission  # the engine's admission controller (policy dicts), optional
         self.kv_dir = store.dir / "kv"
         self.kv_files = kv_files
@@ -267,7 +270,7 @@ class Persister:
             if pool is None or pool.residency != Residency.RESIDENT or pid not in self._pools:
                 continue
             k, v = kvfile.snapshot_kv(self.core.kv, pool.seq.page_table, pool.branch_pos, pool.prefix_len)
-            self.kv_writer.save(self._kv_path(pid), k, v, pool.branch_pos, pool.tokens)
+            self.kv_writer.save(self._kv_path(pid), k, v, pool.branch_pos, pool.tokens, self.kv_identity)
             self._kv_saved.add(pid)
 
     def _drop_kv_file(self, pool_id: int) -> None:
@@ -286,8 +289,13 @@ class Persister:
                 f.unlink(missing_ok=True)
         for pid in sorted(closure):
             pool = self.core.tree.pools[pid]
-            if self._kv_path(pid).exists():
-                self._kv_saved.add(pid)  # valid for these tokens (checked when loaded)
+            path = self._kv_path(pid)
+            if path.exists():
+                if kvfile.matches(path, pool.branch_pos, pool.tokens, self.kv_identity):
+                    self._kv_saved.add(pid)
+                else:  # written for other tokens, another model, weight format or KV dtype: recomputed
+                    log.info("state: the KV file of pool %d does not match this engine; it is recomputed", pid)
+                    path.unlink(missing_ok=True)  # (and written again once the pool is resident)
             if pool.parent is not None and pool.parent.residency != Residency.RESIDENT:
                 continue
             if self.load_pool_kv(pool):
@@ -312,7 +320,8 @@ class Persister:
             return False
         if d and not tables.share_into(pool.seq, parent.seq.page_table, d, full):
             return False
-        if not tables.extend(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n, pool.tokens):
+        if not tables.extend(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n, pool.tokens,
+                                                                  identity=self.kv_identity):
             tables.drop(pool.seq)
             return False
         tables.advance(pool.seq, n - d)
@@ -344,11 +353,31 @@ def identity_of(engine) -> dict:
             "eos": sorted(int(t) for t in tok.eos_token_ids)}
 
 
+def kv_identity_of(engine) -> dict:
+    """What a KV file must match besides its tokens and shape: the same tokens give other KV under
+    another model, another weight format (int4 projections compute other keys and values than fp32)
+    or another KV dtype. The page size is not part of it: a file holds token rows, loaded into any
+    page layout. Computed once per engine (on its step thread)."""
+    cached = getattr(engine, "_kv_identity", None)
+    if cached is not None:
+        return cached
+    model = engine.model
+    h = hashlib.sha256(engine.loaded.hf_config.to_json_string(use_diff=False).encode())
+    emb = model.embed.reshape(-1)[:4096].float().contiguous().cpu()  # a sample of this model's weights
+    h.update(emb.numpy().tobytes())
+    ident = {**identity_of(engine), "fingerprint": h.hexdigest()[:16], "weights": str(model.weights),
+             "source": "gguf" if getattr(engine.loaded, "source_gguf", None) else "hf",
+             "kv_dtype": str(engine.kv.dtype).replace("torch.", "")}
+    engine._kv_identity = ident
+    return ident
+
+
 def attach(engine, state_dir, *, kv_files: bool = True) -> Persister:
     """Open ``state_dir`` for ``engine`` (on its step thread), restore what it holds, keep it in sync."""
     store = StateStore(state_dir, identity=identity_of(engine))
     try:
-        p = Persister(store, engine.core, admission=getattr(engine, "_admission", None), kv_files=kv_files)
+        p = Persister(store, engine.core, admission=getattr(engine, "_admission", None), kv_files=kv_files,
+                      kv_identity=kv_identity_of(engine))
         p.restore()
     except BaseException:
         store.close()
