@@ -183,29 +183,26 @@ class OpencotiChatModel(BaseChatModel):
                 headers.setdefault(k, v)
         return client
 
+    def _shell(self, given: Any, cached: str, cls: type, http_client: Any) -> Any:
+        """The client given by the caller, else the one made once from this model's settings (kept in ``cached``)."""
+        if given is not None:
+            return given
+        if getattr(self, cached) is None:
+            kw = self._client_kwargs()
+            if http_client is not None and self.engine is None:
+                kw["http_client"] = http_client
+            setattr(self, cached, self._with_headers(cls(**kw)))
+        return getattr(self, cached)
+
     @property
     def polykv_client(self) -> PolyKVClient:
         """The sync PolyKV client this model talks through (also usable for pool control)."""
-        if self.client is not None:
-            return self.client
-        if self._sync is None:
-            kw = self._client_kwargs()
-            if self.http_client is not None and self.engine is None:
-                kw["http_client"] = self.http_client
-            self._sync = self._with_headers(PolyKVClient(**kw))
-        return self._sync
+        return self._shell(self.client, "_sync", PolyKVClient, self.http_client)
 
     @property
     def async_polykv_client(self) -> AsyncPolyKVClient:
         """The async PolyKV client."""
-        if self.async_client is not None:
-            return self.async_client
-        if self._async is None:
-            kw = self._client_kwargs()
-            if self.http_async_client is not None and self.engine is None:
-                kw["http_client"] = self.http_async_client
-            self._async = self._with_headers(AsyncPolyKVClient(**kw))
-        return self._async
+        return self._shell(self.async_client, "_async", AsyncPolyKVClient, self.http_async_client)
 
     # ---------------------------------------------------------------- LangChain plumbing
     @property
