@@ -2,20 +2,41 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator, Iterator
 
 from .results import GenerationResult, RequestInfo, TokenDelta
 
 
-class TokenStream:
-    """Iterator over a request's TokenDelta events; ``.info`` is known at once, ``.result`` at the end."""
+class _Stream:
+    """What both streams do with the step thread's events; only the waiting for one differs."""
 
     def __init__(self, engine, job, q):
         self._engine, self._job, self._q = engine, job, q
         self.info: RequestInfo = job.info
         self.result: GenerationResult | None = None
         self._done = False
+
+    def _take(self, kind: str, payload) -> TokenDelta | None:
+        """One event: its TokenDelta, or None at the end (``result`` is set); raises the request's error."""
+        if kind == "token":
+            return payload
+        self._done = True
+        if kind == "error":
+            raise payload
+        self.result = payload
+        return None
+
+    def _cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.cancel(self._job)
+
+
+class TokenStream(_Stream):
+    """Iterator over a request's TokenDelta events; ``.info`` is known at once, ``.result`` at the end."""
+
+    def __init__(self, engine, job, q):
+        super().__init__(engine, job, q)
         first = q.get()
         assert first[0] == "start"
 
@@ -23,22 +44,14 @@ class TokenStream:
         return self
 
     def __next__(self) -> TokenDelta:
-        if self._done:
+        delta = None if self._done else self._take(*self._q.get())
+        if delta is None:
             raise StopIteration
-        kind, payload = self._q.get()
-        if kind == "token":
-            return payload
-        self._done = True
-        if kind == "error":
-            raise payload
-        self.result = payload
-        raise StopIteration
+        return delta
 
     def close(self) -> None:
         """Stop early (e.g. the client disconnected): the request is cancelled."""
-        if not self._done:
-            self._done = True
-            self._engine.cancel(self._job)
+        self._cancel()
 
     def __del__(self):
         try:
@@ -47,13 +60,8 @@ class TokenStream:
             pass
 
 
-class AsyncTokenStream:
-    def __init__(self, engine, job, q: asyncio.Queue):
-        self._engine, self._job, self._q = engine, job, q
-        self.info: RequestInfo = job.info
-        self.result: GenerationResult | None = None
-        self._done = False
-        self._started = False
+class AsyncTokenStream(_Stream):
+    """``TokenStream`` for asyncio: an async iterator; ``aclose`` cancels the request."""
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
@@ -61,20 +69,13 @@ class AsyncTokenStream:
     async def __anext__(self) -> TokenDelta:
         if self._done:
             raise StopAsyncIteration
-        while True:
+        kind, payload = await self._q.get()
+        while kind == "start":
             kind, payload = await self._q.get()
-            if kind == "start":
-                continue
-            break
-        if kind == "token":
-            return payload
-        self._done = True
-        if kind == "error":
-            raise payload
-        self.result = payload
-        raise StopAsyncIteration
+        delta = self._take(kind, payload)
+        if delta is None:
+            raise StopAsyncIteration
+        return delta
 
     async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.cancel(self._job)
+        self._cancel()
