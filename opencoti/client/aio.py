@@ -4,7 +4,8 @@ methods as ``PolyKVClient`` (see its docstrings), as coroutines."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+import itertools
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import httpx
 
@@ -44,35 +45,21 @@ class AsyncPolyKVClient(ClientBase):
         await self.aclose()
 
     # ---------------------------------------------------------------- plumbing
-    async def _call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None) -> Any:
-        attempt = 0
-        while True:
+    async def _with_retries(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        for attempt in itertools.count():
             try:
-                return await self.transport.call(name, path, query, body)
+                return await fn()
             except OpencotiError as e:
-                wait = self.retry.delay(e, attempt)
-                if wait is None:
-                    raise
-                await asyncio.sleep(wait)
-                attempt += 1
+                await asyncio.sleep(self.retry.wait_or_raise(e, attempt))
+
+    async def _call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None) -> Any:
+        return await self._with_retries(lambda: self.transport.call(name, path, query, body))
 
     async def _stream(self, body: dict) -> AsyncIterator[ChatChunk]:
-        attempt = 0
-        while True:
-            gen = self.transport.chat(body)
-            try:
-                first = await gen.__anext__()
-            except StopAsyncIteration:
-                return
-            except OpencotiError as e:
-                await gen.aclose()
-                wait = self.retry.delay(e, attempt)
-                if wait is None:
-                    raise
-                await asyncio.sleep(wait)
-                attempt += 1
-                continue
-            break
+        opened = await self._with_retries(lambda: _opened(self.transport.chat(body)))
+        if opened is None:
+            return
+        gen, first = opened
         try:
             yield first
             async for c in gen:
@@ -199,3 +186,14 @@ class AsyncPolyKVClient(ClientBase):
 
     async def integrity(self) -> dict:
         return await self._call("integrity")
+
+
+async def _opened(gen: AsyncIterator[ChatChunk]) -> tuple[AsyncIterator[ChatChunk], ChatChunk] | None:
+    """``sync._opened`` for async streams (a refused stream is closed before the retry)."""
+    try:
+        return gen, await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    except OpencotiError:
+        await gen.aclose()
+        raise

@@ -124,4 +124,11 @@ class RetryPolicy:
             return min(float(ra), self.max_wait_s)
         return min(0.5 * 2 ** attempt, 8.0, self.max_wait_s) * (0.75 + 0.5 * random.random())
 
+    def wait_or_raise(self, error: BaseException, attempt: int) -> float:
+        """``delay``, raising ``error`` again where it gives up."""
+        wait = self.delay(error, attempt)
+        if wait is None:
+            raise error
+        return wait
+
 

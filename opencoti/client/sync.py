@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -47,36 +48,20 @@ class PolyKVClient(ClientBase):
 
     # ---------------------------------------------------------------- plumbing
     def _with_retries(self, fn: Callable[[], Any]) -> Any:
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             try:
                 return fn()
             except OpencotiError as e:
-                wait = self.retry.delay(e, attempt)
-                if wait is None:
-                    raise
-                time.sleep(wait)
-                attempt += 1
+                time.sleep(self.retry.wait_or_raise(e, attempt))
 
     def _call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None) -> Any:
         return self._with_retries(lambda: self.transport.call(name, path, query, body))
 
     def _stream(self, body: dict) -> Iterator[ChatChunk]:
-        attempt = 0
-        while True:
-            gen = self.transport.chat(body)
-            try:
-                first = next(gen)
-            except StopIteration:
-                return
-            except OpencotiError as e:
-                wait = self.retry.delay(e, attempt)
-                if wait is None:
-                    raise
-                time.sleep(wait)
-                attempt += 1
-                continue
-            break
+        opened = self._with_retries(lambda: _opened(self.transport.chat(body)))
+        if opened is None:
+            return
+        gen, first = opened
         try:
             yield first
             yield from gen
@@ -237,3 +222,11 @@ class PolyKVClient(ClientBase):
     def integrity(self) -> dict:
         """Run the engine's KV integrity check."""
         return self._call("integrity")
+
+
+def _opened(gen: Iterator[ChatChunk]) -> tuple[Iterator[ChatChunk], ChatChunk] | None:
+    """The stream with its first chunk (a refusal raises here, before anything is yielded); None when empty."""
+    try:
+        return gen, next(gen)
+    except StopIteration:
+        return None

@@ -334,3 +334,47 @@ def test_constructor_checks(engine):
         PolyKVClient(engine=engine, max_retries=-1)
     with pytest.raises(InvalidRequestError):
         PolyKVClient(engine=engine).release_session("")
+
+
+def test_refused_streams_and_async_calls_are_retried():
+    """A 429 with Retry-After before the first chunk is retried, sync and async; the first error past the retries
+    is raised as is."""
+    ev = lambda **d: "data: " + json.dumps({"model": "m", **d}) + "\n\n"  # noqa: E731
+    sse = (ev(choices=[{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}])
+           + ev(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]) + "data: [DONE]\n\n")
+    refusal = {"error": {"code": 429, "message": "cannot admit", "type": "pool_saturated_error"}}
+
+    def server(refusals: int):
+        calls = []
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            calls.append(request.url.path)
+            if len(calls) <= refusals:
+                return httpx.Response(429, headers={"Retry-After": "0"}, json=refusal)
+            if request.url.path.endswith("/capacity"):
+                return httpx.Response(200, json={"pool_id": 7, "can_admit": True, "reason": "ok"})
+            return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+        return calls, httpx.MockTransport(handler)
+
+    calls, mock = server(1)
+    c = PolyKVClient("http://x", max_retries=1, http_client=httpx.Client(transport=mock))
+    assert c.chat([{"role": "user", "content": "x"}]).content == "Hi" and len(calls) == 2
+    calls, mock = server(2)
+    c = PolyKVClient("http://x", max_retries=1, http_client=httpx.Client(transport=mock))
+    with pytest.raises(PoolSaturatedError):
+        list(c.chat_stream([{"role": "user", "content": "x"}]))
+    assert len(calls) == 2
+
+    async def run_async():
+        calls, mock = server(1)
+        a = AsyncPolyKVClient("http://x", max_retries=1, http_client=httpx.AsyncClient(transport=mock))
+        assert (await a.chat([{"role": "user", "content": "x"}])).content == "Hi" and len(calls) == 2
+        calls, mock = server(1)
+        a = AsyncPolyKVClient("http://x", max_retries=1, http_client=httpx.AsyncClient(transport=mock))
+        assert (await a.capacity(7)).can_admit and len(calls) == 2
+        calls, mock = server(2)
+        a = AsyncPolyKVClient("http://x", max_retries=1, http_client=httpx.AsyncClient(transport=mock))
+        with pytest.raises(PoolSaturatedError):
+            await a.capacity(7)
+        assert len(calls) == 2
+    asyncio.run(run_async())
