@@ -27,6 +27,7 @@ import statistics
 
 SEEDS = (0, 1, 2, 3, 4)
 MIN_SAMPLES = 3  # samples with b sessions decoding before b counts as measured
+HELD_S = 0.5  # an agent that waited at its gate at least this long was held (a spawn itself takes a moment)
 
 
 def speed_profile(samples: list[dict], requests: list[dict]):
@@ -130,12 +131,12 @@ def gate_effect(run: dict, seeds=SEEDS) -> dict | None:
     if not floor:
         return None
     calls = workload(run)
-    waited = sorted({c["agent"] for c in calls if c["start_ungated"] < c["start"] - 1e-6})
+    waits = {a: sum(sp - ar for ar, sp in pairs) for a, pairs in gate_waits(run.get("agents") or {}).items()}
+    waited = sorted(a for a, w in waits.items() if w >= HELD_S and any(c["agent"] == a for c in calls))
     profile = speed_profile(run.get("samples") or [], run.get("requests") or [])
     if profile is None or not calls:
         return None
-    out = {"floor": floor, "seeds": list(seeds), "agents_held": waited,
-           "held_s": sum(c["start"] - c["start_ungated"] for c in calls),
+    out = {"floor": floor, "seeds": list(seeds), "agents_held": waited, "held_s": sum(waits[a] for a in waited),
            "speed_tps": {b: 1.0 / s for b, s in sorted(profile.table.items())}, "noise_sigma": profile.noise_sigma}
     for name, key in (("with_gate", "start"), ("without_gate", "start_ungated")):
         rows = [replay(profile, calls, key, floor, s) for s in seeds]

@@ -239,7 +239,9 @@ class AdmissionController:
         c = fc.calibration
         pr = fc.project(b)
         tps = lambda s: None if s is None or s <= 0 else c / s  # noqa: E731
-        kind = "unmeasured" if pr.kind == "none" and b > 0 else pr.kind  # running, but this batch size has no data
+        # running, but this batch size has no data yet: never project from it (a short settle window on
+        # a slow engine would otherwise extrapolate sizes beyond any measured): the conservative model
+        kind = "unmeasured" if pr.now_s is None and b > 0 else pr.kind
         out = {"fc_kind": kind, "fc_now_tps": tps(pr.now_s), "fc_now_low_tps": tps(pr.now_hi_s),
                "fc_est_tps": tps(pr.est_s), "fc_bound_tps": tps(pr.bound_s), "fc_frontier": pr.frontier}
         floor = st.policy.target_tps_per_session
