@@ -34,6 +34,7 @@ from .streams import AsyncTokenStream, TokenStream
 log = logging.getLogger("opencoti.engine")
 
 _DEFAULT_KV_TOKENS = 32768
+_LOOP_TOKENS = 1 << 16  # astream: longer prompts of token ids are copied off the event loop
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -321,8 +322,12 @@ class Engine(PoolAPIMixin):
         def sink(ev: tuple) -> None:
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
-        fut = self._start(prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, sink,
-                          overcommit, cache_salt)
+        args = (prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens, sink, overcommit,
+                cache_salt)
+        if isinstance(prompt, (list, tuple)) and len(prompt) > _LOOP_TOKENS:  # copying it would stall the loop
+            fut = await asyncio.to_thread(self._start, *args)
+        else:
+            fut = self._start(*args)
         job = await asyncio.wrap_future(fut)
         return AsyncTokenStream(self, job, q)
 

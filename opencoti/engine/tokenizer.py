@@ -10,6 +10,11 @@ Two implementations behind one class:
 
 The tokenizer only encodes and decodes; it carries its chat template as data
 (``chat_template``, ``template_vars``), and :mod:`opencoti.engine.chat` renders it.
+
+Long texts are encoded in pieces so that no single call holds the GIL for long (a server's event
+loop keeps answering while a worker thread tokenizes megabytes): the Rust tokenizer releases the
+GIL while it works, but turning one piece's ids into a Python list does not; pieces are cut only
+where the tokenizer is shown (at load, on probe texts) to give the same ids as the whole text.
 """
 
 from __future__ import annotations
@@ -144,6 +149,36 @@ class Tokenizer:
         return out
 
 
+PIECE_CHARS = 1 << 14  # a long text is cut into pieces of about this many characters ...
+BATCH_PIECES = 16  # ... encoded this many at a time (one GIL-free call into the Rust tokenizer)
+_SEPARATORS = (" ", "\n")  # a piece starts at one of these, between two non-space characters
+_PROBES = (("hello", "world"), ("Hello,", "World!"), ("x1", "23"), ("d\u00e9j\u00e0", "vu"), ("end.", "Next"),
+           ("(a)", "[b]"), ("tab\t", "x"), ("\u4f60\u597d", "\u4e16\u754c"), ("it's", "'s"), ("emoji\U0001f600", "ok"),
+           ("<|im_start|>user", "hi<|im_end|>"), ("don't", "stop"))
+
+
+def _cut_points(text: str, separators: tuple[str, ...], piece: int) -> list[int]:
+    """Where to cut ``text`` into pieces of about ``piece`` characters: before a separator that sits
+    between two non-whitespace characters (a pre-tokenizer boundary). Few cuts when there is none."""
+    cuts = [0]
+    n = len(text)
+    pos = piece
+    while pos < n - piece:
+        best = -1
+        for sep in separators:
+            j = text.find(sep, pos, pos + piece)
+            while j != -1 and not (0 < j < n - 1 and not text[j - 1].isspace() and not text[j + 1].isspace()):
+                j = text.find(sep, j + 1, pos + piece)
+            if j != -1 and (best == -1 or j < best):
+                best = j
+        if best == -1:  # no boundary in this window: the window stays in the current piece
+            pos += piece
+            continue
+        cuts.append(best)
+        pos = best + piece
+    return cuts
+
+
 class _HFTokenizer(Tokenizer):
     """A transformers tokenizer behind the Tokenizer interface."""
 
@@ -163,14 +198,44 @@ class _HFTokenizer(Tokenizer):
         # converted from GGUF doesn't list them among its "special" tokens.
         specials.update(added.values())
         self.special_token_ids = frozenset(i for i in specials if i is not None)
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, if any
+        self.piece_separators = self._probe_separators()
 
     def __repr__(self) -> str:
         return f"Tokenizer(hf={type(self.hf_tokenizer).__name__}, vocab_size={self.vocab_size})"
 
+    def _probe_separators(self) -> tuple[str, ...]:
+        """The separators before which this tokenizer may be cut: encoding ``a + sep + b`` must give
+        the ids of ``a`` then those of ``sep + b`` for every probe (not so, e.g., for a normalizer
+        that prepends a word marker to every input)."""
+        if self._backend is None or not hasattr(self._backend, "encode_batch"):
+            return ()
+        ok = []
+        for sep in _SEPARATORS:
+            try:
+                for a, b in _PROBES:
+                    whole = list(self.hf_tokenizer.encode(a + sep + b, add_special_tokens=False))
+                    parts = self._backend.encode_batch([a, sep + b], add_special_tokens=False)
+                    if whole != [i for enc in parts for i in enc.ids]:
+                        break
+                else:
+                    ok.append(sep)
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot be probed is never cut
+                pass
+        return tuple(ok)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        if add_special_tokens or len(text) <= 2 * PIECE_CHARS or not self.piece_separators:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        cuts = _cut_points(text, self.piece_separators, PIECE_CHARS) + [len(text)]
+        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
+        ids: list[int] = []
+        for i in range(0, len(pieces), BATCH_PIECES):  # other threads run between the calls
+            for enc in self._backend.encode_batch(pieces[i:i + BATCH_PIECES], add_special_tokens=False):
+                ids.extend(enc.ids)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = self._check_ids(ids)

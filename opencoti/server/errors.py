@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.errors import ContextLengthError, EngineClosedError, OpencotiError, PoolSaturatedError
 from ..ops.validation import validation_message
+from . import json_steps
 
 log = logging.getLogger("opencoti.server")
 
@@ -68,8 +69,8 @@ class SafeJSONResponse(JSONResponse):
     engine some other way) is sent \\u-escaped instead of failing the whole answer."""
 
     def render(self, content) -> bytes:
-        try:
-            return super().render(content)
+        try:  # a large answer is encoded in steps: the GIL is never held for long (json_steps)
+            return json_steps.dumps(content).encode("utf-8")
         except UnicodeEncodeError:
             return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
