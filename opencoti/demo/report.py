@@ -127,7 +127,7 @@ def render_markdown(run: dict, summary: dict, charts: dict[str, str]) -> str:
     add(f"| **engine mean_active_tps** | {uf['engine']['active_s']:.1f} | {uf['engine']['under_s']:.1f} | | |")
     add("")
     if ge:
-        add(gate_effect_markdown(ge, uf))
+        add(gate_effect_markdown(ge, uf, summary["concurrency"]["max_decoding"], summary["wall_s"]))
 
     add("## Admission\n")
     add("Gate decisions (the graph's `CapacityGateNode`s): "
@@ -203,8 +203,9 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f} %"
 
 
-def gate_effect_markdown(ge: dict, uf: dict) -> str:
-    """The with / without the gate table (``gate_effect.gate_effect``)."""
+def gate_effect_markdown(ge: dict, uf: dict, max_decoding: int | None = None, wall_s: float | None = None) -> str:
+    """The with / without the gate table (``gate_effect.gate_effect``), and the run as measured
+    (how close the replay with the gate is to what happened)."""
     measured = uf["session_under_s"] / uf["session_active_s"] if uf.get("session_active_s") else None
     speed = ", ".join(f"{b}: {_f(v)}" for b, v in ge["speed_tps"].items())
     rows = ["### With and without the gate\n",
@@ -215,13 +216,14 @@ def gate_effect_markdown(ge: dict, uf: dict) -> str:
             f"({', '.join(ge['agents_held']) or 'none'}; {ge['held_s']:.1f} s of waiting in all) start when they reached "
             f"it. Shares are of session-decode seconds (rate over a session's last 8 tokens), means over "
             f"{len(ge['seeds'])} seeds.\n",
-            "| | below the floor | below 80 % of it | most sessions decoding | replayed run time |",
+            "| | below the floor | below 80 % of it | most sessions decoding | run time |",
             "|---|---:|---:|---:|---:|"]
     for name, key in (("with the gate", "with_gate"), ("without the gate", "without_gate")):
         g = ge[key]
         rows.append(f"| {name} | {_pct(g['under_share'])} | {_pct(g['deep_share'])} | {g['max_decoding']} | "
                     f"{g['wall_s']:.1f} s |")
-    rows.append(f"| with the gate, as measured in this run (sampled session EWMAs) | {_pct(measured)} | | | |")
+    rows.append(f"| with the gate, as measured in this run (sampled session EWMAs) | {_pct(measured)} | | "
+                f"{_f(max_decoding)} | {_f(wall_s)} s |")
     return "\n".join(rows) + "\n"
 
 
