@@ -35,6 +35,7 @@ from ._clients import ClientPair, client_pair
 from ..client import PoolNotFoundError
 from .pools import POOLS_KEY, PoolSpec, _transport, aensure_pool, ensure_pool, merge_pools, pool_spec
 from .state import append_list, keep_latest, polykv_update
+from .steps import Steps, adrive, call, drive
 
 
 # Prompt pools made by this process, by (transport, prompt key): threads with the same system
@@ -157,55 +158,43 @@ class PolyKVMiddleware(AgentMiddleware):
         return {**{k: v for k, v in moved.items() if k != POOLS_KEY}, "root_pool_id": live, "prompt_pool_key": key,
                 POOLS_KEY: {str(live): spec}}
 
-    # ---------------------------------------------------------------- hooks
-    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> Any:
+    def _prompt_pool(self, client: Any, state: dict, prefix: tuple) -> Steps:
+        """(pool id, state update) of the prompt pool: the one this thread or this process already has
+        (re-created if it is gone), else a new one."""
+        messages, tools, key = prefix
+        known = self._known(client, state, key)
+        if known is not None:
+            try:
+                pid, moved = yield ("ensure", client, known[1], known[1]["root_pool_id"])
+            except PoolNotFoundError:
+                pass
+            else:
+                update = self._found(known[0], known[1], pid, moved, key)
+                if known[0] == "process" or moved:
+                    _PROMPT_POOLS[(_transport(client), key)] = update.get(POOLS_KEY, {}).get(str(pid)) or \
+                        _PROMPT_POOLS.get((_transport(client), key))
+                return pid, update
+        pool = yield ("call", client, "create_pool", (), {"messages": messages, "tools": tools, "pinned": self.pinned,
+                                                           "label": "agent prompt"})
+        return pool.pool_id, self._made(client, pool, messages, tools, key)
+
+    def _prepared(self, request: ModelRequest, side: str) -> Steps:
+        """(the request with this middleware's model settings, the state update for the answer);
+        ``side``: the client of the pair that runs the steps (``"sync"`` or ``"aio"``)."""
         settings, prefix = self._plan(request)
         update: dict = {}
         if prefix is not None:
             state = request.state if isinstance(request.state, dict) else {}
-            client = self._pair(request).sync
-            messages, tools, key = prefix
-            known = self._known(client, state, key)
-            pid = None
-            if known is not None:
-                try:
-                    pid, moved = ensure_pool(client, known[1], known[1]["root_pool_id"])
-                    update = self._found(known[0], known[1], pid, moved, key)
-                    if known[0] == "process" or moved:
-                        _PROMPT_POOLS[(_transport(client), key)] = update.get(POOLS_KEY, {}).get(str(pid)) or \
-                            _PROMPT_POOLS.get((_transport(client), key))
-                except PoolNotFoundError:
-                    pid = None
-            if pid is None:
-                pool = client.create_pool(messages=messages, tools=tools, pinned=self.pinned, label="agent prompt")
-                pid, update = pool.pool_id, self._made(client, pool, messages, tools, key)
-            settings["pool_id"] = pid
-        response = handler(request.override(model_settings={**request.model_settings, **settings}))
-        return self._after(response, update)
+            client = getattr(self._pair(request), side)
+            settings["pool_id"], update = yield from self._prompt_pool(client, state, prefix)
+        return request.override(model_settings={**request.model_settings, **settings}), update
+
+    # ---------------------------------------------------------------- hooks
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> Any:
+        request, update = drive(self._prepared(request, "sync"), {"ensure": ensure_pool, "call": call})
+        return self._after(handler(request), update)
 
     async def awrap_model_call(self, request: ModelRequest,
                                handler: Callable[[ModelRequest], Awaitable[ModelResponse]]) -> Any:
-        settings, prefix = self._plan(request)
-        update: dict = {}
-        if prefix is not None:
-            state = request.state if isinstance(request.state, dict) else {}
-            client = self._pair(request).aio
-            messages, tools, key = prefix
-            known = self._known(client, state, key)
-            pid = None
-            if known is not None:
-                try:
-                    pid, moved = await aensure_pool(client, known[1], known[1]["root_pool_id"])
-                    update = self._found(known[0], known[1], pid, moved, key)
-                    if known[0] == "process" or moved:
-                        _PROMPT_POOLS[(_transport(client), key)] = update.get(POOLS_KEY, {}).get(str(pid)) or \
-                            _PROMPT_POOLS.get((_transport(client), key))
-                except PoolNotFoundError:
-                    pid = None
-            if pid is None:
-                pool = await client.create_pool(messages=messages, tools=tools, pinned=self.pinned,
-                                                label="agent prompt")
-                pid, update = pool.pool_id, self._made(client, pool, messages, tools, key)
-            settings["pool_id"] = pid
-        response = await handler(request.override(model_settings={**request.model_settings, **settings}))
-        return self._after(response, update)
+        request, update = await adrive(self._prepared(request, "aio"), {"ensure": aensure_pool, "call": call})
+        return self._after(await handler(request), update)

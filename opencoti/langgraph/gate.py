@@ -28,6 +28,7 @@ from ..client import Capacity
 from ._clients import client_pair
 from .pools import aensure_pool, ensure_pool
 from .state import capacity_update
+from .steps import Steps, adrive, drive
 
 
 # ============================================================================ pacing
@@ -68,53 +69,40 @@ class SpawnPacer:
                              "settling": cap.settling, "n_warming": cap.n_warming, "can_admit": cap.can_admit,
                              "reason": cap.reason, "paced": paced})
 
+    def _watch(self, pool_id: int, session_id: str, since: float) -> Steps:
+        """Wait (steps ``("capacity", pool_id, session_id)``, ``("events", pool_id, since)``, ``("sleep", s)``)
+        until the server knows ``session_id`` or ``claim_timeout_s`` passes, then release the pool's turn."""
+        deadline = time.monotonic() + self.claim_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    # attached now, or admitted since the claim (a short request may be over already)
+                    if (yield ("capacity", pool_id, session_id)).known_session:
+                        return
+                    if any(e.get("session_id") == session_id for e in (yield ("events", pool_id, since))):
+                        return
+                except Exception:  # noqa: BLE001 - the pool went away: nothing to wait for
+                    return
+                yield ("sleep", self.claim_poll_s)
+        finally:
+            self.release(pool_id)
+
+    @staticmethod
+    def _watch_steps(client: Any, sleep: Callable[[float], Any]) -> dict:
+        return {"capacity": lambda pool_id, sid: client.capacity(pool_id, session_id=sid),
+                "events": lambda pool_id, since: client.events(pool_id, since=since), "sleep": sleep}
+
     def claim(self, client: Any, pool_id: int, session_id: str) -> None:
         """Keep the turn until the server knows ``session_id`` (in a watcher thread), then release it."""
-        client = client_pair(client).sync
-        since = time.time() - 1.0
-
-        def arrived() -> bool:
-            # attached now, or admitted since the claim (a short request may be over already)
-            if client.capacity(pool_id, session_id=session_id).known_session:
-                return True
-            return any(e.get("session_id") == session_id for e in client.events(pool_id, since=since))
-
-        def watch():
-            deadline = time.monotonic() + self.claim_timeout_s
-            try:
-                while time.monotonic() < deadline:
-                    try:
-                        if arrived():
-                            return
-                    except Exception:  # noqa: BLE001 - the pool went away: nothing to wait for
-                        return
-                    time.sleep(self.claim_poll_s)
-            finally:
-                self.release(pool_id)
-
-        threading.Thread(target=watch, name=f"opencoti-pacer-{pool_id}", daemon=True).start()
+        watch = self._watch(pool_id, session_id, time.time() - 1.0)
+        threading.Thread(target=drive, args=(watch, self._watch_steps(client_pair(client).sync, time.sleep)),
+                         name=f"opencoti-pacer-{pool_id}", daemon=True).start()
 
     def aclaim(self, client: Any, pool_id: int, session_id: str) -> None:
         """``claim`` for async graphs: the watcher is a task on the running loop."""
-        aio = client_pair(client).aio
-        since = time.time() - 1.0
-
-        async def watch():
-            deadline = time.monotonic() + self.claim_timeout_s
-            try:
-                while time.monotonic() < deadline:
-                    try:
-                        if (await aio.capacity(pool_id, session_id=session_id)).known_session:
-                            return
-                        if any(e.get("session_id") == session_id for e in await aio.events(pool_id, since=since)):
-                            return
-                    except Exception:  # noqa: BLE001
-                        return
-                    await asyncio.sleep(self.claim_poll_s)
-            finally:
-                self.release(pool_id)
-
-        task = asyncio.get_running_loop().create_task(watch())
+        watch = self._watch(pool_id, session_id, time.time() - 1.0)
+        task = asyncio.get_running_loop().create_task(
+            adrive(watch, self._watch_steps(client_pair(client).aio, asyncio.sleep)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -256,45 +244,31 @@ class CapacityGateNode(RunnableLambda):
                 yield ("claim", pool_id, sid)
         return cap, True, extra
 
+    def _decision(self, state: dict) -> Steps:
+        """``_steps`` on the live pool (``("ensure", state, pool_id)`` first: re-created if it is gone)."""
+        live, moved = yield ("ensure", state, self._pool(state))
+        cap, ok, extra = yield from self._steps({**state, **moved}, live)
+        return cap, ok, {**moved, **extra}
+
     def decide(self, state: dict) -> tuple[Capacity, bool, dict]:
         """(report, spawn?, extra state update) — the gate without the routing (sync)."""
-        live, moved = ensure_pool(self.clients.sync, state, self._pool(state))
-        gen, result = self._steps({**state, **moved}, live), None
-        try:
-            while True:
-                step = gen.send(result)
-                result = None
-                if step[0] == "capacity":
-                    result = self.clients.sync.capacity(step[1], expected_tokens=step[2])
-                elif step[0] == "sleep":
-                    time.sleep(step[1])
-                elif step[0] == "acquire":
-                    result = self.pacer.acquire(step[1], step[2])
-                elif step[0] == "claim":
-                    self.pacer.claim(self.clients.sync, step[1], step[2])
-        except StopIteration as stop:
-            cap, ok, extra = stop.value
-        return cap, ok, {**moved, **extra}
+        sync = self.clients.sync
+        return drive(self._decision(state), {
+            "ensure": lambda st, pool_id: ensure_pool(sync, st, pool_id),
+            "capacity": lambda pool_id, expected: sync.capacity(pool_id, expected_tokens=expected),
+            "sleep": time.sleep,
+            "acquire": lambda pool_id, timeout: self.pacer.acquire(pool_id, timeout),
+            "claim": lambda pool_id, sid: self.pacer.claim(sync, pool_id, sid)})
 
     async def adecide(self, state: dict) -> tuple[Capacity, bool, dict]:
         """``decide`` for async graphs."""
-        live, moved = await aensure_pool(self.clients.aio, state, self._pool(state))
-        gen, result = self._steps({**state, **moved}, live), None
-        try:
-            while True:
-                step = gen.send(result)
-                result = None
-                if step[0] == "capacity":
-                    result = await self.clients.aio.capacity(step[1], expected_tokens=step[2])
-                elif step[0] == "sleep":
-                    await asyncio.sleep(step[1])
-                elif step[0] == "acquire":
-                    result = await asyncio.to_thread(self.pacer.acquire, step[1], step[2])
-                elif step[0] == "claim":
-                    self.pacer.aclaim(self.clients.aio, step[1], step[2])
-        except StopIteration as stop:
-            cap, ok, extra = stop.value
-        return cap, ok, {**moved, **extra}
+        aio = self.clients.aio
+        return await adrive(self._decision(state), {
+            "ensure": lambda st, pool_id: aensure_pool(aio, st, pool_id),
+            "capacity": lambda pool_id, expected: aio.capacity(pool_id, expected_tokens=expected),
+            "sleep": asyncio.sleep,
+            "acquire": lambda pool_id, timeout: asyncio.to_thread(self.pacer.acquire, pool_id, timeout),
+            "claim": lambda pool_id, sid: self.pacer.aclaim(aio, pool_id, sid)})
 
     def _command(self, cap: Capacity, ok: bool, extra: dict) -> Command:
         return Command(update={**capacity_update(cap), **extra}, goto=self.spawn if ok else self.hold)

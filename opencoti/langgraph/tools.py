@@ -16,6 +16,7 @@ restart) is re-created from the record and used instead — the answer says so
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any, Generator, Optional
 
 from langchain_core.messages import ToolMessage
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..client import OpencotiError
 from ._clients import client_pair
 from .pools import POOLS_KEY, aensure_pool, ensure_pool, merge_pools, pool_spec
+from .steps import adrive, call, drive
 
 
 class _Args(BaseModel):
@@ -187,64 +189,66 @@ def _record(pool, src: dict) -> dict:
 
 
 # ============================================================================ drivers
-def _state(runtime: Any) -> dict:
-    st = getattr(runtime, "state", None) if runtime is not None else None
-    return st if isinstance(st, dict) else {}
+class _Known:
+    """The pools one tool call knows: the graph state's, plus those it recorded or re-created so far."""
+
+    def __init__(self, runtime: Any):
+        st = getattr(runtime, "state", None) if runtime is not None else None
+        self.runtime, self.state = runtime, st if isinstance(st, dict) else {}
+        self.pools: dict = {}
+        self.moved: list[dict] = []
+
+    def view(self) -> dict:
+        """The state an ``ensure`` step sees."""
+        return {**self.state, POOLS_KEY: merge_pools(self.state.get(POOLS_KEY), self.pools)}
+
+    def ensured(self, live_and_update: tuple[int, dict]) -> int:
+        live, upd = live_and_update
+        self.pools.update(upd.get(POOLS_KEY) or {})
+        self.moved += upd.get("pools_recreated") or []
+        return live
+
+    def finish(self, name: str, answer: dict, recorded: dict) -> Any:
+        """The tool's answer, or a ``Command`` with it and the pools update when the tool runs in a graph."""
+        pools, moved, runtime = {**self.pools, **recorded}, self.moved, self.runtime
+        if moved:
+            answer = {**answer, "recreated": moved}
+        if runtime is None or getattr(runtime, "tool_call_id", None) is None or not (pools or moved):
+            return answer
+        update: dict[str, Any] = {POOLS_KEY: pools} if pools else {}
+        if moved:
+            update["pools_recreated"] = moved
+        update["messages"] = [ToolMessage(json.dumps(answer, default=str), tool_call_id=runtime.tool_call_id,
+                                          name=name)]
+        return Command(update=update)
 
 
-def _finish(name: str, runtime: Any, answer: dict, pools: dict, moved: list[dict]) -> Any:
-    if moved:
-        answer = {**answer, "recreated": moved}
-    if runtime is None or getattr(runtime, "tool_call_id", None) is None or not (pools or moved):
-        return answer
-    update: dict[str, Any] = {POOLS_KEY: pools} if pools else {}
-    if moved:
-        update["pools_recreated"] = moved
-    update["messages"] = [ToolMessage(json.dumps(answer, default=str), tool_call_id=runtime.tool_call_id, name=name)]
-    return Command(update=update)
+def _errors_as_tool_errors(steps: Steps) -> Steps:
+    try:
+        return (yield from steps)
+    except OpencotiError as e:
+        raise ToolException(f"{type(e).__name__}: {e}") from e
 
 
 def _sync_tool(name: str, steps, clients) -> Any:
     def run(runtime: Any = None, **kw):
-        state, pools, moved = _state(runtime), {}, []
-        gen, result = steps(**kw), None
-        try:
-            while True:
-                step = gen.send(result)
-                if step[0] == "ensure":
-                    result, upd = ensure_pool(clients.sync, {**state, POOLS_KEY: merge_pools(state.get(POOLS_KEY),
-                                                                                           pools)}, step[1])
-                    pools.update(upd.get(POOLS_KEY) or {})
-                    moved += upd.get("pools_recreated") or []
-                else:
-                    result = getattr(clients.sync, step[1])(*step[2], **step[3])
-        except StopIteration as stop:
-            answer, recorded = stop.value
-        except OpencotiError as e:
-            raise ToolException(f"{type(e).__name__}: {e}") from e
-        return _finish(name, runtime, answer, {**pools, **recorded}, moved)
+        known = _Known(runtime)
+        answer, recorded = drive(_errors_as_tool_errors(steps(**kw)), {
+            "ensure": lambda pool_id: known.ensured(ensure_pool(clients.sync, known.view(), pool_id)),
+            "call": partial(call, clients.sync)})
+        return known.finish(name, answer, recorded)
     return run
 
 
 def _async_tool(name: str, steps, clients) -> Any:
     async def run(runtime: Any = None, **kw):
-        state, pools, moved = _state(runtime), {}, []
-        gen, result = steps(**kw), None
-        try:
-            while True:
-                step = gen.send(result)
-                if step[0] == "ensure":
-                    result, upd = await aensure_pool(clients.aio, {
-                        **state, POOLS_KEY: merge_pools(state.get(POOLS_KEY), pools)}, step[1])
-                    pools.update(upd.get(POOLS_KEY) or {})
-                    moved += upd.get("pools_recreated") or []
-                else:
-                    result = await getattr(clients.aio, step[1])(*step[2], **step[3])
-        except StopIteration as stop:
-            answer, recorded = stop.value
-        except OpencotiError as e:
-            raise ToolException(f"{type(e).__name__}: {e}") from e
-        return _finish(name, runtime, answer, {**pools, **recorded}, moved)
+        known = _Known(runtime)
+
+        async def ensure(pool_id: int) -> int:
+            return known.ensured(await aensure_pool(clients.aio, known.view(), pool_id))
+        answer, recorded = await adrive(_errors_as_tool_errors(steps(**kw)), {
+            "ensure": ensure, "call": partial(call, clients.aio)})
+        return known.finish(name, answer, recorded)
     return run
 
 
