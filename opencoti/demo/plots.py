@@ -15,6 +15,25 @@ def _mpl():
     return plt
 
 
+ELAPSED = "seconds since the run started"
+
+
+def _axis(ax, xlabel: str | None, ylabel: str, **legend) -> None:
+    """Labels, legend and grid of a time-series axis."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(**legend)
+    ax.grid(alpha=0.3)
+
+
+def _saved(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_tps(run: dict, summary: dict, path: Path) -> Path:
     """Per-session tps over time, the floor, settle windows; below: sessions decoding / agents waiting."""
     plt = _mpl()
@@ -51,10 +70,8 @@ def plot_tps(run: dict, summary: dict, path: Path) -> Path:
     for e in run.get("events", []):
         if e.get("event") == "admit":
             ax.axvline(e["t"] - t0, color="orange", lw=0.8, alpha=0.8)
-    ax.set_ylabel("experienced decode tok/s (EWMA)")
     ax.set_title("Per-session decode speed, the tps floor and the settle windows after each admit")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3)
+    _axis(ax, None, "experienced decode tok/s (EWMA)", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax2.step(xs, [s.get("n_decoding") or 0 for s in samples], where="post", label="sessions decoding")
     ax2.step(xs, [sum(1 for v in (s.get("agents") or {}).values() if v == "waiting") for s in samples],
              where="post", label="agents waiting at a gate", color="red")
@@ -62,14 +79,8 @@ def plot_tps(run: dict, summary: dict, path: Path) -> Path:
         for a in (ax, ax2):
             a.axvline(p["t"] - t0, color="grey", lw=0.6, ls=":")
         ax2.annotate(p["name"], (p["t"] - t0, 0), fontsize=6, rotation=90, va="bottom", color="grey")
-    ax2.set_xlabel("seconds since the run started")
-    ax2.set_ylabel("count")
-    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _axis(ax2, ELAPSED, "count", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _saved(plt, fig, path)
 
 
 def plot_kv(run: dict, summary: dict, path: Path) -> Path:
@@ -84,15 +95,9 @@ def plot_kv(run: dict, summary: dict, path: Path) -> Path:
                  colors=["#4c72b0", "#55a868"], alpha=0.75)
     ax.plot(xs, [s["kv"]["without_sharing"] / MiB for s in samples], color="red", lw=2,
             label="without sharing: every session holds its whole context")
-    ax.set_xlabel("seconds since the run started")
-    ax.set_ylabel("KV cache MiB")
     ax.set_title("KV cache in use vs. the same run without prefix sharing")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _axis(ax, ELAPSED, "KV cache MiB", fontsize=8, loc="upper left")
+    return _saved(plt, fig, path)
 
 
 def plot_ttft(run: dict, summary: dict, path: Path) -> Path:
@@ -123,7 +128,4 @@ def plot_ttft(run: dict, summary: dict, path: Path) -> Path:
         ax2.annotate(f"{v:.0f} ms", (i, v), ha="center", va="bottom", fontsize=9)
     ax2.set_title("median TTFT")
     ax2.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(plt, fig, path)

@@ -14,7 +14,7 @@ pool can be re-created (see ``opencoti.langgraph.pools``). Every key has a reduc
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, TypedDict
+from typing import Annotated, Any, Callable, Optional, TypedDict
 
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage
 from langgraph.graph.message import add_messages
@@ -32,20 +32,22 @@ def keep_latest(current: Any, update: Any) -> Any:
 
 def keep_min(current: Optional[float], update: Optional[float]) -> Optional[float]:
     """The smaller of two values (None = unknown): e.g. the tightest headroom seen by parallel branches."""
-    if current is None:
-        return update
-    if update is None:
-        return current
-    return min(current, update)
+    return _known_pick(min, current, update)
 
 
 def keep_max(current: Optional[float], update: Optional[float]) -> Optional[float]:
     """The larger of two values (None = unknown): e.g. the worst compaction pressure."""
+    return _known_pick(max, current, update)
+
+
+def _known_pick(pick: Callable[[float, float], float], current: Optional[float],
+                update: Optional[float]) -> Optional[float]:
+    """``pick`` of the two where both are known, else the known one (None when neither is)."""
     if current is None:
         return update
     if update is None:
         return current
-    return max(current, update)
+    return pick(current, update)
 
 
 def append_list(current: Optional[list], update: Any) -> list:
