@@ -222,3 +222,29 @@ def test_splice_keeps_a_prompt_that_would_no_longer_fit(make_merge_engine):
     fresh = head + tok.encode("ab" * 26)  # 26 ids
     assert len(fresh) + 4 <= 64 < len(earlier) + 4
     assert realign(eng, fresh, [earlier]) == fresh
+
+
+@pytest.mark.parametrize("attach", ["session", "pool"])
+def test_named_sessions_and_pools_reuse_their_answers_too(make_merge_engine, attach):
+    """A named session (with or without a pool) keeps its KV across turns: its next prompt, realigned
+    to the answer's ids, reuses all of it; the pool's own prefix is never respelled."""
+    eng = make_merge_engine(page_size=4)
+    seen, generated = record(eng)
+    system = [{"role": "system", "content": "answer with a and b"}]
+    kw = {"session_id": "agent-1"}
+    if attach == "pool":
+        kw["pool_id"] = eng.create_pool(messages=system).pool_id
+    msgs = list(system)
+    results = []
+    for i in range(4):
+        msgs.append({"role": "user", "content": f"turn {i}"})
+        r = eng.generate(messages=msgs, params=params(), **kw)
+        msgs.append({"role": "assistant", "content": r.text})
+        results.append(r)
+    assert respelled(eng.tokenizer, [r.text for r in results]) >= 2
+    for i in range(1, len(results)):
+        assert seen[i][:len(seen[i - 1]) + 9] == seen[i - 1] + generated[i - 1]
+        assert results[i].cache_n == len(seen[i - 1]) + 9 - 1  # all the session computed
+    if attach == "pool":
+        pool_tokens = eng.tokenize(eng.apply_chat_template(system, add_generation_prompt=False))
+        assert all(s[:len(pool_tokens)] == pool_tokens for s in seen)
