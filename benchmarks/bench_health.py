@@ -7,8 +7,10 @@ while each load runs - a ~15 MB ``/tokenize`` body (read, parsed, tokenized, a m
 answer encoded), a ~15 MB ``/completion`` body of token ids (parsed and validated, then refused:
 beyond the context), and ``--streams`` concurrent streaming chats. Reports p50 / p99 / max of the
 health latency per phase, the ratio of p99 to the idle p99, and PASS when every answer (the max)
-came under ``--target-ms`` (100). ``--server URL`` measures a running server instead. A machine
-shared with other work moves these numbers: the load average is recorded per phase.
+came under ``--target-ms`` (100). ``--server URL`` measures a running server instead.
+``--probe`` runs the server under ``stall_probe.py`` and prints, per phase, the longest stalls of
+the GIL and of the event loop with the stacks that caused them. A machine shared with other work
+moves these numbers: the load average is recorded per phase.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 from common import fmt, log, print_table, ratio  # noqa: E402
 
 
-def start_server(model: str | None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "opencoti", "serve", "--port", "0", "--log-level", "warning", "--state-dir", "none"]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+def start_server(model: str | None, probe_log: str | None = None) -> tuple[subprocess.Popen, str]:
+    opts = ["--port", "0", "--log-level", "warning", "--state-dir", "none"] + (["--model", model] if model else [])
+    if probe_log:
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "stall_probe.py"), *opts]
+        env = {**os.environ, "STALL_LOG": probe_log}
+    else:
+        cmd, env = [sys.executable, "-m", "opencoti", "serve", *opts], None
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     while True:
         line = proc.stderr.readline()
         if not line and proc.poll() is not None:
@@ -75,6 +80,8 @@ def main() -> int:
     p.add_argument("--target-ms", type=float, default=100.0, help="every /health answer must come faster")
     p.add_argument("--server", default=None, help="measure a running server at URL instead of starting one")
     p.add_argument("--repeat", type=int, default=1, help="run the load phases this many times")
+    p.add_argument("--probe", action="store_true", help="run the server under stall_probe.py and print the "
+                                                        "longest GIL / event-loop stalls of each phase")
     args = p.parse_args()
     if args.quick:
         args.body_mib, args.streams = 2.0, 4
@@ -82,7 +89,11 @@ def main() -> int:
 
     info = common.machine_info()
     log(common.describe_machine(info))
-    proc, base = (None, args.server.rstrip("/")) if args.server else start_server(args.model)
+    probe_log = None
+    if args.probe and not args.server:
+        common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        probe_log = str(common.RESULTS_DIR / "health_stalls.log")
+    proc, base = (None, args.server.rstrip("/")) if args.server else start_server(args.model, probe_log)
     try:
         with httpx.Client(base_url=base, timeout=600) as c:
             while c.get("/health").status_code != 200:
@@ -128,7 +139,7 @@ def main() -> int:
             poller = mp.Process(target=poll_health, args=(base, stop, theirs), daemon=True)
             poller.start()
             ours.recv()  # "ready"
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             load_before = os.getloadavg()[0]
             status = load()
             took = time.perf_counter() - t0
@@ -146,6 +157,14 @@ def main() -> int:
                             "loadavg_1m": [load_before, load_after], "target_ms": args.target_ms, "pass": ok})
             log(f"{name}: {fmt(took)} s, /health p99 {fmt(p99 * 1e3)} ms, max {fmt(mx * 1e3)} ms, "
                 f"load {load_before:.1f}-{load_after:.1f}")
+            if probe_log:
+                import stall_probe
+
+                time.sleep(0.2)  # the probe's last lines
+                stalls = stall_probe.summarize(probe_log, wall0, time.time(), top=3)
+                results[-1]["stalls"] = stalls
+                for block in stalls:
+                    print("    " + block.replace("\n", "\n    "))
         print_table(["phase", "status", "s", "polls", "p50 ms", "p99 ms", "max ms", "p99 / idle", "load 1m",
                      f"max < {args.target_ms:g} ms"], rows, title="/health latency under load")
         path = common.write_json("health", {"machine": info, "args": vars(args), "results": results}, args.out)

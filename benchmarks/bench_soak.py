@@ -350,13 +350,23 @@ def short(pr: dict) -> dict:
     return out
 
 
-def drain(http, limit_s: float) -> float:
-    """Wait until no pool is left: a released pool stays (auto-pinned) for the server's grace TTL
+def drain(http, limit_s: float, pages_baseline: int | None = None, series: list | None = None) -> float:
+    """Wait until no pool is left and (when ``pages_baseline`` is given) the KV pages in use are back
+    to it, at most ``limit_s`` seconds: a released pool stays (auto-pinned) for the server's grace TTL
     (``--pool-grace-ttl``, 30 s by default) after its last session or child left, so a chain of
-    forks released leaves first takes about one TTL per level before its pages are freed."""
+    forks released leaves first takes about one TTL per level before its pages are freed.
+    ``series`` gets (seconds, pools, KV pages used) every 5 s."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        if not http.get("/polykv/pools").json()["pools"]:
+    last = -5.0
+    while True:
+        pools = http.get("/polykv/pools").json()
+        now = time.monotonic() - t0
+        if series is not None and now - last >= 5.0:
+            series.append((round(now, 1), len(pools["pools"]), pools["kv_pages_used"]))
+            last = now
+        if not pools["pools"] and (pages_baseline is None or pools["kv_pages_used"] == pages_baseline):
+            break
+        if now >= limit_s:
             break
         time.sleep(1.0)
     return time.monotonic() - t0
@@ -379,8 +389,9 @@ def main() -> int:
     p.add_argument("--page-size", type=int, default=16, help="the server's page size (pool prefix lengths)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--drain-timeout", type=float, default=180.0,
-                   help="seconds to wait after cleanup for released pools to leave: a released pool waits out "
-                        "the grace TTL after its last child went, so a chain of forks takes one TTL per level")
+                   help="seconds to wait at most after cleanup for the released pools to leave and the KV pages "
+                        "to come back to the baseline: a released pool waits out the grace TTL after its last "
+                        "child went, so a chain of forks takes one TTL per level")
     p.add_argument("--rss-tolerance", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-arg", action="append", default=[], help="extra `opencoti serve` argument (repeatable)")
@@ -450,7 +461,8 @@ def main() -> int:
         t0 = time.perf_counter()
         cleanup_all(soakers)
         cleanup_s = time.perf_counter() - t0
-        drain_s = drain(http, args.drain_timeout)
+        drain_series: list = []
+        drain_s = drain(http, args.drain_timeout, before["kv_pages_used"], drain_series)
         after = probe(http, pid)
         log(f"after cleanup: {short(after)}")
         for c in warm + soakers:
@@ -487,7 +499,9 @@ def main() -> int:
         print_table(["point", "integrity", "KV pages used", "pools", "sessions", "/metrics lines", "RSS MiB",
                      "RSS / baseline"], rows, title="Server state")
         print(f"\n5xx: {n_5xx} (must be 0); transport errors: {dict(stats.transport_errors) or 0}; "
-              f"cleanup took {cleanup_s:.1f} s, then {drain_s:.1f} s until the released pools were gone")
+              f"cleanup took {cleanup_s:.1f} s, then {drain_s:.1f} s until the released pools were gone and the "
+              f"KV pages back to the baseline (waiting {args.drain_timeout:g} s at most)")
+        print("after cleanup (s, pools, KV pages used): " + " ".join(f"{t:g}/{n}/{pg}" for t, n, pg in drain_series))
         print(f"RSS after cleanup / post-warm-up: {fmt(rss_after, 3)} "
               f"({'PASS' if rss_ok else 'FAIL' if rss_ok is not None else 'n/a'}: within {args.rss_tolerance:.0%}); "
               f"end of soak / post-warm-up: {fmt(rss_end, 3)}")
@@ -502,6 +516,7 @@ def main() -> int:
             "probes": {"start": start, "baseline": before, "end": end, "after_cleanup": after},
             "rss_end_vs_baseline": rss_end, "rss_after_cleanup_vs_baseline": rss_after, "rss_pass": rss_ok,
             "rss_series": rss_series, "loadavg_during": loads, "cleanup_s": cleanup_s, "drain_s": drain_s,
+            "drain_series": drain_series, "drain_timeout_s": args.drain_timeout,
             "left_pools_history": {q[0]: HIST.get(q[0]) for q in after["pool_list"]}, "failures": failures,
         }, args.out)
         log(f"wrote {path}")
