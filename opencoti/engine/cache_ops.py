@@ -198,6 +198,13 @@ class PrefixCacheMixin:
         self._mark_inflight(job, len(m.pages))
         return True
 
+    def _started(self, job: Job, ok: bool) -> bool:
+        """After a start attempt: the first time it succeeds, tell the caller (``"started"``) — the
+        prompt tokens it reuses are counted now (``_auto_start``)."""
+        if ok and not job.num_preemptions:
+            job.emit(("started", job.info))
+        return ok
+
     def _recount_cache_n(self, job: Job, p: int) -> None:
         delta = p - job.timings.cache_n
         if delta:

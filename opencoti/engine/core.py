@@ -239,7 +239,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         auto_p = self._plan_auto(job, session.pool_id is not None, req.cache_salt)
         job.timings.cache_n = max(cache_n, auto_p)
         use_own = own_p >= pool_p and own_p > 0
-        job.start_plan = lambda: self._start_session_job(job, use_own, cache_n)
+        job.start_plan = lambda: self._started(job, self._start_session_job(job, use_own, cache_n))
         session.job = job
         session.last_access = time.monotonic()
         info = RequestInfo(request_id=f"req-{next(self._request_ids)}", session_id=session.session_id,

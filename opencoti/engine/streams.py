@@ -7,6 +7,9 @@ from typing import AsyncIterator, Iterator
 from .results import GenerationResult, RequestInfo, TokenDelta
 
 
+_NOTICES = ("start", "started")  # accepted; started computing (its reuse of cached KV is known then)
+
+
 class _Stream:
     """What both streams do with the step thread's events; only the waiting for one differs."""
 
@@ -44,7 +47,12 @@ class TokenStream(_Stream):
         return self
 
     def __next__(self) -> TokenDelta:
-        delta = None if self._done else self._take(*self._q.get())
+        if self._done:
+            raise StopIteration
+        kind, payload = self._q.get()
+        while kind in _NOTICES:
+            kind, payload = self._q.get()
+        delta = self._take(kind, payload)
         if delta is None:
             raise StopIteration
         return delta
@@ -66,11 +74,25 @@ class AsyncTokenStream(_Stream):
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
 
+    _pending: tuple | None = None  # an event read by ``started`` that ``__anext__`` has not returned yet
+    _started = False
+
+    async def started(self) -> None:
+        """Wait until the request has started computing — ``info.cached_prefix_tokens`` is then the
+        prompt tokens it reuses, no longer the reuse expected at accept time — or has ended."""
+        while not self._started and self._pending is None and not self._done:
+            ev = await self._q.get()
+            if ev[0] == "started":
+                self._started = True
+            elif ev[0] != "start":
+                self._pending = ev
+
     async def __anext__(self) -> TokenDelta:
         if self._done:
             raise StopAsyncIteration
-        kind, payload = await self._q.get()
-        while kind == "start":
+        kind, payload = self._pending or await self._q.get()
+        self._pending = None
+        while kind in _NOTICES:
             kind, payload = await self._q.get()
         delta = self._take(kind, payload)
         if delta is None:

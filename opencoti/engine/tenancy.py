@@ -311,3 +311,6 @@ class TenantStream:
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+    async def started(self) -> None:
+        await self._inner.started()

@@ -115,11 +115,16 @@ class Generation:
         """Submit to the engine (held requests wait here, bounded by the admission policy); the 499
         response when the client went away before the request was accepted."""
         tracker = Tracker(state)
+        stream = None
         try:
             eng = state.context(request_tenant(request)).require_open()
             stream = await until_disconnect(request, eng.astream(prepared.tokens, params=prepared.params,
                                                                  **prepared.kwargs))
+            # the headers carry the cached prefix the request reuses: known once it starts computing
+            await until_disconnect(request, stream.started())
         except ClientDisconnected:
+            if stream is not None:
+                await stream.aclose()
             tracker.done(None)
             return Response(status_code=499)
         except BaseException:

@@ -244,6 +244,9 @@ class ScriptedStream:
     async def aclose(self):
         self.closed = True
 
+    async def started(self):  # a scripted generation starts at once
+        pass
+
 
 def script(monkeypatch, engine, pieces, stop_reason="eos", fail_after=None):
     """Replace the engine's generation with a scripted one; returns the list of (prompt, kwargs) seen."""
