@@ -5,7 +5,8 @@ Starts ``opencoti serve`` on a free loopback port (the bundled model, or ``--mod
 ``GET /health`` every 20 ms from its own connection: first idle (the baseline, same run), then
 while each load runs - a ~15 MB ``/tokenize`` body (read, parsed, tokenized, a multi-megabyte
 answer encoded), a ~15 MB ``/completion`` body of token ids (parsed and validated, then refused:
-beyond the context), and ``--streams`` concurrent streaming chats. Reports p50 / p99 / max of the
+beyond the context), the same ids to ``/detokenize`` (decoded, a multi-megabyte text answered),
+and ``--streams`` concurrent streaming chats. Reports p50 / p99 / max of the
 health latency per phase, the ratio of p99 to the idle p99, and PASS when every answer (the max)
 came under ``--target-ms`` (100). ``--server URL`` measures a running server instead.
 ``--probe`` runs the server under ``stall_probe.py`` and prints, per phase, the longest stalls of
@@ -113,6 +114,11 @@ def main() -> int:
         def completion_ids():
             return httpx.post(base + "/completion", content=ids_body, headers=json_h, timeout=900).status_code
 
+        detok_body = ids_body.replace(b'"prompt"', b'"tokens"', 1)
+
+        def detokenize():
+            return httpx.post(base + "/detokenize", content=detok_body, headers=json_h, timeout=900).status_code
+
         def streams():
             def one(i):
                 body = {"messages": [{"role": "user", "content": f"Count to twenty, agent {i}."}], "max_tokens": 64,
@@ -129,6 +135,7 @@ def main() -> int:
 
         loads = [(f"/tokenize {args.body_mib:g} MiB", tokenize),
                  (f"/completion {args.body_mib:g} MiB of ids", completion_ids),
+                 (f"/detokenize {args.body_mib:g} MiB of ids", detokenize),
                  (f"{args.streams} streaming chats", streams)]
         phases = [("idle", lambda: time.sleep(3.0) or 200)] + loads * args.repeat
         rows, results, idle_p99 = [], [], None

@@ -149,6 +149,7 @@ class Tokenizer:
         return out
 
 
+DECODE_PIECE = 1 << 13  # long id lists are decoded this many ids at a time
 PIECE_CHARS = 1 << 14  # a long text is cut into pieces of about this many characters ...
 BATCH_PIECES = 16  # ... encoded this many at a time (one GIL-free call into the Rust tokenizer)
 _SEPARATORS = (" ", "\n")  # a piece starts at one of these, between two non-space characters
@@ -200,6 +201,7 @@ class _HFTokenizer(Tokenizer):
         self.special_token_ids = frozenset(i for i in specials if i is not None)
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, if any
         self.piece_separators = self._probe_separators()
+        self.decode_in_pieces = self._probe_decode()
 
     def __repr__(self) -> str:
         return f"Tokenizer(hf={type(self.hf_tokenizer).__name__}, vocab_size={self.vocab_size})"
@@ -224,6 +226,30 @@ class _HFTokenizer(Tokenizer):
                 pass
         return tuple(ok)
 
+    def _probe_decode(self) -> bool:
+        """Whether decoding two runs of ids gives the text of both together wherever the cut passes
+        ``_clean_cut`` (not so, e.g., for a decoder that drops the word marker of a text's first token)."""
+        try:
+            for a, b in _PROBES:
+                ids = list(self.hf_tokenizer.encode(f"{a} {b}\n{b} {a}", add_special_tokens=False))
+                whole = self.hf_tokenizer.decode(ids)
+                cuts = [j for j in range(1, len(ids)) if self._clean_cut(ids, j, True)]
+                if not cuts and len(ids) > 3:
+                    return False
+                if any(self.hf_tokenizer.decode(ids[:j]) + self.hf_tokenizer.decode(ids[j:]) != whole for j in cuts):
+                    return False
+            return True
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be probed is never cut
+            return False
+
+    def _clean_cut(self, ids: Sequence[int], j: int, skip: bool) -> bool:
+        """Whether the text of ``ids`` splits cleanly before ``j``: the ids around the cut decode to
+        the same text together as apart (no character, nor a word marker, spans it)."""
+        left, right = ids[max(0, j - 4):j], ids[j:j + 4]
+        dec = self.hf_tokenizer.decode
+        return dec(left, skip_special_tokens=skip) + dec(right, skip_special_tokens=skip) == \
+            dec(list(left) + list(right), skip_special_tokens=skip)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
@@ -239,7 +265,21 @@ class _HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = self._check_ids(ids)
-        return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        if len(ids) <= 2 * DECODE_PIECE or not self.decode_in_pieces:
+            return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts: list[str] = []
+        a, n = 0, len(ids)
+        while a < n:  # one piece per call: the Rust decoder holds the GIL while it works
+            b = min(a + DECODE_PIECE, n)
+            for _ in range(16):  # a cut no character spans (else the rest is decoded at once)
+                if b >= n or self._clean_cut(ids, b, skip_special_tokens):
+                    break
+                b += 1
+            else:
+                b = n
+            parts.append(self.hf_tokenizer.decode(ids[a:b], skip_special_tokens=skip_special_tokens))
+            a = b
+        return "".join(parts)
 
 
 class _ByteTokenizer(Tokenizer):

@@ -16,6 +16,7 @@ from json.decoder import JSONDecodeError, scanstring
 from typing import Any
 
 SLICE = 4096  # list elements per encoder call
+STR_SLICE = 1 << 20  # characters of a long string per encoder call
 _FEW = 64  # lists up to this long are walked element by element (an element may be large itself)
 _DEPTH = 4  # how deep ``is_large`` looks for a long list
 
@@ -23,8 +24,10 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(","
 
 
 def is_large(obj: Any, depth: int = 0) -> bool:
-    """Whether ``obj`` holds a list longer than ``SLICE`` within the first levels (cheap: it looks
-    at dict values and short lists only)."""
+    """Whether ``obj`` holds a list longer than ``SLICE`` or a string longer than ``STR_SLICE``
+    within the first levels (cheap: it looks at dict values and short lists only)."""
+    if isinstance(obj, str):
+        return len(obj) > STR_SLICE
     if isinstance(obj, (list, tuple)):
         if len(obj) > SLICE:
             return True
@@ -70,6 +73,10 @@ def _emit(obj: Any, out: list[str]) -> None:
                 out.append("," if i else "")
                 out.append(_ENCODER.encode(list(obj[i:i + SLICE]))[1:-1])
         out.append("]")
+    elif isinstance(obj, str) and len(obj) > STR_SLICE:  # escapes are per character: slices join
+        out.append('"')
+        out += [_ENCODER.encode(obj[i:i + STR_SLICE])[1:-1] for i in range(0, len(obj), STR_SLICE)]
+        out.append('"')
     else:
         out.append(_ENCODER.encode(obj))
 

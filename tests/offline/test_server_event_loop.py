@@ -20,6 +20,7 @@ def reference(obj) -> str:
 
 
 @pytest.mark.parametrize("obj", [
+    {"content": "héllo \n\"wörld\" \\ \u0001 😀 你好 " * 3000}, "x" * 50, ["é\t" * 40_000, {"k": "\u2028" * 70_000}],
     {"tokens": list(range(20_000))},
     {"tokens": [{"id": i, "piece": f"p{i} é\n\"q\""} for i in range(9_000)]},
     [list(range(5_000)), {"a": [1.5, None, True, "x"] * 2_000}],
@@ -28,7 +29,8 @@ def reference(obj) -> str:
     {"small": [1, 2, 3], "text": "héllo", "nested": {"a": {"b": {"c": list(range(10))}}}},
     list(range(json_steps.SLICE)), list(range(json_steps.SLICE + 1)), [], {}, "s", 3, None,
 ])
-def test_sliced_encoding_gives_the_same_bytes(obj):
+def test_sliced_encoding_gives_the_same_bytes(obj, monkeypatch):
+    monkeypatch.setattr(json_steps, "STR_SLICE", 1000)
     assert json_steps.dumps(obj) == reference(obj)
 
 
@@ -36,6 +38,7 @@ def test_large_detection_and_errors():
     assert json_steps.is_large({"tokens": list(range(json_steps.SLICE + 1))})
     assert json_steps.is_large([[0] * (json_steps.SLICE + 1)])
     assert not json_steps.is_large({"tokens": list(range(100)), "text": "x" * 10**6})
+    assert json_steps.is_large({"text": "x" * (json_steps.STR_SLICE + 1)})
     with pytest.raises(ValueError):
         json_steps.dumps({"x": [math.nan] * (json_steps.SLICE + 1)})
     with pytest.raises(TypeError):

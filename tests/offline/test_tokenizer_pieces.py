@@ -63,6 +63,7 @@ def _prepending_normalizer():
 def small_pieces(monkeypatch):
     monkeypatch.setattr(tokmod, "PIECE_CHARS", 64)
     monkeypatch.setattr(tokmod, "BATCH_PIECES", 3)
+    monkeypatch.setattr(tokmod, "DECODE_PIECE", 5)
 
 
 def _count_batches(tok, monkeypatch) -> list[int]:
@@ -122,3 +123,30 @@ def test_cut_points_sit_between_non_space_characters():
     for c in cuts[1:]:
         assert text[c] in " \n" and not text[c - 1].isspace() and not text[c + 1].isspace()
     assert tokmod._cut_points("x" * 100, (" ",), 10) == [0]
+
+
+def test_long_id_lists_decode_in_pieces_to_the_same_text(small_pieces, monkeypatch):
+    hf = _byte_level_bpe()
+    tok = Tokenizer.from_hf(hf, vocab_size=len(hf))
+    assert tok.decode_in_pieces
+    calls: list[int] = []
+    real = hf.decode
+    monkeypatch.setattr(hf, "decode", lambda ids, **kw: calls.append(len(ids)) or real(ids, **kw))
+    rng = random.Random(5)
+    for n in (30, 300, 2000):
+        ids = list(real.__self__.encode(_corpus(rng, n), add_special_tokens=False))
+        for skip in (True, False):
+            calls.clear()
+            assert tok.decode(ids, skip_special_tokens=skip) == real(ids, skip_special_tokens=skip), (n, skip)
+    assert max(calls) < 40  # in pieces (a piece may grow to reach a clean cut)
+    # ids that are not whole characters at every cut (bytes of one emoji split over tokens)
+    emoji_ids = list(hf.encode("😀" * 300, add_special_tokens=False))
+    assert tok.decode(emoji_ids) == real(emoji_ids)
+
+
+def test_a_decoder_that_cannot_be_cut_is_not(small_pieces):
+    hf = _prepending_normalizer()  # no decoder: tokens are joined with spaces, so no cut is clean
+    tok = Tokenizer.from_hf(hf, vocab_size=len(hf))
+    assert not tok.decode_in_pieces
+    ids = list(hf.encode(_corpus(random.Random(6), 500), add_special_tokens=False))
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
