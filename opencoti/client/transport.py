@@ -188,6 +188,7 @@ class InProcessTransport:
     def chat(self, body: dict) -> Iterator[ChatChunk]:
         prepared = self._prepare(body)
         stream = self.ctx.require_open().stream(prepared.tokens, params=prepared.params, **prepared.kwargs)
+        stream.started()  # its info then counts the cached prefix it reuses (as the HTTP headers do)
         turn, gi = ChatTurn(prepared), generation_info(stream.info)
         try:
             yield ChatChunk(info=gi)
@@ -210,6 +211,7 @@ class AsyncInProcessTransport(InProcessTransport):
     async def chat(self, body: dict) -> AsyncIterator[ChatChunk]:
         prepared = await asyncio.to_thread(self._prepare, body)
         stream = await self.ctx.require_open().astream(prepared.tokens, params=prepared.params, **prepared.kwargs)
+        await stream.started()
         turn, gi = ChatTurn(prepared), generation_info(stream.info)
         try:
             yield ChatChunk(info=gi)

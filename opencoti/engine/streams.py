@@ -19,6 +19,19 @@ class _Stream:
         self.result: GenerationResult | None = None
         self._done = False
 
+    _pending: tuple | None = None  # an event read while waiting for the start, not yet handed out
+    _started = False
+
+    def _notice(self, ev: tuple) -> None:
+        """An event read while waiting for the start (``started``)."""
+        if ev[0] == "started":
+            self._started = True
+        elif ev[0] != "start":
+            self._pending = ev
+
+    def _waiting(self) -> bool:
+        return not (self._started or self._pending is not None or self._done)
+
     def _take(self, kind: str, payload) -> TokenDelta | None:
         """One event: its TokenDelta, or None at the end (``result`` is set); raises the request's error."""
         if kind == "token":
@@ -46,10 +59,17 @@ class TokenStream(_Stream):
     def __iter__(self) -> Iterator[TokenDelta]:
         return self
 
+    def started(self) -> None:
+        """Wait until the request has started computing — ``info.cached_prefix_tokens`` is then the
+        prompt tokens it reuses, no longer the reuse expected at accept time — or has ended."""
+        while self._waiting():
+            self._notice(self._q.get())
+
     def __next__(self) -> TokenDelta:
         if self._done:
             raise StopIteration
-        kind, payload = self._q.get()
+        kind, payload = self._pending or self._q.get()
+        self._pending = None
         while kind in _NOTICES:
             kind, payload = self._q.get()
         delta = self._take(kind, payload)
@@ -74,18 +94,10 @@ class AsyncTokenStream(_Stream):
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
 
-    _pending: tuple | None = None  # an event read by ``started`` that ``__anext__`` has not returned yet
-    _started = False
-
     async def started(self) -> None:
-        """Wait until the request has started computing — ``info.cached_prefix_tokens`` is then the
-        prompt tokens it reuses, no longer the reuse expected at accept time — or has ended."""
-        while not self._started and self._pending is None and not self._done:
-            ev = await self._q.get()
-            if ev[0] == "started":
-                self._started = True
-            elif ev[0] != "start":
-                self._pending = ev
+        """``TokenStream.started`` as a coroutine."""
+        while self._waiting():
+            self._notice(await self._q.get())
 
     async def __anext__(self) -> TokenDelta:
         if self._done:

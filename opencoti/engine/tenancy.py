@@ -312,5 +312,6 @@ class TenantStream:
     async def aclose(self) -> None:
         await self._inner.aclose()
 
-    async def started(self) -> None:
-        await self._inner.started()
+    def started(self):
+        """The inner stream's ``started`` (a coroutine for an async stream)."""
+        return self._inner.started()

@@ -47,6 +47,7 @@ def test_a_thread_reuses_its_previous_turns(make_merge_engine):
         new = [SystemMessage(SYSTEM), HumanMessage(q)] if i == 0 else [HumanMessage(q)]
         ai = graph.invoke({"messages": new}, thread)["messages"][-1]
         assert isinstance(ai, AIMessage) and set(ai.content) <= {"a", "b"}
+        assert ai.response_metadata["cached_prefix_tokens"] == cache_read(ai)
         u = ai.usage_metadata
         if prev is None:
             assert cache_read(ai) == 0
@@ -82,7 +83,9 @@ async def test_concurrent_calls_in_one_thread(make_merge_engine):
     assert len(second) == 2
     # both branches reuse the thread's history up to where their prompts part (the first answer)
     assert all(cache_read(m) > 0 for m in second)
+    assert all(m.response_metadata["cached_prefix_tokens"] == cache_read(m) for m in first + second)
     # the same model called concurrently, many times, in one thread: no session is ever busy
     results = await asyncio.gather(*(model.ainvoke([SystemMessage(SYSTEM), HumanMessage(f"q{i}")])
                                      for i in range(6)))
     assert all(isinstance(r, AIMessage) and r.content for r in results)
+    assert all(r.response_metadata["cached_prefix_tokens"] == cache_read(r) for r in results)
