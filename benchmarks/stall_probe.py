@@ -7,6 +7,7 @@
    samples the main thread's stack every 2 ms.
 2. A task on the event loop sleeps 5 ms at a time. When it wakes late, the loop was busy (or could
    not get the GIL): it logs the main-thread samples of that interval - what the loop was running.
+3. Garbage collections longer than ``STALL_MS`` (they hold the GIL) are logged with their generation.
 
 Usage: ``STALL_LOG=stalls.log python benchmarks/stall_probe.py --port 8080 [serve options]``.
 ``summarize(path, since)`` turns the log into the longest stalls and their stacks.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import os
 import re
 import sys
@@ -65,6 +67,22 @@ async def _loop_monitor(log) -> None:
             log.flush()
 
 
+def _gc_timer(log):
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        took = time.perf_counter() - started[0]
+        if took > STALL:
+            log.write(f"--- GC {took * 1e3:.0f} ms at {time.time():.3f}: generation {info.get('generation')}, "
+                      f"{info.get('collected')} collected\n")
+            log.flush()
+
+    return callback
+
+
 def summarize(path: str, since: float = 0.0, until: float = float("inf"), top: int = 8) -> list[str]:
     """The ``top`` longest stalls logged between ``since`` and ``until`` (time.time()), with their stacks."""
     try:
@@ -73,7 +91,7 @@ def summarize(path: str, since: float = 0.0, until: float = float("inf"), top: i
         return []
     entries = []
     for block in re.split(r"\n(?=---|===)", text):
-        m = re.match(r"(?:---|===) (GIL wait|LOOP lag) (\d+) ms at ([\d.]+)", block)
+        m = re.match(r"(?:---|===) (GIL wait|LOOP lag|GC) (\d+) ms at ([\d.]+)", block)
         if m and since <= float(m.group(3)) <= until:
             entries.append((int(m.group(2)), block))
     entries.sort(key=lambda e: -e[0])
@@ -84,6 +102,7 @@ def main() -> int:
     log = open(os.environ.get("STALL_LOG", "stalls.log"), "w")
     threading.Thread(target=_watchdog, args=(log, threading.main_thread().ident), daemon=True,
                      name="stall-watchdog").start()
+    gc.callbacks.append(_gc_timer(log))
     sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")))
     from opencoti.server import state
 

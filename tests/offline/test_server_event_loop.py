@@ -186,3 +186,20 @@ def test_a_prompt_of_many_ids_is_refused_like_a_short_one(engine):
         assert long.json()["error"]["type"] == short.json()["error"]["type"]
         ok = c.post("/completion", json={"prompt": [65, 66], "n_predict": 1, "temperature": 0})
         assert ok.status_code == 200
+
+
+def test_a_server_that_loads_its_model_freezes_the_start_heap(make_engine):
+    import gc
+    import time
+
+    gc.unfreeze()
+    try:
+        with TestClient(create_app(engine_factory=make_engine), raise_server_exceptions=False) as c:
+            for _ in range(600):
+                if c.get("/health").status_code == 200:
+                    break
+                time.sleep(0.1)
+            assert c.get("/health").status_code == 200
+            assert gc.get_freeze_count() > 0  # later collections skip what the start made
+    finally:
+        gc.unfreeze()
