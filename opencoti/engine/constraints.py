@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .constraints_close import CloseWatch
 from .errors import InvalidRequestError
 
 __all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]
@@ -83,9 +84,23 @@ def _with_options(schema: dict | bool) -> dict:
     return {**schema, "x-guidance": {**JSON_OPTIONS, **own}}
 
 
+_LITERAL_KEYS = ("const", "enum", "default", "examples")
+
+
+def _reroot(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#/...``) rewritten for its new place ``base`` inside
+    a larger schema (a tool's ``$defs`` stay where they are, under the tool's arguments)."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _LITERAL_KEYS else _reroot(v, base)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_reroot(v, base) for v in schema]
+    return schema
+
+
 def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
     """anyOf over the allowed tools: {"name": <const>, "arguments": <the tool's parameters>}."""
-    options = []
+    chosen = []
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -96,10 +111,14 @@ def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
         params = {"type": "object"} if params is None else _schema_dict(params, f"tool {fn['name']!r} parameters")
         what = f"JSON schema for the parameters of tool {fn['name']!r}"
         _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(params)), what)
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
-    if not options:
+        chosen.append((fn["name"], params))
+    if not chosen:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools")
+    options = []
+    for k, (fname, params) in enumerate(chosen):
+        base = f"#/anyOf/{k}/properties/arguments" if len(chosen) > 1 else "#/properties/arguments"
+        options.append({"type": "object", "properties": {"name": {"const": fname}, "arguments": _reroot(params, base)},
+                        "required": ["name", "arguments"], "additionalProperties": False})
     return {"anyOf": options} if len(options) > 1 else options[0]
 
 
@@ -188,6 +207,45 @@ class ConstraintSpec:
                    trigger=TOOL_CALL_OPEN if lazy else None)
 
 
+def _closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that allows any key."""
+    if isinstance(schema, list):
+        return [_closed_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _LITERAL_KEYS else _closed_objects(v)) for k, v in schema.items()}
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if ("object" in types or "properties" in out) and out.get("additionalProperties", True) is True:
+        out["additionalProperties"] = False
+    return out
+
+
+def closing_grammar(spec: ConstraintSpec) -> str | None:
+    """The grammar of ``spec`` with every object closed (a subset of its language: what the
+    closing search of constraints_close.py follows), or None when there is none (grammars,
+    regexes, any JSON object). Cached on the spec."""
+    cached = spec.__dict__.get("_closing", ())
+    if cached != ():
+        return cached
+    grammar = None
+    try:
+        if spec.kind == "json_schema":
+            schema = _closed_objects(_schema_dict(spec.source, "JSON schema"))
+            grammar = _llg().LLMatcher.grammar_from_json_schema(_with_options(schema))
+        elif spec.kind == "tool_calls":
+            src = spec.source
+            tools = [{**t, "function": {**t["function"], "parameters": _closed_objects(
+                t["function"].get("parameters") or {"type": "object"})}} for t in src["tools"]]
+            grammar = _llg().LLMatcher.grammar_from_lark(
+                tool_calls_lark(tools, src.get("name"), bool(src.get("parallel", True))))
+        if grammar is not None and _llg().LLMatcher.validate_grammar(grammar):
+            grammar = None  # the closed variant does not compile: search with the request's own grammar
+    except (InvalidRequestError, ValueError, TypeError, KeyError, RuntimeError):
+        grammar = None
+    object.__setattr__(spec, "_closing", grammar)
+    return grammar
+
+
 def _grammar_text(source: Any) -> str:
     if not isinstance(source, str) or not source.strip():
         raise InvalidRequestError("grammar must be a non-empty string")
@@ -251,7 +309,7 @@ def _build_llg_tokenizer(tokenizer) -> Any:
 class Constraint:
     """One request's matcher. ``mask`` holds the next-token bitmask once computed (``mask_ready``)."""
 
-    __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready")
+    __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready", "close", "_out", "_shadow")
 
     def __init__(self, spec: ConstraintSpec, lt: Any):
         import torch  # imported on use: the request side (ConstraintSpec) is imported by clients
@@ -262,6 +320,9 @@ class Constraint:
         self._tail = bytearray()
         self.mask = torch.empty((lt.vocab_size + 31) // 32, dtype=torch.int32)
         self.mask_ready = False
+        self.close = CloseWatch()  # the closing way within the token budget (constraints_close.py)
+        self._out = bytearray()  # what the matcher has consumed (replayed by the closing search)
+        self._shadow: Any = None  # the closed-objects matcher of the closing search (None: not built)
         if spec.trigger is None:
             if not self._start(spec.prefix.encode()):
                 raise InvalidRequestError(f"the forced output prefix {spec.prefix!r} does not match the constraint")
@@ -273,6 +334,7 @@ class Constraint:
         if text and not m.consume_tokens(self.lt.tokenize_bytes(text)):
             return False
         self.matcher = m
+        self._out = bytearray(text)
         return True
 
     @property
@@ -280,14 +342,48 @@ class Constraint:
         """Whether the next token is constrained."""
         return self.matcher is not None and not self.dead
 
+    def budget(self, remaining: int) -> None:
+        """Before a step: with ``remaining`` tokens left, force the next token of the closing way
+        when it is time to finish the document (see constraints_close.py)."""
+        if not self.active:
+            return
+        token = self.close.check(self._closing_matcher, self.lt, remaining)
+        if token is not None:
+            self.mask.zero_()
+            bit = 1 << (token & 31)
+            self.mask[token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+            self.mask_ready = True
+
+    def _closing_matcher(self) -> Any:
+        """The matcher the closing search starts from: for a JSON schema (or tool calls) the same
+        output under the schema with every object closed (``additionalProperties: false``), so
+        the search writes the missing required keys instead of inventing new ones; the request's
+        own matcher when there is no such variant or the output already uses an extra key."""
+        if self._shadow is None:
+            self._shadow = False
+            grammar = closing_grammar(self.spec)
+            if grammar is not None:
+                m = _llg().LLMatcher(self.lt, grammar, log_level=0)
+                if not m.is_error() and m.consume_tokens(self.lt.tokenize_bytes(bytes(self._out))):
+                    self._shadow = m
+        return self._shadow or self.matcher
+
+    @property
+    def closed_by_budget(self) -> bool:
+        return self.close.engaged
+
     def advance(self, token: int) -> None:
         """The sampled token (after the mask was applied, or a free one before a lazy trigger)."""
         self.mask_ready = False
         if self.dead:
             return
+        self.close.advance(token)
         if self.matcher is not None:
             if not self.matcher.consume_token(token):
                 self.dead = True  # only reachable if the token bypassed the mask (e.g. forced)
+            self._out += self.lt.decode_bytes([token])
+            if self._shadow and not self._shadow.consume_token(token):
+                self._shadow = False  # the output left the closed-objects variant (an extra key)
             return
         self._tail += self.lt.decode_bytes([token])
         trig = self.spec.trigger.encode()

@@ -3,7 +3,9 @@ sampling, turned into ``ConstraintSpec`` / ``logit_bias`` / penalty keyword argu
 
 Used by the generation operations (HTTP routes and the in-process client alike):
 
-* ``constraint_from_request``: OpenAI ``response_format`` (``json_object``, ``json_schema``),
+* ``constraint_from_request``: OpenAI ``response_format`` (``json_object``, ``json_schema``; with
+  ``strict: true`` the schema must follow OpenAI's strict mode, ``constraints_strict``, as must the
+  parameters of a tool function with ``strict: true``),
   llama.cpp ``json_schema`` / ``grammar`` / ``response_format`` (``{"type": "json_object",
   "schema": ...}``), and the tool-call constraint of ``tool_choice``. At most one output
   constraint per request; tools in ``auto`` mode combine with a JSON response format (the answer
@@ -21,9 +23,11 @@ import math
 from typing import Any, Callable, Sequence
 
 from .constraints import ConstraintSpec, _llg, _schema_dict, _validate, _with_options, tool_calls_lark
+from .constraints_strict import check_strict_schema
 from .errors import InvalidRequestError
 
-__all__ = ["constraint_from_request", "logit_bias_from_request", "penalty_kwargs", "tool_constraint"]
+__all__ = ["check_strict_tools", "constraint_from_request", "logit_bias_from_request", "penalty_kwargs",
+           "tool_constraint"]
 
 _OPENAI_BIAS_RANGE = 100.0
 
@@ -41,6 +45,14 @@ def _response_format_schema(rf: Any) -> tuple[str, Any]:
         return ("json_schema", schema) if schema is not None else ("json_object", None)
     if kind == "json_schema":
         js = rf.get("json_schema")
+        if isinstance(js, dict) and js.get("strict") is not None:
+            if not isinstance(js["strict"], bool):
+                raise InvalidRequestError(f"response_format.json_schema.strict must be a boolean, got {js['strict']!r}")
+            if js["strict"]:  # OpenAI's structured outputs: the schema must follow strict mode's rules
+                if "schema" not in js:
+                    raise InvalidRequestError("response_format.json_schema.strict needs a schema")
+                name = js.get("name") if isinstance(js.get("name"), str) else "json_schema"
+                check_strict_schema(_schema_dict(js["schema"], "JSON schema"), f"response_format {name!r}")
         if isinstance(js, dict) and "schema" in js:
             return "json_schema", js["schema"]
         if isinstance(rf.get("schema"), (dict, bool)):  # llama.cpp's flat form
@@ -68,6 +80,7 @@ def constraint_from_request(*, response_format: Any = None, json_schema: Any = N
                             prefill: str = "", parallel_tool_calls: bool = True) -> ConstraintSpec | None:
     """The one output constraint of a request (None: unconstrained). Raises InvalidRequestError
     for contradictions and for an invalid schema / grammar (the message names the problem)."""
+    check_strict_tools(tools)
     given = [name for name, v in (("response_format", response_format), ("json_schema", json_schema),
                                   ("grammar", grammar)) if v is not None]
     kind, source = "text", None
@@ -99,6 +112,22 @@ def constraint_from_request(*, response_format: Any = None, json_schema: Any = N
     return ConstraintSpec.gbnf(source)
 
 
+def check_strict_tools(tools: Sequence[dict] | None) -> None:
+    """Tools whose function sets ``"strict": true``: their parameters must follow OpenAI's strict
+    mode (whatever tool_choice is: OpenAI checks the schema with the request)."""
+    for t in tools or ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or fn.get("strict") is None:
+            continue
+        if not isinstance(fn["strict"], bool):
+            raise InvalidRequestError(f"function {fn.get('name')!r}: strict must be a boolean, got {fn['strict']!r}")
+        if fn["strict"]:
+            params = fn.get("parameters")
+            params = {"type": "object", "properties": {}, "required": [], "additionalProperties": False} \
+                if params is None else _schema_dict(params, f"tool {fn.get('name')!r} parameters")
+            check_strict_schema(params, f"function {fn.get('name')!r}")
+
+
 def _calls_or_json(tools: Sequence[dict], parallel: bool, schema: Any) -> ConstraintSpec:
     """tool_choice=auto with a JSON response format: one or more tool calls, or the JSON answer."""
     schema = _schema_dict(schema, "JSON schema")
@@ -111,11 +140,14 @@ def _calls_or_json(tools: Sequence[dict], parallel: bool, schema: Any) -> Constr
 def logit_bias_from_request(value: Any, tokenize: Callable[[str], list[int]], openai: bool = False) -> dict[int, float]:
     """Normalize a request's logit_bias to {token id: bias} (-inf = banned).
 
-    openai: OpenAI's range applies (biases in [-100, 100]); llama.cpp accepts any number.
+    openai: OpenAI's form: an object keyed by token ids (text keys and the list form are
+        llama.cpp's), biases in [-100, 100]; llama.cpp accepts any number.
     Biases given twice for a token add up (as the logits would).
     """
     if value is None:
         return {}
+    if openai and not isinstance(value, dict):
+        raise InvalidRequestError("logit_bias must be an object mapping token ids to biases, like {\"50256\": -100}")
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, list):
@@ -140,6 +172,9 @@ def logit_bias_from_request(value: Any, tokenize: Callable[[str], list[int]], op
             ids = [key]
         elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
             ids = [int(key)]
+        elif openai:  # OpenAI's form: token ids only (a text key is llama.cpp's, on /completion)
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r} (text keys are accepted "
+                                      "by /completion)")
         elif isinstance(key, str) and key:
             ids = tokenize(key)  # llama.cpp: a string biases every token of its tokenization
         else:

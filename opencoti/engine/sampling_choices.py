@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 from .config import SamplingParams
 from .errors import CapacityError, InvalidRequestError
 
-__all__ = ["MAX_CHOICES", "choice_params", "Choices"]
+__all__ = ["MAX_CHOICES", "choice_params", "Choices", "merge_streams"]
 
 MAX_CHOICES = 16
 _MASK64 = (1 << 64) - 1
@@ -80,38 +80,15 @@ class Choices:
         """The first choice's RequestInfo (what the response headers describe)."""
         return self.streams[0].info
 
-    async def events(self) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, TokenDelta) in arrival order; ``results`` is filled as choices end."""
-        if len(self.streams) == 1:
-            async for d in self.streams[0]:
-                yield 0, d
-            self.results[0] = self.streams[0].result
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream) -> None:
-            try:
-                async for d in stream:
-                    await queue.put((i, d, None))
-                self.results[i] = stream.result
-                await queue.put((i, None, None))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await queue.put((i, None, e))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
-        try:
-            left = len(tasks)
-            while left:
-                i, d, err = await queue.get()
-                if err is not None:
-                    raise err
-                if d is None:
-                    left -= 1
-                else:
-                    yield i, d
-        finally:
-            for t in tasks:
-                t.cancel()
+    async def events(self, ends: bool = False) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, TokenDelta) in arrival order; ``results`` is filled as choices end.
+        ``ends``: also yield (index, None) when a choice ends (its result is then in ``results``)."""
+        async for i, d in merge_streams(self.streams):
+            if d is None:
+                self.results[i] = self.streams[i].result
+                if not ends:
+                    continue
+            yield i, d
 
     async def collect(self) -> list:
         async for _ in self.events():
@@ -128,6 +105,40 @@ class Choices:
         if self.temp_pool is not None:
             pool, self.temp_pool = self.temp_pool, None
             await asyncio.to_thread(_quietly, self.engine.release_pool, pool, immediate=True)
+
+
+async def merge_streams(streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, TokenDelta) from several engine streams in arrival order, and (index, None)
+    when stream ``index`` has ended (its ``result`` is set). The first error of any stream is
+    raised; the streams themselves are left to the caller to close."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for d in stream:
+                await queue.put((i, d, None))
+            await queue.put((i, None, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                left -= 1
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _quietly(fn, *args, **kw) -> None:

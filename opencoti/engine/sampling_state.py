@@ -87,6 +87,11 @@ class SamplerState:
     def constrained(self) -> bool:
         return self.constraint is not None and self.constraint.active
 
+    @property
+    def budget_closed(self) -> bool:
+        """The token budget, not the model, ended the constrained output (it was closed to parse)."""
+        return self.constraint is not None and self.constraint.closed_by_budget
+
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                    states: Sequence[SamplerState | None]) -> None:
@@ -94,6 +99,9 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab = logits.shape[1]
     device = logits.device
     cons_rows = [i for i, s in enumerate(states) if s is not None and s.constrained]
+    for i in cons_rows:
+        if params[i].max_tokens is not None:  # close the document within the budget (constraints_close.py)
+            states[i].constraint.budget(params[i].max_tokens - states[i].num_accepted)
     if cons_rows:
         compute_masks([states[i].constraint for i in cons_rows])  # those not prefetched
         eos = states[cons_rows[0]].eos_ids

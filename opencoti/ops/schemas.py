@@ -25,13 +25,19 @@ MAX_STOP_CHARS = 1024
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 StopField = Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None]
 PromptField = Union[str, list[int], list[str], list[list[int]]]
-# what the checks in ops/generation.py accept (pydantic's own schema would allow "" and [])
+MAX_PROMPTS = 64  # prompts in one completion request (a list: one result per prompt)
+# what the generation routes accept (pydantic's own schema would allow "" and []): an empty
+# prompt, alone or in a list, is a 400
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
 PROMPT_SCHEMA = {"anyOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1,
-     "maxItems": 1}]}
+    _TEXT, _IDS,
+    {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_PROMPTS},
+    {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]}
+_PROMPT_OBJECT = {"type": "object", "properties": {"prompt_string": _TEXT}, "required": ["prompt_string"]}
+LLAMA_PROMPT_SCHEMA = {"anyOf": [
+    _TEXT, _IDS, _PROMPT_OBJECT,
+    {"type": "array", "items": {"anyOf": [_TEXT, _IDS, _PROMPT_OBJECT]}, "minItems": 1, "maxItems": MAX_PROMPTS}]}
 NON_EMPTY = {"minItems": 1}
 MAX_TOP_LOGPROBS = 20  # SamplingParams' limit
 
@@ -131,7 +137,9 @@ class CompletionRequest(SamplingFields, PolyKVFields):
     """llama.cpp's ``POST /completion``."""
 
     prompt: Union[PromptField, dict[str, Any], list[Union[str, list[int], dict[str, Any]]]] = Field(
-        ..., description="text, token ids, {\"prompt_string\": text}, or a list of them (one result per prompt)")
+        ..., description="text, token ids, {\"prompt_string\": text}, or a list of them (one result per prompt, "
+                         "each with its index; streamed with stream); none may be empty",
+        json_schema_extra=LLAMA_PROMPT_SCHEMA)
     n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)")
     max_tokens: int | None = Field(None, description="alias of n_predict")
     stream: bool = False
@@ -154,7 +162,8 @@ class OpenAICompletionRequest(SamplingFields, PolyKVFields):
     """OpenAI's legacy ``POST /v1/completions``."""
 
     model: str | None = None
-    prompt: PromptField = Field(..., description="text, token ids, or a one-element list of either",
+    prompt: PromptField = Field(..., description="text, token ids, or a list of either (choice p * n + j is "
+                                                 "choice j of prompt p); none may be empty",
                                 json_schema_extra=PROMPT_SCHEMA)
     max_tokens: int | None = Field(None, description="tokens to generate at most (null = until EOS / context)")
     n: int = 1

@@ -1,15 +1,18 @@
-"""OpenAI ``n > 1`` for ``/v1/chat/completions`` and ``/v1/completions``.
+"""OpenAI ``n > 1`` and lists of prompts for ``/v1/chat/completions`` and ``/v1/completions``,
+and the several prompts of llama.cpp's ``/completion`` (``Runs``, ``start_runs``, ``stream_runs``).
 
-The choices run through ``engine.sampling_choices.Choices`` (the prompt computed once in a
-temporary pool, the choices decoding side by side). Answers follow OpenAI: ``choices[i]`` with
-``index`` i; usage counts the prompt once and the completion tokens of every choice; in a stream
-each chunk carries one choice's delta (its ``index``), each choice ends with its own
-``finish_reason`` chunk, then the usage chunk (when asked) and ``[DONE]``. The choices run in
-temporary sessions, released at the end (no ``x-session-id`` to continue from).
+Each prompt runs through ``engine.sampling_choices.Choices`` (with ``n > 1`` the prompt is
+computed once in a temporary pool, the choices decoding side by side). Answers follow OpenAI:
+``choices[i]`` with ``index`` i, choice j of prompt p being ``p * n + j``; usage counts every
+prompt once and the completion tokens of every choice; in a stream each chunk carries one
+choice's delta (its ``index``), each choice ends with its own ``finish_reason`` chunk as soon as
+it is done, then the usage chunk (when asked) and ``[DONE]``. The choices run in temporary
+sessions, released at the end (no ``x-session-id`` to continue from).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, Callable
@@ -17,7 +20,7 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..engine.sampling_choices import Choices
+from ..engine.sampling_choices import Choices, _quietly, merge_streams
 from ..ops.generation import FINISH_OPENAI, ChatTurn, Prepared, opencoti_block
 from .errors import SafeJSONResponse, error_event
 from .state import ServerState
@@ -25,79 +28,140 @@ from .streaming import DONE, SSE_HEADERS, ClientDisconnected, Tracker, sse, unti
 from .tenants import request_tenant
 
 
-def _usage(choices: Choices) -> dict:
-    info = choices.info
-    n = sum(len(r.token_ids) for r in choices.results if r is not None)
-    return {"prompt_tokens": info.prompt_tokens, "completion_tokens": n, "total_tokens": info.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": info.cached_prefix_tokens}}
+class Runs:
+    """The choices of every prompt of a request: one ``Choices`` per prompt, each of ``n`` choices.
+    Choice ``p * n + j`` is choice j of prompt p (OpenAI's numbering for a list of prompts)."""
+
+    def __init__(self, runs: list[Choices], temporary: bool = True):
+        self.runs = runs
+        self.temporary = temporary  # release every choice's session at the end (n > 1 always does)
+        self.streams = [s for c in runs for s in c.streams]
+        self.results: list = [None] * len(self.streams)
+        self.tracker: Tracker | None = None
+
+    @property
+    def info(self):
+        """The first choice's RequestInfo (what the response headers describe)."""
+        return self.runs[0].info
+
+    def usage(self) -> dict:
+        """OpenAI's usage: every prompt counted once, the completion tokens of every choice."""
+        prompt = sum(c.info.prompt_tokens for c in self.runs)
+        cached = sum(c.info.cached_prefix_tokens for c in self.runs)
+        n = sum(len(r.token_ids) for r in self.results if r is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def events(self):
+        """(choice index, TokenDelta) in arrival order, and (index, None) when a choice ends."""
+        async for i, d in merge_streams(self.streams):
+            if d is None:
+                self.results[i] = self.streams[i].result
+            yield i, d
+
+    async def collect(self) -> list:
+        async for _ in self.events():
+            pass
+        return self.results
+
+    def done(self) -> None:
+        self.tracker.done(self.results[0] if all(r is not None for r in self.results) else None)
+
+    async def aclose(self) -> None:
+        for c in self.runs:
+            await c.aclose()
+            if self.temporary and c.n == 1 and c.streams:
+                await asyncio.to_thread(_quietly, c.engine.release_session, c.streams[0].info.session_id)
 
 
-async def _start(request: Request, state: ServerState, prepared: Prepared, n: int) -> Choices | Response:
+async def start_runs(request: Request, state: ServerState, prepared: list[Prepared], n: int,
+                     temporary: bool = True) -> Runs | Response:
+    """Submit every prompt's choices (the 499 response when the client goes away first; on an
+    error, what was started is stopped). ``temporary``: release the sessions at the end."""
     tracker = Tracker(state)
     eng = state.context(request_tenant(request)).require_open()
-    choices = Choices(eng, prepared.tokens, prepared.params, n, **prepared.kwargs)
+    runs: list[Choices] = []
+
+    async def start_all() -> None:
+        for p in prepared:
+            c = Choices(eng, p.tokens, p.params, n, **p.kwargs)
+            await c.start()
+            runs.append(c)
+
     try:
-        await until_disconnect(request, choices.start())
-    except ClientDisconnected:
+        await until_disconnect(request, start_all())
+    except BaseException as e:
         tracker.done(None)
-        await choices.aclose()
-        return Response(status_code=499)
-    except BaseException:
-        tracker.done(None)
+        await Runs(runs, temporary=True).aclose()  # nothing of a refused request stays
+        if isinstance(e, ClientDisconnected):
+            return Response(status_code=499)
         raise
-    choices.tracker = tracker
-    return choices
+    out = Runs(runs, temporary)
+    out.tracker = tracker
+    return out
 
 
-async def _collect(request: Request, choices: Choices) -> list:
+async def collect_runs(request: Request, runs: Runs) -> list:
+    """Every choice's result (prompt-major order); raises ClientDisconnected."""
     try:
-        return await until_disconnect(request, choices.collect())
+        return await until_disconnect(request, runs.collect())
     finally:
-        choices.tracker.done(choices.results[0] if all(r is not None for r in choices.results) else None)
-        await choices.aclose()
+        runs.done()
+        await runs.aclose()
 
 
-def _headers(choices: Choices) -> dict[str, str]:
-    return {"x-cached-prefix-tokens": str(choices.info.cached_prefix_tokens)}
+def _headers(runs: Runs) -> dict[str, str]:
+    return {"x-cached-prefix-tokens": str(runs.info.cached_prefix_tokens)}
 
 
-def _stream(choices: Choices, first: list[bytes], on_delta: Callable, on_end: Callable,
-            include_usage: bool, chunk: Callable) -> StreamingResponse:
+def stream_runs(runs: Runs, first: list[bytes], on_delta: Callable, on_end: Callable, last: Callable,
+                headers: dict[str, str] | None = None) -> StreamingResponse:
+    """The SSE loop of several choices: ``first`` events, ``on_delta(i, delta)`` per token,
+    ``on_end(i, result)`` as each choice ends, then ``last()``; an error becomes an in-band event."""
     async def events():
         try:
             for ev in first:
                 yield ev
-            async for i, d in choices.events():
-                choices.tracker.token()
+            async for i, d in runs.events():
+                if d is None:
+                    for ev in on_end(i, runs.results[i]):
+                        yield ev
+                    continue
+                runs.tracker.token()
                 for ev in on_delta(i, d):
                     yield ev
-            for i, r in enumerate(choices.results):
-                for ev in on_end(i, r):
-                    yield ev
-            if include_usage:
-                yield chunk([], usage=_usage(choices), timings=[r.timings for r in choices.results])
-            yield DONE
+            for ev in last():
+                yield ev
         except Exception as e:  # noqa: BLE001 - reported in-band
             yield sse(error_event(e))
         finally:
-            choices.tracker.done(choices.results[0] if all(r is not None for r in choices.results) else None)
-            await choices.aclose()
+            runs.done()
+            await runs.aclose()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **_headers(choices)})
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **(_headers(runs) if headers is None else headers)})
+
+
+def _openai_last(runs: Runs, include_usage: bool, chunk: Callable) -> Callable:
+    def last():
+        if include_usage:
+            yield chunk([], usage=runs.usage(), timings=[r.timings for r in runs.results])
+        yield DONE
+    return last
 
 
 async def chat_choices(request: Request, state: ServerState, prepared: Prepared, body, model: str,
                        logprob: Callable[[Any], dict]) -> Response:
     """``/v1/chat/completions`` with ``n > 1`` (``logprob``: the route's per-token formatter)."""
-    choices = await _start(request, state, prepared, body.n)
-    if isinstance(choices, Response):
-        return choices
+    runs = await start_runs(request, state, [prepared], body.n)
+    if isinstance(runs, Response):
+        return runs
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     fingerprint = f"opencoti-{model}"
     turns = [ChatTurn(prepared) for _ in range(body.n)]
     if not body.stream:
         try:
-            results = await _collect(request, choices)
+            results = await collect_runs(request, runs)
         except ClientDisconnected:
             return Response(status_code=499)
         out = []
@@ -110,9 +174,9 @@ async def chat_choices(request: Request, state: ServerState, prepared: Prepared,
             out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         return SafeJSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint, "choices": out, "usage": _usage(choices),
-            "timings": [r.timings for r in results], "opencoti": opencoti_block(choices.info)},
-            headers=_headers(choices))
+            "system_fingerprint": fingerprint, "choices": out, "usage": runs.usage(),
+            "timings": [r.timings for r in results], "opencoti": opencoti_block(runs.info)},
+            headers=_headers(runs))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(chs, **extra) -> bytes:
@@ -140,33 +204,34 @@ async def chat_choices(request: Request, state: ServerState, prepared: Prepared,
         yield chunk(one(i, {}, finish), timings=r.timings)
 
     first = [chunk(one(i, {"role": "assistant", "content": None})) for i in range(body.n)]
-    return _stream(choices, first, on_delta, on_end, include_usage, chunk)
+    return stream_runs(runs, first, on_delta, on_end, _openai_last(runs, include_usage, chunk))
 
 
-async def completion_choices(request: Request, state: ServerState, prepared: Prepared, body, model: str,
+async def completion_choices(request: Request, state: ServerState, prepared: list[Prepared], body, model: str,
                              logprobs: Callable[[list, int], dict]) -> Response:
-    """``/v1/completions`` with ``n > 1`` (``logprobs``: the route's formatter of a token list)."""
-    choices = await _start(request, state, prepared, body.n)
-    if isinstance(choices, Response):
-        return choices
+    """``/v1/completions`` with several prompts and / or ``n > 1`` (``logprobs``: the route's
+    formatter of a token list): choice ``p * n + j`` is choice j of prompt p, as OpenAI numbers them."""
+    runs = await start_runs(request, state, prepared, body.n)
+    if isinstance(runs, Response):
+        return runs
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-    echo = prepared.prompt_text if body.echo else ""
+    echoes = [(p.prompt_text or "") if body.echo else "" for p in prepared for _ in range(body.n)]
     want_lp = body.logprobs is not None
     if not body.stream:
         try:
-            results = await _collect(request, choices)
+            results = await collect_runs(request, runs)
         except ClientDisconnected:
             return Response(status_code=499)
-        out = [{"text": echo + r.text, "index": i,
-                "logprobs": logprobs(r.logprobs or [], len(echo)) if want_lp else None,
+        out = [{"text": echoes[i] + r.text, "index": i,
+                "logprobs": logprobs(r.logprobs or [], len(echoes[i])) if want_lp else None,
                 "finish_reason": FINISH_OPENAI.get(r.stop_reason, "stop")} for i, r in enumerate(results)]
         return SafeJSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": f"opencoti-{model}", "choices": out,
-            "usage": _usage(choices), "timings": [r.timings for r in results],
-            "opencoti": opencoti_block(choices.info)}, headers=_headers(choices))
+            "usage": runs.usage(), "timings": [r.timings for r in results],
+            "opencoti": opencoti_block(runs.info)}, headers=_headers(runs))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    offsets = [len(echo)] * body.n
+    offsets = [len(e) for e in echoes]
 
     def chunk(chs, **extra) -> bytes:
         d = {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -187,6 +252,6 @@ async def completion_choices(request: Request, state: ServerState, prepared: Pre
         yield chunk([{"text": "", "index": i, "logprobs": None,
                       "finish_reason": FINISH_OPENAI.get(r.stop_reason, "stop")}], timings=r.timings)
 
-    first = [chunk([{"text": echo, "index": i, "logprobs": None, "finish_reason": None}]) for i in range(body.n)] \
-        if echo else []
-    return _stream(choices, first, on_delta, on_end, include_usage, chunk)
+    first = [chunk([{"text": e, "index": i, "logprobs": None, "finish_reason": None}])
+             for i, e in enumerate(echoes) if e]
+    return stream_runs(runs, first, on_delta, on_end, _openai_last(runs, include_usage, chunk))

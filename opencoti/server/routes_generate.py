@@ -23,13 +23,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from ..engine.persist.slots import slot_number
+from ..engine.errors import InvalidRequestError
 from ..engine.results import RequestInfo
 from ..ops import Context
 from ..ops.headers import generation_headers
 from ..ops.generation import (FINISH_OPENAI, ChatTurn, llama_final, opencoti_block, prepare_chat_request,
                               prepare_completion, prepare_openai_completion, usage)
-from ..ops.schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
-from .choices import chat_choices, completion_choices
+from ..ops.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
+from .choices import chat_choices, collect_runs, completion_choices, start_runs, stream_runs
 from .errors import ApiError, SafeJSONResponse, error_responses
 from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
@@ -177,33 +178,87 @@ def pick_fields(out: dict, fields: list[str]) -> dict:
     return picked
 
 
+def prepare_each(prepare, ctx: Context, body, prompts: list) -> list:
+    """Prepare every prompt of a request before any is submitted (a bad one fails the request
+    with nothing started; the message names its index)."""
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "invalid_request_error")
+    out = []
+    for i, p in enumerate(prompts):
+        try:
+            prepared = prepare(ctx, body.model_copy(update={"prompt": p}))
+            if not prepared.tokens:
+                raise InvalidRequestError("prompt is empty")
+            out.append(prepared)
+        except InvalidRequestError as e:
+            if type(e) is not InvalidRequestError or len(prompts) == 1:
+                raise
+            raise InvalidRequestError(f"prompt[{i}]: {e}") from None
+    if len(out) > 1 and out[0].kwargs.get("session_id") is not None:
+        raise ApiError(400, "several prompts cannot share one session (session_id / id_slot)", "invalid_request_error")
+    return out
+
+
 async def _completion_many(request: Request, body: CompletionRequest, ctx: Context, state: ServerState,
                            prompts: list) -> Response:
-    """Several prompts: one result each (with its ``index``), computed side by side."""
-    if body.stream:
-        raise ApiError(400, "stream with several prompts is not supported; stream one prompt per request",
-                       "invalid_request_error")
-    if body.session_id is not None:
-        raise ApiError(400, "several prompts cannot share one session_id", "invalid_request_error")
-    import asyncio
-    import json as _json
+    """Several prompts (llama.cpp): one result each, with its ``index``, computed side by side;
+    answered as a JSON array, or streamed with each event carrying its prompt's ``index`` (each
+    prompt ends with its own ``stop: true`` event). Every prompt keeps its session
+    (``session_id`` in its result)."""
+    t_start = time.perf_counter()
+    prepared = await run_in_threadpool(prepare_each, prepare_completion, ctx, body, prompts)
+    runs = await start_runs(request, state, prepared, 1, temporary=False)
+    if isinstance(runs, Response):
+        return runs
+    infos = [s.info for s in runs.streams]
 
-    answers = await asyncio.gather(*(_completion(request, body.model_copy(update={"prompt": p}), ctx, state, i)
-                                     for i, p in enumerate(prompts)))
-    for a in answers:
-        if a.status_code != 200:
-            return a
-    return SafeJSONResponse([_json.loads(a.body) for a in answers])
+    def final(i: int, result, content: str, probs: bool = False) -> dict:
+        out = llama_final(ctx, body, prepared[i], infos[i], result, content)
+        out["index"] = i
+        if probs and body.n_probs:
+            out["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)
+                                               for d in result.logprobs or []]
+        return pick_fields(out, body.response_fields) if body.response_fields else out
+
+    if not body.stream:
+        try:
+            results = await collect_runs(request, runs)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return SafeJSONResponse([final(i, r, r.text, probs=True) for i, r in enumerate(results)])
+
+    counts = [0] * len(prompts)
+
+    def progress(i: int, processed: int) -> bytes:
+        return sse({"index": i, "content": "", "tokens": [], "stop": False, "prompt_progress": {
+            "total": infos[i].prompt_tokens, "cache": infos[i].cached_prefix_tokens, "processed": processed,
+            "time_ms": (time.perf_counter() - t_start) * 1e3}})
+
+    def on_delta(i: int, d):
+        counts[i] += 1
+        chunk = {"index": i, "content": d.text, "tokens": [d.token_id], "stop": False,
+                 "id_slot": slot_number(infos[i].session_id), "tokens_predicted": counts[i],
+                 "tokens_evaluated": infos[i].prompt_tokens}
+        if body.n_probs:
+            chunk["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)]
+        if counts[i] == 1 and body.return_progress:
+            return [progress(i, infos[i].prompt_tokens), sse(chunk)]
+        return [sse(chunk)]
+
+    first = [progress(i, infos[i].cached_prefix_tokens) for i in range(len(prompts))] if body.return_progress else []
+    return stream_runs(runs, first, on_delta, lambda i, r: [sse(final(i, r, ""))], lambda: [], headers={})
 
 
 # ============================================================================ POST /v1/completions
 @router.post("/v1/completions", tags=["OpenAI"], summary="OpenAI text completion", responses={200: _SSE, **_ERRORS})
 async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: Context = Depends(get_ctx),
                          state: ServerState = Depends(get_state)):
-    prepared = await run_in_threadpool(prepare_openai_completion, ctx, body)
-    if body.n > 1:
-        return await completion_choices(request, state, prepared, body, ctx.model_name,
+    prompts = split_prompts(body.prompt)
+    if len(prompts) > 1 or body.n > 1:
+        many = await run_in_threadpool(prepare_each, prepare_openai_completion, ctx, body, prompts)
+        return await completion_choices(request, state, many, body, ctx.model_name,
                                         lambda deltas, off: _completion_logprobs(ctx, deltas, off))
+    prepared = await run_in_threadpool(prepare_openai_completion, ctx, body)
     gen = await Generation.start(request, state, prepared)
     if isinstance(gen, Response):
         return gen

@@ -297,10 +297,13 @@ def test_logit_bias_request_forms():
     assert logit_bias_from_request({"ab": False}, enc) == {97: -math.inf, 98: -math.inf}
     assert logit_bias_from_request([[65, 1.0], [65, 2.0]], enc) == {65: 3.0}
     assert logit_bias_from_request({"65": 500}, enc) == {65: 500.0}  # llama.cpp: no range
-    for bad, msg in (({"65": 101}, r"\[-100, 100\]"), ({"65": True}, "number or false"), ([[65]], "pairs"),
-                     ("x", "object"), ({"": 1}, "non-empty"), ({"65": math.nan}, "number or false")):
+    for bad, msg in (({"65": 101}, r"\[-100, 100\]"), ({"65": True}, "number or false"), ([[65, 1]], "object"),
+                     ("x", "object"), ({"": 1}, "token ids"), ({"ab": 1}, "token ids"), ({"65": math.nan}, "number or false")):
         with pytest.raises(InvalidRequestError, match=msg):
-            logit_bias_from_request(bad, enc, openai=True)
+            logit_bias_from_request(bad, enc, openai=True)  # OpenAI: {"<token id>": bias} only
+    for bad, msg in (([[65]], "pairs"), ({"": 1}, "non-empty"), ("x", "object")):
+        with pytest.raises(InvalidRequestError, match=msg):
+            logit_bias_from_request(bad, enc)
 
 
 def test_penalty_semantics_per_route():
@@ -314,9 +317,13 @@ def test_penalty_semantics_per_route():
 
 def test_constraint_from_request_fields():
     js = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    c = constraint_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": js,
+    strict = {**js, "required": ["a"], "additionalProperties": False}  # OpenAI's strict mode rules
+    c = constraint_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": strict,
                                                                                         "strict": True}})
-    assert c.kind == "json_schema" and c.source == js
+    assert c.kind == "json_schema" and c.source == strict
+    with pytest.raises(InvalidRequestError, match="'additionalProperties' is required to be supplied"):
+        constraint_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": js,
+                                                                                         "strict": True}})
     assert constraint_from_request(response_format={"type": "json_object"}).kind == "json_object"
     assert constraint_from_request(response_format={"type": "json_object", "schema": js}).kind == "json_schema"
     assert constraint_from_request(response_format={"type": "text"}) is None

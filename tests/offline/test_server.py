@@ -354,7 +354,7 @@ def test_streams_end_with_an_error_event_on_shutdown(client, engine):
     ("/completion", {"prompt": [1, 99999]}, "outside the vocabulary"),
     ("/completion", {"prompt": "x", "session_id": "caf\u00e9"}, "session_id"),
     ("/completion", {"prompt": "x", "shared_prefix_n_tokens": 2}, "needs a pool_id"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per request"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt[1]: prompt is empty"),
     ("/v1/completions", {"prompt": "a", "n": 0}, "n must be an integer"),
     ("/v1/completions", {"prompt": "a", "suffix": "z"}, "suffix"),
     ("/v1/chat/completions", {"messages": []}, "non-empty list"),

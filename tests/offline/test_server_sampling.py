@@ -272,7 +272,8 @@ def test_completion_prompt_forms_response_fields_and_progress(client):
     assert obj["content"] == one["content"]
     assert_400(client.post("/completion", json={"prompt": {"prompt_string": "ab", "multimodal_data": ["x"]}}),
                "multimodal")
-    assert_400(client.post("/completion", json={"prompt": ["a", "b"], "stream": True}), "several prompts")
+    streamed = sse_events(client.post("/completion", json={"prompt": ["ab", "ab"], "stream": True, **base}).text)
+    assert ["".join(e["content"] for e in streamed if e["index"] == i) for i in (0, 1)] == [one["content"]] * 2
     picked = client.post("/completion", json={"prompt": "ab", **base,
                                               "response_fields": ["content", "generation_settings/n_predict", "nope"]})
     assert picked.json() == {"content": one["content"], "generation_settings/n_predict": 3}
