@@ -103,7 +103,9 @@ class CloseWatch:
             return None
         path = closing_path(matcher(), lt, remaining)
         if path is None:
-            self._next_check = remaining - 1  # no way out found: look again after the next token
+            # no way out within the budget (e.g. a minItems the budget cannot reach): a search that
+            # fails costs its whole length, so look again only when half of what is left is spent
+            self._next_check = remaining // 2
             return None
         slack = remaining - len(path)
         if slack > CLOSE_MARGIN:

@@ -131,3 +131,17 @@ def test_engine_reports_a_budget_closed_answer_as_length(engine):
     short = engine.generate("x", params=SamplingParams.greedy(200, constraint=ConstraintSpec.json_schema(
         {"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"], "additionalProperties": False})))
     assert short.stop_reason == "eos" and json.loads(short.text) == {"k": "v"}  # ended by itself: eos
+
+
+def test_a_budget_that_cannot_close_searches_rarely(monkeypatch):
+    """A way out that does not fit the budget (minItems beyond it) costs a search of the whole
+    budget: the search runs again only when half of what is left is spent."""
+    import opencoti.engine.constraints_close as cc
+
+    calls = []
+    real = cc.closing_path
+    monkeypatch.setattr(cc, "closing_path", lambda m, lt, limit: calls.append(limit) or real(m, lt, limit))
+    spec = ConstraintSpec.json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 500})
+    (ids,) = decode_rows([SamplingParams.greedy(96, constraint=spec)], lambda n, step: looping_logits(n))
+    assert len(ids) == 96 and decode(ids).startswith("[")  # left to length, no way to close it
+    assert calls and len(calls) <= 8 and calls[0] == 96, calls
