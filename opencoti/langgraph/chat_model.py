@@ -409,13 +409,15 @@ class OpencotiChatModel(BaseChatModel):
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(self, schema: dict | type, *,
-                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
-        """Structured output. ``function_calling`` forces a call of a tool made from ``schema``;
-        ``json_schema`` constrains the answer to the schema (``response_format``) where the server
-        decodes under constraints (``params.STRUCTURED_OUTPUT``), else it forces the tool call too;
-        ``json_mode`` parses a JSON object from the answer (constrained to JSON where supported)."""
+        """Structured output. ``json_schema`` (the default, as ChatOpenAI's) constrains the answer to
+        the schema (``response_format``) where the server decodes under constraints
+        (``params.STRUCTURED_OUTPUT``), else it forces the tool call; a document that ``max_tokens``
+        would cut is closed within the budget, so the answer parses; ``function_calling`` forces a
+        call of a tool made from ``schema``; ``json_mode`` parses a JSON object from the answer
+        (constrained to JSON where supported)."""
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)

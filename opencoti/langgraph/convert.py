@@ -161,5 +161,8 @@ def parse_json_answer(message: BaseMessage, schema: type | None = None) -> Any:
         except ValueError:
             continue
         if isinstance(value, dict):
-            return schema.model_validate(value) if schema is not None else value
+            if schema is None:
+                return value
+            # pydantic 2 models, or pydantic.v1 ones (parse_obj)
+            return schema.model_validate(value) if hasattr(schema, "model_validate") else schema.parse_obj(value)
     raise OutputParserException(f"no JSON object in the answer: {text[:200]!r}", llm_output=text)

@@ -229,16 +229,27 @@ def test_scripted_bare_json_and_forced_choice():
 
 def test_scripted_structured_output():
     m, sc, _ = scripted_model(['{"value": 42}}\n</tool_call>'])
-    assert m.with_structured_output(Answer).invoke("x") == Answer(value=42)
+    assert m.with_structured_output(Answer, method="function_calling").invoke("x") == Answer(value=42)
     assert sc.requests[0]["tool_choice"] == {"type": "function", "function": {"name": "Answer"}}
-    raw = m.with_structured_output(Answer, include_raw=True).invoke("x")
+    raw = m.with_structured_output(Answer, method="function_calling", include_raw=True).invoke("x")
     assert raw["parsed"] == Answer(value=42) and raw["parsing_error"] is None
+    # the default method is json_schema, as ChatOpenAI's: the answer is constrained by response_format
+    m4, sc4, _ = scripted_model(['{"value": 5}'])
+    assert m4.with_structured_output(Answer).invoke("x") == Answer(value=5)
+    assert sc4.requests[-1]["extra_body"]["response_format"]["type"] == "json_schema"
+    from pydantic import v1
+
+    class OldAnswer(v1.BaseModel):  # pydantic.v1 models parse too (the standard suite's pydantic_2_v1)
+        value: int
+
+    m5, _, _ = scripted_model(['{"value": 6}'])
+    assert m5.with_structured_output(OldAnswer).invoke("x") == OldAnswer(value=6)
     m2, _, _ = scripted_model(['Sure: {"value": 7}'])
     assert m2.with_structured_output(Answer, method="json_mode").invoke("x") == Answer(value=7)
     dict_schema = {"title": "Pick", "description": "pick", "type": "object",
                    "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     m3, _, _ = scripted_model(['{"n": 3}}</tool_call>'])
-    assert m3.with_structured_output(dict_schema).invoke("x") == {"n": 3}
+    assert m3.with_structured_output(dict_schema, method="function_calling").invoke("x") == {"n": 3}
 
 
 # ============================================================================ real transports (tiny model)
