@@ -1,9 +1,11 @@
 """Per-shape kernel choice by measurement, cached per machine.
 
 For a weight format and a projection shape ``[N, K]``, every kernel that can serve it here
-(``kernels.candidates``) is timed on synthetic weights of that shape at batch 1 and batch 8
-(enough copies to stream more than the last-level cache, as a model's weights do), best of a
-few rounds; the kernel with the smallest ``t(1) + t(8)`` wins. Results are cached in
+(``kernels.candidates``) is timed on synthetic weights of that shape at batch 1 and 8 (decode
+steps) and 128 (a prefill chunk), with enough copies to stream more than the last-level cache,
+as a model's weights do, best of a few rounds; the kernel with the smallest ``t(1) + t(8) +
+t(128)`` wins (a format that decodes fast but prefills slowly, as the CPU int4 kernel does on
+AVX2, must not win on decode alone: agent workloads are mostly prompt). Results are cached in
 ``<cache>/autotune.json`` under a key made of the CPU model and flags (or GPU name), the torch
 version and the thread count, so a machine measures each shape once (about a second per shape).
 
@@ -29,7 +31,8 @@ log = logging.getLogger("opencoti.engine")
 
 STREAM_BYTES = 48 << 20  # synthetic weights per timing pass: more than a typical L3
 MAX_COPIES = 16
-BATCHES = (1, 8)
+BATCHES = (1, 8, 128)  # two decode batch sizes and a prefill chunk
+PRUNE_FACTOR = 4.0  # slower than this x the fastest at one batch size: not timed at the larger ones
 
 
 def machine_key(device: torch.device) -> str:
@@ -52,7 +55,7 @@ def machine_key(device: torch.device) -> str:
 
 
 def select(timings: dict[str, list[float]], order: tuple[str, ...]) -> str:
-    """The kernel with the least ``t(1) + t(8)``; ties (and untimed kernels) go by ``order``."""
+    """The kernel with the least ``t(1) + t(8) + t(128)``; ties (and untimed kernels) go by ``order``."""
     if not timings:
         raise ValueError("no kernel could be built")
     return min(timings, key=lambda k: (sum(timings[k]), order.index(k) if k in order else len(order)))
@@ -75,10 +78,11 @@ class Autotuner:
 
     def entry(self, fmt: str, n: int, k: int) -> str:
         threads = torch.get_num_threads() if self.device.type == "cpu" else 0
-        return f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads}"
+        batches = ",".join(map(str, BATCHES))
+        return f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads} batches={batches}"
 
     def timings(self, fmt: str, n: int, k: int) -> dict[str, list[float]]:
-        """``{kernel: [t(1), t(8)]}`` for ``fmt`` at shape [n, k] (measured once, then cached)."""
+        """``{kernel: [t(b) for b in BATCHES]}`` for ``fmt`` at shape [n, k] (measured once, then cached)."""
         order = kernels.candidates(fmt, self.device)
         entry = self.entry(fmt, n, k)
         timings = self._cache.get(self.key, {}).get(entry)
@@ -130,18 +134,20 @@ class Autotuner:
         xs = {b: torch.randn(b, k, device=self.device).to(self.act_dtype) for b in BATCHES}
         best = {name: [float("inf")] * len(BATCHES) for name in built}
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        for name, ks in built.items():  # warm-up
-            for x in xs.values():
-                ks[0](x)
-        for _ in range(rounds):
-            for name, ks in built.items():
-                for i, b in enumerate(BATCHES):
+        alive = list(built)
+        for i, b in enumerate(BATCHES):  # batch by batch: a kernel far behind at one size is not timed at
+            for name in alive:           # the next, larger one (a software bf16 GEMM takes minutes at 128)
+                built[name][0](xs[b])  # warm-up
+            for _ in range(rounds):
+                for name in alive:
                     sync()
                     t0 = time.perf_counter()
-                    for kern in ks:
+                    for kern in built[name]:
                         kern(xs[b])
                     sync()
-                    best[name][i] = min(best[name][i], (time.perf_counter() - t0) / len(ks))
+                    best[name][i] = min(best[name][i], (time.perf_counter() - t0) / len(built[name]))
+            fastest = min(best[name][i] for name in alive)
+            alive = [name for name in alive if best[name][i] <= PRUNE_FACTOR * fastest]
         return best
 
     def remembered(self, entry: str):

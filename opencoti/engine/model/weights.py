@@ -172,8 +172,14 @@ def head_format(tuner: Autotuner, fmt: str, hf) -> str:
         except (RuntimeError, ValueError):
             continue
         if name in timings:
-            cost[f] = sum(timings[name])
+            cost[f] = _head_cost(timings[name])
     return min(cost, key=cost.get) if len(cost) == 2 else base
+
+
+def _head_cost(timings: list[float]) -> float:
+    """The output projection runs on the rows that need logits only (one per sequence even in a
+    prefill step): its decode-sized timings count, not the prefill chunk's."""
+    return sum(timings[:2])
 
 
 def _projection_shapes(hf) -> list[tuple[int, int]]:
@@ -185,7 +191,8 @@ def _projection_shapes(hf) -> list[tuple[int, int]]:
 
 
 def _estimate(tuner: Autotuner, fmt: str, counts: dict, hf) -> float | None:
-    """Sum over projections of the chosen kernel's t(1) + t(8) (None when not measured)."""
+    """Sum over projections of the chosen kernel's t(1) + t(8) + t(128) (the head: t(1) + t(8);
+    None when not measured)."""
     total = 0.0
     vocab = ModelDims.from_hf_config(hf).vocab_size
     for (n, k), count in counts.items():
@@ -197,7 +204,7 @@ def _estimate(tuner: Autotuner, fmt: str, counts: dict, hf) -> float | None:
             return None
         if name not in timings:
             return None
-        total += count * sum(timings[name])
+        total += count * (_head_cost(timings[name]) if n == vocab else sum(timings[name]))
     return total
 
 
@@ -211,7 +218,7 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
     say("auto weights: timing the kernels of each format (cached per machine) ...")
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
     est = {f: e for f in kernels.FORMATS if (e := _estimate(tuner, f, counts, hf)) is not None}
-    choice["estimated_step_ms"] = {f: round(v * 1e3 / 2, 2) for f, v in est.items()}  # mean of batch 1 and 8
+    choice["estimated_step_ms"] = {f: round(v * 1e3, 2) for f, v in est.items()}  # t(1) + t(8) + t(128)
     fp32_est = est.get("fp32", float("inf"))
     order = [f for f in sorted(est, key=est.get) if f != "fp32" and est[f] < fp32_est]
     if not order:
