@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from opencoti.engine.tool_calls import parse_tool_calls
 from opencoti.server import ServerConfig, create_app
+from long_context_server import client, engine  # noqa: F401 - fixtures
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -28,23 +29,6 @@ CHAT = [{"role": "user", "content": "Hi"}]
 HOT = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 200}
 
 
-@pytest.fixture
-def engine():
-    # byte-level tokens: a prompt with tool definitions is ~800 tokens, past the usual 512
-    from opencoti.engine import Engine, EngineConfig
-    from opencoti.engine.model.loader import tiny_model
-
-    eng = Engine(EngineConfig(page_size=4, kv_budget_tokens=16384, max_batch_tokens=512, pool_grace_ttl_s=0.0),
-                 loaded=tiny_model("llama", max_position_embeddings=2048))
-    yield eng
-    eng.check_integrity()
-    eng.shutdown()
-
-
-@pytest.fixture
-def client(engine):
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
-        yield c
 
 
 def check_person(v):

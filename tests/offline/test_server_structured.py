@@ -9,9 +9,8 @@ import copy
 import json
 
 import pytest
-from starlette.testclient import TestClient
 
-from opencoti.server import create_app
+from long_context_server import client, engine  # noqa: F401 - fixtures
 
 CHAT = [{"role": "user", "content": "Hi"}]
 HOT = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 200}
@@ -29,23 +28,6 @@ ORDER = {"type": "object", "additionalProperties": False, "required": ["id", "no
                                            "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
 
 
-@pytest.fixture
-def engine():
-    # byte-level tokens: a prompt with tool definitions is ~800 tokens, past the usual 512
-    from opencoti.engine import Engine, EngineConfig
-    from opencoti.engine.model.loader import tiny_model
-
-    eng = Engine(EngineConfig(page_size=4, kv_budget_tokens=16384, max_batch_tokens=512, pool_grace_ttl_s=0.0),
-                 loaded=tiny_model("llama", max_position_embeddings=2048))
-    yield eng
-    eng.check_integrity()
-    eng.shutdown()
-
-
-@pytest.fixture
-def client(engine):
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
-        yield c
 
 
 def sse_events(text: str) -> list:
@@ -81,8 +63,8 @@ def test_strict_response_format_always_gives_the_exact_object(client):
 
 
 def test_strict_accepts_the_openai_sdk_schema_of_a_pydantic_model(client):
-    pydantic = pytest.importorskip("pydantic")
-    strict_schema = pytest.importorskip("openai.lib._pydantic").to_strict_json_schema
+    import pydantic  # a core dependency (through fastapi)
+    from openai.lib._pydantic import to_strict_json_schema as strict_schema  # openai: the dev extra
 
     class Item(pydantic.BaseModel):
         sku: str = pydantic.Field(max_length=4)
