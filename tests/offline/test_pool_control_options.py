@@ -14,6 +14,7 @@ from opencoti.client import AsyncPolyKVClient, InvalidRequestError, PolyKVClient
 from opencoti.cluster import aggregate
 from opencoti.langgraph import polykv_tools
 from opencoti.server import ServerConfig, create_app
+from http_checks import err, ok
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -21,18 +22,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def toks(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(1, 250) for _ in range(n)]
-
-
-def ok(r) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def err(r, status: int, match: str = "") -> dict:
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert e["code"] == status and match in e["message"], e
-    return e
 
 
 def session_pool(engine, sid: str) -> int | None:

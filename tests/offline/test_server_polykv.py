@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from opencoti.engine import SamplingParams
 from opencoti.server import create_app
+from http_checks import err, ok
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SYSTEM = [{"role": "system", "content": "You coordinate a team of agents. Be precise."}]
@@ -40,18 +41,6 @@ def sse_events(text: str) -> list:
 def client(engine):
     with TestClient(create_app(engine), raise_server_exceptions=False) as c:
         yield c
-
-
-def ok(r) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def err(r, status: int, match: str = "") -> dict:
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert e["code"] == status and match in e["message"], e
-    return e
 
 
 def chat(client, messages, **kw):
