@@ -79,7 +79,9 @@ class Autotuner:
     def entry(self, fmt: str, n: int, k: int) -> str:
         threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         batches = ",".join(map(str, BATCHES))
-        return f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads} batches={batches}"
+        cands = ",".join(kernels.candidates(fmt, self.device))  # a new kernel here: measure again
+        return (f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads} batches={batches}"
+                f" kernels={cands}")
 
     def timings(self, fmt: str, n: int, k: int) -> dict[str, list[float]]:
         """``{kernel: [t(b) for b in BATCHES]}`` for ``fmt`` at shape [n, k] (measured once, then cached)."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.base import AttentionMetadata
+from . import fused as _fused
 from . import kernels as _kernels
 from .qformats import cat_rows
 
@@ -194,6 +195,7 @@ class LlamaForward:
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1).contiguous()
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(d.head_dim)
+        self.fused_layers = _fused.prepare(self)  # None: every step takes the layer-by-layer path
 
     @property
     def weight_bytes(self) -> int:
@@ -243,7 +245,9 @@ class LlamaForward:
         sin = self.sin_signed.index_select(0, meta.positions)[:, None, :]
         x = self.embed.index_select(0, input_ids)  # [T, hidden]
         eps = d.rms_norm_eps
-        for i, L in enumerate(self.layers):
+        fused = self.fused_layers is not None and _fused.decode_step(self, self.fused_layers, x, meta, k_cache,
+                                                                      v_cache, backend, cos, sin)
+        for i, L in enumerate(() if fused else self.layers):
             hs = _rms_norm(x, L.in_norm, eps)
             qkv = L.qkv(hs)  # [T, q + 2kv]
             v = qkv[:, q_size + kv_size:].view(T, hkv, hd)

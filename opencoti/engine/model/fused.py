@@ -1,0 +1,61 @@
+"""Decode steps in one native call per layer (``oc_decode_layer`` in ``engine/native/kernels.cpp``).
+
+A decode-only step (every sequence computes one new token) of a model whose projections all run
+native kernels (``native_q4`` / ``native_q8``), with fp32 activations and cache on CPU and the
+torch attention backend's plain (non-cascade) plan, runs each decoder layer as one call: norms,
+projections, RoPE, the K/V cache write, paged attention, SiLU and residuals, without returning to
+Python in between. Any other step takes the layer-by-layer path in ``llama.py``; both compute the
+same function (tests compare them). Profiled on the bundled model (2-core AVX2 EPYC, one session),
+the per-op cost of the layer-by-layer path (~20 torch calls per layer) was most of a decode step
+once the projections were quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def prepare(model) -> list | None:
+    """Per layer, a ctypes array of its four projections (qkv, o, gate_up, down); None when the
+    fused path does not apply to this model."""
+    from .. import native
+
+    lib = native.lib()
+    if lib is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.dims.qk_norm:
+        return None
+    layers = []
+    for L in model.layers:
+        kerns = (L.qkv, L.o, L.gate_up, L.down)
+        if not all(hasattr(k, "proj") for k in kerns):
+            return None
+        layers.append((native.OcProj * 4)(*(k.proj() for k in kerns)))
+    return layers
+
+
+def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                backend, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Run every layer on ``x`` [T, hidden] in place; False (nothing done) when this step does not
+    qualify (a prefill row, a cascade plan, another backend, a non-fp32 cache)."""
+    from .. import native
+
+    plan = meta.backend_state.get("torch")
+    if (plan is None or not getattr(backend, "native", False) or plan["cascade"] is not None or plan["prefill"]
+            or plan["decode"] is None or k_cache.dtype != torch.float32 or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous()):
+        return False
+    rows, page_idx, _span, _mask, lens = plan["decode"]
+    d = model.dims
+    T = x.shape[0]
+    if rows.shape[0] != T:
+        return False
+    cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
+    slots = meta.slot_mapping.contiguous()
+    lib, nt = native.lib(), native.threads()
+    page_size, max_pages = k_cache.shape[2], page_idx.shape[1]
+    for i, L in enumerate(model.layers):
+        lib.oc_decode_layer(x.data_ptr(), T, d.hidden_size, L.in_norm.data_ptr(), L.post_norm.data_ptr(),
+                            d.rms_norm_eps, layers[i], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                            k_cache[i].data_ptr(), v_cache[i].data_ptr(), rows.data_ptr(), page_idx.data_ptr(),
+                            max_pages, lens.data_ptr(), page_size, d.num_heads, d.num_kv_heads, d.head_dim,
+                            model.scale, nt)
+    return True

@@ -1,0 +1,162 @@
+"""Native CPU kernels (``kernels.cpp``): int4 / int8 weight-only projections and paged decode attention.
+
+The C++ source ships with the package and is compiled on first use by the machine's C++ compiler
+(``g++``/``c++``, ``-O3 -march=native -fopenmp``: the build is specific to this CPU) into the cache
+directory, keyed by a hash of the source, the flags, the compiler and the CPU's model and flags; later
+loads reuse it (``scripts/setup.sh`` builds it once at set-up). It is called through ``ctypes``
+(the GIL is released for the call) with the thread count torch uses at that moment; the library links
+the OpenMP runtime torch already loaded, so both share one pool of threads.
+
+Nothing depends on it: when there is no compiler, the build fails, or ``OPENCOTI_NATIVE=0``,
+:func:`lib` returns None and the engine uses torch's kernels (the reason is in :func:`status`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("opencoti.engine")
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+ABI_VERSION = 2
+
+_lock = threading.Lock()
+_state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class OcProj(ctypes.Structure):
+    """One projection's weights for the fused decode layer (``OcProj`` in kernels.cpp)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+_SIGNATURES = {
+    "oc_abi_version": ([], _INT),
+    "oc_simd": ([], _INT),
+    "oc_q4_matmul": ([_P, _I64, _I64, _P, _I64, _P, _P, _INT], None),
+    "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
+    "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT], None),
+    "oc_decode_layer": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
+                         _I64, _F, _INT], None),
+}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    model = flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].strip()
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()} {model} {flags}"
+
+
+def _build_dir() -> Path:
+    from ..model.loader import cache_root
+
+    return cache_root() / "native"
+
+
+def _key(cxx: str) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "?"
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (" ".join(FLAGS), version, _cpu_signature(), str(ABI_VERSION)):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build() -> Path:
+    """Compile the library for this machine (or find it already built); raises RuntimeError if it can't."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
+    out_dir = _build_dir()
+    out = out_dir / f"opencoti_kernels-{_key(cxx)}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent loader sees the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.oc_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"library ABI {lib.oc_abi_version()} != {ABI_VERSION}")
+    return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded library, building it on first use; None when unavailable (see :func:`status`)."""
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            if os.environ.get("OPENCOTI_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+                _state["reason"] = "disabled by OPENCOTI_NATIVE=0"
+            else:
+                try:
+                    path = build()
+                    _state["lib"], _state["path"] = _load(path), str(path)
+                    _state["reason"] = "ok" if _state["lib"].oc_simd() else "ok (no AVX2/FMA/F16C: scalar code)"
+                except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+                    _state["reason"] = f"unavailable: {e}"
+                    log.warning("native kernels unavailable, using torch kernels: %s", e)
+            _state["tried"] = True
+    return _state["lib"]
+
+
+def status() -> dict:
+    lib()
+    return {"available": _state["lib"] is not None, "reason": _state["reason"], "path": _state["path"]}
+
+
+def threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

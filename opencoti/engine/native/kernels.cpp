@@ -1,0 +1,359 @@
+// opencoti native CPU kernels: weight-only int4 / int8 projections and paged decode attention.
+//
+// Plain C ABI (called through ctypes, which releases the GIL for the call); no torch headers, so the
+// library compiles in seconds on the machine that runs it (``-march=native``). Threads: OpenMP with
+// the count passed by the caller (the engine's current torch thread count); libgomp is the one torch
+// already loaded (same soname), so both share one thread pool.
+//
+// Layouts
+//   int4 ("q4"): per output row, K/32 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; byte j
+//                holds value j (low nibble) and value j + 16 (high nibble); W[n, k] = d * q + m
+//                (GGUF Q4_1's block, so Q4_1 files map onto it bit for bit).
+//   int8 ("q8"): int8 [N, K] and one fp32 scale per output row: W[n, k] = q * scale[n].
+//   KV cache  : fp32 [pages, page_size, Hkv, D] per layer; page tables int64 [B, max_pages].
+// Activations and outputs are fp32; accumulation is fp32 (weights are never rounded further).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define OC_AVX2 1
+#else
+#define OC_AVX2 0
+#endif
+
+namespace {
+
+constexpr int kQ4Block = 20;  // bytes per 32 weights
+constexpr int kRows = 4;      // activation rows per register block
+
+inline float half_to_float(uint16_t h) {
+#if OC_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {  // subnormal
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; --exp; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7F800000 | (mant << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (mant << 13); }
+    float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+#if OC_AVX2
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+// y[r, n] for R rows of x (stride K) against one int4 weight row; sx = per-block sums of x rows.
+template <int R>
+inline void q4_row(const float* x, int64_t K, const uint8_t* wrow, const float* sx, int64_t nb, float* out) {
+#if OC_AVX2
+    __m256 acc[R];
+    float msum[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); msum[r] = 0.f; }
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wrow + b * kQ4Block;
+        uint16_t dh, mh;
+        std::memcpy(&dh, blk, 2);
+        std::memcpy(&mh, blk + 2, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+        const float m = _cvtsh_ss(mh);
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + 4));
+        const __m128i lo = _mm_and_si128(raw, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        for (int r = 0; r < R; ++r) {
+            const float* xb = x + r * K + b * 32;
+            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), t);
+            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), t);
+            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), t);
+            acc[r] = _mm256_fmadd_ps(d, t, acc[r]);
+            msum[r] += m * sx[r * nb + b];
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + msum[r];
+#else
+    for (int r = 0; r < R; ++r) {
+        float total = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = wrow + b * kQ4Block;
+            uint16_t dh, mh;
+            std::memcpy(&dh, blk, 2);
+            std::memcpy(&mh, blk + 2, 2);
+            const float* xb = x + r * K + b * 32;
+            float dot = 0.f;
+            for (int j = 0; j < 16; ++j) dot += (blk[4 + j] & 0x0F) * xb[j] + (blk[4 + j] >> 4) * xb[j + 16];
+            total += half_to_float(dh) * dot + half_to_float(mh) * sx[r * nb + b];
+        }
+        out[r] = total;
+    }
+#endif
+}
+
+template <int R>
+inline void q8_row(const float* x, int64_t K, const int8_t* wrow, float scale, float* out) {
+    int64_t k = 0;
+#if OC_AVX2
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(wrow + k));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+        for (int r = 0; r < R; ++r) {
+            const float* xr = x + r * K + k;
+            acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
+            acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
+        }
+    }
+    float part[R];
+    for (int r = 0; r < R; ++r) part[r] = hsum(acc[r]);
+#else
+    float part[R];
+    for (int r = 0; r < R; ++r) part[r] = 0.f;
+#endif
+    for (int r = 0; r < R; ++r) {
+        float s = part[r];
+        for (int64_t j = k; j < K; ++j) s += wrow[j] * x[r * K + j];
+        out[r] = s * scale;
+    }
+}
+
+// Rows of x in blocks of kRows (and a remainder), output rows of W in tiles; threads split the tiles.
+template <typename RowFn>
+void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row) {
+    const int64_t tile = 16;
+    const int64_t tiles = (N + tile - 1) / tile;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t ti = 0; ti < tiles; ++ti) {
+        const int64_t n0 = ti * tile, n1 = std::min(N, n0 + tile);
+        for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+            const int64_t rows = std::min<int64_t>(kRows, T - t0);
+            for (int64_t n = n0; n < n1; ++n) row(t0, rows, n);
+        }
+    }
+}
+
+#if OC_AVX2
+inline float dot(const float* a, const float* b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < D; ++i) s += a[i] * b[i];
+    return s;
+}
+inline void axpy(float a, const float* x, float* y, int64_t D) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < D; ++i) y[i] += a * x[i];
+}
+#else
+inline float dot(const float* a, const float* b, int64_t D) {
+    float s = 0.f;
+    for (int64_t i = 0; i < D; ++i) s += a[i] * b[i];
+    return s;
+}
+inline void axpy(float a, const float* x, float* y, int64_t D) {
+    for (int64_t i = 0; i < D; ++i) y[i] += a * x[i];
+}
+#endif
+
+// Decode attention (one query token per sequence) straight from the paged cache, no gather.
+// q [*, H, D] (row q_rows[b] for sequence b); out rows likewise; lse [*, H] (natural log) or null.
+// Sequence b attends to its first kv_lens[b] tokens in pages page_idx[b, :].
+void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     const float* k_cache, const float* v_cache, const int64_t* page_idx, int64_t max_pages,
+                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
+    const int64_t group = H / Hkv;
+    const int64_t tok_stride = Hkv * D, page_stride = page_size * tok_stride;
+#pragma omp parallel num_threads(nt)
+    {
+        std::vector<float> scores;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * H; ++task) {
+            const int64_t b = task / H, h = task % H, kvh = h / group;
+            const int64_t n = kv_lens[b];
+            const float* qv = q + (q_rows[b] * H + h) * D;
+            float* ov = out + (q_rows[b] * H + h) * D;
+            scores.resize(n > 0 ? n : 1);
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t page = page_idx[b * max_pages + j / page_size];
+                const float* kv = k_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
+                const float s = dot(qv, kv, D) * scale;
+                scores[j] = s;
+                mx = std::max(mx, s);
+            }
+            float sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+                scores[j] = std::exp(scores[j] - mx);
+                sum += scores[j];
+            }
+            std::fill(ov, ov + D, 0.f);
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t page = page_idx[b * max_pages + j / page_size];
+                const float* vv = v_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
+                axpy(scores[j], vv, ov, D);
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (int64_t i = 0; i < D; ++i) ov[i] *= inv;
+            if (lse) lse[q_rows[b] * H + h] = n > 0 ? mx + std::log(sum) : -INFINITY;
+        }
+    }
+}
+
+// The projection of one weight, as described by the caller (see OcProj in engine/native/__init__.py).
+struct OcProj {
+    int64_t kind;  // 4 = int4 blocks, 8 = int8 rows
+    const void* w;
+    const float* scale;  // int8 only
+    const float* bias;   // or null
+    int64_t n, k;
+};
+
+void project(const OcProj& p, const float* x, int64_t T, float* y, int nt);
+
+inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float eps, float* out) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* xr = x + t * n;
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; ++i) ss += (double)xr[i] * xr[i];
+        const float inv = 1.f / std::sqrt((float)(ss / n) + eps);
+        for (int64_t i = 0; i < n; ++i) out[t * n + i] = xr[i] * inv * w[i];
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int oc_abi_version() { return 2; }
+int oc_simd() { return OC_AVX2; }
+
+// y [T, N] = x [T, K] @ W.T (+ bias), W int4 blocks as above. K % 32 == 0.
+void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
+                  int nt) {
+    const int64_t nb = K / 32;
+    std::vector<float> sx(T * nb);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+            float s = 0.f;
+            for (int j = 0; j < 32; ++j) s += x[t * K + b * 32 + j];
+            sx[t * nb + b] = s;
+        }
+    const int64_t row_bytes = nb * kQ4Block;
+    matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+        float out[kRows];
+        const float* xs = x + t0 * K;
+        const float* ss = sx.data() + t0 * nb;
+        const uint8_t* wrow = w + n * row_bytes;
+        switch (rows) {
+            case 4: q4_row<4>(xs, K, wrow, ss, nb, out); break;
+            case 3: q4_row<3>(xs, K, wrow, ss, nb, out); break;
+            case 2: q4_row<2>(xs, K, wrow, ss, nb, out); break;
+            default: q4_row<1>(xs, K, wrow, ss, nb, out); break;
+        }
+        const float b = bias ? bias[n] : 0.f;
+        for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+    });
+}
+
+// y [T, N] = x [T, K] @ (q * scale[:, None]).T (+ bias), q int8 [N, K].
+void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const float* scale, int64_t N,
+                  const float* bias, float* y, int nt) {
+    matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+        float out[kRows];
+        const float* xs = x + t0 * K;
+        const int8_t* wrow = q + n * K;
+        switch (rows) {
+            case 4: q8_row<4>(xs, K, wrow, scale[n], out); break;
+            case 3: q8_row<3>(xs, K, wrow, scale[n], out); break;
+            case 2: q8_row<2>(xs, K, wrow, scale[n], out); break;
+            default: q8_row<1>(xs, K, wrow, scale[n], out); break;
+        }
+        const float b = bias ? bias[n] : 0.f;
+        for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+    });
+}
+
+void oc_paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     const float* k_cache, const float* v_cache, const int64_t* page_idx, int64_t max_pages,
+                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
+    paged_decode(q, q_rows, B, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size, scale, out, lse,
+                 nt);
+}
+
+// One decoder layer for T decode rows (one new token per sequence), in place on the residual stream
+// x [T, hidden]: RMSNorm, fused q/k/v projection, RoPE (HF halves convention: x * cos + roll(x, D/2) *
+// sin_signed), K/V written to their cache slots, paged attention, output projection + residual,
+// RMSNorm, fused gate/up, SiLU(gate) * up, down projection + residual. ``proj``: qkv, o, gate_up, down.
+void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, const float* post_norm, float eps,
+                     const OcProj* proj, const float* cos, const float* sin_signed, const int64_t* slots,
+                     float* k_cache, float* v_cache, const int64_t* q_rows, const int64_t* page_idx,
+                     int64_t max_pages, const int64_t* kv_lens, int64_t page_size, int64_t H, int64_t Hkv,
+                     int64_t D, float scale, int nt) {
+    const int64_t qn = H * D, kvn = Hkv * D, qkv_n = qn + 2 * kvn, inter = proj[2].n / 2;
+    std::vector<float> hs(T * std::max(hidden, inter)), qkv(T * qkv_n), attn(T * qn), big(T * proj[2].n);
+    rms_norm(x, in_norm, T, hidden, eps, hs.data());
+    project(proj[0], hs.data(), T, qkv.data(), nt);
+    const int64_t half = D / 2;
+    std::vector<float> tmp(D);
+    for (int64_t t = 0; t < T; ++t) {
+        const float* c = cos + t * D;
+        const float* sn = sin_signed + t * D;
+        for (int64_t j = 0; j < H + Hkv; ++j) {
+            float* v = qkv.data() + t * qkv_n + j * D;
+            for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
+            std::memcpy(v, tmp.data(), D * sizeof(float));
+        }
+        std::memcpy(k_cache + slots[t] * kvn, qkv.data() + t * qkv_n + qn, kvn * sizeof(float));
+        std::memcpy(v_cache + slots[t] * kvn, qkv.data() + t * qkv_n + qn + kvn, kvn * sizeof(float));
+    }
+    // q rows live inside qkv (row stride qkv_n): copy them dense for the attention kernel
+    std::vector<float> q(T * qn);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(q.data() + t * qn, qkv.data() + t * qkv_n, qn * sizeof(float));
+    paged_decode(q.data(), q_rows, T, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size, scale,
+                 attn.data(), nullptr, nt);
+    project(proj[1], attn.data(), T, hs.data(), nt);
+    for (int64_t i = 0; i < T * hidden; ++i) x[i] += hs[i];
+    rms_norm(x, post_norm, T, hidden, eps, hs.data());
+    project(proj[2], hs.data(), T, big.data(), nt);
+    for (int64_t t = 0; t < T; ++t) {
+        const float* g = big.data() + t * 2 * inter;
+        float* a = hs.data() + t * inter;
+        for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+    }
+    project(proj[3], hs.data(), T, attn.data(), nt);
+    for (int64_t i = 0; i < T * hidden; ++i) x[i] += attn[i];
+}
+
+}  // extern "C"
+
+namespace {
+void project(const OcProj& p, const float* x, int64_t T, float* y, int nt) {
+    if (p.kind == 4) oc_q4_matmul(x, T, p.k, (const uint8_t*)p.w, p.n, p.bias, y, nt);
+    else oc_q8_matmul(x, T, p.k, (const int8_t*)p.w, p.scale, p.n, p.bias, y, nt);
+}
+}  // namespace
