@@ -29,7 +29,7 @@ def test_library_builds_here():
     assert LIB.oc_abi_version() == native.ABI_VERSION
 
 
-@pytest.mark.parametrize("T", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_projection_kernels_match_dequantized_weights(fmt, T, bias):
@@ -44,13 +44,14 @@ def test_projection_kernels_match_dequantized_weights(fmt, T, bias):
     y = kern(x)
     assert y.shape == (T, n) and y.dtype == torch.float32
     # fp32 accumulation of exact weights (int4 scales stored as fp16: relative 2^-11 per block)
-    tol = 2e-3 if fmt == "int4" else 1e-5
+    tol = 2e-3 if fmt == "int4" else 2e-4  # one or two rows: activations as int16 per block of 32
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
     assert kern.nbytes == (n * k // 32 * 20 if fmt == "int4" else n * k + n * 4) + (n * 4 if bias else 0)
 
 
-def test_q4_blocks_are_gguf_q4_1_blocks():
-    """A GGUF Q4_1 row decoded to int4 and packed back gives the file's own bytes."""
+def test_q4_blocks_hold_gguf_q4_1_bytes():
+    """A GGUF Q4_1 row decoded to int4 and packed gives the file's own bytes, regrouped per row:
+    all nibbles, then all scales d, then all offsets m."""
     rng = np.random.default_rng(0)
     n, k = 6, 64
     d = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16)
@@ -58,7 +59,8 @@ def test_q4_blocks_are_gguf_q4_1_blocks():
     qs = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
     raw = np.concatenate([d.view(np.uint8).reshape(n, -1, 2), m.view(np.uint8).reshape(n, -1, 2), qs], -1)
     w4 = gguf_block_to_int4("Q4_1", raw.reshape(n, -1), n, k)
-    assert kernels.pack_q4_blocks(w4).numpy().tobytes() == raw.tobytes()
+    regrouped = np.concatenate([qs.reshape(n, -1), d.view(np.uint8).reshape(n, -1), m.view(np.uint8).reshape(n, -1)], -1)
+    assert kernels.pack_q4_blocks(w4).numpy().tobytes() == regrouped.tobytes()
 
 
 def test_q4_rejects_what_it_cannot_serve():
@@ -183,7 +185,7 @@ def test_fused_decode_layers_match_layer_by_layer(make_engine, monkeypatch, tmp_
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids
         for da, db in zip(a.logprobs, b.logprobs):
-            assert abs(da.logprob - db.logprob) < 1e-4
+            assert abs(da.logprob - db.logprob) < 1e-3  # fp32 rounding order (norms, RoPE, SiLU) differs
 
 
 def test_fused_path_not_taken_where_it_does_not_apply(make_engine, monkeypatch, tmp_path):

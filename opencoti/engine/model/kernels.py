@@ -149,7 +149,7 @@ class Int4PackCPU(Kernel):
 
 
 class NativeQ4(Kernel):
-    """Native int4 (``engine/native``): 20-byte blocks of 32 weights (fp16 d, fp16 m, nibbles), fp32 math."""
+    """Native int4 (``engine/native``): 20 bytes per 32 weights (nibbles, fp16 d, fp16 m), fp32 accumulation."""
 
     name, fmt = "native_q4", "int4"
 
@@ -185,20 +185,20 @@ class NativeQ4(Kernel):
 
 
 def pack_q4_blocks(w4: Int4Weight) -> torch.Tensor:
-    """``Int4Weight`` (group 32) -> uint8 [N, K/32 * 20]: per block fp16 d, fp16 m, 16 bytes where byte j
-    holds value j (low nibble) and j + 16 (high); ``W = d * q + m`` (``m = zero - 8 d``). Raises when a
-    scale or offset does not fit fp16."""
+    """``Int4Weight`` (group 32) -> uint8 [N, K/32 * 20]: per row, K/32 x 16 bytes of nibbles (byte j of
+    a block holds value j low, j + 16 high, as GGUF Q4_0/Q4_1 do), then K/32 fp16 scales d, then K/32
+    fp16 offsets m: ``W = d * q + m`` (``m = zero - 8 d``). Raises when a scale or offset does not fit
+    fp16."""
     n, k = w4.shape
     nb = k // 32
     d = w4.scale.float()
     m = w4.zero.float() - 8.0 * d
-    dm = torch.stack([d, m], -1).half()  # [N, nb, 2]
+    dm = torch.stack([d, m], 0).half()  # [2, N, nb]
     if not bool(torch.isfinite(dm).all()):
         raise RuntimeError("int4 scales out of fp16 range")
     q = w4.q.view(n, nb, 32).to(torch.uint8)
-    nib = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
-    blocks = torch.cat([dm.view(torch.uint8).view(n, nb, 4), nib], -1)  # [N, nb, 20]
-    return blocks.reshape(n, nb * 20).contiguous()
+    nib = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, nb * 16)
+    return torch.cat([nib, dm[0].view(torch.uint8), dm[1].view(torch.uint8)], -1).contiguous()
 
 
 class NativeQ8(Kernel):

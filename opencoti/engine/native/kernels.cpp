@@ -6,9 +6,10 @@
 // already loaded (same soname), so both share one thread pool.
 //
 // Layouts
-//   int4 ("q4"): per output row, K/32 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; byte j
-//                holds value j (low nibble) and value j + 16 (high nibble); W[n, k] = d * q + m
-//                (GGUF Q4_1's block, so Q4_1 files map onto it bit for bit).
+//   int4 ("q4"): per output row of K weights in nb = K/32 blocks: nb x 16 bytes of nibbles (byte j of
+//                a block holds value j in its low nibble and value j + 16 in its high one, as GGUF
+//                Q4_0/Q4_1 do), then nb fp16 scales d, then nb fp16 offsets m; W[n, k] = d * q + m.
+//                (GGUF Q4_1's blocks hold the same numbers, interleaved per block.)
 //   int8 ("q8"): int8 [N, K] and one fp32 scale per output row: W[n, k] = q * scale[n].
 //   KV cache  : fp32 [pages, page_size, Hkv, D] per layer; page tables int64 [B, max_pages].
 // Activations and outputs are fp32; accumulation is fp32 (weights are never rounded further).
@@ -29,7 +30,7 @@
 namespace {
 
 constexpr int kQ4Block = 20;  // bytes per 32 weights
-constexpr int kRows = 4;      // activation rows per register block
+constexpr int kRows = 8;      // activation rows per register block (8 accumulators + 4 weight vectors)
 
 inline float half_to_float(uint16_t h) {
 #if OC_AVX2
@@ -67,14 +68,12 @@ inline void q4_row(const float* x, int64_t K, const uint8_t* wrow, const float* 
     float msum[R];
     for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); msum[r] = 0.f; }
     const __m128i low4 = _mm_set1_epi8(0x0F);
+    const uint16_t* dp = (const uint16_t*)(wrow + nb * 16);
+    const uint16_t* mp = dp + nb;
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wrow + b * kQ4Block;
-        uint16_t dh, mh;
-        std::memcpy(&dh, blk, 2);
-        std::memcpy(&mh, blk + 2, 2);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
-        const float m = _cvtsh_ss(mh);
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + 4));
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dp[b]));
+        const float m = _cvtsh_ss(mp[b]);
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(wrow + b * 16));
         const __m128i lo = _mm_and_si128(raw, low4);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
         const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
@@ -95,20 +94,105 @@ inline void q4_row(const float* x, int64_t K, const uint8_t* wrow, const float* 
 #else
     for (int r = 0; r < R; ++r) {
         float total = 0.f;
+        uint16_t dh, mh;
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* blk = wrow + b * kQ4Block;
-            uint16_t dh, mh;
-            std::memcpy(&dh, blk, 2);
-            std::memcpy(&mh, blk + 2, 2);
+            const uint8_t* qs = wrow + b * 16;
+            std::memcpy(&dh, wrow + nb * 16 + b * 2, 2);
+            std::memcpy(&mh, wrow + nb * 18 + b * 2, 2);
             const float* xb = x + r * K + b * 32;
             float dot = 0.f;
-            for (int j = 0; j < 16; ++j) dot += (blk[4 + j] & 0x0F) * xb[j] + (blk[4 + j] >> 4) * xb[j + 16];
+            for (int j = 0; j < 16; ++j) dot += (qs[j] & 0x0F) * xb[j] + (qs[j] >> 4) * xb[j + 16];
             total += half_to_float(dh) * dot + half_to_float(mh) * sx[r * nb + b];
         }
         out[r] = total;
     }
 #endif
 }
+
+#if OC_AVX2
+// The same products with the activations as int16 per block of 32 (scale dx: |x| max / 32767, so
+// each activation keeps 15 bits, more than the bf16 torch's int kernels use): the weights widen to
+// int16 once per block and _mm256_madd_epi16 multiplies and pairs them, half the instructions of the
+// fp32 path per weight at one or two rows.
+template <int R>
+inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, const float* sx,
+                       int64_t nb, float* out) {
+    // per block: dd = d * dx (the product's scale) and the offset term m * sum(x), 8 blocks at a time
+    constexpr int64_t kMaxBlocks = 512;  // K <= 16384 (callers check)
+    alignas(32) float dd[R][kMaxBlocks];
+    float msum[R];
+    const uint16_t* dp = (const uint16_t*)(wrow + nb * 16);
+    const uint16_t* mp = dp + nb;
+    for (int r = 0; r < R; ++r) {
+        __m256 ms = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + b)));
+            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + b)));
+            _mm256_store_ps(dd[r] + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
+            ms = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), ms);
+        }
+        float tail = 0.f;
+        for (; b < nb; ++b) {
+            dd[r][b] = _cvtsh_ss(dp[b]) * dx[r * nb + b];
+            tail += _cvtsh_ss(mp[b]) * sx[r * nb + b];
+        }
+        msum[r] = hsum(ms) + tail;
+    }
+    __m256 acc[R][2];  // two chains per row: consecutive blocks do not wait on one FMA's latency
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(wrow + b * 16));
+        const __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+        const __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        for (int r = 0; r < R; ++r) {
+            const int16_t* xb = x16 + r * K + b * 32;
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)xb)),
+                                               _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i*)(xb + 16))));
+            acc[r][b & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd[r] + b), _mm256_cvtepi32_ps(p), acc[r][b & 1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + msum[r];
+}
+
+template <int R>
+inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int8_t* wrow, float scale, int64_t nb,
+                       float* out) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 32)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 32 + 16)));
+        for (int r = 0; r < R; ++r) {
+            const int16_t* xb = x16 + r * K + b * 32;
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xb)),
+                                               _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xb + 16))));
+            acc[r][b & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(dx + r * nb + b), _mm256_cvtepi32_ps(p), acc[r][b & 1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * scale;
+}
+#endif
+
+// Per row and block of 32: the int16 activations and their scale (see q4_row_i16).
+inline void quantize_i16(const float* x, int64_t T, int64_t K, std::vector<int16_t>& x16, std::vector<float>& dx) {
+    const int64_t nb = K / 32;
+    x16.resize(T * K);
+    dx.resize(T * nb);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* xb = x + t * K + b * 32;
+            float amax = 0.f;
+            for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+            const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+            dx[t * nb + b] = d;
+            for (int j = 0; j < 32; ++j) x16[t * K + b * 32 + j] = (int16_t)std::lrintf(xb[j] * inv);
+        }
+}
+
+// Rows at or under this count take the int16 path (AVX2 only).
+constexpr int64_t kI16MaxRows = 2;
 
 template <int R>
 inline void q8_row(const float* x, int64_t K, const int8_t* wrow, float scale, float* out) {
@@ -264,12 +348,32 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
             sx[t * nb + b] = s;
         }
     const int64_t row_bytes = nb * kQ4Block;
+#if OC_AVX2
+    if (T <= kI16MaxRows && nb <= 512) {
+        std::vector<int16_t> x16;
+        std::vector<float> dx;
+        quantize_i16(x, T, K, x16, dx);
+        matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+            float out[kRows];
+            const uint8_t* wrow = w + n * row_bytes;
+            if (rows == 2) q4_row_i16<2>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, sx.data() + t0 * nb, nb, out);
+            else q4_row_i16<1>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, sx.data() + t0 * nb, nb, out);
+            const float b = bias ? bias[n] : 0.f;
+            for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+        });
+        return;
+    }
+#endif
     matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
         float out[kRows];
         const float* xs = x + t0 * K;
         const float* ss = sx.data() + t0 * nb;
         const uint8_t* wrow = w + n * row_bytes;
         switch (rows) {
+            case 8: q4_row<8>(xs, K, wrow, ss, nb, out); break;
+            case 7: q4_row<7>(xs, K, wrow, ss, nb, out); break;
+            case 6: q4_row<6>(xs, K, wrow, ss, nb, out); break;
+            case 5: q4_row<5>(xs, K, wrow, ss, nb, out); break;
             case 4: q4_row<4>(xs, K, wrow, ss, nb, out); break;
             case 3: q4_row<3>(xs, K, wrow, ss, nb, out); break;
             case 2: q4_row<2>(xs, K, wrow, ss, nb, out); break;
@@ -283,11 +387,32 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
 // y [T, N] = x [T, K] @ (q * scale[:, None]).T (+ bias), q int8 [N, K].
 void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const float* scale, int64_t N,
                   const float* bias, float* y, int nt) {
+#if OC_AVX2
+    if (T <= kI16MaxRows && K % 32 == 0) {
+        const int64_t nb = K / 32;
+        std::vector<int16_t> x16;
+        std::vector<float> dx;
+        quantize_i16(x, T, K, x16, dx);
+        matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+            float out[kRows];
+            const int8_t* wrow = q + n * K;
+            if (rows == 2) q8_row_i16<2>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, scale[n], nb, out);
+            else q8_row_i16<1>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, scale[n], nb, out);
+            const float b = bias ? bias[n] : 0.f;
+            for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+        });
+        return;
+    }
+#endif
     matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
         float out[kRows];
         const float* xs = x + t0 * K;
         const int8_t* wrow = q + n * K;
         switch (rows) {
+            case 8: q8_row<8>(xs, K, wrow, scale[n], out); break;
+            case 7: q8_row<7>(xs, K, wrow, scale[n], out); break;
+            case 6: q8_row<6>(xs, K, wrow, scale[n], out); break;
+            case 5: q8_row<5>(xs, K, wrow, scale[n], out); break;
             case 4: q8_row<4>(xs, K, wrow, scale[n], out); break;
             case 3: q8_row<3>(xs, K, wrow, scale[n], out); break;
             case 2: q8_row<2>(xs, K, wrow, scale[n], out); break;
