@@ -79,7 +79,12 @@ class Autotuner:
     def entry(self, fmt: str, n: int, k: int) -> str:
         threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         batches = ",".join(map(str, BATCHES))
-        cands = ",".join(kernels.candidates(fmt, self.device))  # a new kernel here: measure again
+        names = kernels.candidates(fmt, self.device)
+        cands = ",".join(names)  # a new kernel here, or a rebuilt native one: measure again
+        if any(n.startswith("native_") for n in names):
+            from .. import native
+
+            cands += f" native={native.build_id()}"
         return (f"{fmt} {n}x{k} act={str(self.act_dtype).replace('torch.', '')} threads={threads} batches={batches}"
                 f" kernels={cands}")
 

@@ -154,6 +154,12 @@ def status() -> dict:
     return {"available": _state["lib"] is not None, "reason": _state["reason"], "path": _state["path"]}
 
 
+def build_id() -> str | None:
+    """Identifies the built library (source, flags, compiler, CPU): kernel timings depend on it."""
+    lib()
+    return Path(_state["path"]).stem.rsplit("-", 1)[-1] if _state["path"] else None
+
+
 def threads() -> int:
     return max(1, torch.get_num_threads())
 
