@@ -8,6 +8,10 @@
 2. A task on the event loop sleeps 5 ms at a time. When it wakes late, the loop was busy (or could
    not get the GIL): it logs the main-thread samples of that interval - what the loop was running.
 3. Garbage collections longer than ``STALL_MS`` (they hold the GIL) are logged with their generation.
+4. With ``STALL_CCALLS=1``, every call into C (a builtin, an extension function) that took longer
+   than ``STALL_MS`` is logged with its thread and caller (``sys.setprofile`` in every thread: slower
+   Python, exact culprits). Calls that release the GIL while they wait (sleeps, locks, I/O, torch
+   kernels) show up too: read them against the GIL waits of the same moment.
 
 Usage: ``STALL_LOG=stalls.log python benchmarks/stall_probe.py --port 8080 [serve options]``.
 ``summarize(path, since)`` turns the log into the longest stalls and their stacks.
@@ -83,6 +87,31 @@ def _gc_timer(log):
     return callback
 
 
+def _ccall_profiler(log):
+    """A profile function (``sys.setprofile``) logging each C call longer than ``STALL``."""
+    local = threading.local()
+
+    def prof(frame, event, arg):
+        if event == "c_call":
+            try:
+                local.starts.append(time.perf_counter())
+            except AttributeError:
+                local.starts = [time.perf_counter()]
+        elif event in ("c_return", "c_exception"):
+            starts = getattr(local, "starts", None)
+            if not starts:
+                return
+            took = time.perf_counter() - starts.pop()
+            if took > STALL:
+                name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", repr(arg))
+                mod = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__name__
+                log.write(f"--- CCALL {took * 1e3:.0f} ms at {time.time():.3f}: {mod}.{name} "
+                          f"[{threading.current_thread().name}]\n  {_short(frame, 8)}\n")
+                log.flush()
+
+    return prof
+
+
 def summarize(path: str, since: float = 0.0, until: float = float("inf"), top: int = 8) -> list[str]:
     """The ``top`` longest stalls logged between ``since`` and ``until`` (time.time()), with their stacks."""
     try:
@@ -91,7 +120,7 @@ def summarize(path: str, since: float = 0.0, until: float = float("inf"), top: i
         return []
     entries = []
     for block in re.split(r"\n(?=---|===)", text):
-        m = re.match(r"(?:---|===) (GIL wait|LOOP lag|GC) (\d+) ms at ([\d.]+)", block)
+        m = re.match(r"(?:---|===) (GIL wait|LOOP lag|GC|CCALL) (\d+) ms at ([\d.]+)", block)
         if m and since <= float(m.group(3)) <= until:
             entries.append((int(m.group(2)), block))
     entries.sort(key=lambda e: -e[0])
@@ -103,6 +132,10 @@ def main() -> int:
     threading.Thread(target=_watchdog, args=(log, threading.main_thread().ident), daemon=True,
                      name="stall-watchdog").start()
     gc.callbacks.append(_gc_timer(log))
+    if os.environ.get("STALL_CCALLS") == "1":
+        prof = _ccall_profiler(log)
+        threading.setprofile(prof)
+        sys.setprofile(prof)
     sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")))
     from opencoti.server import state
 

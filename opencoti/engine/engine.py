@@ -30,6 +30,7 @@ from .persist.sync import open_state
 from .results import GenerationResult
 from .session import MaterializeJob
 from .streams import AsyncTokenStream, TokenStream
+from .tokenizer import first_bad_id
 
 log = logging.getLogger("opencoti.engine")
 
@@ -259,8 +260,10 @@ class Engine(PoolAPIMixin):
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: Seq[int]) -> str:
-        self.core._check_tokens(list(token_ids), "tokens") if token_ids else None
-        return self.tokenizer.decode(list(token_ids))
+        ids = token_ids if type(token_ids) is list else list(token_ids)  # a long list is not copied
+        if ids and first_bad_id(ids, self.core.vocab_size) is not None:
+            self.core._check_tokens(ids, "tokens")  # the exact check and its error
+        return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True) -> str:
@@ -283,6 +286,8 @@ class Engine(PoolAPIMixin):
     # ======================================================================== generation
     def _start(self, prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens,
                sink: Callable[[tuple], None], overcommit: bool = False, cache_salt: str | None = None):
+        if isinstance(prompt, (list, tuple)) and len(prompt) > self.max_context:  # refused before any copy
+            self.core._check_fits(len(prompt), getattr(params, "max_tokens", None))  # or check of its ids
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
         return self._admission.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,

@@ -136,6 +136,8 @@ class Tokenizer:
     # -- helpers for subclasses --------------------------------------------
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        if type(ids) is list and first_bad_id(ids, self.vocab_size) is None:
+            return ids  # checked a slice at a time, not copied (a copy of millions of ids is one long call)
         out = []
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int):
@@ -149,7 +151,22 @@ class Tokenizer:
         return out
 
 
-DECODE_PIECE = 1 << 13  # long id lists are decoded this many ids at a time
+def first_bad_id(ids: list, vocab_size: int) -> int | None:
+    """The index of the first element of ``ids`` that is not an ``int`` (bools are not) in
+    ``[0, vocab_size)``, or None. Checked ``CHECK_SLICE`` ids per call (set / min / max): each call
+    holds the GIL briefly, where one call over millions of ids would hold it for tens of ms."""
+    for a in range(0, len(ids), CHECK_SLICE):
+        chunk = ids[a:a + CHECK_SLICE]
+        if set(map(type, chunk)) == {int} and min(chunk) >= 0 and max(chunk) < vocab_size:
+            continue
+        for j, t in enumerate(chunk):
+            if type(t) is not int or not 0 <= t < vocab_size:
+                return a + j
+    return None
+
+
+CHECK_SLICE = 1 << 14  # ids per call of first_bad_id
+DECODE_PIECE = 1 << 12  # long id lists are decoded this many ids at a time
 PIECE_CHARS = 1 << 14  # a long text is cut into pieces of about this many characters ...
 BATCH_PIECES = 16  # ... encoded this many at a time (one GIL-free call into the Rust tokenizer)
 _SEPARATORS = (" ", "\n")  # a piece starts at one of these, between two non-space characters

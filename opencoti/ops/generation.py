@@ -108,7 +108,7 @@ def _completion_prompt(ctx: Context, prompt) -> tuple[list[int], str | None]:
         if not prompt:
             raise InvalidRequestError("prompt is empty")
         return ctx.engine.tokenize(prompt), prompt
-    return list(prompt), None
+    return (prompt if type(prompt) is list else list(prompt)), None  # not copied: the engine checks and copies
 
 
 def prepare_completion(ctx: Context, body: CompletionRequest) -> Prepared:

@@ -24,7 +24,13 @@ MAX_STOP_CHARS = 1024
 
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 StopField = Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None]
-PromptField = Union[str, list[int], list[str], list[list[int]]]
+# long lists fail fast: validation stops at a list's first bad element (pydantic would otherwise
+# report every element that does not fit each branch of a union: millions of errors for one body)
+_FAIL_FAST = Field(fail_fast=True)
+TokenIds = Annotated[list[int], _FAIL_FAST]
+Strings = Annotated[list[str], _FAIL_FAST]
+PromptField = Union[str, TokenIds, Strings, Annotated[list[TokenIds], _FAIL_FAST]]
+LlamaPrompts = Annotated[list[Union[str, TokenIds, dict[str, Any]]], _FAIL_FAST]
 MAX_PROMPTS = 64  # prompts in one completion request (a list: one result per prompt)
 # what the generation routes accept (pydantic's own schema would allow "" and []): an empty
 # prompt, alone or in a list, is a 400
@@ -136,7 +142,7 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields, PolyKVFields):
     """llama.cpp's ``POST /completion``."""
 
-    prompt: Union[PromptField, dict[str, Any], list[Union[str, list[int], dict[str, Any]]]] = Field(
+    prompt: Union[PromptField, dict[str, Any], LlamaPrompts] = Field(
         ..., description="text, token ids, {\"prompt_string\": text}, or a list of them (one result per prompt, "
                          "each with its index; streamed with stream); none may be empty",
         json_schema_extra=LLAMA_PROMPT_SCHEMA)
@@ -147,8 +153,8 @@ class CompletionRequest(SamplingFields, PolyKVFields):
                          json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
     cache_prompt: bool = Field(True, description="accepted for compatibility; sessions always cache")
     return_tokens: bool = Field(False, description="include the generated token ids")
-    response_fields: list[str] | None = Field(None, description="only these fields of the answer ('a/b' takes b "
-                                                               "from object a, keyed 'a/b')")
+    response_fields: Strings | None = Field(None, description="only these fields of the answer ('a/b' takes b "
+                                                            "from object a, keyed 'a/b')")
     return_progress: bool = Field(False, description="stream: report prompt processing progress (prompt_progress)")
     response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"json_object\", \"schema\": {...}} "
                                                                      "or OpenAI's json_schema form")
@@ -208,7 +214,7 @@ class TokenizeRequest(_Lenient):
 
 
 class DetokenizeRequest(_Lenient):
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class ApplyTemplateRequest(_Lenient):
@@ -225,8 +231,8 @@ class _PrefixSource(_Strict):
     """Exactly one of ``tokens`` / ``text`` / ``messages`` (+ ``tools``) / ``from_session``."""
 
     model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages", "from_session"))
-    tokens: list[int] | None = Field(None, description="the full prefix [0, L) as token ids",
-                                     json_schema_extra=NON_EMPTY)
+    tokens: TokenIds | None = Field(None, description="the full prefix [0, L) as token ids",
+                                    json_schema_extra=NON_EMPTY)
     text: str | None = Field(None, description="the full prefix as raw text (tokenized without specials)",
                              json_schema_extra={"minLength": 1})
     messages: list[Any] | None = Field(None, description="chat messages rendered with the chat template",
@@ -266,7 +272,7 @@ class CompactRequest(_Strict):
 
     model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages"))
     ancestor_pool_id: int
-    tokens: list[int] | None = None
+    tokens: TokenIds | None = None
     text: str | None = None
     messages: list[Any] | None = None
     tools: list[Any] | None = None

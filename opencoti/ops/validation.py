@@ -36,6 +36,9 @@ def validate_query(model: type[M], data: dict | None) -> M:
         raise InvalidRequestError(validation_message(e.errors())) from None
 
 
+MAX_PROBLEMS = 8  # problems named in one message (the rest are counted)
+
+
 def validation_message(errors: list[dict]) -> str:
     """One message for pydantic / FastAPI validation errors (``where: problem (got value)``; joined)."""
     parts: list[str] = []
@@ -67,12 +70,41 @@ def validation_message(errors: list[dict]) -> str:
         parts.append(text)
     for field, (kinds, given) in unions.items():
         parts.append(f"{field}: expected one of {' | '.join(kinds)} (got {short_repr(given)})")
+    if len(parts) > MAX_PROBLEMS:  # an error message stays short, whatever the body
+        parts[MAX_PROBLEMS:] = [f"and {len(parts) - MAX_PROBLEMS} more problems"]
     return "; ".join(parts) or "invalid request"
 
 
-def short_repr(value: Any) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``value`` as JSON (its repr if it is not JSON), cut to ``limit`` characters. Only what the
+    cut keeps is rendered: a message never encodes megabytes of input."""
     try:
+        value = _clip(value, [limit + 2], limit)
         s = json.dumps(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         s = repr(value)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _clip(value: Any, left: list[int], limit: int) -> Any:
+    """``value`` without what its JSON would show after the first ``limit`` characters: each value
+    visited renders at least one character, so once ``left`` runs out the rest is dropped, and a
+    string is cut to ``limit`` characters."""
+    left[0] -= 1
+    if isinstance(value, str):
+        return value[:limit + 1]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for x in value:
+            if left[0] <= 0:
+                break
+            out.append(_clip(x, left, limit))
+        return out
+    if isinstance(value, dict):
+        clipped = {}
+        for k, x in value.items():
+            if left[0] <= 0:
+                break
+            clipped[k[:limit + 1] if isinstance(k, str) else k] = _clip(x, left, limit)
+        return clipped
+    return value

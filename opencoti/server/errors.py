@@ -69,10 +69,8 @@ class SafeJSONResponse(JSONResponse):
     engine some other way) is sent \\u-escaped instead of failing the whole answer."""
 
     def render(self, content) -> bytes:
-        try:  # a large answer is encoded in steps: the GIL is never held for long (json_steps)
-            return json_steps.dumps(content).encode("utf-8")
-        except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+        # a large answer is encoded in steps: the GIL is never held for long (json_steps)
+        return json_steps.dumps_bytes(content)
 
 
 def error_body(status: int, message: str, error_type: str) -> dict:

@@ -10,9 +10,11 @@ import secrets
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import gcpause
 from .errors import error_body
 from .metrics import ServerMetrics
 
+LARGE_BODY = 1 << 20  # bodies from this size on are handled with automatic GC paused (gcpause)
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
@@ -55,7 +57,9 @@ class BodyTimeout(Exception):
 class BodyLimitMiddleware:
     """Refuse request bodies larger than ``limit`` bytes with 413 (by Content-Length, or while reading),
     and bodies that do not arrive within ``timeout_s`` (a slow or short-of-its-Content-Length client)
-    with 408."""
+    with 408. A request whose body reaches ``LARGE_BODY`` bytes is handled, until its answer is sent,
+    with automatic garbage collection paused (``gcpause``: collections would walk its lists of
+    millions of ids while holding the GIL)."""
 
     def __init__(self, app, limit: int, timeout_s: float = 30.0):
         self.app = app
@@ -65,10 +69,11 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        length = 0
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
-                    n = int(v)
+                    n = length = int(v)
                 except ValueError:
                     return await _send_error(send, 400, "invalid Content-Length", "invalid_request_error")
                 if n > self.limit:
@@ -79,9 +84,12 @@ class BodyLimitMiddleware:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         body_done = False
         started = False
+        large = length >= LARGE_BODY
+        if large:
+            gcpause.enter()
 
         async def limited_receive():
-            nonlocal seen, body_done
+            nonlocal seen, body_done, large
             if body_done:  # the body is in: later receives wait for a disconnect, without a deadline
                 return await receive()
             left = deadline - asyncio.get_running_loop().time()
@@ -93,6 +101,9 @@ class BodyLimitMiddleware:
                 seen += len(msg.get("body", b""))
                 if seen > limit:
                     raise StarletteHTTPException(413, f"request body exceeds the limit of {limit} bytes")
+                if not large and seen >= LARGE_BODY:  # a chunked body (no Content-Length) grew large
+                    large = True
+                    gcpause.enter()
                 body_done = not msg.get("more_body", False)
             return msg
 
@@ -107,6 +118,9 @@ class BodyLimitMiddleware:
             if not started:
                 await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
                                   "invalid_request_error", [(b"connection", b"close")])
+        finally:
+            if large:
+                gcpause.leave()
 
 
 class RequestGuardMiddleware:

@@ -97,28 +97,57 @@ def _validate(field, data: Any) -> Any:
     """``field.validate(data)`` as FastAPI calls it, raising its RequestValidationError. Long lists of
     integers (token ids) are checked here a slice at a time and stand in as one element while
     pydantic validates the body (a list of millions of ids is one long call into pydantic): every
-    element an integer, they take the same branch of any union; then they are put back."""
+    element an integer, they take the same branch of any union; then they are put back. A long list
+    of integers with an element that is not one stands in as its first element and that one: the
+    lists of the unions fail fast (``ops.schemas``), so they fail where the whole list would, and
+    the errors name the element's index in the list that was sent."""
     stand_ins = _stand_in_id_lists(data, field.field_info.annotation)
     value, errors = field.validate(data, {}, loc=("body",))
     if stand_ins:
-        originals = {id(short): original for _, short, original in stand_ins}
-        for path, short, original in stand_ins:  # the body as it was sent
+        originals = {id(short): original for _, short, original, _ in stand_ins}
+        for path, short, original, _ in stand_ins:  # the body as it was sent
             _set(data, path, original)
         if errors:
             for err in errors:  # what an error shows is the body that was sent
                 if id(err.get("input")) in originals:
                     err["input"] = originals[id(err["input"])]
-        elif not _put_back(value, stand_ins):  # (not where expected: validate what was sent)
-            value, errors = field.validate(data, {}, loc=("body",))
+                for path, _, _, bad in stand_ins:
+                    if bad >= 0:
+                        err["loc"] = _remap_index(tuple(err.get("loc", ())), path, bad)
+        elif any(bad >= 0 for *_, bad in stand_ins) or not _put_back(value, stand_ins):
+            value, errors = field.validate(data, {}, loc=("body",))  # (not as expected: validate what was sent)
     if errors:
         raise RequestValidationError(errors, body=None)
     return value
 
 
-def _is_id_list(v: Any) -> bool:
-    if type(v) is not list or len(v) <= json_steps.SLICE:
-        return False
-    return all(set(map(type, v[i:i + json_steps.SLICE])) == {int} for i in range(0, len(v), json_steps.SLICE))
+def _remap_index(loc: tuple, path: tuple, bad: int) -> tuple:
+    """``loc`` of an error in a body whose list at ``path`` stood in as [first, element ``bad``]:
+    index 1 of that list becomes ``bad``. Union member tags (strings) may sit between the parts."""
+    i, want = 1, list(path)  # loc[0] is "body"
+    while i < len(loc) and want:
+        if loc[i] == want[0] and type(loc[i]) is type(want[0]):
+            want.pop(0)
+        elif not isinstance(loc[i], str):
+            return loc  # another place of the body
+        i += 1
+    while i < len(loc) and isinstance(loc[i], str):
+        i += 1
+    if want or i >= len(loc) or loc[i] != 1:
+        return loc
+    return loc[:i] + (bad,) + loc[i + 1:]
+
+
+def _long_ids(v: Any) -> int | None:
+    """For a long list that starts with an integer: -1 when every element is one, else the index of
+    the first that is not (an integer's type is ``int``: a bool is not); None for anything else."""
+    if type(v) is not list or len(v) <= json_steps.SLICE or type(v[0]) is not int:
+        return None
+    for i in range(0, len(v), json_steps.SLICE):
+        chunk = v[i:i + json_steps.SLICE]
+        if set(map(type, chunk)) != {int}:
+            return i + next(j for j, x in enumerate(chunk) if type(x) is not int)
+    return -1
 
 
 def _admits_ids(tp: Any, depth: int) -> bool:
@@ -136,23 +165,30 @@ def _admits_ids(tp: Any, depth: int) -> bool:
     return False
 
 
-def _stand_in_id_lists(data: Any, model: Any) -> list[tuple[tuple, list, list]]:
+def _stand_in_id_lists(data: Any, model: Any) -> list[tuple[tuple, list, list, int]]:
     """Replace each long list of integers in ``data`` (a member of the body object, or an element
-    of such a member) whose field accepts a list of integers by a one-element list (every element
-    an integer, the list validates exactly as its stand-in does); returns (path, stand-in,
-    original) of each."""
+    of such a member) whose field accepts a list of integers by a short one: [first] when every
+    element is an integer (the list validates exactly as its stand-in does), [first, element k]
+    when element k is the first that is not; returns (path, stand-in, original, k or -1) of each."""
     out: list = []
     if not isinstance(data, dict) or not (isinstance(model, type) and issubclass(model, BaseModel)):
         return out
     fields = {(f.alias or name): f.annotation for name, f in model.model_fields.items()}
+
+    def stand_in(path: tuple, v: Any) -> None:
+        bad = _long_ids(v)
+        if bad is not None:
+            out.append((path, [v[0]] if bad < 0 else [v[0], v[bad]], v, bad))
+
     for k, v in data.items():
         if k not in fields:
             continue
-        if _admits_ids(fields[k], 1) and _is_id_list(v):
-            out.append(((k,), [v[0]], v))
-        elif type(v) is list and len(v) <= 1024 and _admits_ids(fields[k], 2):
-            out += [((k, j), [x[0]], x) for j, x in enumerate(v) if _is_id_list(x)]
-    for path, short, _ in out:
+        if _admits_ids(fields[k], 1):
+            stand_in((k,), v)
+        if type(v) is list and len(v) <= 1024 and _admits_ids(fields[k], 2):
+            for j, x in enumerate(v):
+                stand_in((k, j), x)
+    for path, short, _, _ in out:
         _set(data, path, short)
     return out
 
@@ -167,7 +203,7 @@ def _put_back(model: Any, stand_ins: list) -> bool:
     """Put the original lists into the validated model where their stand-ins came out (False, and
     nothing changed, when one is not found there as a one-element list)."""
     targets = []
-    for path, short, original in stand_ins:
+    for path, short, original, _ in stand_ins:
         if not isinstance(model, BaseModel) or path[0] not in type(model).model_fields:
             return False
         holder, key = model.__dict__, path[0]

@@ -32,12 +32,22 @@ def reference(obj) -> str:
 def test_sliced_encoding_gives_the_same_bytes(obj, monkeypatch):
     monkeypatch.setattr(json_steps, "STR_SLICE", 1000)
     assert json_steps.dumps(obj) == reference(obj)
+    assert json_steps.dumps_bytes(obj) == reference(obj).encode("utf-8")
+    assert json_steps.dumps(obj, ensure_ascii=True) == json.dumps(obj, allow_nan=False, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("obj", [{"content": "ok é " * 5000 + "\ud800" + "x" * 3000}, ["\udc00", 1],
+                                 {"tokens": list(range(json_steps.SLICE + 1)), "text": "a\ud83d"}])
+def test_text_that_is_not_unicode_is_sent_escaped(obj, monkeypatch):
+    monkeypatch.setattr(json_steps, "STR_SLICE", 1000)
+    want = json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    assert json_steps.dumps_bytes(obj) == want
 
 
 def test_large_detection_and_errors():
     assert json_steps.is_large({"tokens": list(range(json_steps.SLICE + 1))})
     assert json_steps.is_large([[0] * (json_steps.SLICE + 1)])
-    assert not json_steps.is_large({"tokens": list(range(100)), "text": "x" * 10**6})
+    assert not json_steps.is_large({"tokens": list(range(100)), "text": "x" * json_steps.STR_SLICE})
     assert json_steps.is_large({"text": "x" * (json_steps.STR_SLICE + 1)})
     with pytest.raises(ValueError):
         json_steps.dumps({"x": [math.nan] * (json_steps.SLICE + 1)})
@@ -160,13 +170,24 @@ def test_long_id_lists_validated_in_steps_give_the_same_models_and_errors():
         want, errors = field.validate(json.loads(raw), {}, loc=("body",))
         assert not errors and type(got) is type(want) and got == want, path
     field = _body_field("/completion")
-    for body in ({"prompt": ids, "temperature": "hot"}, {"prompt": ids[:100] + ["x"]}, {"prompt": [ids, 5]},
-                 {"prompt": ids, "n_predict": 1, "stop": ids}):
+    # errors, also of long lists of ids with an element that is not one (they stand in as [first, that
+    # one]): the same errors, with the same indexes and inputs, as when pydantic validates all of it
+    mixed = [("/completion", {"prompt": ids + ["x"]}), ("/completion", {"prompt": ids[:7] + [True] + ids}),
+             ("/completion", {"prompt": [ids, ids[:3] + [None] + ids], "n_predict": 1}),
+             ("/completion", {"prompt": [ids + [1.5], "a"]}), ("/completion", {"prompt": ids + [[1]], "stop": 5}),
+             ("/v1/completions", {"prompt": ids + ["x"], "max_tokens": 1}), ("/detokenize", {"tokens": ids + ["7"]}),
+             ("/polykv/pools", {"tokens": ids[:1] + [-1.0] + ids, "label": "x"})]
+    for path, body in [("/completion", b) for b in ({"prompt": ids, "temperature": "hot"},
+                                                    {"prompt": ids[:100] + ["x"]}, {"prompt": [ids, 5]},
+                                                    {"prompt": ids, "n_predict": 1, "stop": ids})] + mixed:
+        field = _body_field(path)
         raw = json.dumps(body).encode()
         with pytest.raises(RequestValidationError) as e:
             routing._parse(raw, field)
         _, want = field.validate(json.loads(raw), {}, loc=("body",))
+        assert e.value.errors() == want, body
         assert validation_message(e.value.errors()) == validation_message(want), body
+    field = _body_field("/completion")
     for body in ({"prompt": ["a"] * 5000 + ["\ud800"]}, {"prompt": "x" * 70_000 + "\udc00"},
                  {"prompt": ids, "stop": ["ok", "bad\ud800"]}, {"\ud800" + "k" * 70_000: 1}):
         raw = json.dumps(body).encode()
@@ -203,3 +224,142 @@ def test_a_server_that_loads_its_model_freezes_the_start_heap(make_engine):
             assert gc.get_freeze_count() > 0  # later collections skip what the start made
     finally:
         gc.unfreeze()
+
+
+def test_error_answers_to_large_bodies_stay_short(engine):
+    """An error names the problem, never echoes the body: a 400 for megabytes of ids is < 1 KB."""
+    from opencoti.server.middleware import LARGE_BODY
+
+    n = LARGE_BODY // 3
+    ids = [65] * n
+    cases = [("/completion", {"prompt": ids, "n_predict": 1}, ["exceeds the context"]),
+             ("/completion", {"prompt": ids + ["x"], "n_predict": 1}, [f"prompt.list[int].{n}:", '(got "x")']),
+             ("/completion", {"prompt": ids[:7] + [True] + ids}, ["prompt.list[int].7:", "(got true)"]),
+             ("/completion", {"prompt": ["x"] * n + [5]}, [f"prompt.list[str].{n}:", "(got 5)"]),
+             ("/detokenize", {"tokens": ids + [None]}, [f"tokens.{n}:", "(got null)"]),
+             ("/detokenize", {"tokens": ids + [10**6]}, ["token id 1000000 outside the vocabulary"]),
+             ("/polykv/pools", {"tokens": ids + ["x"]}, [f"tokens.{n}:"]),
+             ("/completion", {"prompt": ids, "response_fields": list(range(n))}, ["response_fields.0:"])]
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        for path, body, words in cases:
+            r = c.post(path, json=body)
+            assert r.status_code == 400, (path, r.text[:300])
+            assert len(r.content) < 1024, (path, len(r.content))
+            message = r.json()["error"]["message"]
+            assert all(w in message for w in words), message
+
+
+def test_validation_messages_are_bounded():
+    from opencoti.ops.validation import MAX_PROBLEMS, short_repr, validation_message
+
+    text = "x" * 10**6
+    errors = [{"type": "int_type", "loc": ("body", "tokens", i), "msg": "Input should be a valid integer",
+               "input": text} for i in range(10**5)]
+    message = validation_message(errors)
+    assert message.count("tokens.") == MAX_PROBLEMS and message.endswith(f"and {10**5 - MAX_PROBLEMS} more problems")
+    assert len(message) < 1500
+    # short_repr renders only what its cut keeps, and keeps what json.dumps would show
+    rng = random.Random(3)
+    for _ in range(300):
+        value = _random_json(rng)
+        full = json.dumps(value)
+        assert short_repr(value) == (full if len(full) <= 60 else full[:57] + "..."), value
+    assert short_repr(list(range(10**6))) == json.dumps(list(range(40)))[:57] + "..."
+
+
+def test_large_bodies_are_handled_with_gc_paused():
+    import asyncio
+    import gc
+
+    from opencoti.server.middleware import LARGE_BODY, BodyLimitMiddleware
+
+    seen = []
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        seen.append(gc.isenabled())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def call(headers, chunks):
+        msgs = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)} for i, c in enumerate(chunks)]
+
+        async def receive():
+            return msgs.pop(0)
+
+        async def send(msg):
+            pass
+
+        await BodyLimitMiddleware(app, limit=1 << 30)({"type": "http", "headers": headers}, receive, send)
+
+    assert gc.isenabled()
+    asyncio.run(call([(b"content-length", b"10")], [b"x" * 10]))
+    asyncio.run(call([(b"content-length", str(LARGE_BODY).encode())], [b"x" * LARGE_BODY]))
+    asyncio.run(call([], [b"x" * (LARGE_BODY // 2)] * 3))  # no Content-Length: paused once it grew large
+    assert seen == [True, False, False] and gc.isenabled()
+
+
+def test_gc_pauses_overlap_and_are_bounded(monkeypatch):
+    import gc
+
+    from opencoti.server import gcpause
+
+    with gcpause.paused():
+        assert not gc.isenabled()
+        with gcpause.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the first is still in flight
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gcpause.paused():
+            raise RuntimeError("a failed request")
+    assert gc.isenabled()
+    monkeypatch.setattr(gcpause, "MAX_PAUSE_S", -1.0)  # a pause past its limit is lifted
+    gcpause.enter()
+    assert not gc.isenabled()
+    gcpause.enter()
+    assert gc.isenabled()
+    gcpause.leave()
+    gcpause.leave()
+    assert gc.isenabled()
+    gc.disable()  # collection the program turned off stays off
+    try:
+        with gcpause.paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_large_request_leaves_no_long_list_behind(engine):
+    """What a large request made is freed by reference counting when it ends (before automatic
+    collection resumes): no collection ever walks it."""
+    import gc
+
+    from opencoti.server.middleware import LARGE_BODY
+
+    ids = [65] * (LARGE_BODY // 3)
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        assert c.post("/detokenize", json={"tokens": ids}).json()["content"] == "A" * len(ids)
+        assert c.post("/completion", json={"prompt": ids, "n_predict": 1}).status_code == 400
+        assert c.post("/detokenize", json={"tokens": ids + ["x"]}).status_code == 400
+        assert c.post("/tokenize", json={"content": "A" * len(ids)}).json()["tokens"] == ids
+        assert gc.isenabled()
+        left = [o for o in gc.get_objects() if type(o) is list and len(o) >= len(ids) and o is not ids]
+        assert not left, [len(o) for o in left]
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_its_ids_are_walked(engine, monkeypatch):
+    from opencoti.engine import SamplingParams
+    from opencoti.engine.errors import ContextLengthError
+
+    checked: list[int] = []
+    real = engine.core._check_tokens
+    monkeypatch.setattr(engine.core, "_check_tokens", lambda toks, *a: checked.append(len(toks)) or real(toks, *a))
+    for prompt in ([65] * (engine.max_context + 1), [65] * engine.max_context + ["x"]):
+        with pytest.raises(ContextLengthError):
+            engine.generate(prompt, params=SamplingParams(max_tokens=1))
+    assert checked == []
+    engine.generate([65, 66], params=SamplingParams(max_tokens=1))
+    assert checked == [2]

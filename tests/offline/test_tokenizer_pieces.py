@@ -150,3 +150,22 @@ def test_a_decoder_that_cannot_be_cut_is_not(small_pieces):
     assert not tok.decode_in_pieces
     ids = list(hf.encode(_corpus(random.Random(6), 500), add_special_tokens=False))
     assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_id_lists_are_checked_in_slices_without_a_copy(monkeypatch):
+    monkeypatch.setattr(tokmod, "CHECK_SLICE", 7)
+    ids = list(range(50))
+    assert tokmod.first_bad_id(ids, 50) is None and tokmod.first_bad_id([], 5) is None
+    for at, bad in [(0, -1), (13, 50), (49, True), (20, 3.0), (35, "7"), (6, None), (7, 10**30), (48, False)]:
+        wrong = list(ids)
+        wrong[at] = bad
+        assert tokmod.first_bad_id(wrong, 50) == at, (at, bad)
+    tok = Tokenizer.byte_level()
+    good = list(b"hello") * 20
+    assert tok._check_ids(good) is good  # checked, not copied
+    assert tok.decode(good) == "hello" * 20
+    with pytest.raises(Exception, match="out of range"):
+        tok.decode(good + [10**6])
+    with pytest.raises(Exception, match="must be integers"):
+        tok.decode(good + ["x"])
+    assert tok._check_ids(tuple(good)) == good  # other sequences: a checked copy, as before
