@@ -6,19 +6,29 @@ checking once per ``--tick`` (1 s). Each spawned session decodes ``--tokens`` to
 ignore_eos) and is released when done; ``--tasks`` sessions are spawned in all. The tps floor is
 chosen so that exactly ``--fit`` concurrent sessions stay above it (from a calibration measured
 first in the same process: per-session decode tps with n = 1 .. ``--calibrate-max`` concurrent
-sessions; the floor is the midpoint between tps(fit) and tps(fit+1)). ``--fit`` defaults to the
-largest k whose calibration curve decreases strictly through k+1: per-session tps is not
-monotonic in the batch size on every machine (on a 2-core CPU the lm_head matmul is ~2x slower
-for 2-3 rows than for 4), and "the number that fits" is the largest n such that every batch
-size up to n stays above the floor (a ramp passes through all of them).
+sessions, on a pool like the ramp's, the sizes interleaved over ``--calibration-rounds`` rounds and
+the median round kept). ``--fit`` defaults to the largest k such that every size up to k is at
+least 1.1x faster per session than k + 1 (``choose_fit``; the simulator's profiles choose theirs the
+same way), and the floor is the midpoint between the slowest of sizes 1..fit and tps(fit + 1): per-
+session tps is not monotonic in the batch size on every machine, and "the number that fits" is the
+largest n such that every batch size up to n stays above the floor (a ramp passes through all of
+them); a gap smaller than the noise of a mean would put the floor inside the noise of fit itself.
 
-Two policies, same engine, each on a fresh pool (ours runs first, so it starts with a cold
-step-cost model):
+Three policies, same engine, each on a fresh pool (ours runs first; the engine's step-time
+forecast has seen the calibration's steps, as an engine that has been serving would have):
 
 * ``ours``: spawn when ``engine.capacity(pool)["can_admit"]`` (advisory policy with the floor:
   projected mean after the admit, settle window, warming exclusion, idle estimate, guarantee).
 * ``naive``: spawn when nothing is measured yet (no active session) or the raw ``mean_active_tps``
   >= floor (no projection, no settle) — the courier's original rule (spec §14.1 root causes 1, 4).
+* ``oracle``: spawn while fewer than ``fit`` sessions are in flight (it knows the answer from the
+  calibration): what a policy that holds the floor without learning gets on this machine, now.
+
+What the wall target can ask for at all: from the calibration curve (the time per token at each
+batch size), ``opencoti.sim.bounds`` gives the least wall time of any schedule of the ramp's tasks
+with at most ``fit`` (the floor held) or ``fit + 1`` (the overshoot target) sessions in flight; a
+bound above 1.15x naive's wall means the target is unreachable there, and the output says by how
+much.
 
 Reported per policy (from the engine's own tps history, sampled every 0.1 s):
 
@@ -35,6 +45,7 @@ Targets: under-floor share <= 0.5x naive, deep <= 0.2x naive, overshoot <= 1, wa
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -66,30 +77,53 @@ def greedy(n: int):
 
 
 # ============================================================================ calibration
-def calibrate(eng, n_max: int, tokens: int) -> dict[int, float]:
-    """Mean per-session decode tps (predicted_per_second) with n sessions decoding together."""
-    out = {}
-    for n in range(1, n_max + 1):
-        res = [None] * n
-        barrier = threading.Barrier(n)
+def calibrate(eng, n_max: int, tokens: int, rounds: int) -> tuple[dict[int, float], dict[int, list[float]]]:
+    """Per-session decode tps (predicted_per_second) with n sessions decoding together, on a pool
+    like the ramp's sessions; the sizes n = 1 .. n_max interleaved over ``rounds`` rounds (a load
+    that drifts spreads over every size) and the median round kept per size."""
+    pool = eng.create_pool(messages=[{"role": "system", "content": SYSTEM}], label="calibration")
+    per: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
+    for rnd in range(rounds):
+        for n in range(1, n_max + 1):
+            res = [None] * n
+            barrier = threading.Barrier(n)
 
-        def run(i):
-            barrier.wait()
-            res[i] = eng.generate(messages=messages(i), params=greedy(tokens), session_id=f"cal-{n}-{i}")
-            eng.release_session(f"cal-{n}-{i}")
+            def run(i):
+                barrier.wait()
+                sid = f"cal-{rnd}-{n}-{i}"
+                res[i] = eng.generate(messages=messages(i), params=greedy(tokens), session_id=sid,
+                                      pool_id=pool.pool_id)
+                eng.release_session(sid)
 
-        ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        out[n] = sum(r.timings["predicted_per_second"] for r in res) / n
-        log(f"calibration: {n} concurrent sessions -> {out[n]:.2f} tok/s per session")
-    return out
+            ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            per[n].append(sum(r.timings["predicted_per_second"] for r in res) / n)
+            log(f"calibration round {rnd + 1}: {n} concurrent sessions -> {per[n][-1]:.2f} tok/s per session")
+    eng.release_pool(pool.pool_id)
+    return {n: statistics.median(v) for n, v in per.items()}, per
+
+
+def choose_fit(cal: dict[int, float], gap: float = 1.1) -> tuple[int, float]:
+    """The largest k such that every size up to k is at least ``gap`` x faster per session than
+    k + 1 (a floor between them is then clear of the noise of a mean on both sides; the simulator's
+    profiles choose their fit the same way), and that separation. None clears it: the most
+    separated k (the output says the curve is flat within its noise)."""
+    best, fit = 0.0, 1
+    for k in range(1, max(cal)):
+        sep = min(cal[j] for j in range(1, k + 1)) / cal[k + 1]
+        if sep >= gap:
+            fit, best = k, sep
+    if best == 0.0:
+        fit = max(range(1, max(cal)), key=lambda k: min(cal[j] for j in range(1, k + 1)) / cal[k + 1])
+        best = min(cal[j] for j in range(1, fit + 1)) / cal[fit + 1]
+    return fit, best
 
 
 # ============================================================================ the ramp
-def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float) -> dict:
+def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float, fit: int) -> dict:
     pool = eng.create_pool(messages=[{"role": "system", "content": SYSTEM}], label=f"ramp-{policy}")
     pid = pool.pool_id
     eng.set_admission(pid, target_tps_per_session=floor, mode="advisory")
@@ -117,6 +151,8 @@ def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float)
             eng.release_session(sid)
 
     def decide() -> tuple[bool, dict]:
+        if policy == "oracle":
+            return inflight[0] < fit, {"reason": f"{inflight[0]} < fit {fit}"}
         if policy == "ours":
             cap = eng.capacity(pid)
             return cap["can_admit"], {k: cap[k] for k in ("reason", "mean_active_tps", "projected_mean_tps_if_admitted",
@@ -185,7 +221,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=200, help="tokens each session decodes")
     p.add_argument("--tick", type=float, default=1.0, help="orchestrator tick (s)")
     p.add_argument("--calibration-tokens", type=int, default=48)
+    p.add_argument("--calibration-rounds", type=int, default=3, help="interleaved rounds over the sizes (median)")
     p.add_argument("--floor", type=float, default=None, help="use this floor instead of calibrating")
+    p.add_argument("--policies", default="ours,naive,oracle",
+                   help="comma-separated, run in this order (ours and naive are required)")
     args = p.parse_args()
     if args.quick:
         args.tasks, args.tokens = min(args.tasks, 5), min(args.tokens, 96)
@@ -196,21 +235,25 @@ def main() -> int:
     eng.configure_tps(history_interval_s=0.1)
     eng.generate("warm up", params=greedy(8))
     n_max = max(args.calibrate_max, (args.fit or 0) + 1)
-    cal = calibrate(eng, n_max, args.calibration_tokens)
+    cal, cal_rounds = calibrate(eng, n_max, args.calibration_tokens, args.calibration_rounds)
+    sep = None
     if args.fit is None:
-        args.fit = 1
-        while args.fit + 1 < n_max and cal[args.fit + 2] < cal[args.fit + 1]:
-            args.fit += 1
-    floor = args.floor if args.floor is not None else (cal[args.fit] + cal[args.fit + 1]) / 2
+        args.fit, sep = choose_fit(cal)
+    floor = args.floor if args.floor is not None else \
+        (min(cal[j] for j in range(1, args.fit + 1)) + cal[args.fit + 1]) / 2
     fits = 0
     while fits < n_max and cal[fits + 1] >= floor:
         fits += 1
     args.fit = fits
-    log(f"floor {floor:.2f} tok/s per session: {fits} session(s) fit")
+    log(f"floor {floor:.2f} tok/s per session: {fits} session(s) fit"
+        + ("" if sep is None else f" (every size up to it {sep:.2f}x faster per session than the next)"))
+    if sep is not None and sep < 1.1:
+        log(f"WARNING: the calibration curve is flat within its noise (best separation {sep:.2f}x < 1.1x): "
+            "the ramp cannot tell fit from fit + 1 sessions")
     runs = {}
-    for policy in ("ours", "naive"):
+    for policy in args.policies.split(","):
         log(f"ramp: {policy} ({args.tasks} sessions x {args.tokens} tokens, tick {args.tick} s)")
-        runs[policy] = ramp(eng, policy, floor, args.tasks, args.tokens, args.tick)
+        runs[policy] = ramp(eng, policy, floor, args.tasks, args.tokens, args.tick, args.fit)
         r = runs[policy]
         log(f"  {policy}: under floor {r['time_under_floor_s']:.1f} s, dip {fmt(r['deepest_dip_tps'])}, "
             f"max {r['max_sessions']} sessions, wall {r['total_wall_s']:.1f} s")
@@ -222,13 +265,22 @@ def main() -> int:
     print_table(["policy", "under floor s", "deepest dip tps", "max sessions", "overshoot", "wall s"], rows,
                 title=f"spawn ramp: floor {floor:.2f} tok/s/session, {args.tasks} x {args.tokens} tokens, "
                       f"tick {args.tick} s")
-    def rel(key):
-        return ours[key] / naive[key] if naive[key] else (0.0 if not ours[key] else None)
 
-    print_table(["policy", "under-floor share", "deep share", "overshoot", "wall s", "tok/s"],
+    def rel(key, pol="ours"):
+        r = runs[pol]
+        return r[key] / naive[key] if naive[key] else (0.0 if not r[key] else None)
+
+    print_table(["policy", "under-floor share", "deep share", "overshoot", "wall s", "tok/s", "wall x naive"],
                 [[k, f"{r['under_share']:.3f}", f"{r['deep_share']:.4f}", r["max_sessions"] - args.fit,
-                  r["total_wall_s"], r["tok_s"]] for k, r in runs.items()],
+                  r["total_wall_s"], r["tok_s"], fmt(rel("total_wall_s", k))] for k, r in runs.items()],
                 title="the metrics of the simulator benchmark (session-decode seconds, from token times)")
+    bounds = wall_bounds(cal, args.fit, args.tasks, args.tokens, naive["total_wall_s"])
+    print_table(["at most in flight", "bound s", "x naive wall", "schedule (steps per batch size)"],
+                [[f"{k} ({name})", b["wall_s"], fmt(b["ratio"]),
+                  ", ".join(f"{n:.0f} x {bs}" for bs, n in sorted(b["batches"].items()))]
+                 for name, k, b in ((n, v["k"], v) for n, v in bounds.items())],
+                title="wall time: the least of any schedule with at most k sessions in flight, from the "
+                      "calibration curve (opencoti.sim.bounds; no tick, no ramp)")
     over = {k: r["max_sessions"] - args.fit for k, r in runs.items()}
     targets = {"under-floor share": (rel("under_share"), 0.5), "deep share": (rel("deep_share"), 0.2),
                "wall": (rel("total_wall_s"), 1.15)}
@@ -242,6 +294,9 @@ def main() -> int:
     print(f"  {'overshoot':18s} ours {over['ours']}, naive {over['naive']}  "
           f"(target ours <= 1: {verdict(over['ours'], 1)})")
     print(f"  {'tok/s':18s} {fmt(rel('tok_s')):>8s}")
+    wall_why = wall_reachability(bounds, runs, naive, 1.15)
+    for line in wall_why:
+        print(f"  wall: {line}")
     ratio = (ours["time_under_floor_s"] / naive["time_under_floor_s"]) if naive["time_under_floor_s"] else None
     ok_ratio = ours["time_under_floor_s"] <= 0.5 * naive["time_under_floor_s"] + 1e-9
     ok_over = over["ours"] <= 1
@@ -249,15 +304,67 @@ def main() -> int:
           + ", ".join(f"{n}: {v:.2f}" for n, v in cal.items()))
     print(f"engine-mean time under floor, ours / naive: {fmt(ratio)}")
     info["loadavg_end"] = common.machine_info()["loadavg"]
+    print(f"load average: {info['loadavg'][0]:.2f} at the start, {info['loadavg_end'][0]:.2f} at the end")
     path = common.write_json("admission", {"config": vars(args), "machine": info, "calibration": cal,
-                                           "floor": floor, "runs": runs,
+                                           "calibration_rounds": cal_rounds, "separation": sep,
+                                           "floor": floor, "runs": runs, "wall_bounds": bounds,
                                            "targets": {"under_floor_ratio": ratio, "under_floor_ok": ok_ratio,
                                                        "overshoot_ok": ok_over,
                                                        "ratios": {k: x for k, (x, _) in targets.items()},
+                                                       "oracle_wall_ratio": rel("total_wall_s", "oracle")
+                                                       if "oracle" in runs else None,
+                                                       "wall_reachability": wall_why,
                                                        "overshoot": over}}, args.out)
     log(f"wrote {path}")
     return 0
 
+
+def calibration_profile(cal: dict[int, float]):
+    """A noise-free step-cost profile from the calibration: a token every 1 / tps(b) seconds with b
+    sessions decoding (a line through the points beyond the sizes calibrated)."""
+    from opencoti.sim.profile import StepProfile
+
+    table = {int(b): 1.0 / v for b, v in cal.items() if v and v > 0}
+    bs = sorted(table)
+    if len(bs) >= 2:
+        mb = sum(bs) / len(bs)
+        mt = sum(table[b] for b in bs) / len(bs)
+        slope = max(0.0, sum((b - mb) * (table[b] - mt) for b in bs) / sum((b - mb) ** 2 for b in bs))
+        base = mt - slope * mb
+    else:
+        base, slope = table[bs[0]], 0.0
+    return StepProfile(name="calibration", source="measured", base_s=base, seq_s=slope, table=table,
+                       noise_sigma=0.0, prefill_s=0.0)
+
+
+def wall_bounds(cal: dict[int, float], fit: int, tasks: int, tokens: int, naive_wall: float) -> dict:
+    """The least wall time of the ramp's tasks with at most fit / fit + 1 sessions in flight."""
+    from opencoti.sim.bounds import wall_lower_bound
+
+    prof = calibration_profile(cal)
+    out = {}
+    for name, k in (("fit: the floor held", fit), ("fit + 1: the overshoot target", fit + 1)):
+        b = wall_lower_bound(prof, tasks=tasks, tokens=tokens, k=max(k, 1), prompt_tokens=1, cached_tokens=1)
+        out[name] = {"k": k, **b, "ratio": b["wall_s"] / naive_wall if naive_wall else None}
+    return out
+
+
+def wall_reachability(bounds: dict, runs: dict, naive: dict, limit: float) -> list[str]:
+    """Why the wall target is (not) reachable on this run, in words."""
+    held, over = bounds["fit: the floor held"], bounds["fit + 1: the overshoot target"]
+    out = []
+    if over["ratio"] is not None and over["ratio"] > limit:
+        out.append(f"UNREACHABLE under the overshoot target: any schedule with <= {over['k']} sessions in flight "
+                   f"needs >= {over['ratio']:.2f}x naive's wall (target {limit:g}x; short by "
+                   f"{over['ratio'] - limit:.2f}x)")
+    if held["ratio"] is not None and held["ratio"] > limit:
+        out.append(f"unreachable while holding the floor: with <= {held['k']} sessions in flight (all that fit) "
+                   f">= {held['ratio']:.2f}x naive's wall; naive is faster by running more sessions under the floor")
+    if "oracle" in runs and naive["total_wall_s"]:
+        o = runs["oracle"]["total_wall_s"] / naive["total_wall_s"]
+        x = runs["ours"]["total_wall_s"] / runs["oracle"]["total_wall_s"]
+        out.append(f"the oracle (exactly fit in flight, this run) got {o:.2f}x naive; ours {x:.2f}x the oracle's wall")
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())

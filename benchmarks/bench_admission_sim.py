@@ -17,8 +17,10 @@ naive. Also printed, on the same seeds:
   most the overshoot target allows); they know the answer, so what they miss is the profile's
   doing (its noise, or the throughput naive gains by overloading), not the learning's;
 * the wall bound (``opencoti.sim.bounds``): the least expected wall time of ANY schedule that never
-  has more than ``fit`` (``fit + 1``) sessions in flight, from the profile alone; when it is above
-  1.15x naive's wall, the wall target cannot be met together with the overshoot target;
+  has more than ``fit`` (``fit + 1``) sessions in flight, from the profile alone; when the fit + 1
+  bound is above 1.15x naive's wall, the wall target cannot be met together with the overshoot
+  target; when the fit bound is, it cannot be met while the floor is held (naive is faster by
+  running sessions under the floor), and the verdict says what fit + 1 costs the floor;
 * ``gate = ours``: seeds on which the LangGraph gate (``CapacityGateNode`` + ``SpawnPacer``, its
   decision code driven on the simulated clock) spawned at exactly the same times as ours;
 * ``cons.``: the same ramp with ``forecast: conservative`` (mean * n/(n+1) until a measured drop
@@ -82,7 +84,10 @@ def plot(profiles: list[StepProfile], seed: int, out: Path) -> None:
 
 
 def verdict(c: dict, orc: dict, orc1: dict) -> str:
-    """PASS, or the targets missed, each with what the oracles and the wall bound say about it."""
+    """PASS, or the targets missed, each with what the oracles and the wall bound say about it:
+    unreachable under the overshoot target (any schedule with at most fit + 1 in flight is slower),
+    unreachable while the floor is held (at most fit in flight is slower; then what fit + 1 costs
+    the floor), or missed by an oracle too."""
     if passes(c):
         return "PASS"
     out = []
@@ -90,10 +95,18 @@ def verdict(c: dict, orc: dict, orc1: dict) -> str:
         if c[k] <= v + 1e-12:
             continue
         why = []
-        if k == "wall_ratio" and c["wall_bound"]["fit+1"]["ratio"] > v:
-            why.append(f"unreachable: bound {fmt(c['wall_bound']['fit+1']['ratio'])}x")
+        wb = c["wall_bound"]
+        if k == "wall_ratio" and wb["fit+1"]["ratio"] > v:
+            why.append(f"UNREACHABLE within overshoot 1: bound {fmt(wb['fit+1']['ratio'])}x, short by "
+                       f"{fmt(wb['fit+1']['ratio'] - v)}x")
+        elif k == "wall_ratio" and wb["fit+0"]["ratio"] > v:
+            why.append(f"UNREACHABLE holding the floor: bound with fit in flight {fmt(wb['fit+0']['ratio'])}x, short "
+                       f"by {fmt(wb['fit+0']['ratio'] - v)}x; fit + 1 in flight (oracle+1): under "
+                       f"{fmt(orc1['under_ratio'])}x, deep {fmt(orc1['deep_ratio'])}x")
         elif orc[k] > v and orc1[k] > v:
-            why.append("both oracles miss it")
+            why.append(f"both oracles miss it: {fmt(orc[k])} / {fmt(orc1[k])}")
+        elif orc[k] > v:
+            why.append(f"the oracle misses it too: {fmt(orc[k])}")
         out.append(f"{k.split('_')[0]} {fmt(c[k])}" + (f" ({'; '.join(why)})" if why else ""))
     return "miss: " + ", ".join(out)
 

@@ -3,7 +3,8 @@
 
 Runs n = 1 .. ``--max-batch`` sessions decoding together (each ``--tokens`` tokens, greedy,
 ignore_eos, on one shared pool like the admission ramp; the batch sizes interleaved over
-``--repeats`` rounds), records every engine step
+``--repeats`` rounds; the weight format of ``--weights``, ``auto`` by default like the real ramp
+``bench_admission.py``, so the profile is of the engine that ramp runs), records every engine step
 (sequences, prompt tokens, context tokens, wall time) from the core's ``step`` event, and fits an
 ``opencoti.sim.StepProfile`` (``fit_profile``). Writes the raw records to
 ``benchmarks/results/sim_measure.json`` and the profile to ``opencoti/sim/profiles/<--name>.json``.
@@ -45,8 +46,8 @@ def choose_fit(prof, ramp: dict) -> int:
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--max-batch", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=3, help="rounds over the batch sizes")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=4, help="rounds over the batch sizes")
     p.add_argument("--name", default="epyc-2core-avx2")
     p.add_argument("--refit", action="store_true",
                    help="fit again from the records of the last run (benchmarks/results/sim_measure.json)")
@@ -64,7 +65,8 @@ def main() -> None:
         print(prof.to_json())
         return
 
-    eng = make_engine(args, weights="fp32")
+    eng = make_engine(args)
+    weights = eng.weights_info().get("format", args.weights)
     records: list[dict] = []
     core = eng.core
 
@@ -106,10 +108,11 @@ def main() -> None:
     eng.shutdown()
     info = machine_info()
     prof = fit_profile(records, args.name, description=(
-        f"Measured on this machine ({info.get('cpu', '?')}) with the bundled model, fp32, "
+        f"Measured on this machine ({info.get('cpu', '?')}) with the bundled model, {weights} weights, "
         f"{args.max_batch} batch sizes x {args.repeats} interleaved rounds x {args.tokens} tokens; load average "
-        f"{load0[0]:.1f} -> {load1[0]:.1f} during the measurement (a shared machine)."))
-    prof.machine = {"cpu": info.get("cpu"), "load_avg_before": load0[0], "load_avg_after": load1[0],
+        f"{load0[0]:.1f} before, {load1[0]:.1f} at the end (the measurement's own threads included)."))
+    prof.machine = {"cpu": info.get("cpu"), "cpu_flags_of_interest": info.get("cpu_flags_of_interest"),
+                    "weights": weights, "load_avg_before": load0[0], "load_avg_after": load1[0],
                     "steps": len(records)}
     ramp = {"tasks": 10, "tokens": 200, "prompt_tokens": 60, "cached_tokens": 40}
     prof.ramp = {**ramp, "fit": choose_fit(prof, ramp)}

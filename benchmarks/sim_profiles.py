@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Write the simulator's derived and synthetic profiles (``opencoti/sim/profiles``).
 
-The measured profile comes from ``sim_measure.py`` (this machine). The others are written here
-from the parameters below, so they can be reviewed and regenerated:
+The measured profiles come from ``sim_measure.py`` (this machine: ``epyc-2core-avx2`` quiet,
+``epyc-2core-avx2-loaded`` measured while the machine was shared and loaded). The others are
+written here from the parameters below, so they can be reviewed and regenerated:
 
 * ``avx512-fast-cpu``: a faster CPU with AVX-512 (derived, not measured): a few times the 2-core
   machine's speed, a fixed cost per step that is small next to the per-sequence cost, little noise.
 * ``gpu-knee``: a GPU-like curve: flat up to a knee of 8 sequences (memory-bound decode), then
   linear (compute-bound); little noise.
-* ``bursty-neighbour``: the measured profile with a noisy neighbour: calm and burst periods
+* ``bursty-neighbour``: the loaded measured profile with a noisy neighbour: calm and burst periods
   (exponential lengths, means 8 s and 3 s) during which every step costs 1.8x more.
 """
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opencoti.sim.profile import PROFILE_DIR, StepProfile  # noqa: E402
 
-MEASURED = "epyc-2core-avx2"
+MEASURED = "epyc-2core-avx2-loaded"  # the base of bursty-neighbour
 
 
 def profiles() -> list[StepProfile]:

@@ -22,7 +22,10 @@ Projection (all tps numbers are *experienced decode tps*, see ``metrics``):
   upper confidence bound of that step time (``projected_mean_tps_if_admitted``), and the estimate
   (``projected_mean_tps_measured``) when the next batch size is the frontier (never measured: a
   probe, at most one size beyond what was measured). An estimate that passes while the bound
-  does not holds the spawn: ``"next admit may cross the floor (uncertain drop)"``.
+  does not holds the spawn: ``"next admit may cross the floor (uncertain drop)"``. The frontier
+  is entered (by a probe or a passing bound) only from a batch size measured over as many steps
+  as a settle window there aims for (``fc_thin``): a window that ran out of time leaves its size
+  thin, and a line through thin sizes cannot see a knee one size further.
 * ``forecast: "conservative"``: ``projected_mean_tps_measured`` = ``mean - drop_ewma`` once the
   pool has absorbed >= 1 admit (the drop measured at the end of each settle window), else the
   model.
@@ -72,6 +75,7 @@ class CapacityInputs:
     fc_bound_tps: float | None = None
     fc_frontier: bool = False
     fc_headroom: int | None = None  # more sessions whose bound stays >= the floor
+    fc_thin: bool = False  # the next size is the frontier and the current one is not yet measured to precision
 
 
 PROBE_MARGIN = 0.75  # a probe's estimate must clear the floor by this share of (estimate - bound)
@@ -119,6 +123,11 @@ def compute_capacity(x: CapacityInputs) -> dict:
                       or (measured is not None and measured - floor >= PROBE_MARGIN * (measured - projected))))
     else:
         projected = measured if measured is not None else model
+    # the frontier is entered only from a size measured to the precision a settle window aims for:
+    # a window that ran out of time leaves its size thin, and a line through thin sizes cannot see
+    # a knee one size further (an admit past it stays until a session ends)
+    thin = adaptive and floor is not None and x.fc_thin and x.fc_kind == "extrapolated"
+    probe = probe and not thin
 
     marginal = max(int(x.marginal_tokens), 1)
     headroom_sessions = max(0, x.available_cells) // marginal
@@ -130,7 +139,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
     tps_headroom = None
     if adaptive and floor is not None:
         tps_headroom = x.fc_headroom if x.fc_headroom is not None else int(projected is not None and projected >= floor)
-        tps_headroom = max(tps_headroom, 1) if probe else tps_headroom
+        tps_headroom = 0 if thin else max(tps_headroom, 1) if probe else tps_headroom
     elif floor is not None and base is not None:
         if measured is not None:
             tps_headroom = max(0, int((base - floor) // drop)) if drop > 0 else \
@@ -148,6 +157,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
     window_open = x.settle_remaining_s is not None
     settling = window_open and p.has_floor  # a pool without a floor measures but never waits
     below = floor is not None and not probe and projected is not None and projected < floor
+    below = below or thin
     if not context_ok:
         can, reason = False, REASON_CONTEXT
     elif guaranteed:

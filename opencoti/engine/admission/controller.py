@@ -244,6 +244,8 @@ class AdmissionController:
         kind = "unmeasured" if pr.now_s is None and b > 0 else pr.kind
         out = {"fc_kind": kind, "fc_now_tps": tps(pr.now_s), "fc_now_low_tps": tps(pr.now_hi_s),
                "fc_est_tps": tps(pr.est_s), "fc_bound_tps": tps(pr.bound_s), "fc_frontier": pr.frontier}
+        cur = fc.stats.get(b)  # the frontier only from a size measured as well as a settle window aims for
+        out["fc_thin"] = pr.frontier and b > 0 and (cur is None or cur.n < fc.settle_tokens(b, st.policy.settle_tokens))
         floor = st.policy.target_tps_per_session
         if floor is not None and pr.bound_s is not None:
             k = 0

@@ -28,7 +28,10 @@ probes further than one size past what it has measured). The same statistics siz
 windows: after an admit the pool waits until the step time at the new batch size is known to
 ``precision`` (relative), i.e. ``(z * cv / precision)^2`` steps, within the policy's settle bound.
 ``calibration`` relates measured step times to the tps sessions experience (prefill steps and
-per-token overheads make it a little below 1).
+per-token overheads make it a little below 1); its samples (the mean tps over a short window x
+the step time) are clipped against outliers on both sides and only their average is capped at 1:
+a window holds a stall or not, and clipping only the samples above 1 biased it low by 5-15 % on
+a noisy engine (every projection pessimistic, spawns held below what fits).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ WARM = 8  # a batch size's first steps: clipped at STALL_X x their median (no le
 MIN_SAMPLES = 6  # steps at a batch size before it counts as measured
 PRECISION = 0.03  # relative precision of the step time a settle window waits for
 MIN_SETTLE_TOKENS = 4
+CAL_ALPHA = 0.1  # weight of a steady sample in the calibration
 THIN = 100  # a batch size measured over fewer steps may be probed again (its bound is still wide)
 
 
@@ -165,7 +169,7 @@ class StepForecast:
         self.z, self.alpha, self.min_samples = z, alpha, min_samples
         self.stats: dict[int, BatchStats] = {}
         self.stalls = Ewma()  # excess seconds per step over the stall threshold (0 for most steps)
-        self.calibration = 1.0  # experienced tps x step time, when steady
+        self._cal = 1.0  # experienced tps x step time, when steady (EWMA of the samples)
         self.calibration_samples = 0
 
     def observe(self, batch: int, prefill_tokens: int, total_s: float) -> None:
@@ -196,10 +200,18 @@ class StepForecast:
         st = self.stats.get(batch)
         if st is None or st.n < self.min_samples or mean_tps <= 0:
             return
-        c = min(1.0, max(0.5, mean_tps * self.step_s(st, fast=True)))
+        # a sample over a short window is far noisier than the mean it estimates (a stall is in it
+        # or not): clipped only against outliers, both ways, so that the average is not biased; the
+        # average itself never says sessions get more than one token per step
+        c = min(2.0, max(0.5, mean_tps * self.step_s(st, fast=True)))
         self.calibration_samples += 1
-        a = max(0.1, 1.0 / self.calibration_samples)
-        self.calibration += a * (c - self.calibration)
+        a = max(CAL_ALPHA, 1.0 / self.calibration_samples)
+        self._cal += a * (c - self._cal)
+
+    @property
+    def calibration(self) -> float:
+        """Experienced tps x step time (at most 1), learned from steady samples."""
+        return min(1.0, self._cal)
 
     def measured(self, batch: int) -> BatchStats | None:
         st = self.stats.get(batch)
