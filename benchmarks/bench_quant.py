@@ -3,7 +3,8 @@
 
 Engines on the bundled SmolLM2-135M-Instruct, all in this process (an idle engine costs nothing):
 
-* ``fp32-fixed``: the engine as it was: fp32 weights, torch threads fixed at the usable cores.
+* ``fp32-fixed``: the engine as it was: fp32 weights, torch threads fixed at the usable cores,
+  decode attention by gathering pages + torch SDPA (the native decode kernel off).
 * ``auto`` (the new default): the weight format ``auto`` picks here, threads adapted at run time.
 * one engine per explicit format (``--formats``), threads adapted.
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="rounds (median reported)")
     p.add_argument("--concurrency", type=int, default=8, help="sessions decoding together")
-    p.add_argument("--formats", default="bf16,int8,int4", help="explicit formats to measure besides auto")
+    p.add_argument("--formats", default="fp32,bf16,int8,int4", help="explicit formats to measure besides auto")
     p.add_argument("--no-burner", action="store_true", help="skip the busy-neighbour measurement")
     args = p.parse_args(argv)
     if args.quick:
@@ -115,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         mine.state_dict = dict(loaded.state_dict)
         t0 = now()
         engines[name] = Engine(EngineConfig(page_size=16, kv_budget_tokens=8192, **spec), loaded=mine)
+        if name == "fp32-fixed":
+            engines[name].backend.native = False  # as it was: no native decode attention
         info = engines[name].model.weights_info
         log(f"{name}: {info['format']} {info['weight_bytes'] / 1e6:.1f} MB/step, built in {now() - t0:.1f}s; "
-            f"{engines[name].model.weights_choice['reason']}")
+            f"{engines[name].model.weights_choice['reason']}; fused decode layers: "
+            f"{engines[name].model.fused_layers is not None}")
     first = engines["fp32-fixed"]
     single = chat_tokens(first, SINGLE_PROMPT)
     prompts = [single] + [chat_tokens(first, t) for t in OTHER_PROMPTS[: args.concurrency - 1]]

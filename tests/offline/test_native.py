@@ -29,7 +29,7 @@ def test_library_builds_here():
     assert LIB.oc_abi_version() == native.ABI_VERSION
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 24, 31, 40])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_projection_kernels_match_dequantized_weights(fmt, T, bias):

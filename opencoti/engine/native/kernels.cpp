@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <algorithm>
@@ -223,6 +224,79 @@ inline void q8_row(const float* x, int64_t K, const int8_t* wrow, float scale, f
     }
 }
 
+// Many rows (a prefill chunk): per tile of 16 output rows, the weights are dequantized once into an
+// fp32 panel [K][16] and a 6 x 16 register-blocked kernel (12 accumulators) runs over the rows, so
+// the weight unpacking is paid once per tile, not once per 8 rows, and the inner loop is 12 FMAs per
+// 2 weight loads and 6 broadcasts.
+constexpr int64_t kGemmMinRows = 24;
+constexpr int64_t kPanel = 16, kMr = 6;
+
+#if OC_AVX2
+template <int R>
+inline void gemm_micro(const float* x, int64_t K, const float* panel, float* out) {
+    __m256 c[R][2];
+    for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 w0 = _mm256_load_ps(panel + k * kPanel), w1 = _mm256_load_ps(panel + k * kPanel + 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+            c[r][0] = _mm256_fmadd_ps(xb, w0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(xb, w1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(out + r * kPanel, c[r][0]);
+        _mm256_storeu_ps(out + r * kPanel + 8, c[r][1]);
+    }
+}
+#else
+template <int R>
+inline void gemm_micro(const float* x, int64_t K, const float* panel, float* out) {
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kPanel; ++j) {
+            float s = 0.f;
+            for (int64_t k = 0; k < K; ++k) s += x[r * K + k] * panel[k * kPanel + j];
+            out[r * kPanel + j] = s;
+        }
+}
+#endif
+
+// deq(n, row) writes output row n of W as K floats into row (fp32).
+template <typename Deq>
+void gemm_panels(const float* x, int64_t T, int64_t K, int64_t N, const float* bias, float* y, int nt, Deq&& deq) {
+    const int64_t tiles = (N + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(nt)
+    {
+        std::vector<float> row(K);
+        float* panel = (float*)std::aligned_alloc(32, ((K * kPanel * sizeof(float) + 31) / 32) * 32);
+        float out[kMr * kPanel];
+#pragma omp for schedule(static)
+        for (int64_t ti = 0; ti < tiles; ++ti) {
+            const int64_t n0 = ti * kPanel, cols = std::min(kPanel, N - n0);
+            for (int64_t j = 0; j < kPanel; ++j) {
+                if (j < cols) deq(n0 + j, row.data());
+                for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = j < cols ? row[k] : 0.f;
+            }
+            for (int64_t t0 = 0; t0 < T; t0 += kMr) {
+                const int64_t rows = std::min(kMr, T - t0);
+                const float* xs = x + t0 * K;
+                switch (rows) {
+                    case 6: gemm_micro<6>(xs, K, panel, out); break;
+                    case 5: gemm_micro<5>(xs, K, panel, out); break;
+                    case 4: gemm_micro<4>(xs, K, panel, out); break;
+                    case 3: gemm_micro<3>(xs, K, panel, out); break;
+                    case 2: gemm_micro<2>(xs, K, panel, out); break;
+                    default: gemm_micro<1>(xs, K, panel, out); break;
+                }
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int64_t j = 0; j < cols; ++j)
+                        y[(t0 + r) * N + n0 + j] = out[r * kPanel + j] + (bias ? bias[n0 + j] : 0.f);
+            }
+        }
+        std::free(panel);
+    }
+}
+
 // Rows of x in blocks of kRows (and a remainder), output rows of W in tiles; threads split the tiles.
 template <typename RowFn>
 void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row) {
@@ -348,6 +422,33 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
             sx[t * nb + b] = s;
         }
     const int64_t row_bytes = nb * kQ4Block;
+    if (T >= kGemmMinRows) {
+        gemm_panels(x, T, K, N, bias, y, nt, [&](int64_t n, float* row) {
+            const uint8_t* wrow = w + n * row_bytes;
+            uint16_t dh, mh;
+            for (int64_t b = 0; b < nb; ++b) {
+                std::memcpy(&dh, wrow + nb * 16 + b * 2, 2);
+                std::memcpy(&mh, wrow + nb * 18 + b * 2, 2);
+                const float d = half_to_float(dh), m = half_to_float(mh);
+                const uint8_t* qs = wrow + b * 16;
+#if OC_AVX2
+                const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+                const __m128i raw = _mm_loadu_si128((const __m128i*)qs), low4 = _mm_set1_epi8(0x0F);
+                const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; ++i)
+                    _mm256_storeu_ps(row + b * 32 + i * 8,
+                                     _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), mv));
+                continue;
+#endif
+                for (int j = 0; j < 16; ++j) {
+                    row[b * 32 + j] = d * (qs[j] & 0x0F) + m;
+                    row[b * 32 + j + 16] = d * (qs[j] >> 4) + m;
+                }
+            }
+        });
+        return;
+    }
 #if OC_AVX2
     if (T <= kI16MaxRows && nb <= 512) {
         std::vector<int16_t> x16;
@@ -387,6 +488,13 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
 // y [T, N] = x [T, K] @ (q * scale[:, None]).T (+ bias), q int8 [N, K].
 void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const float* scale, int64_t N,
                   const float* bias, float* y, int nt) {
+    if (T >= kGemmMinRows) {
+        gemm_panels(x, T, K, N, bias, y, nt, [&](int64_t n, float* row) {
+            const int8_t* wrow = q + n * K;
+            for (int64_t k = 0; k < K; ++k) row[k] = wrow[k] * scale[n];
+        });
+        return;
+    }
 #if OC_AVX2
     if (T <= kI16MaxRows && K % 32 == 0) {
         const int64_t nb = K / 32;
