@@ -375,6 +375,9 @@ def test_engine_runs_a_quantized_format_and_reports_it():
         assert info["format"] == "int4" and info["choice"]["reason"] == "requested"
         assert info["weight_bytes"] == eng.model.weight_bytes
         assert info["threads"]["max_threads"] >= 1  # no num_threads given: the adapter runs
+        assert info["native"]["available"] and info["native"]["reason"].startswith("ok")
+        assert info["fused_decode_layers"] == all(k.startswith("int4:native") or k.startswith("int8:native")
+                                                  for k in info["kernels"].values())
     finally:
         eng.shutdown()
     fixed = Engine(EngineConfig(model="tiny:llama", num_threads=1, kv_budget_tokens=1024))

@@ -212,7 +212,11 @@ class LlamaForward:
     @property
     def weights_info(self) -> dict:
         """What serves the projections: format, kernel per shape, bytes per step, thread state."""
-        info = {"format": self.weights, "kernels": dict(self.kernel_names), "weight_bytes": self.weight_bytes}
+        from .. import native
+
+        info = {"format": self.weights, "kernels": dict(self.kernel_names), "weight_bytes": self.weight_bytes,
+                "fused_decode_layers": self.fused_layers is not None,
+                "native": {k: v for k, v in native.status().items() if k != "path"}}
         if self.threads is not None:
             info["threads"] = self.threads.state()
         return info
