@@ -232,6 +232,8 @@ def main() -> int:
     info = common.machine_info()
     log(common.describe_machine(info))
     eng = common.make_engine(args, kv_budget_tokens=16384)
+    info["weights"] = eng.weights_info().get("format")
+    log(f"weights: {info['weights']}")
     eng.configure_tps(history_interval_s=0.1)
     eng.generate("warm up", params=greedy(8))
     n_max = max(args.calibrate_max, (args.fit or 0) + 1)
@@ -304,7 +306,8 @@ def main() -> int:
           + ", ".join(f"{n}: {v:.2f}" for n, v in cal.items()))
     print(f"engine-mean time under floor, ours / naive: {fmt(ratio)}")
     info["loadavg_end"] = common.machine_info()["loadavg"]
-    print(f"load average: {info['loadavg'][0]:.2f} at the start, {info['loadavg_end'][0]:.2f} at the end")
+    print(f"load average: {info['loadavg'][0]:.2f} at the start, {info['loadavg_end'][0]:.2f} at the end; "
+          f"weights {info['weights']}")
     path = common.write_json("admission", {"config": vars(args), "machine": info, "calibration": cal,
                                            "calibration_rounds": cal_rounds, "separation": sep,
                                            "floor": floor, "runs": runs, "wall_bounds": bounds,

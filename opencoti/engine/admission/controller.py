@@ -137,7 +137,8 @@ class AdmissionController:
             self._expire(st, now)
             if st.settle is not None and self._settling.get(st.settle.session_id) == st.pool_id:
                 del self._settling[st.settle.session_id]
-            st.start_settle(now, job.session.session_id, mean, self.metrics.activity().n_inflight)
+            b = self.metrics.activity().n_inflight
+            st.start_settle(now, job.session.session_id, mean, b, self.forecast.measured_steps(b))
             self._settling[job.session.session_id] = st.pool_id
             self._event(st.pool_id, "admit", session_id=job.session.session_id, mean_at_admit=mean,
                         admits_in_window=st.settle.admits)
@@ -245,7 +246,7 @@ class AdmissionController:
         out = {"fc_kind": kind, "fc_now_tps": tps(pr.now_s), "fc_now_low_tps": tps(pr.now_hi_s),
                "fc_est_tps": tps(pr.est_s), "fc_bound_tps": tps(pr.bound_s), "fc_frontier": pr.frontier}
         cur = fc.stats.get(b)  # the frontier only from a size measured as well as a settle window aims for
-        out["fc_thin"] = pr.frontier and b > 0 and (cur is None or cur.n < fc.settle_tokens(b, st.policy.settle_tokens))
+        out["fc_thin"] = pr.frontier and b > 0 and (cur is None or cur.n < fc.need_steps(b, st.policy.settle_tokens))
         floor = st.policy.target_tps_per_session
         if floor is not None and pr.bound_s is not None:
             k = 0
@@ -344,10 +345,11 @@ class AdmissionController:
 
     def _settle_tokens(self, st: PoolState) -> int:
         """Tokens the open settle window waits for: the policy's settle_tokens, or (adaptive) as
-        many as the measured noise at the new batch size needs, within that."""
+        many as the measured noise at the new batch size needs beyond the steps already measured
+        there, within that."""
         if st.policy.forecast != ADAPTIVE:
             return st.policy.settle_tokens
-        return self.forecast.settle_tokens(st.settle.batch, st.policy.settle_tokens)
+        return self.forecast.settle_tokens(st.settle.batch, st.policy.settle_tokens, st.settle.have)
 
     def _on_finish(self, job) -> None:
         s = job.session

@@ -261,13 +261,24 @@ class StepForecast:
                               hi)
         return Projection(b, to, now_s, None, None, "none", frontier, hi)
 
-    def settle_tokens(self, batch: int, cap: int) -> int:
-        """Steps needed at ``batch`` for its level to be known to PRECISION (at least 4, at most cap)."""
+    def need_steps(self, batch: int, cap: int) -> int:
+        """Steps at ``batch`` for its level to be known to PRECISION (at least 4, at most cap)."""
         st = self.stats.get(batch)
         cvs = [s.cv for s in self.stats.values() if s.n >= self.min_samples]
         cv = st.cv if st is not None and st.n >= self.min_samples else (max(cvs) if cvs else 0.1)
         need = math.ceil((self.z * cv / PRECISION) ** 2)
         return min(cap, max(MIN_SETTLE_TOKENS, need))
+
+    def measured_steps(self, batch: int) -> int:
+        """Steps measured at ``batch`` (0 until it counts as measured)."""
+        st = self.stats.get(batch)
+        return st.n if st is not None and st.n >= self.min_samples else 0
+
+    def settle_tokens(self, batch: int, cap: int, have: int = 0) -> int:
+        """Steps a settle window at ``batch`` waits for: what ``need_steps`` asks beyond the ``have``
+        steps measured there before the admit (a batch coming back to a size it had, after sessions
+        ended, is known already: MIN_SETTLE_TOKENS, to see that it still costs what it did)."""
+        return min(cap, max(MIN_SETTLE_TOKENS, self.need_steps(batch, cap) - have))
 
     def as_dict(self) -> dict:
         return {"calibration": self.calibration, "stall_s_per_step": self.stall_s,

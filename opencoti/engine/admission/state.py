@@ -21,6 +21,7 @@ class Settle:
     tokens: int = 0  # tokens the admitted session decoded since its admit
     admits: int = 1  # admits folded into this window (an admit while settling extends it)
     batch: int = 0  # requests in flight after the admit (the batch size being measured)
+    have: int = 0  # steps the forecast had measured at that batch size before the admit
 
 
 def fold_drop(drop_ewma: float | None, samples: int, drop: float, alpha: float = DROP_ALPHA) -> tuple[float, int]:
@@ -68,14 +69,16 @@ class PoolState:
         d = self.settle_deadline()
         return None if d is None else max(0.0, d - now)
 
-    def start_settle(self, now: float, session_id: str, mean_now: float | None, batch: int = 0) -> None:
+    def start_settle(self, now: float, session_id: str, mean_now: float | None, batch: int = 0,
+                     have: int = 0) -> None:
         """A new session was admitted. An admit while settling extends the window (and the drop
         measured at its end is shared by all the admits it absorbed)."""
         s = self.settle
         if s is None:
-            self.settle = Settle(now, session_id, mean_now, batch=batch)
+            self.settle = Settle(now, session_id, mean_now, batch=batch, have=have)
         else:
             s.t_admit, s.session_id, s.tokens, s.admits, s.batch = now, session_id, 0, s.admits + 1, batch
+            s.have = have
         self.counts["admits"] += 1
 
     def end_settle(self, now: float, mean_now: float | None, fold: bool) -> dict:
