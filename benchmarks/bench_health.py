@@ -58,17 +58,18 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def poll_health(base: str, stop, conn) -> None:
     """In a process of its own (the load generators' work in this process must not delay the polls):
-    GET /health every 20 ms until ``stop`` is set, then send the latencies through ``conn``."""
+    GET /health every 20 ms until ``stop`` is set, then send (wall-clock start, latency) of each
+    poll through ``conn``."""
     import httpx
 
-    out: list[float] = []
+    out: list[tuple[float, float]] = []
     with httpx.Client(base_url=base, timeout=600) as c:
         c.get("/health")  # the connection is open before the first timed poll
         conn.send("ready")
         while not stop.is_set():
-            t = time.perf_counter()
+            wall, t = time.time(), time.perf_counter()
             c.get("/health")
-            out.append(time.perf_counter() - t)
+            out.append((wall, time.perf_counter() - t))
             time.sleep(0.02)
     conn.send(out)
 
@@ -152,8 +153,9 @@ def main() -> int:
             took = time.perf_counter() - t0
             load_after = os.getloadavg()[0]
             stop.set()
-            lat: list[float] = ours.recv()
+            polls: list[tuple[float, float]] = ours.recv()
             poller.join()
+            lat = [latency for _, latency in polls]
             p50, p99, mx = percentile(lat, 0.5), percentile(lat, 0.99), max(lat) if lat else None
             idle_p99 = p99 if name == "idle" else idle_p99
             ok = mx is not None and mx * 1e3 < args.target_ms
@@ -172,6 +174,13 @@ def main() -> int:
                 results[-1]["stalls"] = stalls
                 for block in stalls:
                     print("    " + block.replace("\n", "\n    "))
+                slow = []  # the slowest polls and what the probe logged while each was waiting
+                for wall, latency in sorted(polls, key=lambda p: -p[1])[:2]:
+                    during = stall_probe.summarize(probe_log, wall - 0.005, wall + latency + 0.005, top=4)
+                    slow.append({"at": wall, "ms": latency * 1e3, "stalls": during})
+                    print(f"    slow poll {latency * 1e3:.1f} ms at {wall:.3f}: "
+                          + ("; ".join(b.splitlines()[0] for b in during) or "nothing logged meanwhile"))
+                results[-1]["slowest_polls"] = slow
         print_table(["phase", "status", "s", "polls", "p50 ms", "p99 ms", "max ms", "p99 / idle", "load 1m",
                      f"max < {args.target_ms:g} ms"], rows, title="/health latency under load")
         path = common.write_json("health", {"machine": info, "args": vars(args), "results": results}, args.out)

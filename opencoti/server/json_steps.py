@@ -16,6 +16,8 @@ import re
 from json.decoder import JSONDecodeError, scanstring
 from typing import Any
 
+from ..engine.tokenizer import shared_ids
+
 SLICE = 4096  # list elements per encoder call
 STR_SLICE = 1 << 16  # characters of a long string per encoder call
 _FEW = 64  # lists up to this long are walked element by element (an element may be large itself)
@@ -112,7 +114,8 @@ STRING_PIECE = 1 << 16  # characters of a long string decoded per call
 
 def loads(data: bytes | str) -> Any:
     """``json.loads(data)``, in steps when ``data`` is large: containers are walked here, runs of
-    numbers parsed ``SLICE`` at a time, strings and other scalars by json's own scanner. Raises
+    numbers parsed ``WINDOW`` characters at a time, strings and other scalars by json's own scanner.
+    Runs of token ids come out as shared objects (``engine.tokenizer.shared_ids``). Raises
     ``json.JSONDecodeError`` (and ``RecursionError`` for absurd nesting) like ``json.loads``."""
     if isinstance(data, (bytes, bytearray)):
         if len(data) <= STEP_BYTES:
@@ -177,7 +180,7 @@ def _array(s: str, i: int) -> tuple[list, int]:
         k = s.rfind(",", i, i + WINDOW)
         if k > i:
             try:
-                out.extend(json.loads("[" + s[i:k] + "]"))
+                out.extend(shared_ids(json.loads("[" + s[i:k] + "]")))
             except (JSONDecodeError, RecursionError):
                 pass
             else:

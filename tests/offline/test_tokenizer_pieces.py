@@ -169,3 +169,17 @@ def test_id_lists_are_checked_in_slices_without_a_copy(monkeypatch):
     with pytest.raises(Exception, match="must be integers"):
         tok.decode(good + ["x"])
     assert tok._check_ids(tuple(good)) == good  # other sequences: a checked copy, as before
+
+
+def test_long_id_lists_hold_shared_objects():
+    from opencoti.server import json_steps
+
+    ids = [int(str(300 + i % 500)) for i in range(5000)]  # a new object per element, as a parser makes
+    shared = tokmod.shared_ids(ids)
+    assert shared == ids and len({id(x) for x in shared}) == 500 < len({id(x) for x in ids})
+    for other in ([], [1, 2, -3], [5, tokmod.SHARED_IDS], [1, True], [1, 2.0], [1, "2"]):
+        assert tokmod.shared_ids(other) is other  # anything but ids in range: left as it is
+    ids *= 6  # a large document: parsed in windows, each run of ids made shared
+    parsed = json_steps.loads(("[" + ",".join(map(str, ids)) + ", 1.5, true]").encode())
+    assert parsed == ids + [1.5, True] and type(parsed[-1]) is bool and type(parsed[-2]) is float
+    assert len({id(x) for x in parsed[:20_000]}) == 500  # (the last window, with the float, is not)
