@@ -148,19 +148,36 @@ class Int4PackCPU(Kernel):
         return self._b(y.to(x.dtype))
 
 
-class NativeQ4(Kernel):
-    """Native int4 (``engine/native``): 20 bytes per 32 weights (nibbles, fp16 d, fp16 m), fp32 accumulation."""
+class _NativeKernel(Kernel):
+    """What the native kernels share: the library, fp32 activations, the call convention
+    ``fn(x, T, K, *weights, N, bias, y, threads)``."""
 
-    name, fmt = "native_q4", "int4"
-
-    def __init__(self, w4: Int4Weight, bias, act_dtype: torch.dtype):
+    def _attach(self, act_dtype: torch.dtype) -> None:
         from .. import native
 
         self.lib = native.lib()
         if self.lib is None:
             raise RuntimeError(f"native kernels {native.status()['reason']}")
         if act_dtype != torch.float32:
-            raise RuntimeError("native_q4 takes fp32 activations")
+            raise RuntimeError(f"{self.name} takes fp32 activations")
+
+    def _launch(self, fn, x: torch.Tensor, *weights: int) -> torch.Tensor:
+        from ..native import ptr, threads
+
+        x = x.contiguous()
+        t = x.shape[0]
+        y = torch.empty(t, self.out_features, dtype=torch.float32)
+        fn(x.data_ptr(), t, self.in_features, *weights, self.out_features, ptr(self.bias), y.data_ptr(), threads())
+        return y
+
+
+class NativeQ4(_NativeKernel):
+    """Native int4 (``engine/native``): 20 bytes per 32 weights (nibbles, fp16 d, fp16 m), fp32 accumulation."""
+
+    name, fmt = "native_q4", "int4"
+
+    def __init__(self, w4: Int4Weight, bias, act_dtype: torch.dtype):
+        self._attach(act_dtype)
         n, k = w4.shape
         if w4.group != 32 or k % 32:
             raise RuntimeError(f"native_q4 needs groups of 32 inputs, got {w4.group} (K={k})")
@@ -174,14 +191,7 @@ class NativeQ4(Kernel):
         return OcProj(4, self.blocks.data_ptr(), None, ptr(self.bias), self.out_features, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..native import ptr, threads
-
-        x = x.contiguous()
-        t = x.shape[0]
-        y = torch.empty(t, self.out_features, dtype=torch.float32)
-        self.lib.oc_q4_matmul(x.data_ptr(), t, self.in_features, self.blocks.data_ptr(), self.out_features,
-                              ptr(self.bias), y.data_ptr(), threads())
-        return y
+        return self._launch(self.lib.oc_q4_matmul, x, self.blocks.data_ptr())
 
 
 def pack_q4_blocks(w4: Int4Weight) -> torch.Tensor:
@@ -201,19 +211,13 @@ def pack_q4_blocks(w4: Int4Weight) -> torch.Tensor:
     return torch.cat([nib, dm[0].view(torch.uint8), dm[1].view(torch.uint8)], -1).contiguous()
 
 
-class NativeQ8(Kernel):
+class NativeQ8(_NativeKernel):
     """Native int8 (``engine/native``): int8 [N, K] with per-row fp32 scales, fp32 math."""
 
     name, fmt = "native_q8", "int8"
 
     def __init__(self, w8: Int8Weight, bias, act_dtype: torch.dtype):
-        from .. import native
-
-        self.lib = native.lib()
-        if self.lib is None:
-            raise RuntimeError(f"native kernels {native.status()['reason']}")
-        if act_dtype != torch.float32:
-            raise RuntimeError("native_q8 takes fp32 activations")
+        self._attach(act_dtype)
         self.q = w8.q.contiguous()
         self.scale = w8.scale.float().contiguous()
         n, k = w8.shape
@@ -226,14 +230,7 @@ class NativeQ8(Kernel):
                       self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ..native import ptr, threads
-
-        x = x.contiguous()
-        t = x.shape[0]
-        y = torch.empty(t, self.out_features, dtype=torch.float32)
-        self.lib.oc_q8_matmul(x.data_ptr(), t, self.in_features, self.q.data_ptr(), self.scale.data_ptr(),
-                              self.out_features, ptr(self.bias), y.data_ptr(), threads())
-        return y
+        return self._launch(self.lib.oc_q8_matmul, x, self.q.data_ptr(), self.scale.data_ptr())
 
 
 def _inner_k_tiles(k: int) -> int:

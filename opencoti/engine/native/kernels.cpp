@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <algorithm>
 #include <omp.h>
@@ -297,6 +298,27 @@ void gemm_panels(const float* x, int64_t T, int64_t K, int64_t N, const float* b
     }
 }
 
+// Calls f(std::integral_constant<int, R>{}) with R = rows (1..kRows): the row count as a template argument.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+    switch (rows) {
+        case 8: f(std::integral_constant<int, 8>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        default: f(std::integral_constant<int, 1>{}); break;
+    }
+}
+
+// y[t0 + r, n] = out[r] (+ bias[n]) for the rows of one register block.
+inline void store_rows(float* y, int64_t N, int64_t t0, int64_t rows, int64_t n, const float* out, const float* bias) {
+    const float b = bias ? bias[n] : 0.f;
+    for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+}
+
 // Rows of x in blocks of kRows (and a remainder), output rows of W in tiles; threads split the tiles.
 template <typename RowFn>
 void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row) {
@@ -459,8 +481,7 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
             const uint8_t* wrow = w + n * row_bytes;
             if (rows == 2) q4_row_i16<2>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, sx.data() + t0 * nb, nb, out);
             else q4_row_i16<1>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, sx.data() + t0 * nb, nb, out);
-            const float b = bias ? bias[n] : 0.f;
-            for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+            store_rows(y, N, t0, rows, n, out, bias);
         });
         return;
     }
@@ -470,18 +491,8 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
         const float* xs = x + t0 * K;
         const float* ss = sx.data() + t0 * nb;
         const uint8_t* wrow = w + n * row_bytes;
-        switch (rows) {
-            case 8: q4_row<8>(xs, K, wrow, ss, nb, out); break;
-            case 7: q4_row<7>(xs, K, wrow, ss, nb, out); break;
-            case 6: q4_row<6>(xs, K, wrow, ss, nb, out); break;
-            case 5: q4_row<5>(xs, K, wrow, ss, nb, out); break;
-            case 4: q4_row<4>(xs, K, wrow, ss, nb, out); break;
-            case 3: q4_row<3>(xs, K, wrow, ss, nb, out); break;
-            case 2: q4_row<2>(xs, K, wrow, ss, nb, out); break;
-            default: q4_row<1>(xs, K, wrow, ss, nb, out); break;
-        }
-        const float b = bias ? bias[n] : 0.f;
-        for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+        with_rows(rows, [&](auto R) { q4_row<decltype(R)::value>(xs, K, wrow, ss, nb, out); });
+        store_rows(y, N, t0, rows, n, out, bias);
     });
 }
 
@@ -506,8 +517,7 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
             const int8_t* wrow = q + n * K;
             if (rows == 2) q8_row_i16<2>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, scale[n], nb, out);
             else q8_row_i16<1>(x16.data() + t0 * K, dx.data() + t0 * nb, K, wrow, scale[n], nb, out);
-            const float b = bias ? bias[n] : 0.f;
-            for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+            store_rows(y, N, t0, rows, n, out, bias);
         });
         return;
     }
@@ -516,18 +526,8 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
         float out[kRows];
         const float* xs = x + t0 * K;
         const int8_t* wrow = q + n * K;
-        switch (rows) {
-            case 8: q8_row<8>(xs, K, wrow, scale[n], out); break;
-            case 7: q8_row<7>(xs, K, wrow, scale[n], out); break;
-            case 6: q8_row<6>(xs, K, wrow, scale[n], out); break;
-            case 5: q8_row<5>(xs, K, wrow, scale[n], out); break;
-            case 4: q8_row<4>(xs, K, wrow, scale[n], out); break;
-            case 3: q8_row<3>(xs, K, wrow, scale[n], out); break;
-            case 2: q8_row<2>(xs, K, wrow, scale[n], out); break;
-            default: q8_row<1>(xs, K, wrow, scale[n], out); break;
-        }
-        const float b = bias ? bias[n] : 0.f;
-        for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
+        with_rows(rows, [&](auto R) { q8_row<decltype(R)::value>(xs, K, wrow, scale[n], out); });
+        store_rows(y, N, t0, rows, n, out, bias);
     });
 }
 
