@@ -95,11 +95,7 @@ def calibrate(eng, n_max: int, tokens: int, rounds: int) -> tuple[dict[int, floa
                                       pool_id=pool.pool_id)
                 eng.release_session(sid)
 
-            ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            common.run_threads(n, run)
             per[n].append(sum(r.timings["predicted_per_second"] for r in res) / n)
             log(f"calibration round {rnd + 1}: {n} concurrent sessions -> {per[n][-1]:.2f} tok/s per session")
     eng.release_pool(pool.pool_id)

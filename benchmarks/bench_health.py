@@ -127,11 +127,7 @@ def main() -> int:
                 with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=900) as r:
                     for _ in r.iter_lines():
                         pass
-            ts = [threading.Thread(target=one, args=(i,)) for i in range(args.streams)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            common.run_threads(args.streams, one)
             return 200
 
         loads = [(f"/tokenize {args.body_mib:g} MiB", tokenize),

@@ -214,6 +214,17 @@ def _json_default(o: Any) -> Any:
     return repr(o)
 
 
+def run_threads(n: int, fn: Callable[[int], Any]) -> None:
+    """``fn(0) .. fn(n - 1)`` on ``n`` threads started together; returns when all have ended."""
+    import threading
+
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """(seconds, result) of one call."""
     t0 = now()

@@ -98,11 +98,7 @@ def main() -> None:
                              session_id=sid)
                 eng.release_session(sid)
 
-            ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            common.run_threads(n, run)
             log(f"round {rep + 1}, batch {n}: {len(records)} steps recorded so far")
     load1 = os.getloadavg()
     eng.shutdown()
