@@ -95,6 +95,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             stats.num_tokens = out.num_tokens
             stats.num_decode = sum(1 for _, n in batch if n == 1)
             stats.num_prefill_tokens = stats.num_tokens - stats.num_decode
+            stats.ctx_tokens = sum(len(job.seq.tokens) for job, _ in batch)  # attended over (after the step)
         stats.total_s = time.perf_counter() - t0
         self.last_step = stats
         return stats

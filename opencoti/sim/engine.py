@@ -36,10 +36,10 @@ class _Prepared:
 
 
 class _Stats:
-    __slots__ = ("num_seqs", "num_decode", "num_prefill_tokens", "num_tokens", "total_s", "model_s")
+    __slots__ = ("num_seqs", "num_decode", "num_prefill_tokens", "num_tokens", "ctx_tokens", "total_s", "model_s")
 
-    def __init__(self, seqs: int, decode: int, prefill: int, total_s: float):
-        self.num_seqs, self.num_decode, self.num_prefill_tokens = seqs, decode, prefill
+    def __init__(self, seqs: int, decode: int, prefill: int, total_s: float, ctx: int):
+        self.num_seqs, self.num_decode, self.num_prefill_tokens, self.ctx_tokens = seqs, decode, prefill, ctx
         self.num_tokens, self.total_s, self.model_s = decode + prefill, total_s, total_s
 
 
@@ -176,7 +176,7 @@ class SimEngine:
                 self.core.finish(j)
                 if self.on_finish is not None:
                     self.on_finish(j, self.t)
-        self.core.emit("step", stats=_Stats(len(batch), len(run), prefill, dt))
+        self.core.emit("step", stats=_Stats(len(batch), len(run), prefill, dt, ctx))
 
     def run_until(self, t_end: float) -> None:
         """Run the loop until the clock reaches ``t_end`` (the last step may end after it)."""

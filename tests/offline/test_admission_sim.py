@@ -139,6 +139,36 @@ def test_stalls_are_pooled_so_batch_sizes_can_be_told_apart():
     assert pr.kind == "measured" and pr.est_s < pr.bound_s < 1.2 * pr.now_s
 
 
+def test_context_growth_is_not_read_as_the_cost_of_the_batch_size():
+    """Contexts grow while sessions decode: with the context each step attended, the forecast learns
+    the step time per context token (pooled over batch sizes) and moves every level to the context
+    of now, so a batch size measured while its sessions were long is not judged slower than it is."""
+    rng = random.Random(3)
+    k, base = 2e-4, {2: 0.30, 3: 0.33}  # 0.2 ms per context token attended
+    fc, blind = StepForecast(), StepForecast()
+    for b, c0 in ((2, 60), (3, 60)):
+        for i in range(400):  # each size measured while its sessions grew from 60 to 460 tokens
+            ctx = b * (c0 + i)
+            x = (base[b] + k * ctx) * math.exp(rng.gauss(0, 0.1))
+            fc.observe(b, 0, x, ctx)
+            blind.observe(b, 0, x)
+    assert fc.ctx.slope == pytest.approx(k, rel=0.25)
+    assert blind.ctx.slope == 0.0  # no context given: no context model
+    # now: two sessions of 100 tokens, a new one of 100: the truth is 0.33 + 3 * 100 * k = 0.39 s
+    pr = fc.project(2, 1, ctx_now=200, ctx_new=100)
+    assert pr.est_s == pytest.approx(0.39 * math.exp(0.005), rel=0.06)
+    assert pr.now_s == pytest.approx((0.30 + 200 * k) * math.exp(0.005), rel=0.06)
+    # the same levels read without the context: the long sessions' cost counted as the batch size's
+    assert blind.project(2).est_s > 1.3 * pr.est_s
+    # a new session with a longer context costs more
+    assert fc.project(2, 1, ctx_now=200, ctx_new=1000).est_s == pytest.approx(pr.est_s + 900 * fc.ctx.slope)
+    # no steady slope where the step time does not depend on the context
+    flat = StepForecast()
+    for i in range(600):
+        flat.observe(2, 0, 0.3 * math.exp(rng.gauss(0, 0.1)), 2 * (60 + i))
+    assert flat.ctx.slope < 0.1 * k
+
+
 def test_a_stall_among_the_first_steps_does_not_set_the_level():
     fc = StepForecast()
     for x in (0.1, 0.1, 0.11, 2.5, 0.09, 0.1, 0.1, 0.1, 0.1, 0.1):

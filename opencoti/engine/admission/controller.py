@@ -217,7 +217,10 @@ class AdmissionController:
             cands.append(st.marginal_ewma)
         partial = 1 if pool.prefix_len % ps else 0  # the pool's partial last page is copied per session
         marginal = (-(-int(math.ceil(max(cands))) // ps) + partial) * ps
-        fc = self._forecast_inputs(st, act, len(pool.sessions), now)
+        running = [len(s.job.seq.tokens) for s in (core.sessions.get(x) for x in pool.sessions)
+                   if s is not None and s.job is not None]
+        ctx_new = sum(running) / len(running) if running else pool.prefix_len  # a new session's context
+        fc = self._forecast_inputs(st, act, len(pool.sessions), now, ctx_new)
         return CapacityInputs(**fc,
             policy=st.policy, mean=act.mean_active_tps, n_active=act.n_active, n_warming=act.n_warming,
             n_decoding=act.n_decoding, n_pool_sessions=len(pool.sessions),
@@ -229,16 +232,20 @@ class AdmissionController:
             marginal_tokens=marginal, expected_tokens=expected_tokens,
             context_left=core.max_context - pool.prefix_len, largest_session_share=largest, known_session=known)
 
-    def _forecast_inputs(self, st: PoolState, act, n_pool_sessions: int, now: float) -> dict:
-        """The adaptive forecast for one more session: tps now, estimated and bounded after it."""
+    def _forecast_inputs(self, st: PoolState, act, n_pool_sessions: int, now: float, ctx_new: float) -> dict:
+        """The adaptive forecast for one more session: tps now, estimated and bounded after it, at
+        the context the sessions in flight attend now (``ctx_new``: a new session's)."""
         if st.policy.forecast != ADAPTIVE:
             return {}
         b = act.n_inflight
+        ctx_now = None
         if b == 0 and n_pool_sessions and st.last_settled_t is not None and now - st.last_settled_t < IDLE_FRESH_S:
             b = n_pool_sessions  # between turns: they come back (the idle estimate)
+        else:
+            ctx_now = float(sum(len(j.seq.tokens) for j in self.metrics._generation_jobs()))
         fc = self.forecast
         c = fc.calibration
-        pr = fc.project(b)
+        pr = fc.project(b, 1, ctx_now, ctx_new)
         tps = lambda s: None if s is None or s <= 0 else c / s  # noqa: E731
         # running, but this batch size has no data yet: never project from it (a short settle window on
         # a slow engine would otherwise extrapolate sizes beyond any measured): the conservative model
@@ -251,7 +258,7 @@ class AdmissionController:
         if floor is not None and pr.bound_s is not None:
             k = 0
             while k < 64:
-                q = fc.project(b, k + 1)
+                q = fc.project(b, k + 1, ctx_now, ctx_new)
                 if q.bound_s is None or c / q.bound_s < floor:
                     break
                 k += 1
@@ -326,7 +333,7 @@ class AdmissionController:
             elif event == "step":
                 st = data["stats"]
                 self.forecast.observe(st.num_seqs if st.num_decode == st.num_seqs else 0, st.num_prefill_tokens,
-                                      st.total_s)
+                                      st.total_s, getattr(st, "ctx_tokens", None))
             elif event == "finish":
                 self._on_finish(data["job"])
         except Exception:  # noqa: BLE001 - admission bookkeeping must never take a request down

@@ -36,6 +36,7 @@ a noisy engine (every projection pessimistic, spawns held below what fits).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ MIN_SAMPLES = 6  # steps at a batch size before it counts as measured
 PRECISION = 0.03  # relative precision of the step time a settle window waits for
 MIN_SETTLE_TOKENS = 4
 CAL_ALPHA = 0.1  # weight of a steady sample in the calibration
+CTX_ALPHA = 0.002  # weight of a step in the context slope (about 1000 steps)
+CTX_MIN_STEPS = 50  # steps before a context slope is used
 THIN = 100  # a batch size measured over fewer steps may be probed again (its bound is still wide)
 
 
@@ -86,6 +89,8 @@ class BatchStats:
     var: float = 0.0
     slow: float = 0.0  # slow level (SLOW_ALPHA)
     first: list = field(default_factory=list)  # the first WARM steps (raw)
+    ctx: float = 0.0  # context tokens attended per step, weighted as ``mean`` (fast)
+    ctx_slow: float = 0.0  # ... and as ``slow``
 
     def clip(self, x: float) -> float:
         """The level part of a step of ``x`` seconds (its excess is ``x - clip(x)``); during the
@@ -93,9 +98,12 @@ class BatchStats:
         ref = statistics.median(self.first + [x]) if self.n < WARM else self.mean
         return min(x, STALL_X * ref)
 
-    def add(self, x: float, alpha: float) -> None:
+    def add(self, x: float, alpha: float, ctx: float = 0.0) -> None:
         """Add a step: raw during the warm-up (re-clipped at their median), its level after."""
         self.n += 1
+        a = max(alpha, 1.0 / self.n)
+        self.ctx += a * (ctx - self.ctx)
+        self.ctx_slow += max(SLOW_ALPHA, 1.0 / self.n) * (ctx - self.ctx_slow)
         if self.n <= WARM:  # a plain mean of the warm-up steps, re-clipped at their median
             self.first.append(x)
             ref = STALL_X * statistics.median(self.first)
@@ -104,20 +112,26 @@ class BatchStats:
             self.var = sum((v - self.mean) ** 2 for v in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
             return
         self.first = self.first[:0]
-        a = max(alpha, 1.0 / self.n)
         d = x - self.mean
         self.mean += a * d
         self.var = (1 - a) * (self.var + a * d * d)
         self.slow += max(SLOW_ALPHA, 1.0 / self.n) * (x - self.slow)
 
     @property
+    def recent_slowdown(self) -> bool:
+        return self.mean > self.slow + Z * self.se
+
+    @property
     def upper(self) -> float:
         """The level a bound starts from: the long-run level, or the recent one when it is
         significantly slower (a slowdown now, beyond what the noise explains). A noisy neighbour
         that went quiet a moment ago stays in the long-run level: it will be back."""
-        if self.mean > self.slow + Z * self.se:
-            return self.mean
-        return self.slow
+        return self.mean if self.recent_slowdown else self.slow
+
+    @property
+    def upper_ctx(self) -> float:
+        """The context tokens per step of the steps ``upper`` averages."""
+        return self.ctx if self.recent_slowdown else self.ctx_slow
 
     @property
     def se_slow(self) -> float:
@@ -159,6 +173,39 @@ class Projection:
         return min(1.0, self.now_s / s)
 
 
+@dataclass
+class CtxSlope:
+    """The step time per context token attended, pooled over batch sizes: a least-squares line
+    through the origin of each step's deviation from its batch size's fast level against its
+    context's deviation from the same weighting of contexts (both lag the same way while contexts
+    grow, so the ratio is unbiased), exponentially weighted over about 1 / CTX_ALPHA steps, shrunk
+    towards zero by its standard error."""
+
+    n: int = 0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    syy: float = 0.0
+
+    def add(self, dx: float, dy: float) -> None:
+        self.n += 1
+        a = max(CTX_ALPHA, 1.0 / self.n)
+        self.sxx += a * (dx * dx - self.sxx)
+        self.sxy += a * (dx * dy - self.sxy)
+        self.syy += a * (dy * dy - self.syy)
+
+    @property
+    def slope(self) -> float:
+        if self.n < CTX_MIN_STEPS or self.sxx <= 0:
+            return 0.0
+        k = self.sxy / self.sxx
+        n = min(float(self.n), 2.0 / CTX_ALPHA - 1)
+        resid = max(0.0, self.syy - k * self.sxy)
+        var = resid / (self.sxx * n)
+        # shrunk towards 0 by its own uncertainty (k^2 / (k^2 + se^2)): the full slope where it is
+        # well measured, little where it is noise; never negative (more context is never cheaper)
+        return k * k * k / (k * k + var) if k > 0 else 0.0
+
+
 class StepForecast:
     """Engine-wide step-time statistics per batch size (fed with every pure-decode step).
 
@@ -169,10 +216,13 @@ class StepForecast:
         self.z, self.alpha, self.min_samples = z, alpha, min_samples
         self.stats: dict[int, BatchStats] = {}
         self.stalls = Ewma()  # excess seconds per step over the stall threshold (0 for most steps)
+        self.ctx = CtxSlope()  # seconds per context token attended
         self._cal = 1.0  # experienced tps x step time, when steady (EWMA of the samples)
         self.calibration_samples = 0
 
-    def observe(self, batch: int, prefill_tokens: int, total_s: float) -> None:
+    def observe(self, batch: int, prefill_tokens: int, total_s: float, ctx_tokens: int | None = None) -> None:
+        """A step: ``batch`` sequences decoding (0: not a pure-decode step), ``ctx_tokens`` context
+        tokens attended over (summed over the batch; None: not known, no context model)."""
         if batch < 1 or prefill_tokens or total_s <= 0:
             return
         st = self.stats.get(batch)
@@ -180,16 +230,23 @@ class StepForecast:
             st = self.stats[batch] = BatchStats()
         level = st.clip(total_s)
         self.stalls.add(total_s - level, STALL_ALPHA)
-        st.add(total_s if st.n < WARM else level, self.alpha)
+        if ctx_tokens is not None and st.n >= WARM:
+            self.ctx.add(ctx_tokens - st.ctx, level - st.mean)
+        st.add(total_s if st.n < WARM else level, self.alpha, float(ctx_tokens or 0))
 
     @property
     def stall_s(self) -> float:
         """Mean stall excess per step (engine-wide)."""
         return self.stalls.mean if self.stalls.n else 0.0
 
-    def step_s(self, st: BatchStats, fast: bool = False) -> float:
-        """Expected step time at a batch size: its level (fast or bounding) + the mean stall excess."""
-        return (st.mean if fast else st.upper) + self.stall_s
+    def step_s(self, st: BatchStats, fast: bool = False, ctx: float | None = None) -> float:
+        """Expected step time at a batch size: its level (fast or bounding) + the mean stall excess;
+        with ``ctx``, the level moved to that many context tokens along the context slope."""
+        level = st.mean if fast else st.upper
+        k = self.ctx.slope if ctx is not None else 0.0
+        if k:
+            level = max(0.5 * level, level + k * (ctx - (st.ctx if fast else st.upper_ctx)))
+        return level + self.stall_s
 
     def se(self, st: BatchStats) -> float:
         """Standard error of ``step_s``."""
@@ -222,14 +279,29 @@ class StepForecast:
         st = self.measured(batch)
         return None if st is None else self.calibration / self.step_s(st, fast=True)
 
-    def project(self, b: int, k: int = 1) -> Projection:
-        """The step time when the batch grows from ``b`` to ``b + k``."""
+    def project(self, b: int, k: int = 1, ctx_now: float | None = None, ctx_new: float = 0.0) -> Projection:
+        """The step time when the batch grows from ``b`` to ``b + k``. With ``ctx_now`` (context
+        tokens of the ``b`` sequences in flight) and ``ctx_new`` (of each new one), every batch
+        size's level is first moved to the context it would attend now (``x`` sequences of the
+        current mean context), and the projection to ``ctx_now + k * ctx_new``: a level measured
+        while sessions were long (or short) is not read as the cost of their number."""
         to = b + k
         known = {x: st for x, st in self.stats.items() if st.n >= self.min_samples}
         frontier = not known or to > max(known)
-        m = {x: self.step_s(st) for x, st in known.items()}  # long-run means (or a significant slowdown now)
+        slope = self.ctx.slope if ctx_now is not None else 0.0
+        per_seq = (ctx_now / b if b > 0 else ctx_new) if slope else None
+        # long-run means (or a significant slowdown now), at the context of now
+        m = {x: self.step_s(st, ctx=None if per_seq is None else x * per_seq) for x, st in known.items()}
+        shift = slope * (ctx_now + k * ctx_new - to * per_seq) if slope else 0.0  # the new sessions' context
         now_s = m.get(b)
         hi = None if now_s is None else now_s + self.z * self.se(known[b])
+        proj = self._project(b, k, to, known, m, frontier, now_s, hi)
+        if shift and proj.est_s is not None:
+            proj = dataclasses.replace(proj, est_s=proj.est_s + shift, bound_s=proj.bound_s + shift)
+        return proj
+
+    def _project(self, b: int, k: int, to: int, known: dict, m: dict, frontier: bool, now_s: float | None,
+                 hi: float | None) -> Projection:
         st = known.get(to)
         if st is not None:
             bound = m[to] + self.z * self.se(st)
@@ -281,5 +353,5 @@ class StepForecast:
         return min(cap, max(MIN_SETTLE_TOKENS, self.need_steps(batch, cap) - have))
 
     def as_dict(self) -> dict:
-        return {"calibration": self.calibration, "stall_s_per_step": self.stall_s,
+        return {"calibration": self.calibration, "stall_s_per_step": self.stall_s, "ctx_s_per_token": self.ctx.slope,
                 "per_batch": {b: {"n": s.n, "mean_s": s.mean, "cv": s.cv} for b, s in sorted(self.stats.items())}}
