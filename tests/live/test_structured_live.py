@@ -25,9 +25,9 @@ API_KEY = "structured-key"
 class Person(BaseModel):
     """A person."""
 
-    name: str = Field(description="the person's name", max_length=24)
+    name: str = Field(description="the person's name", min_length=1, max_length=24)
     age: int = Field(description="age in years", ge=0, le=130)
-    city: str = Field(description="where they live", max_length=24)
+    city: str = Field(description="where they live", min_length=1, max_length=24)
 
 
 class Add(BaseModel):
@@ -78,7 +78,7 @@ def test_chatopenai_with_structured_output(base_url, method):
     for seed in range(4):
         llm = chat(base_url, seed).with_structured_output(Person, **kw)
         p = llm.invoke("Invent a person: give their name, age and city.")
-        assert isinstance(p, Person) and 0 <= p.age <= 130 and p.name and len(p.city) <= 24
+        assert isinstance(p, Person) and 0 <= p.age <= 130 and 1 <= len(p.name) <= 24 and 1 <= len(p.city) <= 24
 
 
 def test_chatopenai_bind_tools_required_and_named(base_url):
