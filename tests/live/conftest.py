@@ -31,18 +31,35 @@ def bundled_model(opencoti_cache):
     return load_model(progress=lambda line: print(f"[load_model] {line}"))
 
 
-@pytest.fixture(scope="session")
-def bundled_engine(bundled_model):
-    """One engine on the bundled model shared by the live tests (integrity-checked at the end)."""
+def _engine(bundled_model, weights: str):
     import copy
 
     from opencoti.engine import Engine, EngineConfig
 
     loaded = copy.copy(bundled_model)
     loaded.state_dict = dict(bundled_model.state_dict)
-    # fp32 weights: the live tests compare greedy output with transformers (the exactness reference)
-    eng = Engine(EngineConfig(page_size=16, kv_budget_tokens=16384, pool_grace_ttl_s=0.0, weights="fp32"),
-                 loaded=loaded)
+    return Engine(EngineConfig(page_size=16, kv_budget_tokens=16384, pool_grace_ttl_s=0.0, weights=weights),
+                  loaded=loaded)
+
+
+@pytest.fixture(scope="session")
+def bundled_engine(bundled_model):
+    """One engine on the bundled model shared by the live tests (integrity-checked at the end), with
+    fp32 weights: these tests compare greedy output with transformers (the exactness reference)."""
+    eng = _engine(bundled_model, "fp32")
+    yield eng
+    eng.check_integrity()
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def int4_engine(bundled_model):
+    """The engine with int4 weights (the bundled GGUF's own Q4_1 numbers, the native kernels: what
+    ``auto`` picks on this kind of machine), for the live tests that compare nothing with
+    transformers: LangChain's standard suite, the LangGraph nodes, constrained decoding. A fixed
+    format, not ``auto``: auto chooses by kernel timings on the machine, and these tests check what
+    the model writes (integrity-checked at the end)."""
+    eng = _engine(bundled_model, "int4")
     yield eng
     eng.check_integrity()
     eng.shutdown()

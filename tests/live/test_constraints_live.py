@@ -57,8 +57,8 @@ def chat_prompt(eng, text: str, tools=None, prefill: str = "") -> list[int]:
     return eng.tokenize(eng.apply_chat_template([{"role": "user", "content": text}], tools=tools) + prefill)
 
 
-def test_json_schema_outputs_parse_and_validate_at_temperature_1(bundled_engine):
-    eng = bundled_engine
+def test_json_schema_outputs_parse_and_validate_at_temperature_1(int4_engine):
+    eng = int4_engine
     spec = ConstraintSpec.json_schema(PERSON)
     prompt = chat_prompt(eng, "Invent a person and describe them as JSON.")
     results = generate_all(eng, prompt, lambda s: SamplingParams(temperature=1.0, seed=s, max_tokens=300,
@@ -69,8 +69,8 @@ def test_json_schema_outputs_parse_and_validate_at_temperature_1(bundled_engine)
     assert len({r.text for r in results}) > 1  # sampled, not one forced answer
 
 
-def test_json_object_grammar_and_regex_at_temperature_1(bundled_engine):
-    eng = bundled_engine
+def test_json_object_grammar_and_regex_at_temperature_1(int4_engine):
+    eng = int4_engine
     prompt = chat_prompt(eng, "Give me a small JSON object about cats.")
     for r in generate_all(eng, prompt, lambda s: SamplingParams(temperature=1.0, seed=s, max_tokens=120,
                                                                 constraint=ConstraintSpec.json_object())):
@@ -90,8 +90,8 @@ def test_json_object_grammar_and_regex_at_temperature_1(bundled_engine):
 
 
 @pytest.mark.parametrize("choice", [ToolChoice("required", None), ToolChoice("required", "add")])
-def test_required_and_named_tool_calls_are_valid(bundled_engine, choice):
-    eng = bundled_engine
+def test_required_and_named_tool_calls_are_valid(int4_engine, choice):
+    eng = int4_engine
     tools = [WEATHER, ADD]
     prefill = tool_choice_prefill(choice)
     spec = constraint_from_request(tool_mode=choice.mode, tool_name=choice.name, tools=tools, prefill=prefill,

@@ -38,8 +38,8 @@ class TestOpencotiIntegration(ChatModelIntegrationTests):
     engine = None
 
     @pytest.fixture(autouse=True)
-    def _bundled(self, bundled_engine):
-        type(self).engine = bundled_engine
+    def _bundled(self, int4_engine):
+        type(self).engine = int4_engine
 
     @property
     def chat_model_class(self):
@@ -105,8 +105,8 @@ class TestOpencotiIntegration(ChatModelIntegrationTests):
 
 # ============================================================================ our own checks on the real model
 @pytest.fixture
-def model(bundled_engine):
-    return OpencotiChatModel(engine=bundled_engine, temperature=0, max_tokens=48)
+def model(int4_engine):
+    return OpencotiChatModel(engine=int4_engine, temperature=0, max_tokens=48)
 
 
 @tool
@@ -141,8 +141,8 @@ class WorkerState(PolyKVState, total=False):
 
 
 @pytest.mark.bundled
-def test_paced_fan_out_under_an_enforced_floor(bundled_engine):
-    model = OpencotiChatModel(engine=bundled_engine, temperature=0, max_tokens=24)
+def test_paced_fan_out_under_an_enforced_floor(int4_engine):
+    model = OpencotiChatModel(engine=int4_engine, temperature=0, max_tokens=24)
     client = model.polykv_client
     system = "You are a sub-agent. Answer in one sentence."
     pool = client.create_pool(messages=[{"role": "system", "content": system}])
@@ -175,11 +175,11 @@ def test_paced_fan_out_under_an_enforced_floor(bundled_engine):
     admits = [e for e in client.events(pool.pool_id) if e["event"] == "admit"]
     assert len(admits) == 4
     client.release_pool(pool.pool_id)
-    bundled_engine.check_integrity()
+    int4_engine.check_integrity()
 
 
 @pytest.mark.bundled
-def test_compaction_end_to_end(bundled_engine):
+def test_compaction_end_to_end(bundled_engine):  # fp32 greedy: its answer is checked for the name
     model = OpencotiChatModel(engine=bundled_engine, temperature=0, max_tokens=40)
     client = model.polykv_client
     system = "You are a helpful assistant."
