@@ -14,8 +14,11 @@ session tps is not monotonic in the batch size on every machine, and "the number
 largest n such that every batch size up to n stays above the floor (a ramp passes through all of
 them); a gap smaller than the noise of a mean would put the floor inside the noise of fit itself.
 
-Three policies, same engine, each on a fresh pool (ours runs first; the engine's step-time
-forecast has seen the calibration's steps, as an engine that has been serving would have):
+Three policies, same engine, each on a fresh pool, over ``--rounds`` rounds in a rotating order
+(ours, naive, oracle; then naive, oracle, ours; ...: this VM's speed drifts by tens of percent
+over minutes, and a fixed order would hand that drift to one policy); the metrics pool all rounds
+of a policy (wall: their mean). The engine's step-time forecast has seen the calibration's steps
+(and the earlier rounds'), as an engine that has been serving would have:
 
 * ``ours``: spawn when ``engine.capacity(pool)["can_admit"]`` (advisory policy with the floor:
   projected mean after the admit, settle window, warming exclusion, idle estimate, guarantee).
@@ -186,6 +189,24 @@ def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float,
     out = summarize(policy, floor, t0, t_end, wall0, hist, timeline, decisions, events)
     out["under_share"], out["deep_share"] = decode_shares(token_times.values(), floor)
     out["tok_s"] = n_tasks * tokens / out["total_wall_s"]
+    out["token_times"] = list(token_times.values())
+    return out
+
+
+def merge_rounds(rs: list[dict], floor: float) -> dict:
+    """One policy's rounds as one run: under/deep shares over all its session-decode seconds, time
+    under floor summed, the deepest dip and the most sessions over all rounds, the mean wall; the
+    rounds themselves in ``rounds``."""
+    times = [ts for r in rs for ts in r.pop("token_times")]
+    out = {**rs[0], "rounds": [{k: r[k] for k in ("total_wall_s", "under_share", "deep_share", "max_sessions",
+                                                  "time_under_floor_s", "spawn_times_s")} for r in rs]}
+    out["under_share"], out["deep_share"] = decode_shares(times, floor)
+    out["time_under_floor_s"] = sum(r["time_under_floor_s"] for r in rs)
+    dips = [r["deepest_dip_tps"] for r in rs if r["deepest_dip_tps"] is not None]
+    out["deepest_dip_tps"] = min(dips) if dips else None
+    out["max_sessions"] = max(r["max_sessions"] for r in rs)
+    out["total_wall_s"] = statistics.mean(r["total_wall_s"] for r in rs)
+    out["tok_s"] = sum(len(ts) for ts in times) / sum(r["total_wall_s"] for r in rs)
     return out
 
 
@@ -219,11 +240,13 @@ def main() -> int:
     p.add_argument("--calibration-tokens", type=int, default=48)
     p.add_argument("--calibration-rounds", type=int, default=3, help="interleaved rounds over the sizes (median)")
     p.add_argument("--floor", type=float, default=None, help="use this floor instead of calibrating")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of the policies, in a rotating order (metrics over all rounds, wall = mean)")
     p.add_argument("--policies", default="ours,naive,oracle",
                    help="comma-separated, run in this order (ours and naive are required)")
     args = p.parse_args()
     if args.quick:
-        args.tasks, args.tokens = min(args.tasks, 5), min(args.tokens, 96)
+        args.tasks, args.tokens, args.rounds = min(args.tasks, 5), min(args.tokens, 96), 1
     common.set_threads(args.threads)
     info = common.machine_info()
     log(common.describe_machine(info))
@@ -248,13 +271,17 @@ def main() -> int:
     if sep is not None and sep < 1.1:
         log(f"WARNING: the calibration curve is flat within its noise (best separation {sep:.2f}x < 1.1x): "
             "the ramp cannot tell fit from fit + 1 sessions")
-    runs = {}
-    for policy in args.policies.split(","):
-        log(f"ramp: {policy} ({args.tasks} sessions x {args.tokens} tokens, tick {args.tick} s)")
-        runs[policy] = ramp(eng, policy, floor, args.tasks, args.tokens, args.tick, args.fit)
-        r = runs[policy]
-        log(f"  {policy}: under floor {r['time_under_floor_s']:.1f} s, dip {fmt(r['deepest_dip_tps'])}, "
-            f"max {r['max_sessions']} sessions, wall {r['total_wall_s']:.1f} s")
+    policies = args.policies.split(",")
+    per_round: dict[str, list[dict]] = {p: [] for p in policies}
+    for rnd in range(args.rounds):  # the order rotates, so a drift of the machine's speed hits each alike
+        for policy in policies[rnd % len(policies):] + policies[:rnd % len(policies)]:
+            log(f"ramp {rnd + 1}/{args.rounds}: {policy} ({args.tasks} sessions x {args.tokens} tokens, "
+                f"tick {args.tick} s)")
+            r = ramp(eng, policy, floor, args.tasks, args.tokens, args.tick, args.fit)
+            per_round[policy].append(r)
+            log(f"  {policy}: under floor {r['time_under_floor_s']:.1f} s, dip {fmt(r['deepest_dip_tps'])}, "
+                f"max {r['max_sessions']} sessions, wall {r['total_wall_s']:.1f} s")
+    runs = {p: merge_rounds(rs, floor) for p, rs in per_round.items()}
     eng.check_integrity()
     eng.shutdown()
     ours, naive = runs["ours"], runs["naive"]
@@ -292,6 +319,9 @@ def main() -> int:
     print(f"  {'overshoot':18s} ours {over['ours']}, naive {over['naive']}  "
           f"(target ours <= 1: {verdict(over['ours'], 1)})")
     print(f"  {'tok/s':18s} {fmt(rel('tok_s')):>8s}")
+    if args.rounds > 1:
+        print("  wall x naive per round: " + ", ".join(
+            fmt(a["total_wall_s"] / b["total_wall_s"]) for a, b in zip(ours["rounds"], naive["rounds"])))
     wall_why = wall_reachability(bounds, runs, naive, 1.15)
     for line in wall_why:
         print(f"  wall: {line}")
