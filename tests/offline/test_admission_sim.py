@@ -162,6 +162,9 @@ def test_context_growth_is_not_read_as_the_cost_of_the_batch_size():
     assert blind.project(2).est_s > 1.3 * pr.est_s
     # a new session with a longer context costs more
     assert fc.project(2, 1, ctx_now=200, ctx_new=1000).est_s == pytest.approx(pr.est_s + 900 * fc.ctx.slope)
+    # a new session far shorter than those in flight: one more session is still never cheaper than now
+    short = fc.project(2, 1, ctx_now=2000, ctx_new=0)
+    assert short.est_s >= short.now_s and short.bound_s >= short.now_s
     # no steady slope where the step time does not depend on the context
     flat = StepForecast()
     for i in range(600):

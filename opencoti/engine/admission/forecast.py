@@ -297,7 +297,8 @@ class StepForecast:
         hi = None if now_s is None else now_s + self.z * self.se(known[b])
         proj = self._project(b, k, to, known, m, frontier, now_s, hi)
         if shift and proj.est_s is not None:
-            proj = dataclasses.replace(proj, est_s=proj.est_s + shift, bound_s=proj.bound_s + shift)
+            lo = now_s if now_s is not None and to > b else 0.0  # more sessions are never cheaper than now
+            proj = dataclasses.replace(proj, est_s=max(lo, proj.est_s + shift), bound_s=max(lo, proj.bound_s + shift))
         return proj
 
     def _project(self, b: int, k: int, to: int, known: dict, m: dict, frontier: bool, now_s: float | None,
