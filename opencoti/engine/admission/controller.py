@@ -199,12 +199,15 @@ class AdmissionController:
         ps = core.page_size
         largest = 0.0
         suffixes = []
+        running = []  # context tokens of the pool's sessions in flight
         for sid in pool.sessions:
             s = core.sessions.get(sid)
             if s is None:
                 continue
             job = s.job
             used = len(job.seq.tokens) if job is not None else len(s.seq.tokens)
+            if job is not None:
+                running.append(used)
             largest = max(largest, used / core.max_context)
             final = used
             if job is not None and job.params is not None and job.params.max_tokens is not None:
@@ -217,8 +220,6 @@ class AdmissionController:
             cands.append(st.marginal_ewma)
         partial = 1 if pool.prefix_len % ps else 0  # the pool's partial last page is copied per session
         marginal = (-(-int(math.ceil(max(cands))) // ps) + partial) * ps
-        running = [len(s.job.seq.tokens) for s in (core.sessions.get(x) for x in pool.sessions)
-                   if s is not None and s.job is not None]
         ctx_new = sum(running) / len(running) if running else pool.prefix_len  # a new session's context
         fc = self._forecast_inputs(st, act, len(pool.sessions), now, ctx_new)
         return CapacityInputs(**fc,

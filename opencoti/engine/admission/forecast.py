@@ -56,6 +56,17 @@ CTX_MIN_STEPS = 50  # steps before a context slope is used
 THIN = 100  # a batch size measured over fewer steps may be probed again (its bound is still wide)
 
 
+def weight(n: int, alpha: float) -> float:
+    """The weight of the n-th sample in an exponentially weighted mean: a plain mean (1 / n) until
+    that falls below ``alpha``."""
+    return max(alpha, 1.0 / n)
+
+
+def samples(n: int, alpha: float) -> float:
+    """The samples an exponentially weighted mean of ``n`` effectively averages: at most 2 / alpha - 1."""
+    return min(float(n), 2.0 / alpha - 1)
+
+
 @dataclass
 class Ewma:
     """An exponentially weighted mean and variance (a plain mean while few samples exist)."""
@@ -66,14 +77,14 @@ class Ewma:
 
     def add(self, x: float, alpha: float) -> None:
         self.n += 1
-        a = max(alpha, 1.0 / self.n)
+        a = weight(self.n, alpha)
         d = x - self.mean
         self.mean += a * d
         self.var = (1 - a) * (self.var + a * d * d) if self.n > 1 else 0.0
 
     def se(self, alpha: float) -> float:
         """Standard error of the mean (the samples it effectively averages: at most 2 / alpha - 1)."""
-        n = min(float(self.n), 2.0 / alpha - 1)
+        n = samples(self.n, alpha)
         return math.sqrt(self.var / n) if self.n > 1 else self.mean
 
 
@@ -101,9 +112,9 @@ class BatchStats:
     def add(self, x: float, alpha: float, ctx: float = 0.0) -> None:
         """Add a step: raw during the warm-up (re-clipped at their median), its level after."""
         self.n += 1
-        a = max(alpha, 1.0 / self.n)
+        a = weight(self.n, alpha)
         self.ctx += a * (ctx - self.ctx)
-        self.ctx_slow += max(SLOW_ALPHA, 1.0 / self.n) * (ctx - self.ctx_slow)
+        self.ctx_slow += weight(self.n, SLOW_ALPHA) * (ctx - self.ctx_slow)
         if self.n <= WARM:  # a plain mean of the warm-up steps, re-clipped at their median
             self.first.append(x)
             ref = STALL_X * statistics.median(self.first)
@@ -115,7 +126,7 @@ class BatchStats:
         d = x - self.mean
         self.mean += a * d
         self.var = (1 - a) * (self.var + a * d * d)
-        self.slow += max(SLOW_ALPHA, 1.0 / self.n) * (x - self.slow)
+        self.slow += weight(self.n, SLOW_ALPHA) * (x - self.slow)
 
     @property
     def recent_slowdown(self) -> bool:
@@ -136,12 +147,12 @@ class BatchStats:
     @property
     def se_slow(self) -> float:
         """Standard error of the long-run level."""
-        n = min(float(self.n), 2.0 / SLOW_ALPHA - 1)
+        n = samples(self.n, SLOW_ALPHA)
         return math.sqrt(self.var / n) if self.n > 1 else self.mean
 
     @property
     def n_eff(self) -> float:
-        return min(float(self.n), 2.0 / ALPHA - 1)
+        return samples(self.n, ALPHA)
 
     @property
     def se(self) -> float:
@@ -188,7 +199,7 @@ class CtxSlope:
 
     def add(self, dx: float, dy: float) -> None:
         self.n += 1
-        a = max(CTX_ALPHA, 1.0 / self.n)
+        a = weight(self.n, CTX_ALPHA)
         self.sxx += a * (dx * dx - self.sxx)
         self.sxy += a * (dx * dy - self.sxy)
         self.syy += a * (dy * dy - self.syy)
@@ -198,7 +209,7 @@ class CtxSlope:
         if self.n < CTX_MIN_STEPS or self.sxx <= 0:
             return 0.0
         k = self.sxy / self.sxx
-        n = min(float(self.n), 2.0 / CTX_ALPHA - 1)
+        n = samples(self.n, CTX_ALPHA)
         resid = max(0.0, self.syy - k * self.sxy)
         var = resid / (self.sxx * n)
         # shrunk towards 0 by its own uncertainty (k^2 / (k^2 + se^2)): the full slope where it is
@@ -262,7 +273,7 @@ class StepForecast:
         # average itself never says sessions get more than one token per step
         c = min(2.0, max(0.5, mean_tps * self.step_s(st, fast=True)))
         self.calibration_samples += 1
-        a = max(CAL_ALPHA, 1.0 / self.calibration_samples)
+        a = weight(self.calibration_samples, CAL_ALPHA)
         self._cal += a * (c - self._cal)
 
     @property
