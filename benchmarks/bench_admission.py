@@ -16,8 +16,12 @@ them); a gap smaller than the noise of a mean would put the floor inside the noi
 
 Three policies, same engine, each on a fresh pool, over ``--rounds`` rounds in a rotating order
 (ours, naive, oracle; then naive, oracle, ours; ...: this VM's speed drifts by tens of percent
-over minutes, and a fixed order would hand that drift to one policy); the metrics pool all rounds
-of a policy (wall: their mean). The engine's step-time forecast has seen the calibration's steps
+over minutes, and a fixed order would hand that drift to one policy); every round calibrates again
+first (``--no-recalibrate``: one calibration for the whole run), so the floor a round holds is at
+most a round old — a floor calibrated several minutes earlier sat inside that drift, and the ramp
+then measured the drift as much as the policy. The metrics pool all rounds of a policy (under and
+deep: session-decode seconds, each round against its own floor; overshoot: the worst round's most
+sessions minus that round's fit; wall: their mean). The engine's step-time forecast has seen the calibration's steps
 (and the earlier rounds'), as an engine that has been serving would have:
 
 * ``ours``: spawn when ``engine.capacity(pool)["can_admit"]`` (advisory policy with the floor:
@@ -48,6 +52,7 @@ Targets: under-floor share <= 0.5x naive, deep <= 0.2x naive, overshoot <= 1, wa
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import threading
@@ -58,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 from common import fmt, log, now, print_table  # noqa: E402
 
-from opencoti.sim.ramp import decode_shares  # noqa: E402
+from opencoti.sim.ramp import decode_seconds  # noqa: E402
 
 SYSTEM = ("You are a meticulous research assistant in a team of agents. Answer in detail, explain your "
           "reasoning step by step, and never stop early.")
@@ -119,6 +124,22 @@ def choose_fit(cal: dict[int, float], gap: float = 1.1) -> tuple[int, float]:
         fit = max(range(1, max(cal)), key=lambda k: min(cal[j] for j in range(1, k + 1)) / cal[k + 1])
         best = min(cal[j] for j in range(1, fit + 1)) / cal[fit + 1]
     return fit, best
+
+
+def calibrate_floor(eng, args, n_max: int) -> dict:
+    """A calibration, and the floor and fit it gives (``--fit`` / ``--floor`` when given)."""
+    cal, cal_rounds = calibrate(eng, n_max, args.calibration_tokens, args.calibration_rounds)
+    fit, sep = (args.fit, None) if args.fit is not None else choose_fit(cal)
+    floor = args.floor if args.floor is not None else (min(cal[j] for j in range(1, fit + 1)) + cal[fit + 1]) / 2
+    fits = 0
+    while fits < n_max and cal[fits + 1] >= floor:
+        fits += 1
+    log(f"floor {floor:.2f} tok/s per session: {fits} session(s) fit"
+        + ("" if sep is None else f" (every size up to it {sep:.2f}x faster per session than the next)"))
+    if sep is not None and sep < 1.1:
+        log(f"WARNING: the calibration curve is flat within its noise (best separation {sep:.2f}x < 1.1x): "
+            "the ramp cannot tell fit from fit + 1 sessions")
+    return {"calibration": cal, "calibration_rounds": cal_rounds, "separation": sep, "floor": floor, "fit": fits}
 
 
 # ============================================================================ the ramp
@@ -187,26 +208,31 @@ def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float,
     events = eng.admission_events(pid)
     eng.release_pool(pid)
     out = summarize(policy, floor, t0, t_end, wall0, hist, timeline, decisions, events)
-    out["under_share"], out["deep_share"] = decode_shares(token_times.values(), floor)
+    under, deep, total = out["decode_s"] = decode_seconds(token_times.values(), floor)
+    out["under_share"], out["deep_share"] = (under / total, deep / total) if total else (0.0, 0.0)
+    out["fit"], out["tokens"] = fit, sum(len(ts) for ts in token_times.values())
     out["tok_s"] = n_tasks * tokens / out["total_wall_s"]
-    out["token_times"] = list(token_times.values())
     return out
 
 
-def merge_rounds(rs: list[dict], floor: float) -> dict:
-    """One policy's rounds as one run: under/deep shares over all its session-decode seconds, time
-    under floor summed, the deepest dip and the most sessions over all rounds, the mean wall; the
+def merge_rounds(rs: list[dict]) -> dict:
+    """One policy's rounds as one run: under/deep shares over all its session-decode seconds (each
+    round against its own floor), time under floor summed, the deepest dip relative to its round's
+    floor, the largest overshoot of a round (its most sessions minus its fit), the mean wall; the
     rounds themselves in ``rounds``."""
-    times = [ts for r in rs for ts in r.pop("token_times")]
-    out = {**rs[0], "rounds": [{k: r[k] for k in ("total_wall_s", "under_share", "deep_share", "max_sessions",
-                                                  "time_under_floor_s", "spawn_times_s")} for r in rs]}
-    out["under_share"], out["deep_share"] = decode_shares(times, floor)
+    keys = ("floor", "fit", "total_wall_s", "under_share", "deep_share", "max_sessions", "time_under_floor_s",
+            "spawn_times_s")
+    out = {**rs[0], "rounds": [{k: r[k] for k in keys} for r in rs]}
+    under, deep, total = (sum(r["decode_s"][i] for r in rs) for i in range(3))
+    out["decode_s"] = (under, deep, total)
+    out["under_share"], out["deep_share"] = (under / total, deep / total) if total else (0.0, 0.0)
     out["time_under_floor_s"] = sum(r["time_under_floor_s"] for r in rs)
-    dips = [r["deepest_dip_tps"] for r in rs if r["deepest_dip_tps"] is not None]
-    out["deepest_dip_tps"] = min(dips) if dips else None
+    dips = [r["deepest_dip_tps"] / r["floor"] for r in rs if r["deepest_dip_tps"] is not None]
+    out["deepest_dip_x_floor"] = min(dips) if dips else None
     out["max_sessions"] = max(r["max_sessions"] for r in rs)
+    out["overshoot"] = max(r["max_sessions"] - r["fit"] for r in rs)
     out["total_wall_s"] = statistics.mean(r["total_wall_s"] for r in rs)
-    out["tok_s"] = sum(len(ts) for ts in times) / sum(r["total_wall_s"] for r in rs)
+    out["tok_s"] = sum(r["tokens"] for r in rs) / sum(r["total_wall_s"] for r in rs)
     return out
 
 
@@ -242,6 +268,9 @@ def main() -> int:
     p.add_argument("--floor", type=float, default=None, help="use this floor instead of calibrating")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds of the policies, in a rotating order (metrics over all rounds, wall = mean)")
+    p.add_argument("--recalibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate again (floor and fit) before every round, so a round's floor is minutes old, "
+                        "not the whole run's age (default: on)")
     p.add_argument("--policies", default="ours,naive,oracle",
                    help="comma-separated, run in this order (ours and naive are required)")
     args = p.parse_args()
@@ -256,39 +285,31 @@ def main() -> int:
     eng.configure_tps(history_interval_s=0.1)
     eng.generate("warm up", params=greedy(8))
     n_max = max(args.calibrate_max, (args.fit or 0) + 1)
-    cal, cal_rounds = calibrate(eng, n_max, args.calibration_tokens, args.calibration_rounds)
-    sep = None
-    if args.fit is None:
-        args.fit, sep = choose_fit(cal)
-    floor = args.floor if args.floor is not None else \
-        (min(cal[j] for j in range(1, args.fit + 1)) + cal[args.fit + 1]) / 2
-    fits = 0
-    while fits < n_max and cal[fits + 1] >= floor:
-        fits += 1
-    args.fit = fits
-    log(f"floor {floor:.2f} tok/s per session: {fits} session(s) fit"
-        + ("" if sep is None else f" (every size up to it {sep:.2f}x faster per session than the next)"))
-    if sep is not None and sep < 1.1:
-        log(f"WARNING: the calibration curve is flat within its noise (best separation {sep:.2f}x < 1.1x): "
-            "the ramp cannot tell fit from fit + 1 sessions")
     policies = args.policies.split(",")
     per_round: dict[str, list[dict]] = {p: [] for p in policies}
+    cals: list[dict] = []
     for rnd in range(args.rounds):  # the order rotates, so a drift of the machine's speed hits each alike
+        if rnd == 0 or args.recalibrate:
+            cals.append(calibrate_floor(eng, args, n_max))
+        c = cals[-1]
         for policy in policies[rnd % len(policies):] + policies[:rnd % len(policies)]:
             log(f"ramp {rnd + 1}/{args.rounds}: {policy} ({args.tasks} sessions x {args.tokens} tokens, "
-                f"tick {args.tick} s)")
-            r = ramp(eng, policy, floor, args.tasks, args.tokens, args.tick, args.fit)
+                f"tick {args.tick} s, floor {c['floor']:.2f}, fit {c['fit']})")
+            r = ramp(eng, policy, c["floor"], args.tasks, args.tokens, args.tick, c["fit"])
+            r["round"] = rnd
             per_round[policy].append(r)
             log(f"  {policy}: under floor {r['time_under_floor_s']:.1f} s, dip {fmt(r['deepest_dip_tps'])}, "
                 f"max {r['max_sessions']} sessions, wall {r['total_wall_s']:.1f} s")
-    runs = {p: merge_rounds(rs, floor) for p, rs in per_round.items()}
+    runs = {p: merge_rounds(rs) for p, rs in per_round.items()}
     eng.check_integrity()
     eng.shutdown()
     ours, naive = runs["ours"], runs["naive"]
-    rows = [[k, r["time_under_floor_s"], r["deepest_dip_tps"], f"{r['max_sessions']} (fit {args.fit})",
-             r["max_sessions"] - args.fit, r["total_wall_s"]] for k, r in runs.items()]
-    print_table(["policy", "under floor s", "deepest dip tps", "max sessions", "overshoot", "wall s"], rows,
-                title=f"spawn ramp: floor {floor:.2f} tok/s/session, {args.tasks} x {args.tokens} tokens, "
+    fits = ",".join(str(r["fit"]) for r in ours["rounds"])
+    floors = ", ".join(f"{r['floor']:.2f}" for r in ours["rounds"])
+    rows = [[k, r["time_under_floor_s"], fmt(r["deepest_dip_x_floor"]), f"{r['max_sessions']} (fit {fits})",
+             r["overshoot"], r["total_wall_s"]] for k, r in runs.items()]
+    print_table(["policy", "under floor s", "deepest dip x floor", "max sessions", "overshoot", "wall s"], rows,
+                title=f"spawn ramp: floor {floors} tok/s/session (per round), {args.tasks} x {args.tokens} tokens, "
                       f"tick {args.tick} s")
 
     def rel(key, pol="ours"):
@@ -296,17 +317,23 @@ def main() -> int:
         return r[key] / naive[key] if naive[key] else (0.0 if not r[key] else None)
 
     print_table(["policy", "under-floor share", "deep share", "overshoot", "wall s", "tok/s", "wall x naive"],
-                [[k, f"{r['under_share']:.3f}", f"{r['deep_share']:.4f}", r["max_sessions"] - args.fit,
+                [[k, f"{r['under_share']:.3f}", f"{r['deep_share']:.4f}", r["overshoot"],
                   r["total_wall_s"], r["tok_s"], fmt(rel("total_wall_s", k))] for k, r in runs.items()],
                 title="the metrics of the simulator benchmark (session-decode seconds, from token times)")
-    bounds = wall_bounds(cal, args.fit, args.tasks, args.tokens, naive["total_wall_s"])
-    print_table(["at most in flight", "bound s", "x naive wall", "schedule (steps per batch size)"],
-                [[f"{k} ({name})", b["wall_s"], fmt(b["ratio"]),
+    # the bounds of each round (its calibration, its naive wall), and their mean ratio
+    per_bounds = []
+    for rnd, nv in enumerate(naive["rounds"]):
+        c = cals[rnd if args.recalibrate else 0]
+        per_bounds.append(wall_bounds(c["calibration"], c["fit"], args.tasks, args.tokens, nv["total_wall_s"]))
+    bounds = {name: {**per_bounds[0][name], "ratio": statistics.mean(pb[name]["ratio"] for pb in per_bounds)}
+              for name in per_bounds[0]}
+    print_table(["round", "at most in flight", "bound s", "x naive wall", "schedule (steps per batch size)"],
+                [[rnd + 1, f"{b['k']} ({name})", b["wall_s"], fmt(b["ratio"]),
                   ", ".join(f"{n:.0f} x {bs}" for bs, n in sorted(b["batches"].items()))]
-                 for name, k, b in ((n, v["k"], v) for n, v in bounds.items())],
+                 for rnd, pb in enumerate(per_bounds) for name, b in pb.items()],
                 title="wall time: the least of any schedule with at most k sessions in flight, from the "
-                      "calibration curve (opencoti.sim.bounds; no tick, no ramp)")
-    over = {k: r["max_sessions"] - args.fit for k, r in runs.items()}
+                      "round's calibration curve (opencoti.sim.bounds; no tick, no ramp)")
+    over = {k: r["overshoot"] for k, r in runs.items()}
     targets = {"under-floor share": (rel("under_share"), 0.5), "deep share": (rel("deep_share"), 0.2),
                "wall": (rel("total_wall_s"), 1.15)}
 
@@ -328,15 +355,16 @@ def main() -> int:
     ratio = (ours["time_under_floor_s"] / naive["time_under_floor_s"]) if naive["time_under_floor_s"] else None
     ok_ratio = ours["time_under_floor_s"] <= 0.5 * naive["time_under_floor_s"] + 1e-9
     ok_over = over["ours"] <= 1
-    print("\ncalibration (per-session tps by concurrency): "
-          + ", ".join(f"{n}: {v:.2f}" for n, v in cal.items()))
+    for i, c in enumerate(cals):
+        print(f"\ncalibration {i + 1} (per-session tps by concurrency): "
+              + ", ".join(f"{n}: {v:.2f}" for n, v in c["calibration"].items())
+              + f"; floor {c['floor']:.2f}, fit {c['fit']}")
     print(f"engine-mean time under floor, ours / naive: {fmt(ratio)}")
     info["loadavg_end"] = common.machine_info()["loadavg"]
     print(f"load average: {info['loadavg'][0]:.2f} at the start, {info['loadavg_end'][0]:.2f} at the end; "
           f"weights {info['weights']}")
-    path = common.write_json("admission", {"config": vars(args), "machine": info, "calibration": cal,
-                                           "calibration_rounds": cal_rounds, "separation": sep,
-                                           "floor": floor, "runs": runs, "wall_bounds": bounds,
+    path = common.write_json("admission", {"config": vars(args), "machine": info, "calibrations": cals,
+                                           "runs": runs, "wall_bounds": per_bounds,
                                            "targets": {"under_floor_ratio": ratio, "under_floor_ok": ok_ratio,
                                                        "overshoot_ok": ok_over,
                                                        "ratios": {k: x for k, (x, _) in targets.items()},

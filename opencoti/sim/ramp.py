@@ -60,9 +60,9 @@ def expected_tps(profile: StepProfile, b: int, cfg: RampConfig) -> float:
     return 1.0 / profile.expected_step_s(b, ctx, share)
 
 
-def decode_shares(token_times, floor: float, rate_tokens: int = 8) -> tuple[float, float]:
-    """(under, deep): the shares of session-decode seconds whose experienced rate (over the
-    session's last ``rate_tokens`` intervals) is under the floor, and under 80 % of it.
+def decode_seconds(token_times, floor: float, rate_tokens: int = 8) -> tuple[float, float, float]:
+    """(under, deep, total): session-decode seconds whose experienced rate (over the session's last
+    ``rate_tokens`` intervals) is under the floor, under 80 % of it, and all of them.
     ``token_times``: one list of token timestamps per session."""
     under = deep = total = 0.0
     for ts in token_times:
@@ -76,6 +76,13 @@ def decode_shares(token_times, floor: float, rate_tokens: int = 8) -> tuple[floa
                 under += dt
                 if rate < DEEP * floor:
                     deep += dt
+    return under, deep, total
+
+
+def decode_shares(token_times, floor: float, rate_tokens: int = 8) -> tuple[float, float]:
+    """(under, deep): the shares of session-decode seconds under the floor, and under 80 % of it
+    (``decode_seconds``)."""
+    under, deep, total = decode_seconds(token_times, floor, rate_tokens)
     return (under / total, deep / total) if total else (0.0, 0.0)
 
 
