@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import types
 
 import pytest
 
@@ -170,6 +171,24 @@ def test_context_growth_is_not_read_as_the_cost_of_the_batch_size():
     for i in range(600):
         flat.observe(2, 0, 0.3 * math.exp(rng.gauss(0, 0.1)), 2 * (60 + i))
     assert flat.ctx.slope < 0.1 * k
+
+
+def test_a_projection_to_short_new_contexts_never_costs_nothing():
+    """This pool's sessions shorter than the engine's other sessions in flight, the batch size now
+    never measured, and a steep early slope: the headroom loop projects up to 64 sessions more, and
+    the shift to the new sessions' short contexts once drove the step time to 0 s (the loop then
+    divided by it). A shift takes at most half a projection off, as a level moved along the slope
+    does, and the headroom loop never divides by a step time of 0."""
+    fc = StepForecast()
+    for b, ctx, n in ((1, 70, 19), (2, 190, 48)):
+        for i in range(n):
+            fc.observe(b, 0, 0.51 * math.exp(0.05 * math.sin(i)), ctx + i)
+    fc.ctx = types.SimpleNamespace(slope=6.7e-4)  # an early, steep slope
+    for k in (1, 8, 44, 64):
+        pr = fc.project(3, k, ctx_now=304, ctx_new=40)  # size 3 unmeasured
+        unshifted = fc.project(3, k, ctx_now=304, ctx_new=304 / 3)
+        assert pr.now_s is None and pr.est_s >= 0.5 * unshifted.est_s > 0
+        assert pr.bound_s >= 0.5 * unshifted.bound_s > 0
 
 
 def test_a_stall_among_the_first_steps_does_not_set_the_level():

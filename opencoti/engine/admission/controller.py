@@ -260,7 +260,7 @@ class AdmissionController:
             k = 0
             while k < 64:
                 q = fc.project(b, k + 1, ctx_now, ctx_new)
-                if q.bound_s is None or c / q.bound_s < floor:
+                if q.bound_s is None or q.bound_s <= 0 or c / q.bound_s < floor:
                     break
                 k += 1
             out["fc_headroom"] = k

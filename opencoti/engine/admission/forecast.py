@@ -308,8 +308,13 @@ class StepForecast:
         hi = None if now_s is None else now_s + self.z * self.se(known[b])
         proj = self._project(b, k, to, known, m, frontier, now_s, hi)
         if shift and proj.est_s is not None:
-            lo = now_s if now_s is not None and to > b else 0.0  # more sessions are never cheaper than now
-            proj = dataclasses.replace(proj, est_s=max(lo, proj.est_s + shift), bound_s=max(lo, proj.bound_s + shift))
+            # more sessions are never cheaper than now; with no step time at b measured (sessions of
+            # another pool in flight), a shorter new context takes at most half the projection off,
+            # as a level moved along the slope does (``step_s``): a step never costs nothing
+            lo_est = now_s if now_s is not None and to > b else 0.5 * proj.est_s
+            lo_bound = now_s if now_s is not None and to > b else 0.5 * proj.bound_s
+            proj = dataclasses.replace(proj, est_s=max(lo_est, proj.est_s + shift),
+                                       bound_s=max(lo_bound, proj.bound_s + shift))
         return proj
 
     def _project(self, b: int, k: int, to: int, known: dict, m: dict, frontier: bool, now_s: float | None,
