@@ -6,7 +6,9 @@ checking once per ``--tick`` (1 s). Each spawned session decodes ``--tokens`` to
 ignore_eos) and is released when done; ``--tasks`` sessions are spawned in all. The tps floor is
 chosen so that exactly ``--fit`` concurrent sessions stay above it (from a calibration measured
 first in the same process: per-session decode tps with n = 1 .. ``--calibrate-max`` concurrent
-sessions, on a pool like the ramp's, the sizes interleaved over ``--calibration-rounds`` rounds and
+sessions, each decoding as many tokens as a ramp session (``--calibration-tokens``: the step time
+grows with the context, and a calibration of 48 tokens put the floor above what three sessions of
+200 tokens got: the oracle holding ``fit`` ran under it 80 % of its decode time), on a pool like the ramp's, the sizes interleaved over ``--calibration-rounds`` rounds and
 the median round kept). ``--fit`` defaults to the largest k such that every size up to k is at
 least 1.1x faster per session than k + 1 (``choose_fit``; the simulator's profiles choose theirs the
 same way), and the floor is the midpoint between the slowest of sizes 1..fit and tps(fit + 1): per-
@@ -263,7 +265,9 @@ def main() -> int:
     p.add_argument("--tasks", type=int, default=8, help="sessions spawned per policy run")
     p.add_argument("--tokens", type=int, default=200, help="tokens each session decodes")
     p.add_argument("--tick", type=float, default=1.0, help="orchestrator tick (s)")
-    p.add_argument("--calibration-tokens", type=int, default=48)
+    p.add_argument("--calibration-tokens", type=int, default=None,
+                   help="tokens each calibration session decodes (default: --tokens, so the calibration "
+                        "sees the contexts the ramp's sessions grow through)")
     p.add_argument("--calibration-rounds", type=int, default=3, help="interleaved rounds over the sizes (median)")
     p.add_argument("--floor", type=float, default=None, help="use this floor instead of calibrating")
     p.add_argument("--rounds", type=int, default=2,
@@ -276,6 +280,8 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.tasks, args.tokens, args.rounds = min(args.tasks, 5), min(args.tokens, 96), 1
+    if args.calibration_tokens is None:
+        args.calibration_tokens = args.tokens
     common.set_threads(args.threads)
     info = common.machine_info()
     log(common.describe_machine(info))
