@@ -388,3 +388,42 @@ def test_adaptive_policy_against_naive(name):
         elif k not in UNREACHABLE_OVERSHOOT.get(name, ()) and k not in UNREACHABLE_FLOOR.get(name, ()):
             assert c[k] <= limit, (k, c[k])
     assert not math.isinf(c["wall_ratio"])
+
+
+def test_a_new_session_is_projected_at_its_prompt_not_at_the_running_sessions_contexts():
+    """Two sessions deep into long answers (1,000 tokens of context each) and a newcomer with a
+    60-token prompt: the projection charges the newcomer its prompt's context (the prompts of the
+    pool's sessions in flight), not the context the running sessions have grown to — charging it
+    theirs made the end of every cohort look full, and spawns waited for whole cohorts to end."""
+    from opencoti.engine.config import SamplingParams
+    from opencoti.sim.engine import SimEngine
+
+    prof = StepProfile(name="ctx-heavy", base_s=0.01, seq_s=0.004, ctx_s=2e-5, prefill_s=0.0, noise_sigma=0.02)
+    sim = SimEngine(prof, seed=3)
+    pid = sim.core.add_pool(40).pool_id
+    adm = sim.admission
+    adm.set_policy(pid, target_tps_per_session=1.0, mode="advisory")
+    sim.on_finish = lambda job, t: sim.core.release_session(job.session.session_id)
+    prompt = list(range(1, 61))
+
+    def spawn(sid, tokens):
+        adm.submit(prompt, SamplingParams.greedy(tokens, ignore_eos=True), lambda ev: None, session_id=sid,
+                   pool_id=pid).result()
+
+    for b in (1, 2, 3, 2, 1):  # every size measured over growing contexts first
+        for i in range(b):
+            spawn(f"warm-{b}-{i}-{sim.t}", 400)
+        while sim.has_work:
+            sim.run_until(sim.t + 1.0)
+    spawn("long-0", 2000)
+    spawn("long-1", 2000)
+    while sum(len(j.seq.tokens) for j in sim.core.scheduler.running) < 2 * 1000:
+        sim.run_until(sim.t + 0.5)
+    ctx_now = sum(len(j.seq.tokens) for j in sim.core.scheduler.running)
+    cap = adm.capacity(pid)
+    fc = adm.forecast
+    truth = fc.calibration / prof.expected_step_s(3, ctx_now + 60)
+    as_long = fc.calibration / prof.expected_step_s(3, ctx_now * 3 / 2)
+    assert fc.ctx.slope == pytest.approx(prof.ctx_s, rel=0.3)
+    assert cap["projected_mean_tps_measured"] == pytest.approx(truth, rel=0.08)
+    assert truth > 1.2 * as_long  # what charging the newcomer the running contexts would have said

@@ -199,7 +199,7 @@ class AdmissionController:
         ps = core.page_size
         largest = 0.0
         suffixes = []
-        running = []  # context tokens of the pool's sessions in flight
+        running = []  # prompt tokens of the pool's sessions in flight
         for sid in pool.sessions:
             s = core.sessions.get(sid)
             if s is None:
@@ -207,7 +207,7 @@ class AdmissionController:
             job = s.job
             used = len(job.seq.tokens) if job is not None else len(s.seq.tokens)
             if job is not None:
-                running.append(used)
+                running.append(job.prompt_len)
             largest = max(largest, used / core.max_context)
             final = used
             if job is not None and job.params is not None and job.params.max_tokens is not None:
@@ -220,7 +220,9 @@ class AdmissionController:
             cands.append(st.marginal_ewma)
         partial = 1 if pool.prefix_len % ps else 0  # the pool's partial last page is copied per session
         marginal = (-(-int(math.ceil(max(cands))) // ps) + partial) * ps
-        ctx_new = sum(running) / len(running) if running else pool.prefix_len  # a new session's context
+        # a new session's context: its prompt (as long as the pool's sessions' prompts), not the
+        # contexts the running sessions have grown to (that made the end of a cohort look full)
+        ctx_new = sum(running) / len(running) if running else pool.prefix_len
         fc = self._forecast_inputs(st, act, len(pool.sessions), now, ctx_new)
         return CapacityInputs(**fc,
             policy=st.policy, mean=act.mean_active_tps, n_active=act.n_active, n_warming=act.n_warming,
