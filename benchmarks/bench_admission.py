@@ -1,30 +1,31 @@
 #!/usr/bin/env python
 """The spawn ramp (issue 4): naive vs settled admission, on the bundled model, in ONE process.
 
-An orchestrator loop spawns a new session on one pool whenever it believes capacity allows,
-checking once per ``--tick`` (1 s). Each spawned session decodes ``--tokens`` tokens (greedy,
-ignore_eos) and is released when done; ``--tasks`` sessions are spawned in all. The tps floor is
-chosen so that exactly ``--fit`` concurrent sessions stay above it (from a calibration measured
-first in the same process: per-session decode tps with n = 1 .. ``--calibrate-max`` concurrent
-sessions, each decoding as many tokens as a ramp session (``--calibration-tokens``: the step time
-grows with the context, and a calibration of 48 tokens put the floor above what three sessions of
-200 tokens got: the oracle holding ``fit`` ran under it 80 % of its decode time), on a pool like the ramp's, the sizes interleaved over ``--calibration-rounds`` rounds and
-the median round kept). ``--fit`` defaults to the largest k such that every size up to k is at
-least 1.1x faster per session than k + 1 (``choose_fit``; the simulator's profiles choose theirs the
-same way), and the floor is the midpoint between the slowest of sizes 1..fit and tps(fit + 1): per-
-session tps is not monotonic in the batch size on every machine, and "the number that fits" is the
-largest n such that every batch size up to n stays above the floor (a ramp passes through all of
-them); a gap smaller than the noise of a mean would put the floor inside the noise of fit itself.
+An orchestrator loop spawns a new session on one pool whenever it believes capacity allows, checking
+once per ``--tick`` (1 s). Each spawned session decodes ``--tokens`` tokens (greedy, ignore_eos) and
+is released when done; ``--tasks`` sessions are spawned in all. The tps floor is chosen so that
+exactly ``--fit`` concurrent sessions stay above it (from a calibration measured first in the same
+process: per-session decode tps with n = 1 .. ``--calibrate-max`` concurrent sessions, each decoding
+as many tokens as a ramp session (``--calibration-tokens``: the step time grows with the context,
+and a calibration of 48 tokens put the floor above what three sessions of 200 tokens got: the oracle
+holding ``fit`` ran under it 80 % of its decode time), on a pool like the ramp's, the sizes
+interleaved over ``--calibration-rounds`` rounds and the median round kept). ``--fit`` defaults to
+the largest k such that every size up to k is at least 1.1x faster per session than k + 1
+(``choose_fit``; the simulator's profiles choose theirs the same way), and the floor is the midpoint
+between the slowest of sizes 1..fit and tps(fit + 1): per-session tps is not monotonic in the batch
+size on every machine, and "the number that fits" is the largest n such that every batch size up to
+n stays above the floor (a ramp passes through all of them); a gap smaller than the noise of a mean
+would put the floor inside the noise of fit itself.
 
 Three policies, same engine, each on a fresh pool, over ``--rounds`` rounds in a rotating order
-(ours, naive, oracle; then naive, oracle, ours; ...: this VM's speed drifts by tens of percent
-over minutes, and a fixed order would hand that drift to one policy); every round calibrates again
-first (``--no-recalibrate``: one calibration for the whole run), so the floor a round holds is at
-most a round old — a floor calibrated several minutes earlier sat inside that drift, and the ramp
-then measured the drift as much as the policy. The metrics pool all rounds of a policy (under and
-deep: session-decode seconds, each round against its own floor; overshoot: the worst round's most
-sessions minus that round's fit; wall: their mean). The engine's step-time forecast has seen the calibration's steps
-(and the earlier rounds'), as an engine that has been serving would have:
+(ours, naive, oracle; then naive, oracle, ours; ...: this VM's speed drifts by tens of percent over
+minutes, and a fixed order would hand that drift to one policy); every round calibrates again first
+(``--no-recalibrate``: one calibration for the whole run), so the floor a round holds is at most a
+round old — a floor calibrated several minutes earlier sat inside that drift, and the ramp then
+measured the drift as much as the policy. The metrics pool all rounds of a policy (under and deep:
+session-decode seconds, each round against its own floor; overshoot: the worst round's most sessions
+minus that round's fit; wall: their mean). The engine's step-time forecast has seen the
+calibration's steps (and the earlier rounds'), as an engine that has been serving would have:
 
 * ``ours``: spawn when ``engine.capacity(pool)["can_admit"]`` (advisory policy with the floor:
   projected mean after the admit, settle window, warming exclusion, idle estimate, guarantee).
