@@ -359,6 +359,9 @@ def main() -> int:
     wall_why = wall_reachability(bounds, runs, naive, 1.15)
     for line in wall_why:
         print(f"  wall: {line}")
+    if "oracle" in runs:  # what holding exactly fit gets against this run's floors: the floor's doing, not ours
+        print(f"  under / deep: the oracle (exactly fit in flight) got {fmt(rel('under_share', 'oracle'))}x / "
+              f"{fmt(rel('deep_share', 'oracle'))}x naive")
     ratio = (ours["time_under_floor_s"] / naive["time_under_floor_s"]) if naive["time_under_floor_s"] else None
     ok_ratio = ours["time_under_floor_s"] <= 0.5 * naive["time_under_floor_s"] + 1e-9
     ok_over = over["ours"] <= 1
@@ -376,6 +379,9 @@ def main() -> int:
                                                        "overshoot_ok": ok_over,
                                                        "ratios": {k: x for k, (x, _) in targets.items()},
                                                        "oracle_wall_ratio": rel("total_wall_s", "oracle")
+                                                       if "oracle" in runs else None,
+                                                       "oracle_under_deep_ratios": [rel("under_share", "oracle"),
+                                                                                    rel("deep_share", "oracle")]
                                                        if "oracle" in runs else None,
                                                        "wall_reachability": wall_why,
                                                        "overshoot": over}}, args.out)
