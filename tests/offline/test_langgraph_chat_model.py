@@ -61,7 +61,7 @@ def test_serdes_round_trip():
         assert ser["kwargs"]["api_key"] == {"id": ["OPENCOTI_API_KEY"], "lc": 1, "type": "secret"}
         assert "sekrit" not in str(ser)  # the secret itself is never written
         back = load(ser, valid_namespaces=["opencoti"], allowed_objects=[OpencotiChatModel], secrets_from_env=True)
-    assert isinstance(back, OpencotiChatModel) and back.dict() == model.dict()
+    assert isinstance(back, OpencotiChatModel) and back.model_dump() == model.model_dump()
     assert back.max_tokens == 64 and back.api_key.get_secret_value() == "sekrit"
 
 
