@@ -427,3 +427,13 @@ def test_a_new_session_is_projected_at_its_prompt_not_at_the_running_sessions_co
     assert fc.ctx.slope == pytest.approx(prof.ctx_s, rel=0.3)
     assert cap["projected_mean_tps_measured"] == pytest.approx(truth, rel=0.08)
     assert truth > 1.2 * as_long  # what charging the newcomer the running contexts would have said
+    # an enforced pool deciding on a request projects at that request's own prompt
+    from opencoti.engine.admission.decide import AdmissionPlan
+
+    adm.set_policy(pid, target_tps_per_session=1.0, mode="enforced")
+    for prompt_len in (60, 1500):
+        plan = AdmissionPlan(pool_id=pid, session_id=f"new-{prompt_len}", new_to_pool=True, prompt_len=prompt_len,
+                             prefix_len=40, max_tokens=100)
+        got = adm.evaluate(plan, sim.t).capacity["projected_mean_tps_measured"]
+        want = fc.calibration / prof.expected_step_s(3, ctx_now + prompt_len)
+        assert got == pytest.approx(want, rel=0.08), prompt_len

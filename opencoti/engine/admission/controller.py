@@ -116,7 +116,8 @@ class AdmissionController:
         queued_ahead = len(st.queue)
         if entry is not None and entry in st.queue:
             queued_ahead = st.queue.index(entry)
-        g = GateInputs(self._inputs(pool, st, plan.expected_tokens, now), now, can_hold=entry is not None,
+        g = GateInputs(self._inputs(pool, st, plan.expected_tokens, now, prompt_len=plan.prompt_len), now,
+                       can_hold=entry is not None,
                        held_since=entry.t_hold if entry is not None else None, queued_ahead=queued_ahead,
                        soonest_finish_s=self._soonest_finish_s())
         return decide(plan, g)
@@ -190,7 +191,8 @@ class AdmissionController:
 
     # ---------------------------------------------------------------- measurement
     def _inputs(self, pool, st: PoolState, expected_tokens: int | None, now: float,
-                known: bool = False) -> CapacityInputs:
+                known: bool = False, prompt_len: int | None = None) -> CapacityInputs:
+        """``prompt_len``: the prompt of the request being decided (the newcomer's context), when known."""
         core, m = self.core, self.metrics
         act = m.activity()
         if act.mean_active_tps is not None and st.settle is None:
@@ -220,9 +222,13 @@ class AdmissionController:
             cands.append(st.marginal_ewma)
         partial = 1 if pool.prefix_len % ps else 0  # the pool's partial last page is copied per session
         marginal = (-(-int(math.ceil(max(cands))) // ps) + partial) * ps
-        # a new session's context: its prompt (as long as the pool's sessions' prompts), not the
-        # contexts the running sessions have grown to (that made the end of a cohort look full)
-        ctx_new = sum(running) / len(running) if running else pool.prefix_len
+        # a new session's context: its prompt (the request's own when deciding on one, else as long as
+        # the pool's sessions' prompts), not the contexts the running sessions have grown to (that
+        # made the end of a cohort look full)
+        if prompt_len is not None:
+            ctx_new = prompt_len
+        else:
+            ctx_new = sum(running) / len(running) if running else pool.prefix_len
         fc = self._forecast_inputs(st, act, len(pool.sessions), now, ctx_new)
         return CapacityInputs(**fc,
             policy=st.policy, mean=act.mean_active_tps, n_active=act.n_active, n_warming=act.n_warming,
