@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 from common import fmt, log, now, print_table  # noqa: E402
 
-from opencoti.sim.ramp import decode_seconds  # noqa: E402
+from opencoti.sim.ramp import decode_seconds, shares  # noqa: E402
 
 SYSTEM = ("You are a meticulous research assistant in a team of agents. Answer in detail, explain your "
           "reasoning step by step, and never stop early.")
@@ -211,8 +211,8 @@ def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float,
     events = eng.admission_events(pid)
     eng.release_pool(pid)
     out = summarize(policy, floor, t0, t_end, wall0, hist, timeline, decisions, events)
-    under, deep, total = out["decode_s"] = decode_seconds(token_times.values(), floor)
-    out["under_share"], out["deep_share"] = (under / total, deep / total) if total else (0.0, 0.0)
+    out["decode_s"] = decode_seconds(token_times.values(), floor)
+    out["under_share"], out["deep_share"] = shares(out["decode_s"])
     out["fit"], out["tokens"] = fit, sum(len(ts) for ts in token_times.values())
     out["tok_s"] = n_tasks * tokens / out["total_wall_s"]
     return out
@@ -225,10 +225,11 @@ def merge_rounds(rs: list[dict]) -> dict:
     rounds themselves in ``rounds``."""
     keys = ("floor", "fit", "total_wall_s", "under_share", "deep_share", "max_sessions", "time_under_floor_s",
             "spawn_times_s")
-    out = {**rs[0], "rounds": [{k: r[k] for k in keys} for r in rs]}
-    under, deep, total = (sum(r["decode_s"][i] for r in rs) for i in range(3))
-    out["decode_s"] = (under, deep, total)
-    out["under_share"], out["deep_share"] = (under / total, deep / total) if total else (0.0, 0.0)
+    # the first round's history and decisions stand for the run; its floor, fit and dip are per round
+    out = {**{k: v for k, v in rs[0].items() if k not in ("floor", "fit", "deepest_dip_tps", "tokens")},
+           "rounds": [{k: r[k] for k in keys} for r in rs]}
+    out["decode_s"] = tuple(sum(r["decode_s"][i] for r in rs) for i in range(3))
+    out["under_share"], out["deep_share"] = shares(out["decode_s"])
     out["time_under_floor_s"] = sum(r["time_under_floor_s"] for r in rs)
     dips = [r["deepest_dip_tps"] / r["floor"] for r in rs if r["deepest_dip_tps"] is not None]
     out["deepest_dip_x_floor"] = min(dips) if dips else None
@@ -303,7 +304,6 @@ def main() -> int:
             log(f"ramp {rnd + 1}/{args.rounds}: {policy} ({args.tasks} sessions x {args.tokens} tokens, "
                 f"tick {args.tick} s, floor {c['floor']:.2f}, fit {c['fit']})")
             r = ramp(eng, policy, c["floor"], args.tasks, args.tokens, args.tick, c["fit"])
-            r["round"] = rnd
             per_round[policy].append(r)
             log(f"  {policy}: under floor {r['time_under_floor_s']:.1f} s, dip {fmt(r['deepest_dip_tps'])}, "
                 f"max {r['max_sessions']} sessions, wall {r['total_wall_s']:.1f} s")

@@ -79,11 +79,16 @@ def decode_seconds(token_times, floor: float, rate_tokens: int = 8) -> tuple[flo
     return under, deep, total
 
 
+def shares(seconds: tuple[float, float, float]) -> tuple[float, float]:
+    """(under, deep) shares from ``decode_seconds``' (under, deep, total)."""
+    under, deep, total = seconds
+    return (under / total, deep / total) if total else (0.0, 0.0)
+
+
 def decode_shares(token_times, floor: float, rate_tokens: int = 8) -> tuple[float, float]:
     """(under, deep): the shares of session-decode seconds under the floor, and under 80 % of it
     (``decode_seconds``)."""
-    under, deep, total = decode_seconds(token_times, floor, rate_tokens)
-    return (under / total, deep / total) if total else (0.0, 0.0)
+    return shares(decode_seconds(token_times, floor, rate_tokens))
 
 
 def floor_for(profile: StepProfile, cfg: RampConfig) -> float:
