@@ -146,6 +146,11 @@ def calibrate_floor(eng, args, n_max: int) -> dict:
 
 
 # ============================================================================ the ramp
+def forecast_state(eng) -> dict:
+    """The engine's step-time forecast (calibration, stall excess, context slope, per batch size)."""
+    return eng._call(lambda: eng._admission.forecast.as_dict())
+
+
 def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float, fit: int) -> dict:
     pool = eng.create_pool(messages=[{"role": "system", "content": SYSTEM}], label=f"ramp-{policy}")
     pid = pool.pool_id
@@ -178,8 +183,10 @@ def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float,
             return inflight[0] < fit, {"reason": f"{inflight[0]} < fit {fit}"}
         if policy == "ours":
             cap = eng.capacity(pid)
-            return cap["can_admit"], {k: cap[k] for k in ("reason", "mean_active_tps", "projected_mean_tps_if_admitted",
-                                                          "settling", "n_warming")}
+            why = {k: cap[k] for k in ("reason", "mean_active_tps", "projected_mean_tps_if_admitted",
+                                       "projected_mean_tps_measured", "forecast_kind", "probe", "settling", "n_warming")}
+            # what the engine's step-time forecast knew at this decision (per batch size: steps, level, cv)
+            return cap["can_admit"], {**why, "forecast": forecast_state(eng)}
         snap = eng.tps_snapshot()
         if snap["n_active"] == 0:
             return True, {"reason": "no measurement", "mean_active_tps": None}
