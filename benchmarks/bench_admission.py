@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 from common import fmt, log, now, print_table  # noqa: E402
 
-from opencoti.sim.ramp import decode_seconds, shares  # noqa: E402
+from opencoti.sim.ramp import decode_seconds, deep_at_starts, shares  # noqa: E402
 
 SYSTEM = ("You are a meticulous research assistant in a team of agents. Answer in detail, explain your "
           "reasoning step by step, and never stop early.")
@@ -220,7 +220,10 @@ def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float,
     out = summarize(policy, floor, t0, t_end, wall0, hist, timeline, decisions, events)
     out["decode_s"] = decode_seconds(token_times.values(), floor)
     out["under_share"], out["deep_share"] = shares(out["decode_s"])
+    out["deep_at_starts_s"] = deep_at_starts(token_times.values(), floor)
     out["fit"], out["tokens"] = fit, sum(len(ts) for ts in token_times.values())
+    # each session's token times (s since the round's start, ms), so under and deep can be located
+    out["token_times_s"] = {sid: [round(t - t0, 3) for t in ts] for sid, ts in token_times.items()}
     out["tok_s"] = n_tasks * tokens / out["total_wall_s"]
     return out
 
@@ -231,11 +234,12 @@ def merge_rounds(rs: list[dict]) -> dict:
     floor, the largest overshoot of a round (its most sessions minus its fit), the mean wall; the
     rounds themselves in ``rounds``."""
     keys = ("floor", "fit", "total_wall_s", "under_share", "deep_share", "max_sessions", "time_under_floor_s",
-            "spawn_times_s")
+            "spawn_times_s", "decisions", "token_times_s")
     # the first round's history and decisions stand for the run; its floor, fit and dip are per round
-    out = {**{k: v for k, v in rs[0].items() if k not in ("floor", "fit", "deepest_dip_tps", "tokens")},
+    out = {**{k: v for k, v in rs[0].items() if k not in ("floor", "fit", "deepest_dip_tps", "tokens", "token_times_s")},
            "rounds": [{k: r[k] for k in keys} for r in rs]}
     out["decode_s"] = tuple(sum(r["decode_s"][i] for r in rs) for i in range(3))
+    out["deep_at_starts_s"] = tuple(sum(r["deep_at_starts_s"][i] for r in rs) for i in range(2))
     out["under_share"], out["deep_share"] = shares(out["decode_s"])
     out["time_under_floor_s"] = sum(r["time_under_floor_s"] for r in rs)
     dips = [r["deepest_dip_tps"] / r["floor"] for r in rs if r["deepest_dip_tps"] is not None]
@@ -369,6 +373,12 @@ def main() -> int:
     if "oracle" in runs:  # what holding exactly fit gets against this run's floors: the floor's doing, not ours
         print(f"  under / deep: the oracle (exactly fit in flight) got {fmt(rel('under_share', 'oracle'))}x / "
               f"{fmt(rel('deep_share', 'oracle'))}x naive")
+    # where the deep time is: a newcomer's prompt is computed in one step that every decoding session
+    # waits for, which no policy that runs every task avoids (8 per round)
+    print("  deep seconds in the rate window of a newcomer's first token (its prompt's step), of all deep seconds: "
+          + ", ".join(f"{k} {r['deep_at_starts_s'][0]:.2f} of {r['deep_at_starts_s'][1]:.2f}" for k, r in runs.items())
+          + (f"; ours' there alone = {ours['deep_at_starts_s'][0] / naive['decode_s'][1]:.2f}x naive's deep time"
+             if naive["decode_s"][1] else ""))
     ratio = (ours["time_under_floor_s"] / naive["time_under_floor_s"]) if naive["time_under_floor_s"] else None
     ok_ratio = ours["time_under_floor_s"] <= 0.5 * naive["time_under_floor_s"] + 1e-9
     ok_over = over["ours"] <= 1

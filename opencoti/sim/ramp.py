@@ -24,6 +24,7 @@ minus ``fit``; ``wall`` = first spawn to last token; ``tok_s`` = tokens / wall.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -60,23 +61,45 @@ def expected_tps(profile: StepProfile, b: int, cfg: RampConfig) -> float:
     return 1.0 / profile.expected_step_s(b, ctx, share)
 
 
+def _intervals(ts, rate_tokens: int):
+    """(seconds, experienced rate, start of the rate's window) of each interval of one session's
+    token times: the rate over its last ``rate_tokens`` intervals."""
+    for i in range(1, len(ts)):
+        k = min(i, rate_tokens)
+        span = ts[i] - ts[i - k]
+        yield ts[i] - ts[i - 1], (k / span if span > 0 else math.inf), ts[i - k]
+
+
 def decode_seconds(token_times, floor: float, rate_tokens: int = 8) -> tuple[float, float, float]:
     """(under, deep, total): session-decode seconds whose experienced rate (over the session's last
     ``rate_tokens`` intervals) is under the floor, under 80 % of it, and all of them.
     ``token_times``: one list of token timestamps per session."""
     under = deep = total = 0.0
     for ts in token_times:
-        for i in range(1, len(ts)):
-            dt = ts[i] - ts[i - 1]
-            k = min(i, rate_tokens)
-            span = ts[i] - ts[i - k]
-            rate = k / span if span > 0 else math.inf
+        for dt, rate, _ in _intervals(ts, rate_tokens):
             total += dt
             if rate < floor:
                 under += dt
                 if rate < DEEP * floor:
                     deep += dt
     return under, deep, total
+
+
+def deep_at_starts(token_times, floor: float, rate_tokens: int = 8) -> tuple[float, float]:
+    """(deep seconds whose rate window holds another session's first token, all deep seconds): the
+    share of the deep time that a newcomer's prompt (computed in the step before its first token,
+    which every session decoding then waits for) accounts for."""
+    token_times = [ts for ts in token_times if ts]
+    firsts = sorted(ts[0] for ts in token_times)
+    at = deep = 0.0
+    for ts in token_times:
+        for (dt, rate, t0), t1 in zip(_intervals(ts, rate_tokens), ts[1:]):
+            if rate < DEEP * floor:
+                deep += dt
+                lo, hi = bisect.bisect_left(firsts, t0), bisect.bisect_right(firsts, t1)
+                if any(f != ts[0] for f in firsts[lo:hi]):
+                    at += dt
+    return at, deep
 
 
 def shares(seconds: tuple[float, float, float]) -> tuple[float, float]:

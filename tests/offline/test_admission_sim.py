@@ -437,3 +437,21 @@ def test_a_new_session_is_projected_at_its_prompt_not_at_the_running_sessions_co
         got = adm.evaluate(plan, sim.t).capacity["projected_mean_tps_measured"]
         want = fc.calibration / prof.expected_step_s(3, ctx_now + prompt_len)
         assert got == pytest.approx(want, rel=0.08), prompt_len
+
+
+def test_deep_time_at_a_newcomers_first_step_is_told_apart():
+    """``deep_at_starts``: deep seconds whose rate window holds another session's first token (its
+    prompt's step) vs all deep seconds, with the same rate as ``decode_seconds``."""
+    from opencoti.sim.ramp import decode_seconds, deep_at_starts
+
+    a = [0.1 * i for i in range(40)]  # 10 tok/s, floor 10: never deep ...
+    a = a[:10] + [t + 0.5 for t in a[10:20]] + [t + 1.0 for t in a[20:]]  # ... but for two 0.5 s stalls
+    b = [a[9] + 0.55 + 0.1 * i for i in range(5)]  # a newcomer whose first token ends the first stall
+    under, deep, _ = decode_seconds([a, b], floor=10.0)
+    at, deep2 = deep_at_starts([a, b], floor=10.0)
+    assert deep2 == pytest.approx(deep) and deep > 0
+    # the first stall's deep seconds are the newcomer's, the second's are not (nobody started there)
+    first = sum(a[i] - a[i - 1] for i in range(10, 18) if 8 / (a[i] - a[i - 8]) < 8.0)
+    assert at == pytest.approx(first) and 0 < at < deep
+    assert deep_at_starts([a], floor=10.0)[0] == 0.0  # alone: no newcomer
+    assert deep_at_starts([], floor=10.0) == (0.0, 0.0)
