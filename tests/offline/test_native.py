@@ -29,10 +29,20 @@ def test_library_builds_here():
     assert LIB.oc_abi_version() == native.ABI_VERSION
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 24, 31, 40])
+@pytest.fixture(params=["default", "rows", "panels"])
+def gemm_path(request):
+    """The projections as the library picks (panels from 48 rows), or forced onto the row
+    kernels or the panels at every row count."""
+    forced = {"default": (None, None), "rows": (10 ** 9, 10 ** 9), "panels": (1, 1)}[request.param]
+    before = native.gemm_min_rows(*forced)
+    yield request.param
+    native.gemm_min_rows(*before)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 24, 31, 47, 48, 97])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_projection_kernels_match_dequantized_weights(fmt, T, bias):
+def test_projection_kernels_match_dequantized_weights(fmt, T, bias, gemm_path):
     torch.manual_seed(T)
     n, k = 40, 96
     w = torch.randn(n, k) * 0.05
@@ -47,6 +57,17 @@ def test_projection_kernels_match_dequantized_weights(fmt, T, bias):
     tol = 2e-3 if fmt == "int4" else 2e-4  # one or two rows: activations as int16 per block of 32
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
     assert kern.nbytes == (n * k // 32 * 20 if fmt == "int4" else n * k + n * 4) + (n * 4 if bias else 0)
+
+
+def test_gemm_row_thresholds_are_set_and_restored():
+    before = native.gemm_min_rows()
+    assert before == (48, 48)  # the measured defaults (kernels.cpp)
+    try:
+        assert native.gemm_min_rows(7, None) == before
+        assert native.gemm_min_rows() == (7, 48)
+    finally:
+        native.gemm_min_rows(*before)
+    assert native.gemm_min_rows() == before
 
 
 def test_q4_blocks_hold_gguf_q4_1_bytes():

@@ -30,7 +30,7 @@ log = logging.getLogger("opencoti.engine")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
@@ -48,6 +48,7 @@ class OcProj(ctypes.Structure):
 _SIGNATURES = {
     "oc_abi_version": ([], _INT),
     "oc_simd": ([], _INT),
+    "oc_gemm_min_rows": ([_I64, _I64, _P, _P], None),
     "oc_q4_matmul": ([_P, _I64, _I64, _P, _I64, _P, _P, _INT], None),
     "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
     "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT], None),
@@ -162,6 +163,18 @@ def build_id() -> str | None:
 
 def threads() -> int:
     return max(1, torch.get_num_threads())
+
+
+def gemm_min_rows(q4: int | None = None, q8: int | None = None) -> tuple[int, int]:
+    """The row counts from which the int4 / int8 projections fill fp32 panels instead of running the
+    row kernels (None: unchanged); returns the ones before. The library's defaults are measured (see
+    kernels.cpp); tests and A/B timings set them."""
+    lb = lib()
+    if lb is None:
+        raise RuntimeError(f"native kernels {status()['reason']}")
+    a, b = ctypes.c_int64(), ctypes.c_int64()
+    lb.oc_gemm_min_rows(q4 or 0, q8 or 0, ctypes.byref(a), ctypes.byref(b))
+    return a.value, b.value
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -228,8 +228,12 @@ inline void q8_row(const float* x, int64_t K, const int8_t* wrow, float scale, f
 // Many rows (a prefill chunk): per tile of 16 output rows, the weights are dequantized once into an
 // fp32 panel [K][16] and a 6 x 16 register-blocked kernel (12 accumulators) runs over the rows, so
 // the weight unpacking is paid once per tile, not once per 8 rows, and the inner loop is 12 FMAs per
-// 2 weight loads and 6 broadcasts.
-constexpr int64_t kGemmMinRows = 24;
+// 2 weight loads and 6 broadcasts. Filling the panels is a fixed cost per call (every weight of the
+// matrix dequantized and transposed) that the row kernels do not pay, so these stay faster up to
+// tens of rows: benchmarks/bench_prefill_kernels.py (the bundled model's projections, 2-core EPYC,
+// AVX2, 2 threads, interleaved, two runs) put panels / rows at 1.29 and 1.58 (int8), 1.18 and 1.04
+// (int4) for 24 rows, 1.29 / 1.39 and 1.08 / 1.13 for 32, and about 1 (0.76-1.07) from 48.
+int64_t kGemmMinRowsQ4 = 48, kGemmMinRowsQ8 = 48;  // oc_gemm_min_rows sets them (tests, A/B timings)
 constexpr int64_t kPanel = 16, kMr = 6;
 
 #if OC_AVX2
@@ -429,7 +433,16 @@ inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float
 
 extern "C" {
 
-int oc_abi_version() { return 2; }
+int oc_abi_version() { return 3; }
+
+// The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
+// the ones before the call go to *old_q4, *old_q8 when given.
+void oc_gemm_min_rows(int64_t q4, int64_t q8, int64_t* old_q4, int64_t* old_q8) {
+    if (old_q4) *old_q4 = kGemmMinRowsQ4;
+    if (old_q8) *old_q8 = kGemmMinRowsQ8;
+    if (q4 >= 1) kGemmMinRowsQ4 = q4;
+    if (q8 >= 1) kGemmMinRowsQ8 = q8;
+}
 int oc_simd() { return OC_AVX2; }
 
 // y [T, N] = x [T, K] @ W.T (+ bias), W int4 blocks as above. K % 32 == 0.
@@ -444,7 +457,7 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
             sx[t * nb + b] = s;
         }
     const int64_t row_bytes = nb * kQ4Block;
-    if (T >= kGemmMinRows) {
+    if (T >= kGemmMinRowsQ4) {
         gemm_panels(x, T, K, N, bias, y, nt, [&](int64_t n, float* row) {
             const uint8_t* wrow = w + n * row_bytes;
             uint16_t dh, mh;
@@ -499,7 +512,7 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
 // y [T, N] = x [T, K] @ (q * scale[:, None]).T (+ bias), q int8 [N, K].
 void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const float* scale, int64_t N,
                   const float* bias, float* y, int nt) {
-    if (T >= kGemmMinRows) {
+    if (T >= kGemmMinRowsQ8) {
         gemm_panels(x, T, K, N, bias, y, nt, [&](int64_t n, float* row) {
             const int8_t* wrow = q + n * K;
             for (int64_t k = 0; k < K; ++k) row[k] = wrow[k] * scale[n];
