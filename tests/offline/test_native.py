@@ -31,7 +31,7 @@ def test_library_builds_here():
 
 @pytest.fixture(params=["default", "rows", "panels"])
 def gemm_path(request):
-    """The projections as the library picks (panels from 48 rows), or forced onto the row
+    """The projections as the library picks (panels from 32 rows for int4, 48 for int8), or forced onto the row
     kernels or the panels at every row count."""
     forced = {"default": (None, None), "rows": (10 ** 9, 10 ** 9), "panels": (1, 1)}[request.param]
     before = native.gemm_min_rows(*forced)
@@ -39,7 +39,7 @@ def gemm_path(request):
     native.gemm_min_rows(*before)
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 24, 31, 47, 48, 97])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 24, 31, 32, 47, 48, 97])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_projection_kernels_match_dequantized_weights(fmt, T, bias, gemm_path):
@@ -61,7 +61,7 @@ def test_projection_kernels_match_dequantized_weights(fmt, T, bias, gemm_path):
 
 def test_gemm_row_thresholds_are_set_and_restored():
     before = native.gemm_min_rows()
-    assert before == (48, 48)  # the measured defaults (kernels.cpp)
+    assert before == (32, 48)  # the measured defaults (kernels.cpp)
     try:
         assert native.gemm_min_rows(7, None) == before
         assert native.gemm_min_rows() == (7, 48)

@@ -232,8 +232,10 @@ inline void q8_row(const float* x, int64_t K, const int8_t* wrow, float scale, f
 // matrix dequantized and transposed) that the row kernels do not pay, so these stay faster up to
 // tens of rows: benchmarks/bench_prefill_kernels.py (the bundled model's projections, 2-core EPYC,
 // AVX2, 2 threads, interleaved, two runs) put panels / rows at 1.29 and 1.58 (int8), 1.18 and 1.04
-// (int4) for 24 rows, 1.29 / 1.39 and 1.08 / 1.13 for 32, and about 1 (0.76-1.07) from 48.
-int64_t kGemmMinRowsQ4 = 48, kGemmMinRowsQ8 = 48;  // oc_gemm_min_rows sets them (tests, A/B timings)
+// (int4) for 24 rows, 1.29 / 1.39 and 1.08 / 1.13 for 32, 1.18 / 0.91 and 0.98 / 1.13 for 40, and
+// 0.76-1.07 from 48. Whole prompts alone (prompt_ms, interleaved, one process, two runs): int8 24-47
+// tokens 8-47 % faster on the row kernels; int4 24 tokens 10-14 % faster, 32 and up within the noise.
+int64_t kGemmMinRowsQ4 = 32, kGemmMinRowsQ8 = 48;  // oc_gemm_min_rows sets them (tests, A/B timings)
 constexpr int64_t kPanel = 16, kMr = 6;
 
 #if OC_AVX2
