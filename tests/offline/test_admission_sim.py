@@ -447,7 +447,7 @@ def test_deep_time_at_a_newcomers_first_step_is_told_apart():
     a = [0.1 * i for i in range(40)]  # 10 tok/s, floor 10: never deep ...
     a = a[:10] + [t + 0.5 for t in a[10:20]] + [t + 1.0 for t in a[20:]]  # ... but for two 0.5 s stalls
     b = [a[9] + 0.55 + 0.1 * i for i in range(5)]  # a newcomer whose first token ends the first stall
-    under, deep, _ = decode_seconds([a, b], floor=10.0)
+    _, deep, _ = decode_seconds([a, b], floor=10.0)
     at, deep2 = deep_at_starts([a, b], floor=10.0)
     assert deep2 == pytest.approx(deep) and deep > 0
     # the first stall's deep seconds are the newcomer's, the second's are not (nobody started there)
