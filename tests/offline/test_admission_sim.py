@@ -279,6 +279,57 @@ def test_a_settle_window_that_ran_out_of_time_leaves_the_frontier_closed():
     assert fc.stats[2].n >= 48 and adm.capacity(pid)["can_admit"]
 
 
+def test_a_size_measured_over_few_steps_is_blended_with_the_line_through_the_others():
+    """A probe's short window that came out slow (stalls, a noisy draw) does not close that size:
+    its few steps are weighed against the line through the sizes measured well, by precision; once
+    it is measured over THIN steps, its own level alone counts."""
+    from opencoti.engine.admission.forecast import THIN
+
+    fc = StepForecast()
+    for b in (1, 2, 3):
+        feed(fc, b, 0.020, n=300, cv=0.1, seed=b)
+    feed(fc, 4, 0.030, n=8, cv=0.3, seed=4)  # an unlucky short window: 50 % over the flat curve
+    raw = fc.stats[4].mean + fc.stall_s
+    pr = fc.project(3)
+    assert pr.kind == "measured" and pr.frontier  # thin: it may be probed again
+    assert 0.020 < pr.est_s < 0.5 * (0.020 + raw), (pr.est_s, raw)  # nearer the line than its own mean
+    assert pr.est_s < pr.bound_s < raw + 2 * fc.se(fc.stats[4])
+    feed(fc, 4, 0.030, n=THIN, cv=0.3, seed=5)  # measured for real: the knee is its own
+    pr = fc.project(3)
+    assert not pr.frontier and pr.est_s == pytest.approx(fc.stats[4].slow + fc.stall_s)
+
+
+def test_being_above_the_floor_now_is_judged_on_the_level_not_on_the_stalls():
+    """The stall excess is engine-wide (its uncertainty is the same at every batch size): the lower
+    bound on the tps now that a probe needs is the level's, with the stalls at their mean."""
+    fc = StepForecast()
+    feed(fc, 1, 0.4, n=12, cv=0.1, seed=1)
+    fc.observe(1, 0, 4.0)  # one long stall among few steps: a wide standard error of the stall mean
+    pr = fc.project(1)
+    st = fc.stats[1]
+    assert fc.stalls.se(0.002) > 5 * st.se_slow
+    assert pr.now_hi_s == pytest.approx(pr.now_s + fc.z * st.se_slow)
+    assert pr.now_s == pytest.approx(st.slow + fc.stall_s)
+
+
+def test_no_admit_from_a_probed_size_before_it_is_measured():
+    """A probe whose settle window ran out of time leaves a batch size with no steps of its own: the
+    model's full share from a few steps' mean tps (here 50 * 5 / 6 = 41.7 > 30) does not admit a
+    second session past the probe; a size inside the curve without steps (another pool's sessions)
+    still falls back to the model."""
+    pol = AdmissionPolicy(target_tps_per_session=30.0)
+    base = dict(policy=pol, mean=50.0, n_active=5, n_decoding=5, n_pool_sessions=5, n_engine_inflight=5,
+                available_cells=1000, free_cells=1000, total_cells=1000, marginal_tokens=100, fc_kind="unmeasured")
+    cap = compute_capacity(CapacityInputs(**base, fc_frontier=True))
+    assert not cap["can_admit"] and cap["reason"] == "next admit may cross the floor (uncertain drop)"
+    assert cap["sessions_remaining"] == 0
+    inner = compute_capacity(CapacityInputs(**base, fc_frontier=False))
+    assert inner["can_admit"] and inner["projected_mean_tps_if_admitted"] == pytest.approx(50 * 5 / 6)
+    # no floor: nothing to hold for
+    free = compute_capacity(CapacityInputs(**{**base, "policy": AdmissionPolicy()}, fc_frontier=True))
+    assert free["can_admit"]
+
+
 def test_wall_bound_is_the_linear_programme():
     # 3 tasks x 10 tokens, at most 2 in flight: one lane runs two tasks back to back (20 steps); the
     # cheapest 30 session-steps in 20 steps: 10 steps of 2 sessions (1.2 s) + 10 of 1 (1.0 s)

@@ -25,7 +25,8 @@ Projection (all tps numbers are *experienced decode tps*, see ``metrics``):
   does not holds the spawn: ``"next admit may cross the floor (uncertain drop)"``. The frontier
   is entered (by a probe or a passing bound) only from a batch size measured over as many steps
   as a settle window there aims for (``fc_thin``): a window that ran out of time leaves its size
-  thin, and a line through thin sizes cannot see a knee one size further.
+  thin, and a line through thin sizes cannot see a knee one size further. Nor is a session admitted
+  past a probed size that has no steps of its own yet (``fc_kind: "unmeasured"`` at the frontier).
 * ``forecast: "conservative"``: ``projected_mean_tps_measured`` = ``mean - drop_ewma`` once the
   pool has absorbed >= 1 admit (the drop measured at the end of each settle window), else the
   model.
@@ -127,6 +128,11 @@ def compute_capacity(x: CapacityInputs) -> dict:
     # a window that ran out of time leaves its size thin, and a line through thin sizes cannot see
     # a knee one size further (an admit past it stays until a session ends)
     thin = adaptive and floor is not None and x.fc_thin and x.fc_kind == "extrapolated"
+    # nor from a size beyond every size measured that has no steps of its own yet (a probe whose
+    # settle window ran out of time): the model's full-share projection from a few steps' mean tps
+    # would admit one more past the probe
+    unmeasured = p.forecast == "adaptive" and floor is not None and x.fc_kind == "unmeasured" and x.fc_frontier
+    thin = thin or unmeasured
     probe = probe and not thin
 
     marginal = max(int(x.marginal_tokens), 1)
@@ -149,6 +155,8 @@ def compute_capacity(x: CapacityInputs) -> dict:
             while k < 4096 and base * model_ratio(max(n, 1), k + 1) >= floor:
                 k += 1
             tps_headroom = k
+    if unmeasured:
+        tps_headroom = 0
     sessions_remaining = headroom_sessions if tps_headroom is None else min(headroom_sessions, tps_headroom)
 
     ctx_limit = x.available_cells if x.context_left is None else min(x.available_cells, x.context_left)
@@ -170,7 +178,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
         mean_only = (measured is not None and measured >= floor) if adaptive else \
             measured is not None and x.drop_ewma is not None and base - x.drop_ewma >= floor
         can = False
-        reason = REASON_FLOOR_IDLE if idle_estimate else REASON_UNCERTAIN if mean_only else REASON_FLOOR
+        reason = REASON_FLOOR_IDLE if idle_estimate else REASON_UNCERTAIN if mean_only or unmeasured else REASON_FLOOR
     else:
         can, reason = True, REASON_OK
     return {

@@ -14,7 +14,9 @@ a bound on the raw mean would need hundreds of steps per batch size to tell two 
 expected step time at B is its level + the mean stall excess per step; its standard error combines
 both. Projections:
 
-* **measured**: B + 1 was seen often enough: its mean + z standard errors.
+* **measured**: B + 1 was seen often enough: its mean + z standard errors. A size seen for fewer
+  than ``THIN`` steps (a probe's settle window; a warm-up with a stall in it) is blended with the
+  line through the other sizes by their precisions, so one unlucky window does not close it.
 * **extrapolated**: B + 1 was not seen, but two or more batch sizes were: a weighted least-squares
   line through their means (slope >= 0, never below the step time at B), + z standard errors of
   the prediction plus the line's residual spread.
@@ -174,7 +176,10 @@ class Projection:
     bound_s: float | None
     kind: str  # measured | extrapolated | conservative | none
     frontier: bool  # b_to is beyond every batch size measured
-    now_hi_s: float | None = None  # upper confidence bound of the step time at b_from
+    # upper confidence bound of the step time at b_from: its level's, with the engine-wide stall
+    # excess at its mean (the stalls' uncertainty is common to every batch size: it does not say
+    # whether b_from is above a floor that b_from + 1 would cross)
+    now_hi_s: float | None = None
 
     def ratio(self, bound: bool = True) -> float | None:
         """Factor on a session's tps from b_from to b_to (<= 1), or None."""
@@ -305,7 +310,7 @@ class StepForecast:
         m = {x: self.step_s(st, ctx=None if per_seq is None else x * per_seq) for x, st in known.items()}
         shift = slope * (ctx_now + k * ctx_new - to * per_seq) if slope else 0.0  # the new sessions' context
         now_s = m.get(b)
-        hi = None if now_s is None else now_s + self.z * self.se(known[b])
+        hi = None if now_s is None else now_s + self.z * known[b].se_slow
         proj = self._project(b, k, to, known, m, frontier, now_s, hi)
         if shift and proj.est_s is not None:
             # more sessions are never cheaper than now; with no step time at b measured (sessions of
@@ -321,34 +326,51 @@ class StepForecast:
                  hi: float | None) -> Projection:
         st = known.get(to)
         if st is not None:
-            bound = m[to] + self.z * self.se(st)
+            est, se = m[to], self.se(st)
+            others = {x: v for x, v in known.items() if x != to}
+            if st.n < THIN and len(others) >= 2:
+                # a size measured over few steps (a probe's settle window, a warm-up with a stall in
+                # it) is blended with the line through the other sizes, by their precisions: one
+                # unlucky window does not close that size until it is measured again
+                le, lb = self._line(others, to, m)
+                lse = (lb - le) / self.z
+                if lse > 0 and se > 0:
+                    wa, wb = 1 / se ** 2, 1 / lse ** 2
+                    est, se = (wa * est + wb * le) / (wa + wb), (wa + wb) ** -0.5
+            bound = est + self.z * se
             if now_s is not None and to > b:
                 bound = max(bound, now_s)
-            return Projection(b, to, now_s, m[to], bound, "measured", st.n < THIN, hi)
+            return Projection(b, to, now_s, est, bound, "measured", st.n < THIN, hi)
         if len(known) >= 2:
-            xs = sorted(known)
-            w = [min(known[x].n, 2.0 / SLOW_ALPHA) for x in xs]
-            sw = sum(w)
-            mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-            my = sum(wi * m[x] for wi, x in zip(w, xs)) / sw
-            sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-            slope = max(0.0, sum(wi * (x - mx) * (m[x] - my) for wi, x in zip(w, xs)) / sxx) if sxx else 0.0
-            est = my + slope * (to - mx)
-            below = [x for x in xs if x < to]
-            if len(below) >= 2:  # the local slope of the two nearest sizes (a knee bends the curve up)
-                x1, x2 = below[-2], below[-1]
-                est = max(est, m[x2] + max((m[x2] - m[x1]) / (x2 - x1), 0.0) * (to - x2))
-            if below:
-                est = max(est, m[below[-1]])  # never cheaper than a smaller batch measured
-            resid = math.sqrt(sum(wi * (m[x] - (my + slope * (x - mx))) ** 2 for wi, x in zip(w, xs)) / sw)
-            se = math.sqrt(sum((self.se(known[x]) ** 2) for x in xs) / len(xs))
-            lever = 1.0 + (to - mx) ** 2 / sxx if sxx else 2.0
-            bound = est + self.z * math.sqrt(lever) * (se + resid)
+            est, bound = self._line(known, to, m)
             return Projection(b, to, now_s, est, bound, "extrapolated", frontier, hi)
         if now_s is not None and b > 0:
             return Projection(b, to, now_s, now_s * (b + k / 2) / b, now_s * (b + k) / b, "conservative", frontier,
                               hi)
         return Projection(b, to, now_s, None, None, "none", frontier, hi)
+
+    def _line(self, known: dict, to: int, m: dict) -> tuple[float, float]:
+        """(estimate, bound) of the step time at ``to`` from a weighted least-squares line through
+        the step times ``m`` of two or more ``known`` sizes (slope >= 0, never below the nearest
+        size under ``to``), + z standard errors of the prediction plus the line's residual spread."""
+        xs = sorted(known)
+        w = [min(known[x].n, 2.0 / SLOW_ALPHA) for x in xs]
+        sw = sum(w)
+        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+        my = sum(wi * m[x] for wi, x in zip(w, xs)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+        slope = max(0.0, sum(wi * (x - mx) * (m[x] - my) for wi, x in zip(w, xs)) / sxx) if sxx else 0.0
+        est = my + slope * (to - mx)
+        below = [x for x in xs if x < to]
+        if len(below) >= 2:  # the local slope of the two nearest sizes (a knee bends the curve up)
+            x1, x2 = below[-2], below[-1]
+            est = max(est, m[x2] + max((m[x2] - m[x1]) / (x2 - x1), 0.0) * (to - x2))
+        if below:
+            est = max(est, m[below[-1]])  # never cheaper than a smaller batch measured
+        resid = math.sqrt(sum(wi * (m[x] - (my + slope * (x - mx))) ** 2 for wi, x in zip(w, xs)) / sw)
+        se = math.sqrt(sum((self.se(known[x]) ** 2) for x in xs) / len(xs))
+        lever = 1.0 + (to - mx) ** 2 / sxx if sxx else 2.0
+        return est, est + self.z * math.sqrt(lever) * (se + resid)
 
     def need_steps(self, batch: int, cap: int) -> int:
         """Steps at ``batch`` for its level to be known to PRECISION (at least 4, at most cap)."""
