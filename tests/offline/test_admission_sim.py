@@ -413,7 +413,9 @@ TARGETS = {"under_ratio": 0.5, "deep_ratio": 0.2, "overshoot_max": 1, "wall_rati
 #   finish within 1.15x naive's wall (bound ~1.33x: naive runs two, under the floor);
 # * epyc-2core-avx2-bf16, deep: the oracle misses it too on 20 seeds (a lone session's stalls);
 #   ours adds one probe of a second session (the only way to learn that it does not fit);
-# * epyc-2core-avx2-loaded, wall: reachable in principle (the oracle ~1.13x), missed by learning.
+# * epyc-2core-avx2-loaded, wall: met on the benchmark's 20 seeds (1.147x) by a thin margin (1.166x on
+#   seeds 20-59; the oracle ~1.13x); on these four seeds (1.17x) the learning's cost is checked against
+#   the oracle's wall.
 # Each is asserted against the bound or the oracle on the same seeds.
 UNREACHABLE_OVERSHOOT = {"bursty-neighbour": {"wall_ratio"}}
 UNREACHABLE_FLOOR = {"epyc-2core-avx2-bf16": {"wall_ratio"}}
