@@ -10,15 +10,17 @@ setup:
 run: setup
 	$(PY) -m opencoti demo
 
-# offline tests on every core (pytest-xdist: small models, mostly Python), then the live, browser and
-# cluster tests in two workers, a test file each at a time (they wait on servers, subprocesses and
-# model loads for ~40 % of their time on one worker: 16:27 -> 12:23 on the 2-core EPYC, every test
-# passing); both always run
+# offline tests on every core (pytest-xdist: small models, mostly Python); then the live and browser
+# tests in two workers, a test file each at a time (they wait on servers, subprocesses and model
+# loads ~40 % of their time on one worker); then the cluster tests alone (they check where the router
+# places pools by its requests in flight: next to another test file on the same cores, a pool once
+# landed on another replica than the test expects); all three always run
 test:
 	@./scripts/setup.sh --test
 	@rc=0; \
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline || rc=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile tests/live tests/browser tests/cluster || rc=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile tests/live tests/browser || rc=1; \
+	$(PY) -m pytest -q tests/cluster || rc=1; \
 	exit $$rc
 
 test-offline: setup
