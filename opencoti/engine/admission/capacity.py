@@ -145,7 +145,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
     tps_headroom = None
     if adaptive and floor is not None:
         tps_headroom = x.fc_headroom if x.fc_headroom is not None else int(projected is not None and projected >= floor)
-        tps_headroom = 0 if thin else max(tps_headroom, 1) if probe else tps_headroom
+        tps_headroom = max(tps_headroom, 1) if probe else tps_headroom
     elif floor is not None and base is not None:
         if measured is not None:
             tps_headroom = max(0, int((base - floor) // drop)) if drop > 0 else \
@@ -155,7 +155,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
             while k < 4096 and base * model_ratio(max(n, 1), k + 1) >= floor:
                 k += 1
             tps_headroom = k
-    if unmeasured:
+    if thin:  # held for want of a measured size: no session fits until it is measured
         tps_headroom = 0
     sessions_remaining = headroom_sessions if tps_headroom is None else min(headroom_sessions, tps_headroom)
 

@@ -327,13 +327,11 @@ class StepForecast:
         st = known.get(to)
         if st is not None:
             est, se = m[to], self.se(st)
-            others = {x: v for x, v in known.items() if x != to}
-            if st.n < THIN and len(others) >= 2:
+            if st.n < THIN and len(known) >= 3:
                 # a size measured over few steps (a probe's settle window, a warm-up with a stall in
                 # it) is blended with the line through the other sizes, by their precisions: one
                 # unlucky window does not close that size until it is measured again
-                le, lb = self._line(others, to, m)
-                lse = (lb - le) / self.z
+                le, lse = self._line({x: v for x, v in known.items() if x != to}, to, m)
                 if lse > 0 and se > 0:
                     wa, wb = 1 / se ** 2, 1 / lse ** 2
                     est, se = (wa * est + wb * le) / (wa + wb), (wa + wb) ** -0.5
@@ -342,17 +340,18 @@ class StepForecast:
                 bound = max(bound, now_s)
             return Projection(b, to, now_s, est, bound, "measured", st.n < THIN, hi)
         if len(known) >= 2:
-            est, bound = self._line(known, to, m)
-            return Projection(b, to, now_s, est, bound, "extrapolated", frontier, hi)
+            est, sd = self._line(known, to, m)
+            return Projection(b, to, now_s, est, est + self.z * sd, "extrapolated", frontier, hi)
         if now_s is not None and b > 0:
             return Projection(b, to, now_s, now_s * (b + k / 2) / b, now_s * (b + k) / b, "conservative", frontier,
                               hi)
         return Projection(b, to, now_s, None, None, "none", frontier, hi)
 
     def _line(self, known: dict, to: int, m: dict) -> tuple[float, float]:
-        """(estimate, bound) of the step time at ``to`` from a weighted least-squares line through
+        """(estimate, spread) of the step time at ``to`` from a weighted least-squares line through
         the step times ``m`` of two or more ``known`` sizes (slope >= 0, never below the nearest
-        size under ``to``), + z standard errors of the prediction plus the line's residual spread."""
+        size under ``to``); the spread is the prediction's standard error plus the line's residual
+        spread (a bound is the estimate + z spreads)."""
         xs = sorted(known)
         w = [min(known[x].n, 2.0 / SLOW_ALPHA) for x in xs]
         sw = sum(w)
@@ -370,7 +369,7 @@ class StepForecast:
         resid = math.sqrt(sum(wi * (m[x] - (my + slope * (x - mx))) ** 2 for wi, x in zip(w, xs)) / sw)
         se = math.sqrt(sum((self.se(known[x]) ** 2) for x in xs) / len(xs))
         lever = 1.0 + (to - mx) ** 2 / sxx if sxx else 2.0
-        return est, est + self.z * math.sqrt(lever) * (se + resid)
+        return est, math.sqrt(lever) * (se + resid)
 
     def need_steps(self, batch: int, cap: int) -> int:
         """Steps at ``batch`` for its level to be known to PRECISION (at least 4, at most cap)."""
