@@ -168,3 +168,36 @@ def test_tree_kv_tps_and_actions(server, browser, engine):
     page.wait_for_selector("#log div", timeout=10_000)  # the admission policy change is in the event log
     # the only console error is the network log line of the refused (409) evict the test asked for
     assert [e for e in errors if "status of 409" not in e] == [], errors
+
+
+def test_an_action_waits_for_the_refresh_in_flight(server, browser):
+    """A release clicked while a refresh is between listing the pools and asking each one's capacity
+    is sent only after that refresh ends: the page never asks about a pool it has just released
+    (a 404 in the browser's console), and the tree it draws next is the one after the release."""
+    base, api = server
+    root = api.post("/polykv/pools", json={"tokens": list(range(1, 40))}).json()
+    child = api.post(f"/polykv/pools/{root['pool_id']}/fork", json={"tokens": list(range(1, 60))}).json()
+    page, errors = _open(browser, base, key=KEY)
+    failed: list[tuple] = []
+    page.on("response", lambda r: failed.append((r.status, r.request.method, r.url)) if r.status >= 400 else None)
+    deletes: list[str] = []
+    page.on("request", lambda r: deletes.append(r.url) if r.method == "DELETE" else None)
+    page.wait_for_selector(f"#tree [data-pool='{child['pool_id']}']", timeout=10_000)
+
+    held: list = []   # the child's capacity request of one refresh, held until the release is clicked
+    page.route(f"**/polykv/pools/{child['pool_id']}/capacity",
+               lambda route: route.continue_() if held else held.append(route))
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(50)
+    assert held, "no refresh asked for the child's capacity"
+    page.click(f"#tree [data-pool='{child['pool_id']}'] >> [data-action='release'] >> nth=0")
+    page.wait_for_timeout(700)
+    assert deletes == [], "the release went out while the refresh was still in flight"
+    held[0].continue_()
+    page.wait_for_function(f"() => !document.querySelector(\"#tree [data-pool='{child['pool_id']}']\")",
+                           timeout=10_000)
+    assert api.get(f"/polykv/pools/{child['pool_id']}").status_code == 404
+    assert len(deletes) == 1
+    page.wait_for_timeout(1200)   # two more refreshes: none asks about the released pool
+    assert failed == [] and errors == [], (failed, errors)
