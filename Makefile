@@ -14,13 +14,14 @@ run: setup
 # tests in two workers, a test file each at a time (they wait on servers, subprocesses and model
 # loads ~40 % of their time on one worker); then the cluster tests alone (they check where the router
 # places pools by its requests in flight: next to another test file on the same cores, a pool once
-# landed on another replica than the test expects); all three always run
+# landed on another replica than the test expects; set-up installs the cluster extra for them, and
+# OPENCOTI_REQUIRE_CLUSTER=1 makes a missing extra an error, not a skip); all three always run
 test:
 	@./scripts/setup.sh --test
 	@rc=0; \
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline || rc=1; \
 	$(PY) -m pytest -q -n 2 --dist loadfile tests/live tests/browser || rc=1; \
-	$(PY) -m pytest -q tests/cluster || rc=1; \
+	OPENCOTI_REQUIRE_CLUSTER=1 $(PY) -m pytest -q tests/cluster || rc=1; \
 	exit $$rc
 
 test-offline: setup

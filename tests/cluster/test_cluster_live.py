@@ -249,11 +249,22 @@ def test_automatic_replication_when_capacity_says_no(cluster):
 
 def test_replica_killed_mid_run(cluster):
     c = cluster
-    pools = {}
-    for s in SYSTEMS:
-        p = c.post("/polykv/pools", json={"text": "Kill test. " + s}).json()
-        pools[int(c.get(f"/polykv/pools/{p['pool_id']}").headers["x-opencoti-replica"])] = p["pool_id"]
-    assert len(pools) == 2
+    # a pool on each replica: where a new pool lands depends on what the earlier tests left on each
+    # replica (the router breaks ties by cached prefix text and past choices), so create pools until
+    # both replicas hold one (placement itself is tested above), and release the extra ones
+    pools, extra = {}, []
+    for i in range(8):
+        p = c.post("/polykv/pools", json={"text": f"Kill test {i}. " + SYSTEMS[i % 2]}).json()
+        tag = int(c.get(f"/polykv/pools/{p['pool_id']}").headers["x-opencoti-replica"])
+        if tag in pools:
+            extra.append(p["pool_id"])
+        else:
+            pools[tag] = p["pool_id"]
+        if len(pools) == 2:
+            break
+    assert len(pools) == 2, f"eight new pools, all on replica {list(pools)}"
+    for pid in extra:
+        assert c.delete(f"/polykv/pools/{pid}", params={"immediate": "true"}).status_code == 200
     victim, survivor = sorted(pools)
     lost, kept = pools[victim], pools[survivor]
     old_tags = set(replicas(c))
