@@ -249,20 +249,33 @@ def test_automatic_replication_when_capacity_says_no(cluster):
 
 def test_replica_killed_mid_run(cluster):
     c = cluster
-    # a pool on each replica: where a new pool lands depends on what the earlier tests left on each
-    # replica (the router breaks ties by cached prefix text and past choices), so create pools until
-    # both replicas hold one (placement itself is tested above), and release the extra ones
-    pools, extra = {}, []
-    for i in range(8):
-        p = c.post("/polykv/pools", json={"text": f"Kill test {i}. " + SYSTEMS[i % 2]}).json()
-        tag = int(c.get(f"/polykv/pools/{p['pool_id']}").headers["x-opencoti-replica"])
+    # a pool on each replica. Where a new pool lands depends on what the earlier tests left on each
+    # replica (between idle replicas the router prefers the one with less cached prefix text), so
+    # while the replicas holding a pool are kept busy the next pool is created: the router places it
+    # on a replica with fewer requests in flight (placement itself is tested above)
+    texts = {}
+    pools, extra, busy = {}, [], []
+    for i in range(4):
+        text = f"Kill test {i}. " + SYSTEMS[i % 2]
+        r = c.post("/polykv/pools", json={"text": text})
+        assert r.status_code == 200, r.text
+        pid = r.json()["pool_id"]
+        texts[pid] = text
+        tag = int(c.get(f"/polykv/pools/{pid}").headers["x-opencoti-replica"])
         if tag in pools:
-            extra.append(p["pool_id"])
+            extra.append(pid)
         else:
-            pools[tag] = p["pool_id"]
+            pools[tag] = pid
         if len(pools) == 2:
             break
-    assert len(pools) == 2, f"eight new pools, all on replica {list(pools)}"
+        for held in pools.values():
+            busy.append(threading.Thread(target=c.post, args=("/completion",), kwargs={"json": {
+                "prompt": texts[held] + " busy", "pool_id": held, "n_predict": 96, "ignore_eos": True}}))
+            busy[-1].start()
+        time.sleep(0.5)
+    for t in busy:
+        t.join()
+    assert len(pools) == 2, f"the new pools all landed on replica {list(pools)}"
     for pid in extra:
         assert c.delete(f"/polykv/pools/{pid}", params={"immediate": "true"}).status_code == 200
     victim, survivor = sorted(pools)
@@ -273,8 +286,7 @@ def test_replica_killed_mid_run(cluster):
 
     def traffic():  # requests on the surviving replica's pool, before, during and after the kill
         while not stop.is_set():
-            r = c.post("/completion", json={"prompt": "Kill test. " + SYSTEMS[1] + " go", "pool_id": kept,
-                                            "n_predict": 2})
+            r = c.post("/completion", json={"prompt": texts[kept] + " go", "pool_id": kept, "n_predict": 2})
             results.append((time.monotonic(), r.status_code))
 
     th = threading.Thread(target=traffic)
