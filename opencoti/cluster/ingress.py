@@ -209,6 +209,9 @@ class ClusterIngress:
                 if retry is not None:
                     gen.cancel()
                     head, gen = await self._open(req, Hint(tag=retry, pool_id=hint.pool_id, session_id=hint.session_id))
+            elif (head["status"] == 503 and self.affinity and request.method == "POST"
+                  and request.url.path == "/polykv/pools" and hint.pool_id is None and hint.session_id is None):
+                head, gen = await self._create_elsewhere(req, hint, head, gen)
         except ReplicaError as e:
             return _err(e.status, e.message, e.etype, e.headers)
         self._learn(head)
@@ -217,6 +220,25 @@ class ClusterIngress:
                 and (h.get("x-sessions-remaining") == "0" or "x-admission-warning" in h)):
             self._spawn(self._maybe_replicate(hint.pool_id))
         return self._respond(head, gen)
+
+    async def _create_elsewhere(self, req: dict, hint: Hint, head: dict, gen):
+        """A new root pool that the chosen replica refused with 503 (its pool budget or KV is full, or
+        it is stopping) goes to the other live replicas in turn, least loaded first: creating a pool
+        on one replica while another has room must not fail. The last refusal is the answer."""
+        tag = dict(head["headers"]).get("x-opencoti-replica", "")
+        tried = {int(tag)} if tag.isdigit() else set()
+        ranked, _ = POLICY.rank(Hint(), await self._ready_tags())
+        for t in ranked:
+            if t in tried:
+                continue
+            tried.add(t)
+            gen.cancel()
+            head, gen = await self._open(req, Hint(tag=t))
+            if head["status"] != 503:
+                if head["status"] == 200 and hint.prefix:
+                    POLICY.learn_prefix(hint.prefix, t)  # later requests with this prefix go to it
+                break
+        return head, gen
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)

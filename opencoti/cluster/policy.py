@@ -248,6 +248,12 @@ class RoutingPolicy:
                 key = (hint.pool_id, tag)
                 self.attaches[key] = self.attaches.get(key, 0) + 1
 
+    def learn_prefix(self, prefix: str, tag: int) -> None:
+        """``tag`` holds ``prefix`` now (a request the ingress placed there itself, e.g. a pool that
+        another replica refused to create)."""
+        with self._lock:
+            self.index.insert(prefix, tag)
+
     def unroute(self, hint: Hint, tag: int, reason: str | None = None) -> None:
         """Undo the counts of ``routed`` (a request that went elsewhere than first chosen)."""
         with self._lock:

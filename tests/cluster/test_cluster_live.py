@@ -21,6 +21,7 @@ pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pi
 pytestmark = [pytest.mark.cluster, pytest.mark.bundled, pytest.mark.timeout(900)]
 
 MODEL = os.environ.get("OPENCOTI_CLUSTER_TEST_MODEL")  # default: the bundled model
+MAX_POOLS = 8  # each replica's pool budget
 SYSTEMS = [
     "You are the planner of a research team. Break every task into small numbered steps, name the agent "
     "that owns each step, and keep a short list of open questions at the end of each answer. " * 3,
@@ -47,7 +48,7 @@ def cluster():
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine = {"kv_budget_tokens": 4096, "max_pools": 8}
+        engine = {"kv_budget_tokens": 4096, "max_pools": MAX_POOLS}
         if MODEL:
             engine["model"] = MODEL
         serve.run(make_app(ClusterConfig(replicas=2, cpus_per_replica=1, engine=engine)),
@@ -245,6 +246,31 @@ def test_automatic_replication_when_capacity_says_no(cluster):
     finally:
         busy.join()
     assert c.delete(f"/polykv/pools/{pid}").status_code == 200
+
+
+def test_a_new_pool_goes_to_a_replica_with_room(cluster):
+    """A replica whose pool budget is full refuses a new pool (503); the cluster then creates it on
+    a replica with room, and answers 503 only when every replica is full. The pools share a long
+    text, so the router sends each to the replica that holds that text (prefix affinity): that
+    replica fills first, and the rest must be created on the other."""
+    c = cluster
+    shared = "Room test. " + SYSTEMS[0][:200]
+    made = []
+    try:
+        for i in range(2 * MAX_POOLS + 1):
+            r = c.post("/polykv/pools", json={"text": f"{shared} Pool {i}."})
+            if r.status_code != 200:
+                break
+            made.append(r.json()["pool_id"])
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error", r.text
+        held = {t: len(info["pools"]) for t, info in replicas(c).items()}
+        assert held == {t: MAX_POOLS for t in held}, (held, r.text)  # refused only when both were full
+        on = {t: sum(p in info["pools"] for p in made) for t, info in replicas(c).items()}
+        assert all(n > 0 for n in on.values()), on
+    finally:
+        for pid in made:
+            c.delete(f"/polykv/pools/{pid}", params={"immediate": "true"})
+    assert all(len(info["pools"]) < MAX_POOLS for info in replicas(c).values())
 
 
 def test_replica_killed_mid_run(cluster):

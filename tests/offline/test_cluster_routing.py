@@ -141,6 +141,19 @@ def test_prefix_affinity_with_imbalance_threshold():
     assert p.rank(Hint(prefix=sys_a + "q3")) == ([3 - home, home], "imbalanced")
 
 
+def test_a_prefix_placed_by_the_ingress_is_learned():
+    # a pool the first replica refused and the ingress created on the other: its text now leads there
+    p = _policy(match_threshold=0.5, chunk_chars=4)
+    text = "S" * 200
+    first, _ = p.rank(Hint(prefix=text))
+    p.routed(Hint(prefix=text), first[0])
+    p.completed(first[0])
+    other = 3 - first[0]
+    p.learn_prefix(text, other)
+    assert p.index.match(text + "q", [1, 2]) == {1: 200, 2: 200}
+    assert p.load == {first[0]: 0} and p.chosen == {first[0]: 1}  # not a routing choice
+
+
 def test_prefix_index_lru_and_drop():
     idx = PrefixIndex(chunk=4, max_entries=3)
     idx.insert("aaaabbbbcccc", 1)
