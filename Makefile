@@ -13,9 +13,9 @@ run: setup
 # offline tests on every core (pytest-xdist: small models, mostly Python); then the live and browser
 # tests in two workers, a test file each at a time (they wait on servers, subprocesses and model
 # loads ~40 % of their time on one worker); then the cluster tests alone (they check where the router
-# places pools by its requests in flight: next to another test file on the same cores, a pool once
-# landed on another replica than the test expects; set-up installs the cluster extra for them, and
-# OPENCOTI_REQUIRE_CLUSTER=1 makes a missing extra an error, not a skip); all three always run
+# places requests by its requests in flight, which another test file on the same cores disturbs);
+# set-up installs the cluster extra, and OPENCOTI_REQUIRE_CLUSTER=1 makes a missing extra an error,
+# not a skip; all three always run
 test:
 	@./scripts/setup.sh --test
 	@rc=0; \

@@ -102,7 +102,12 @@ def test_tree_kv_tps_and_actions(server, browser, engine, monkeypatch):
     # each engine step slowed to ~50 ms: the tiny model decodes its 400 tokens in about a second,
     # which can end before the page has loaded and caught the session decoding
     execute = engine.core.runner.execute
-    monkeypatch.setattr(engine.core.runner, "execute", lambda batch: (time.sleep(0.05), execute(batch))[1])
+
+    def slow_execute(batch):
+        time.sleep(0.05)
+        return execute(batch)
+
+    monkeypatch.setattr(engine.core.runner, "execute", slow_execute)
     root = api.post("/polykv/pools", json={"tokens": list(range(1, 70)), "label": "root"}).json()
     child = api.post(f"/polykv/pools/{root['pool_id']}/fork", json={"tokens": list(range(1, 100))}).json()
     # a long decode keeps a session live so the tps stream has something to show
