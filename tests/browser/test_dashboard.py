@@ -81,16 +81,30 @@ def _open(browser, base, *, key: str | None):
     return page, errors
 
 
+def _wait(page, api, expr: str, timeout: float = 20_000) -> None:
+    """``page.wait_for_function`` that, when it times out, says what the page and the server showed
+    (CI keeps only the failure's text)."""
+    try:
+        page.wait_for_function(expr, timeout=timeout)
+    except playwright_sync.TimeoutError:
+        shown = page.evaluate("() => ({conn: document.querySelector('#conn').textContent, "
+                              "error: getComputedStyle(document.querySelector('#error')).display !== 'none' ? "
+                              "document.querySelector('#error').innerText : null, "
+                              "tree: document.querySelector('#tree').innerText})")
+        server = api.get("/polykv/pools").json()
+        raise AssertionError(f"timed out waiting for {expr}\npage: {shown}\nserver: {server}") from None
+
+
 def test_without_key_shows_401_then_key_unlocks(server, browser):
     base, api = server
     api.post("/polykv/pools", json={"tokens": list(range(1, 40))}).raise_for_status()
     page, _ = _open(browser, base, key=None)
-    page.wait_for_selector("#auth", state="visible", timeout=10_000)
+    page.wait_for_selector("#auth", state="visible")
     assert "401" in page.inner_text("#auth-status")
     assert page.locator("[data-pool]").count() == 0
     page.fill("#key", KEY)
     page.click("#key-save")
-    page.wait_for_selector("#tree [data-pool]", timeout=10_000)
+    page.wait_for_selector("#tree [data-pool]")
     assert not page.is_visible("#auth")
     # the key lives in this tab's sessionStorage only
     assert page.evaluate("sessionStorage.getItem('opencoti.key')") == KEY
@@ -122,30 +136,30 @@ def test_tree_kv_tps_and_actions(server, browser, engine, monkeypatch):
 
     threading.Thread(target=run, daemon=True).start()
     page, errors = _open(browser, base, key=KEY)
-    page.wait_for_selector(f"#tree [data-pool='{child['pool_id']}']", timeout=10_000)
+    page.wait_for_selector(f"#tree [data-pool='{child['pool_id']}']")
 
     # KV numbers on the page are the API's numbers
     pools = {p["pool_id"]: p for p in api.get("/polykv/pools").json()["pools"]}
     for pid in (root["pool_id"], child["pool_id"]):
         own = page.get_attribute(f"#tree [data-pool='{pid}'] [data-field='own']", "data-bytes")
         assert int(own) == pools[pid]["own_kv_bytes"]
-    page.wait_for_selector(f"#cap tr[data-pool='{root['pool_id']}']", timeout=10_000)  # capacity rows follow the tree
+    page.wait_for_selector(f"#cap tr[data-pool='{root['pool_id']}']")  # capacity rows follow the tree
 
     # live tps arrives (the page updates without reloading)
-    page.wait_for_function("() => document.querySelector(\"[data-session='agent-1']\") && "
-                           "document.querySelector(\"[data-session='agent-1']\").dataset.tps !== ''", timeout=20_000)
+    _wait(page, api, "() => document.querySelector(\"[data-session='agent-1']\") && "
+                     "document.querySelector(\"[data-session='agent-1']\").dataset.tps !== ''", 20_000)
     n0 = page.evaluate("() => document.querySelector('#legend').childElementCount")
     assert n0 >= 1
     assert page.inner_text("#conn") == "live"
 
     # pin -> the server's pool is pinned
     page.click(f"#tree [data-pool='{root['pool_id']}'] >> [data-action='pin'] >> nth=0")
-    page.wait_for_function(f"() => document.querySelector(\"#tree [data-pool='{root['pool_id']}'] [data-action='unpin']\")")
+    _wait(page, api, f"() => document.querySelector(\"#tree [data-pool='{root['pool_id']}'] [data-action='unpin']\")")
     assert api.get(f"/polykv/pools/{root['pool_id']}").json()["pinned"] is True
 
     # a refused action shows its error: evicting a pinned pool is a 409
     page.click(f"#tree [data-pool='{root['pool_id']}'] >> [data-action='evict'] >> nth=0")
-    page.wait_for_selector("#error", state="visible", timeout=10_000)
+    page.wait_for_selector("#error", state="visible")
     assert "409" in page.inner_text("#error-status")
     assert api.get(f"/polykv/pools/{root['pool_id']}").json()["residency"] == "resident"
     page.click("#error-close")
@@ -154,27 +168,27 @@ def test_tree_kv_tps_and_actions(server, browser, engine, monkeypatch):
     answers = iter(["12.5", "advisory"])
     page.on("dialog", lambda d: d.accept(next(answers)))
     page.click(f"#tree [data-pool='{child['pool_id']}'] >> [data-action='policy'] >> nth=0")
-    page.wait_for_function(
-        f"() => [...document.querySelectorAll(\"#cap tr[data-pool='{child['pool_id']}'] td\")].some(t => t.textContent === '12.5')")
+    _wait(page, api,
+          f"() => [...document.querySelectorAll(\"#cap tr[data-pool='{child['pool_id']}'] td\")].some(t => t.textContent === '12.5')")
     assert api.get(f"/polykv/pools/{child['pool_id']}/admission").json()["target_tps_per_session"] == 12.5
 
     # release the session from the page: the request is cancelled, the session is gone
     page.click("[data-session='agent-1'] [data-action='release-session']")
     assert done.wait(20)
-    page.wait_for_function("() => !document.querySelector(\"[data-session='agent-1']\")", timeout=10_000)
+    _wait(page, api, "() => !document.querySelector(\"[data-session='agent-1']\")")
     assert all(s["session_id"] != "agent-1" for p in api.get("/polykv/pools").json()["pools"] for s in p["sessions"])
 
     # flush, unpin, then release the leaf and the root
     page.click(f"#tree [data-pool='{child['pool_id']}'] >> [data-action='flush'] >> nth=0")
     page.click(f"#tree [data-pool='{root['pool_id']}'] >> [data-action='unpin'] >> nth=0")
-    page.wait_for_function(f"() => document.querySelector(\"#tree [data-pool='{root['pool_id']}'] [data-action='pin']\")")
+    _wait(page, api, f"() => document.querySelector(\"#tree [data-pool='{root['pool_id']}'] [data-action='pin']\")")
     assert api.get(f"/polykv/pools/{root['pool_id']}").json()["pinned"] is False
     page.click(f"#tree [data-pool='{child['pool_id']}'] >> [data-action='release'] >> nth=0")
-    page.wait_for_function(f"() => !document.querySelector(\"#tree [data-pool='{child['pool_id']}']\")", timeout=10_000)
+    _wait(page, api, f"() => !document.querySelector(\"#tree [data-pool='{child['pool_id']}']\")")
     assert api.get(f"/polykv/pools/{child['pool_id']}").status_code == 404
     page.click(f"#tree [data-pool='{root['pool_id']}'] >> [data-action='release'] >> nth=0")
-    page.wait_for_function("() => !document.querySelector('#tree [data-pool]')", timeout=10_000)
-    page.wait_for_selector("#log div", timeout=10_000)  # the admission policy change is in the event log
+    _wait(page, api, "() => !document.querySelector('#tree [data-pool]')")
+    page.wait_for_selector("#log div")  # the admission policy change is in the event log
     # the only console error is the network log line of the refused (409) evict the test asked for
     assert [e for e in errors if "status of 409" not in e] == [], errors
 
@@ -191,7 +205,7 @@ def test_an_action_waits_for_the_refresh_in_flight(server, browser):
     page.on("response", lambda r: failed.append((r.status, r.request.method, r.url)) if r.status >= 400 else None)
     deletes: list[str] = []
     page.on("request", lambda r: deletes.append(r.url) if r.method == "DELETE" else None)
-    page.wait_for_selector(f"#tree [data-pool='{child['pool_id']}']", timeout=10_000)
+    page.wait_for_selector(f"#tree [data-pool='{child['pool_id']}']")
 
     held: list = []   # the child's capacity request of one refresh, held until the release is clicked
     page.route(f"**/polykv/pools/{child['pool_id']}/capacity",
@@ -204,9 +218,27 @@ def test_an_action_waits_for_the_refresh_in_flight(server, browser):
     page.wait_for_timeout(700)
     assert deletes == [], "the release went out while the refresh was still in flight"
     held[0].continue_()
-    page.wait_for_function(f"() => !document.querySelector(\"#tree [data-pool='{child['pool_id']}']\")",
-                           timeout=10_000)
+    _wait(page, api, f"() => !document.querySelector(\"#tree [data-pool='{child['pool_id']}']\")")
     assert api.get(f"/polykv/pools/{child['pool_id']}").status_code == 404
     assert len(deletes) == 1
     page.wait_for_timeout(1200)   # two more refreshes: none asks about the released pool
     assert failed == [] and errors == [], (failed, errors)
+
+
+def test_a_click_held_across_a_refresh_still_acts(server, browser):
+    """A person's click lasts ~100 ms from press to release, and the page refreshes twice a second:
+    the button pressed must still be the one released on (a tree redrawn from new elements between
+    the two drops the click: it lands on their common ancestor, not on a button)."""
+    base, api = server
+    root = api.post("/polykv/pools", json={"tokens": list(range(1, 40))}).json()
+    page, errors = _open(browser, base, key=KEY)
+    button = page.locator(f"#tree [data-pool='{root['pool_id']}'] >> [data-action='pin'] >> nth=0")
+    button.wait_for()
+    box = button.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.wait_for_timeout(1200)   # two refreshes come in while the button is held
+    page.mouse.up()
+    _wait(page, api, f"() => document.querySelector(\"#tree [data-pool='{root['pool_id']}'] [data-action='unpin']\")")
+    assert api.get(f"/polykv/pools/{root['pool_id']}").json()["pinned"] is True
+    assert errors == []
