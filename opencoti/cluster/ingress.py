@@ -224,7 +224,8 @@ class ClusterIngress:
     async def _create_elsewhere(self, req: dict, hint: Hint, head: dict, gen):
         """A new root pool that the chosen replica refused with 503 (its pool budget or KV is full, or
         it is stopping) goes to the other live replicas in turn, least loaded first: creating a pool
-        on one replica while another has room must not fail. The last refusal is the answer."""
+        on one replica while another has room must not fail. The last refusal is the answer; a
+        replica that fails to answer (it died since it was listed) is passed over."""
         tag = dict(head["headers"]).get("x-opencoti-replica", "")
         tried = {int(tag)} if tag.isdigit() else set()
         ranked, _ = POLICY.rank(Hint(), await self._ready_tags())
@@ -232,8 +233,13 @@ class ClusterIngress:
             if t in tried:
                 continue
             tried.add(t)
+            try:
+                nxt = await self._open(req, Hint(tag=t))
+            except ReplicaError:
+                log.warning("replica %s failed while a refused pool creation was retried there", t, exc_info=True)
+                continue
             gen.cancel()
-            head, gen = await self._open(req, Hint(tag=t))
+            head, gen = nxt
             if head["status"] != 503:
                 if head["status"] == 200 and hint.prefix:
                     POLICY.learn_prefix(hint.prefix, t)  # later requests with this prefix go to it
