@@ -264,10 +264,9 @@ def _check_saved_tokenizer(original, out: Path) -> None:
 def _gguf_architecture(path: Path) -> str:
     """``general.architecture`` of a GGUF file (reads the header only)."""
     try:
-        from gguf import GGUFReader
+        from .gguf_index import GGUFIndex
 
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
+        return GGUFIndex(path).architecture
     except Exception as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 

@@ -25,12 +25,12 @@ import logging
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import kernels
 from .autotune import Autotuner
 from .gate_text import GATE_TEXT
+from .gguf_index import GGUFIndex
 from .llama import LlamaForward, ModelDims, default_head_format
 from .qformats import EXACT_INT4_TYPES, gguf_block_to_int4, permute_rows
 from .threads import ThreadAdapter
@@ -59,16 +59,13 @@ def gguf_int4_weights(path: str | Path, hf_config) -> dict[str, object]:
 
     llama-architecture files keep q/k rows in llama.cpp's rotary order; they are put back in HF
     order (the permutation transformers applies when it dequantizes them)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    index = GGUFIndex(path)
+    arch = index.architecture
     dims = ModelDims.from_hf_config(hf_config)
     out: dict[str, object] = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         parts = t.name.split(".")
-        if t.tensor_type.name not in EXACT_INT4_TYPES:
+        if t.type_name not in EXACT_INT4_TYPES:
             continue
         if t.name == "output.weight":
             hf = "lm_head.weight"
@@ -79,7 +76,7 @@ def gguf_int4_weights(path: str | Path, hf_config) -> dict[str, object]:
         else:
             continue
         k, n = int(t.shape[0]), int(t.shape[1])
-        w = gguf_block_to_int4(t.tensor_type.name, np.asarray(t.data), n, k)
+        w = gguf_block_to_int4(t.type_name, t.data, n, k)
         if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
             heads = dims.num_heads if parts[-2] == "attn_q" else dims.num_kv_heads
             w = permute_rows(w, torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1))
