@@ -71,7 +71,31 @@ class ModelDims:
 
 
 def _rotary_cos_sin(cfg, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] (fp32) using the architecture's own RoPE rules."""
+    """cos/sin tables [max_positions, head_dim] (fp32) by the architecture's own RoPE rules: plain
+    RoPE computed here as transformers' ``<Arch>RotaryEmbedding`` computes it (equal, bit for bit,
+    for every supported architecture: tests/offline/test_rope_tables.py), other RoPE types by that
+    class itself. Importing the modeling module pulls in ``torch._dynamo``: 1.8-3.4 s of every
+    engine start, for a table."""
+    table = _plain_rope_table(cfg, max_positions)
+    if table is None:
+        table = _transformers_rope_table(cfg, max_positions)
+    cos, sin = table
+    return cos.to(device), sin.to(device)
+
+
+def _plain_rope_table(cfg, max_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    params = getattr(cfg, "rope_parameters", None)
+    if (not isinstance(params, dict) or params.get("rope_type", "default") != "default" or "rope_theta" not in params
+            or params.get("partial_rotary_factor", 1.0) != 1.0 or getattr(cfg, "partial_rotary_factor", 1.0) != 1.0):
+        return None
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = torch.arange(max_positions, dtype=torch.int64)[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _transformers_rope_table(cfg, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     arch = cfg.model_type
     mod = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
     cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch] + "RotaryEmbedding"
@@ -80,7 +104,7 @@ def _rotary_cos_sin(cfg, max_positions: int, device) -> tuple[torch.Tensor, torc
     dummy = torch.zeros(1, dtype=torch.float32)
     with torch.no_grad():
         cos, sin = rotary(dummy, pos)
-    return cos[0].to(device), sin[0].to(device)
+    return cos[0], sin[0]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
