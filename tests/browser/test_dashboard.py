@@ -7,6 +7,7 @@ creating pools and sessions through the API, live tps, every action, and a refus
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import threading
@@ -241,4 +242,47 @@ def test_a_click_held_across_a_refresh_still_acts(server, browser):
     page.mouse.up()
     _wait(page, api, f"() => document.querySelector(\"#tree [data-pool='{root['pool_id']}'] [data-action='unpin']\")")
     assert api.get(f"/polykv/pools/{root['pool_id']}").json()["pinned"] is True
+    assert errors == []
+
+
+def test_a_decoding_sessions_release_button_stays_put(server, browser, engine, monkeypatch):
+    """A decoding session's row changes every poll (tps, context length): its release button must not
+    move under the pointer meanwhile (a click pressed on it and released beside it does nothing)."""
+    base, api = server
+    execute = engine.core.runner.execute
+
+    def slow_execute(batch):
+        time.sleep(0.05)
+        return execute(batch)
+
+    monkeypatch.setattr(engine.core.runner, "execute", slow_execute)
+    pool = api.post("/polykv/pools", json={"tokens": list(range(1, 40))}).json()
+    page, errors = _open(browser, base, key=KEY)
+    page.wait_for_selector(f"#tree [data-pool='{pool['pool_id']}']")
+    done = threading.Event()
+
+    def run():
+        try:  # the context grows from 43 past 100 (~3 s): its number gains a digit while the page watches
+            engine.generate(list(range(1, 40)) + [5, 6, 7, 8], pool_id=pool["pool_id"], session_id="agent-2",
+                            params=SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    button = page.locator("[data-session='agent-2'] [data-action='release-session']")
+    button.wait_for()
+    seen: dict[tuple, set] = {}   # the button's position -> the context lengths shown meanwhile
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ctx = int(re.search(r"ctx (\d+)/", page.inner_text("[data-session='agent-2']")).group(1))
+        box = button.bounding_box()
+        seen.setdefault((round(box["x"]), round(box["y"])), set()).add(ctx)
+        if ctx >= 100:
+            break
+        page.wait_for_timeout(100)
+    shown = set().union(*seen.values())
+    assert min(shown) < 100 <= max(shown), shown
+    assert len(seen) == 1, seen
+    button.click()
+    assert done.wait(20)
     assert errors == []
