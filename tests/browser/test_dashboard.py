@@ -286,3 +286,19 @@ def test_a_decoding_sessions_release_button_stays_put(server, browser, engine, m
     button.click()
     assert done.wait(20)
     assert errors == []
+
+
+def test_a_pools_buttons_do_not_follow_its_text(server, browser):
+    """A pool's numbers change while its sessions decode; its buttons must sit where they sit whatever
+    the text before them says (else they move under a click): two pools at the same depth, one with a
+    long label, have their buttons at the same place."""
+    base, api = server
+    short = api.post("/polykv/pools", json={"tokens": list(range(1, 10))}).json()
+    long = api.post("/polykv/pools", json={"tokens": list(range(1, 300)), "label": "a long label " * 3}).json()
+    page, errors = _open(browser, base, key=KEY)
+    page.wait_for_selector(f"#tree [data-pool='{long['pool_id']}']")
+    for action in ("pin", "evict", "flush", "release", "policy"):
+        xs = {page.locator(f"#tree [data-pool='{p['pool_id']}'] [data-action='{action}']").bounding_box()["x"]
+              for p in (short, long)}
+        assert len(xs) == 1, (action, xs)
+    assert errors == []
