@@ -82,6 +82,18 @@ def _open(browser, base, *, key: str | None):
     return page, errors
 
 
+def _slow_steps(engine, monkeypatch) -> None:
+    """Each engine step slowed to ~50 ms: the tiny model decodes hundreds of tokens in about a second,
+    which can end before the page has loaded and caught the session decoding."""
+    execute = engine.core.runner.execute
+
+    def slow_execute(batch):
+        time.sleep(0.05)
+        return execute(batch)
+
+    monkeypatch.setattr(engine.core.runner, "execute", slow_execute)
+
+
 def _wait(page, api, expr: str, timeout: float = 20_000) -> None:
     """``page.wait_for_function`` that, when it times out, says what the page and the server showed
     (CI keeps only the failure's text)."""
@@ -114,15 +126,7 @@ def test_without_key_shows_401_then_key_unlocks(server, browser):
 
 def test_tree_kv_tps_and_actions(server, browser, engine, monkeypatch):
     base, api = server
-    # each engine step slowed to ~50 ms: the tiny model decodes its 400 tokens in about a second,
-    # which can end before the page has loaded and caught the session decoding
-    execute = engine.core.runner.execute
-
-    def slow_execute(batch):
-        time.sleep(0.05)
-        return execute(batch)
-
-    monkeypatch.setattr(engine.core.runner, "execute", slow_execute)
+    _slow_steps(engine, monkeypatch)
     root = api.post("/polykv/pools", json={"tokens": list(range(1, 70)), "label": "root"}).json()
     child = api.post(f"/polykv/pools/{root['pool_id']}/fork", json={"tokens": list(range(1, 100))}).json()
     # a long decode keeps a session live so the tps stream has something to show
@@ -249,13 +253,7 @@ def test_a_decoding_sessions_release_button_stays_put(server, browser, engine, m
     """A decoding session's row changes every poll (tps, context length): its release button must not
     move under the pointer meanwhile (a click pressed on it and released beside it does nothing)."""
     base, api = server
-    execute = engine.core.runner.execute
-
-    def slow_execute(batch):
-        time.sleep(0.05)
-        return execute(batch)
-
-    monkeypatch.setattr(engine.core.runner, "execute", slow_execute)
+    _slow_steps(engine, monkeypatch)
     pool = api.post("/polykv/pools", json={"tokens": list(range(1, 40))}).json()
     page, errors = _open(browser, base, key=KEY)
     page.wait_for_selector(f"#tree [data-pool='{pool['pool_id']}']")
