@@ -10,22 +10,13 @@ from opencoti.engine.model import llama
 from opencoti.engine.model.tiny import LLAMA3_ROPE_SCALING, tiny_config
 
 
-def _reference(cfg, n: int):
-    import importlib
-
-    mod = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
-    cls = next(getattr(mod, k) for k in dir(mod) if k.endswith("RotaryEmbedding") and k.lower().startswith(cfg.model_type))
-    cos, sin = cls(cfg)(torch.zeros(1), torch.arange(n)[None, :])
-    return cos[0], sin[0]
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("overrides", [{}, {"rope_theta": 100000.0, "head_dim": 8}], ids=["defaults", "theta-headdim"])
 def test_plain_rope_is_transformers_rope(arch, overrides):
     cfg = tiny_config(arch, **overrides)
     assert llama._plain_rope_table(cfg, 1024) is not None  # computed here, not by transformers
     cos, sin = llama._rotary_cos_sin(cfg, 1024, "cpu")
-    ref_cos, ref_sin = _reference(cfg, 1024)
+    ref_cos, ref_sin = llama._transformers_rope_table(cfg, 1024)
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
 
 
@@ -33,5 +24,5 @@ def test_other_rope_types_go_to_transformers():
     cfg = tiny_config("llama", rope_scaling=LLAMA3_ROPE_SCALING)
     assert llama._plain_rope_table(cfg, 64) is None
     cos, sin = llama._rotary_cos_sin(cfg, 64, "cpu")
-    ref_cos, ref_sin = _reference(cfg, 64)
+    ref_cos, ref_sin = llama._transformers_rope_table(cfg, 64)
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
