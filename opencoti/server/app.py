@@ -24,11 +24,13 @@ from .errors import SafeJSONResponse, install_handlers
 from .middleware import (PUBLIC_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware,
                          RequestMetricsMiddleware)
 from .openapi import install_openapi
+from .routes_anthropic import router as anthropic_router
 from .routes_dashboard import router as dashboard_router
 from .routes_generate import router as generate_router
 from .routes_monitor import metrics_router
 from .routes_monitor import router as monitor_router
 from .routes_ops import operations_router
+from .routes_responses import router as responses_router
 from .state import ServerState
 from .tenants import TenantKeyMiddleware
 
@@ -46,6 +48,9 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     config = config or ServerConfig()
     if config.api_key and config.tenant_keys:
         raise ValueError("give api_key (one key) or tenant_keys (a key per tenant), not both")
+    if config.metrics_key is not None and (not config.metrics_key or config.metrics_key in (config.tenant_keys or {})
+                                           or config.metrics_key == config.api_key):
+        raise ValueError("metrics_key must be a non-empty key of its own (not the API key or a tenant's key)")
     state = ServerState(config, engine, engine_factory)
 
     @asynccontextmanager
@@ -61,8 +66,10 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
                               "control plane (/polykv/*): pools, sessions, tps, admission.")
     app.state.server = state
     install_handlers(app)
-    install_openapi(app, auth=bool(config.api_key or config.tenant_keys), public_paths=PUBLIC_PATHS)
-    routers = [operations_router(), generate_router, monitor_router, dashboard_router]
+    install_openapi(app, auth=bool(config.api_key or config.tenant_keys), public_paths=PUBLIC_PATHS,
+                    operator_only=frozenset({"/metrics"}) if config.tenant_keys else frozenset())
+    routers = [operations_router(), generate_router, anthropic_router, responses_router, monitor_router,
+               dashboard_router]
     if config.metrics:  # off: /metrics is an unknown route (404) and nothing is collected for it
         routers.append(metrics_router)
     for router in routers:
@@ -73,9 +80,9 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
 
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
     if config.tenant_keys:
-        app.add_middleware(TenantKeyMiddleware, keys=config.tenant_keys)
+        app.add_middleware(TenantKeyMiddleware, keys=config.tenant_keys, metrics_key=config.metrics_key)
     elif config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, metrics_key=config.metrics_key)
     app.add_middleware(RequestGuardMiddleware, allowed_hosts=config.allowed_hosts, cors_origins=config.cors_origins)
     if state.metrics is not None:
         app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)

@@ -21,6 +21,9 @@ class ServerConfig:
     metrics: serve ``GET /metrics`` and collect its server-side series (request counters, latency
         histograms). False (``--no-metrics``): ``/metrics`` answers 404 like any unknown route and
         nothing is collected for it.
+    metrics_key: a key that opens ``GET /metrics`` only (for a Prometheus scraper). With ``tenant_keys``
+        it is the only key ``/metrics`` answers (it shows every tenant's pools and sessions; a tenant's
+        key gets 403 there); with ``api_key`` the API key opens it too.
     """
 
     api_key: str | None = None
@@ -33,3 +36,4 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     tenant_keys: dict[str, str] | None = None
     metrics: bool = True
+    metrics_key: str | None = None

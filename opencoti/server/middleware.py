@@ -16,6 +16,7 @@ from .metrics import ServerMetrics
 
 LARGE_BODY = 1 << 20  # bodies from this size on are handled with automatic GC paused (gcpause)
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+METRICS_PATH = "/metrics"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
 
@@ -30,9 +31,10 @@ async def _send_error(send, status: int, message: str, etype: str, headers: list
 class ApiKeyMiddleware:
     """``Authorization: Bearer <key>`` or ``X-Api-Key: <key>`` on every route but /health."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, metrics_key: str | None = None):
         self.app = app
         self.key = api_key.encode()
+        self.metrics_key = metrics_key.encode() if metrics_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
@@ -43,7 +45,9 @@ class ApiKeyMiddleware:
                 given = v[7:].strip()
             elif k == b"x-api-key" and given is None:
                 given = v.strip()
-        if given is None or not secrets.compare_digest(given, self.key):
+        metrics_ok = (self.metrics_key is not None and given is not None and scope["path"] == METRICS_PATH
+                      and secrets.compare_digest(given, self.metrics_key))
+        if not metrics_ok and (given is None or not secrets.compare_digest(given, self.key)):
             msg = "Invalid API Key" if given is not None else \
                 "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'"
             return await _send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")])

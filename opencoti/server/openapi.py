@@ -15,7 +15,8 @@ def _error(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ERROR_REF}}}
 
 
-def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str]) -> None:
+def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str],
+                    operator_only: frozenset[str] = frozenset()) -> None:
     def openapi() -> dict:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -32,6 +33,8 @@ def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str]) -> N
                 if auth and path not in public_paths:
                     responses.setdefault("401", _error("missing or wrong API key"))
                     op["security"] = [{"bearer": []}]
+                if path in operator_only:
+                    responses.setdefault("403", _error("a tenant's key: this route answers the operator's key only"))
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
         if auth:

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-metrics", action="store_true",
                    help="no GET /metrics (it answers 404) and no Prometheus series collected for it "
                         "(default: on)")
+    p.add_argument("--metrics-key", default=os.environ.get("OPENCOTI_METRICS_KEY"), metavar="KEY",
+                   help="a key that opens GET /metrics only (a Prometheus scraper); with --api-keys-file the only "
+                        "key /metrics answers, since it shows every tenant (default: $OPENCOTI_METRICS_KEY)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -124,11 +127,14 @@ def run(args) -> int:
             default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias,
             tenant_keys=load_keys_file(args.api_keys_file) if args.api_keys_file else None,
             allowed_hosts=allowed_hosts(args.host, args.allowed_host), body_timeout_s=args.body_timeout,
-            metrics=not args.no_metrics)
+            metrics=not args.no_metrics, metrics_key=args.metrics_key or None)
         if server_config.body_timeout_s <= 0:
             raise OpencotiError("--body-timeout must be > 0")
         if server_config.tenant_keys and server_config.api_key:
             raise OpencotiError("--api-key (or $OPENCOTI_API_KEY) and --api-keys-file cannot be combined")
+        if server_config.metrics_key is not None and (server_config.metrics_key == server_config.api_key or
+                                                      server_config.metrics_key in (server_config.tenant_keys or {})):
+            raise OpencotiError("--metrics-key must be a key of its own (not the API key or a tenant's key)")
         if server_config.tps_interval_ms < 50:
             raise OpencotiError("--tps-interval-ms must be >= 50")
         if args.n_predict == 0:

@@ -12,6 +12,9 @@ one tenant. Example::
 
 Every route but ``/health`` then needs one of the keys (``Authorization: Bearer <key>`` or
 ``X-Api-Key: <key>``); the request runs as that key's tenant (``scope["state"]["tenant"]``).
+
+``GET /metrics`` shows every tenant's pools and sessions, so it is the operator's: it answers the
+metrics key (``--metrics-key``) only; a tenant's key gets 403 there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 
 from ..engine.errors import InvalidRequestError
 from ..engine.tenancy import TENANT_NAME, check_tenant_name
-from .middleware import PUBLIC_PATHS, _send_error
+from .middleware import METRICS_PATH, PUBLIC_PATHS, _send_error
 
 
 class KeysFileError(InvalidRequestError):
@@ -73,8 +76,9 @@ def request_key(headers) -> bytes | None:
 class TenantKeyMiddleware:
     """Authenticates with the keys of a keys file and records the tenant in ``scope["state"]``."""
 
-    def __init__(self, app, keys: dict[str, str]):
+    def __init__(self, app, keys: dict[str, str], metrics_key: str | None = None):
         self.app = app
+        self.metrics_key = _digest(metrics_key.encode()) if metrics_key else None
         for key, tenant in keys.items():
             check_tenant_name(tenant)
             if not isinstance(key, str) or not key:
@@ -85,7 +89,14 @@ class TenantKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         given = request_key(scope["headers"])
-        tenant = self.keys.get(_digest(given)) if given is not None else None
+        digest = _digest(given) if given is not None else None
+        tenant = self.keys.get(digest) if digest is not None else None
+        if scope["path"] == METRICS_PATH and digest is not None and (tenant is not None or digest == self.metrics_key):
+            if digest == self.metrics_key:
+                return await self.app(scope, receive, send)  # the operator: no tenant, every series
+            return await _send_error(send, 403, "/metrics shows every tenant's pools and sessions: it answers the "
+                                                "metrics key (--metrics-key) only, not a tenant's key",
+                                     "permission_error")
         if tenant is None:
             msg = "Invalid API Key" if given is not None else \
                 "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'"
