@@ -45,7 +45,22 @@ class PoolAPIMixin:
 
         self._call(run)
         pool = done.result()
-        return self._call(self.core.pool_info, pool)
+        return self._call(self._pool_info, pool)
+
+    def _live(self, sessions: list[dict]) -> list[dict]:
+        """Session rows with their live ``tps_ewma`` and ``ttft_ms`` (step thread): one shape in every
+        answer that lists sessions (the tree, one pool, pin / evict / create / fork)."""
+        m = self._metrics
+        for sess in sessions:
+            s = self.core.sessions.get(sess["session_id"])
+            sess["tps_ewma"] = m.session_tps(sess["session_id"], s.job if s is not None else None)
+            sess["ttft_ms"] = m.ttft_ms.get(sess["session_id"])
+        return sessions
+
+    def _pool_info(self, pool) -> PoolInfo:
+        info = self.core.pool_info(pool)
+        self._live(info.sessions)
+        return info
 
     def create_pool(self, *, tokens: Seq[int] | None = None, text: str | None = None,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
@@ -83,29 +98,25 @@ class PoolAPIMixin:
                                pinned=pinned, label=label, tenant=tenant)
 
     def pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.tree.get(pool_id)))
+        return self._call(lambda: self._pool_info(self.core.tree.get(pool_id)))
 
     def pools(self) -> dict:
         """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
         def run():
             st = self.core.pools_status()
-            rows = {x["session_id"]: x for x in self._metrics.snapshot()["sessions"]}
             for p in st["pools"]:
-                for sess in p["sessions"]:
-                    row = rows.get(sess["session_id"], {})
-                    sess["tps_ewma"] = row.get("tps_ewma", 0.0)
-                    sess["ttft_ms"] = row.get("ttft_ms")
+                self._live(p["sessions"])
             return st
         return self._call(run)
 
     def pin_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, True)))
+        return self._call(lambda: self._pool_info(self.core.pin_pool(pool_id, True)))
 
     def unpin_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.pin_pool(pool_id, False)))
+        return self._call(lambda: self._pool_info(self.core.pin_pool(pool_id, False)))
 
     def evict_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self.core.pool_info(self.core.evict_pool(pool_id)))
+        return self._call(lambda: self._pool_info(self.core.evict_pool(pool_id)))
 
     def flush_pool(self, pool_id: int) -> int:
         """End the idle sessions attached to the pool; returns how many."""

@@ -109,7 +109,7 @@ def _messages(msgs: Optional[list[ChatMessageArg]]) -> Optional[list[dict]]:
 
 def _pool_summary(p) -> dict:
     d = p.model_dump(exclude={"subtree"})
-    d["sessions"] = [{k: s.get(k) for k in ("session_id", "suffix_n_tokens", "tps_ewma", "state")} for s in p.sessions]
+    d["sessions"] = [{k: s.get(k) for k in ("session_id", "suffix_n_tokens", "tps_ewma", "ttft_ms", "state")} for s in p.sessions]
     if p.subtree:
         d["subtree"] = [x.pool_id for x in p.subtree]
     return d
