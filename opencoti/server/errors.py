@@ -77,6 +77,27 @@ def error_body(status: int, message: str, error_type: str) -> dict:
     return {"error": {"code": status, "message": message, "type": error_type}}
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error(body: dict) -> dict:
+    """An error body in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (the
+    status stays in ``error.code``)."""
+    err = body.get("error", {})
+    status = err.get("code", 500)
+    etype = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {**err, "type": etype}}
+
+
+def shaped(path: str, body: dict) -> dict:
+    """``body`` in the shape the API of ``path`` uses (Anthropic's on /v1/messages*, else as it is)."""
+    return anthropic_error(body) if path.startswith(ANTHROPIC_PATHS) else body
+
+
 def retry_after_header(seconds: float | None) -> dict[str, str]:
     if seconds is None:
         return {}
@@ -127,21 +148,34 @@ def describe_exception(exc: BaseException) -> tuple[int, str, str, dict[str, str
     return status, message, etype, headers
 
 
-def _exception_body(exc: BaseException, status: int, message: str, etype: str) -> dict:
+def _exception_body(exc: BaseException, status: int, message: str, etype: str, openai: bool = False) -> dict:
     body = error_body(status, message, etype)
-    if isinstance(exc, ContextLengthError) and exc.n_ctx is not None:  # llama.cpp's extra fields
-        body["error"].update(n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
+    if isinstance(exc, ContextLengthError):
+        if exc.n_ctx is not None:  # llama.cpp's extra fields
+            body["error"].update(n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
+        if openai:  # OpenAI's error code (what OpenAI SDKs and langchain-openai recognise), param "messages"
+            body["error"].update(code=OPENAI_CONTEXT_CODE, param="messages")
     return body
 
 
-def error_event(exc: BaseException) -> dict:
+OPENAI_CONTEXT_CODE = "context_length_exceeded"
+
+
+def is_openai_path(path: str) -> bool:
+    """The OpenAI-compatible routes (``/v1/...``), whose context errors carry OpenAI's error code."""
+    return path.startswith("/v1/")
+
+
+def error_event(exc: BaseException, openai: bool = False) -> dict:
     status, message, etype, _ = describe_exception(exc)
-    return _exception_body(exc, status, message, etype)
+    return _exception_body(exc, status, message, etype, openai)
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException, openai: bool = False, path: str = "") -> JSONResponse:
+    """The error answer for ``exc`` (``path``: the request's, for the shape of its API)."""
     status, message, etype, headers = describe_exception(exc)
-    return SafeJSONResponse(_exception_body(exc, status, message, etype), status_code=status, headers=headers)
+    return SafeJSONResponse(shaped(path, _exception_body(exc, status, message, etype, openai)), status_code=status,
+                            headers=headers)
 
 
 def allowed_methods(request: Request) -> list[str]:
@@ -158,16 +192,16 @@ def allowed_methods(request: Request) -> list[str]:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return SafeJSONResponse(error_body(400, validation_message(exc.errors()), "invalid_request_error"),
-                                status_code=400)
+        return SafeJSONResponse(shaped(request.url.path, error_body(400, validation_message(exc.errors()),
+                                                                    "invalid_request_error")), status_code=400)
 
     @app.exception_handler(OpencotiError)
     async def _engine(request: Request, exc: OpencotiError):
-        return error_response(exc)
+        return error_response(exc, openai=is_openai_path(request.url.path), path=request.url.path)
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -180,10 +214,11 @@ def install_handlers(app: FastAPI) -> None:
             allowed = allowed_methods(request)
             headers["Allow"] = ", ".join(allowed)
             message = f"method {request.method} is not allowed on {request.url.path} (allowed: {', '.join(allowed)})"
-        return SafeJSONResponse(error_body(status, message, _HTTP_TYPES.get(status, "server_error")),
+        return SafeJSONResponse(shaped(request.url.path, error_body(status, message,
+                                                                    _HTTP_TYPES.get(status, "server_error"))),
                                 status_code=status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)

@@ -155,10 +155,12 @@ class Generation:
 
     def sse(self, on_delta: Callable[[TokenDelta], Iterable[bytes]],
             on_end: Callable[[GenerationResult], Iterable[bytes]], first: Iterable[bytes] = (),
-            headers: dict[str, str] | None = None) -> StreamingResponse:
+            headers: dict[str, str] | None = None,
+            on_error: Callable[[dict], bytes] | None = None) -> StreamingResponse:
         """The one SSE loop: ``first`` events, then ``on_delta`` per token, then ``on_end``; an error
-        becomes an in-band error event (the status line is gone); the request is cancelled when
-        the stream stops early."""
+        becomes an in-band error event (the status line is gone; ``on_error`` frames the error body
+        when the route's API has its own error event); the request is cancelled when the stream
+        stops early."""
         stream, tracker, state = self.stream, self.tracker, self.state
 
         async def events() -> AsyncIterator[bytes]:
@@ -173,7 +175,7 @@ class Generation:
                 for ev in on_end(stream.result):
                     yield ev
             except Exception as e:  # noqa: BLE001 - reported in-band
-                yield sse(error_event(e))
+                yield (on_error or sse)(error_event(e))
             finally:
                 if stream.result is None:
                     await stream.aclose()

@@ -1,0 +1,234 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``), translated
+onto the chat operation: a Messages request becomes a ``ChatCompletionRequest`` (so it is rendered,
+constrained, admitted, cached and measured exactly as a chat completion), and a chat turn's result
+becomes a Message.
+
+What is translated: ``system`` (a string or text blocks) -> a system message; ``text`` blocks ->
+text; ``tool_use`` blocks (assistant) -> tool calls; ``tool_result`` blocks (user) -> tool messages
+(``is_error`` prefixes the content with "Error: "); ``thinking`` blocks -> the message's
+``reasoning_content``; ``tools`` (``input_schema``) -> function tools; ``tool_choice``
+(auto / any / tool / none, ``disable_parallel_tool_use``); ``stop_sequences``; ``temperature``,
+``top_p``, ``top_k``. ``metadata`` and ``thinking`` are accepted (the model has no thinking mode).
+Image and document blocks are refused (400): the model reads text only. The PolyKV fields
+(``pool_id``, ``session_id``, ``cache_salt``, ...) may be sent as extra fields.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Union
+
+from pydantic import Field
+
+from ..engine.errors import InvalidRequestError
+from ..engine.results import GenerationResult, RequestInfo
+from ..engine.tool_calls import ToolCall
+from .schemas import ChatCompletionRequest, PolyKVFields, _range
+
+STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "cancelled": "end_turn"}
+_POLYKV = tuple(PolyKVFields.model_fields)
+
+
+class MessagesRequest(PolyKVFields):
+    """Anthropic's ``POST /v1/messages`` body (unknown fields are ignored)."""
+
+    model: str | None = None
+    messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each")
+    max_tokens: int | None = Field(None, description="tokens to generate at most (default: the server's)",
+                                   json_schema_extra=_range(1))
+    system: Union[str, list[Any], None] = Field(None, description="a string or text blocks")
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, json_schema_extra=_range(0, 100))
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(None, json_schema_extra=_range(-1))
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages body without ``max_tokens``."""
+
+
+def _refuse_media(kind: str, where: str) -> None:
+    raise InvalidRequestError(f"{where}: {kind} input is not supported: the model reads text only "
+                              "(send the content as text blocks)")
+
+
+def _block_text(block: Any, where: str) -> str:
+    """The text of a text block (image / document blocks are refused)."""
+    if not isinstance(block, dict):
+        raise InvalidRequestError(f"{where} must be a content block object")
+    kind = block.get("type")
+    if kind in ("image", "document"):
+        _refuse_media("image" if kind == "image" else "document", where)
+    if kind != "text":
+        raise InvalidRequestError(f"{where}.type must be 'text' here, got {kind!r}")
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{where}.text must be a string")
+    return text
+
+
+def _texts(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where} must be a string or a list of content blocks")
+    return "".join(_block_text(b, f"{where}[{i}]") for i, b in enumerate(content))
+
+
+def _tool_result(block: dict, where: str) -> dict:
+    tool_use_id = block.get("tool_use_id")
+    if not isinstance(tool_use_id, str) or not tool_use_id:
+        raise InvalidRequestError(f"{where}.tool_use_id must be a non-empty string")
+    text = _texts(block.get("content", ""), f"{where}.content")
+    if block.get("is_error"):
+        text = "Error: " + text
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+
+
+def _message(i: int, m: Any) -> list[dict]:
+    """One Anthropic message -> the OpenAI messages it stands for (tool results become tool messages,
+    before the user's own text)."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role not in ("user", "assistant"):
+        raise InvalidRequestError(f"{where}.role must be 'user' or 'assistant', got {role!r}")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}.content must be a string or a list of content blocks")
+    texts: list[str] = []
+    calls: list[dict] = []
+    results: list[dict] = []
+    reasoning: list[str] = []
+    for j, block in enumerate(content):
+        bw = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            name, args = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not name or not isinstance(args, dict):
+                raise InvalidRequestError(f"{bw}: a tool_use block needs a name and an input object")
+            calls.append({"id": str(block.get("id") or "toolu_" + uuid.uuid4().hex[:24]), "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, bw))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            if isinstance(block.get("thinking"), str):
+                reasoning.append(block["thinking"])
+        else:
+            texts.append(_block_text(block, bw))
+    out: list[dict] = list(results)
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        if calls:
+            msg["tool_calls"] = calls
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+        out.append(msg)
+    elif texts or not results:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _tools(tools: list | None) -> list[dict] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise InvalidRequestError(f"{where} must be an object")
+        if t.get("type") not in (None, "custom"):
+            raise InvalidRequestError(f"{where}: server tool {t.get('type')!r} is not supported; give client tools "
+                                      "(name, description, input_schema)")
+        fn: dict[str, Any] = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object"}}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
+    """(OpenAI tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("tool_choice of type 'tool' needs a name")
+        return {"type": "function", "function": {"name": name}}, parallel
+    raise InvalidRequestError(f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
+
+
+def chat_request(body: MessagesRequest, pool_header: int | None = None) -> ChatCompletionRequest:
+    """The chat completion a Messages request stands for (``pool_header``: the x-pool-id header)."""
+    if not body.messages:
+        raise InvalidRequestError("messages: at least one message is required")
+    messages: list[dict] = []
+    if body.system:
+        messages.append({"role": "system", "content": _texts(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        messages.extend(_message(i, m))
+    tool_choice, parallel = _tool_choice(body.tool_choice)
+    fields: dict[str, Any] = {k: getattr(body, k) for k in _POLYKV}
+    if fields.get("pool_id") is None and pool_header is not None:
+        fields["pool_id"] = pool_header
+    fields.update(model=body.model, messages=messages, tools=_tools(body.tools), tool_choice=tool_choice,
+                  parallel_tool_calls=parallel, max_tokens=body.max_tokens, stop=body.stop_sequences,
+                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                  stream=bool(getattr(body, "stream", False)))
+    return ChatCompletionRequest.model_construct(**fields)
+
+
+def message_usage(info: RequestInfo, output_tokens: int) -> dict:
+    """Anthropic's usage: input_tokens excludes the tokens read from the cache."""
+    return {"input_tokens": info.prompt_tokens - info.cached_prefix_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": info.cached_prefix_tokens,
+            "output_tokens": output_tokens}
+
+
+def tool_use_block(call: ToolCall) -> dict:
+    try:
+        args = json.loads(call.arguments) if call.arguments else {}
+    except ValueError:
+        args = {"_raw": call.arguments}
+    if not isinstance(args, dict):
+        args = {"_value": args}
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": args}
+
+
+def stop_reason(result: GenerationResult, calls: list[ToolCall], stops: list[str] | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished turn."""
+    if calls and result.stop_reason != "length":
+        return "tool_use", None
+    if result.stop_reason == "stop" and stops and result.stopping_word in stops:
+        return "stop_sequence", result.stopping_word
+    return STOP_REASON.get(result.stop_reason, "end_turn") if result.stop_reason != "stop" else "end_turn", None
+
+
+def message(mid: str, model: str, info: RequestInfo, result: GenerationResult, content: str,
+            calls: list[ToolCall], stops: list[str] | None) -> dict:
+    """The whole Message of a non-streamed answer."""
+    blocks: list[dict] = []
+    if content or not calls:
+        blocks.append({"type": "text", "text": content})
+    blocks.extend(tool_use_block(c) for c in calls)
+    reason, seq = stop_reason(result, calls, stops)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
+            "stop_reason": reason, "stop_sequence": seq, "usage": message_usage(info, len(result.token_ids))}
