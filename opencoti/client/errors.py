@@ -6,32 +6,40 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from langchain_core.exceptions import ModelAuthenticationError, ModelConnectionError, ModelTimeoutError
+
 from ..engine.errors import (CapacityError, ConflictError, ContextLengthError, EngineClosedError,
                              InvalidRequestError, NotFoundError, OpencotiError, PoolBusyError, PoolContractError,
                              PoolNotFoundError, PoolSaturatedError, SessionBusyError, SessionNotFoundError)
 
 
-class AuthenticationError(OpencotiError):
+class AuthenticationError(OpencotiError, ModelAuthenticationError):
     """The server refused the API key (HTTP 401)."""
 
     status_code = 401
     error_type = "authentication_error"
 
 
-class APIConnectionError(OpencotiError):
+class APIConnectionError(OpencotiError, ModelConnectionError):
     """The server could not be reached (connection refused, DNS, reset before an answer).
 
-    ``retryable``: the request was certainly not sent (a connect error), so sending it again is safe."""
+    ``retryable``: the request was certainly not sent (a connect error), so sending it again is safe
+    (also LangChain's ``is_retryable``). ``url``: the URL that was asked."""
 
     status_code = 0
     error_type = "connection_error"
 
-    def __init__(self, message: str, retryable: bool = False):
+    def __init__(self, message: str, retryable: bool = False, url: str | None = None):
         super().__init__(message)
         self.retryable = retryable
+        self.url = url
+
+    @property
+    def is_retryable(self) -> bool:  # type: ignore[override]
+        return self.retryable
 
 
-class APITimeoutError(APIConnectionError):
+class APITimeoutError(APIConnectionError, ModelTimeoutError):
     """The request timed out."""
 
     error_type = "timeout_error"
@@ -56,7 +64,11 @@ def error_from_response(status: int, body: Any, headers: Any = None, pool_id: in
     if isinstance(err, dict):
         message = str(err.get("message", "")) or f"HTTP {status}"
         etype = str(err.get("type", ""))
-        status = int(err.get("code") or status)
+        code = err.get("code")
+        if isinstance(code, int) and not isinstance(code, bool):  # llama.cpp: the status; OpenAI: a name
+            status = code
+        elif code == "context_length_exceeded":
+            etype = "exceed_context_size_error"
     else:
         message = body if isinstance(body, str) and body else f"HTTP {status}"
         etype = ""
@@ -64,7 +76,8 @@ def error_from_response(status: int, body: Any, headers: Any = None, pool_id: in
     retry_after = _retry_after(headers.get("retry-after"))
     if status == 400:
         if etype == "exceed_context_size_error":
-            return ContextLengthError(message)
+            info = err if isinstance(err, dict) else {}
+            return ContextLengthError(message, info.get("n_prompt_tokens"), info.get("n_ctx"))
         return InvalidRequestError(message)
     if status == 401:
         return AuthenticationError(message)

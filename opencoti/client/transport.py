@@ -55,17 +55,33 @@ def _pool_id(path: dict | None, body: Any) -> int | None:
     return body.get("pool_id") if isinstance(body, dict) else None
 
 
-def _map_transport_error(e: Exception) -> OpencotiError:
+def _map_transport_error(e: Exception, base_url: str, method: str, url: str) -> OpencotiError:
+    where = f"{method} {base_url}{url}"
     if isinstance(e, httpx.TimeoutException):
-        return APITimeoutError(f"request timed out: {e}")
-    return APIConnectionError(f"cannot reach the server: {e}", retryable=isinstance(e, httpx.ConnectError))
+        return APITimeoutError(f"request timed out: {where}: {e or type(e).__name__} (raise timeout= if the "
+                               "server is busy)", url=base_url + url)
+    connect = isinstance(e, httpx.ConnectError)
+    hint = (f"; is `opencoti serve` running at {base_url}? Start it (e.g. `opencoti serve --port "
+            f"{urllib.parse.urlsplit(base_url).port or 80}`), give the right base_url=, or use an in-process "
+            "engine with engine=Engine.from_default()") if connect else ""
+    return APIConnectionError(f"cannot reach the server: {where}: {e or type(e).__name__}{hint}",
+                              retryable=connect, url=base_url + url)
+
+
+def normalize_base_url(base_url: str) -> str:
+    """The server's root URL: a trailing ``/`` and an OpenAI-style ``/v1`` (the ChatOpenAI habit) are
+    dropped, as every route path (``/v1/chat/completions``, ``/polykv/...``) is absolute."""
+    url = base_url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3].rstrip("/")
+    return url
 
 
 class _HttpBase:
     def __init__(self, base_url: str | None, api_key: str | None, timeout: float | None, http_client: Any):
         if base_url is None:
             base_url = str(http_client.base_url)
-        self.base_url = base_url.rstrip("/")
+        self.base_url = normalize_base_url(base_url)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # a caller's http client keeps its own timeout settings
         self.timeout_kw = {"timeout": timeout} if http_client is None else {}
@@ -80,6 +96,8 @@ class HttpTransport(_HttpBase):
                  http_client: httpx.Client | None):
         super().__init__(base_url, api_key, timeout, http_client)
         self.http = http_client if http_client is not None else httpx.Client(timeout=timeout)
+        if self.owns_http:  # a client dropped without close() still closes its sockets (no ResourceWarning)
+            weakref.finalize(self, self.http.close)
 
     def close(self) -> None:
         if self.owns_http:
@@ -91,7 +109,7 @@ class HttpTransport(_HttpBase):
             r = self.http.request(method, self.base_url + url, json=json_body, params=params, headers=self.headers,
                                   **self.timeout_kw)
         except httpx.TransportError as e:
-            raise _map_transport_error(e) from e
+            raise _map_transport_error(e, self.base_url, method, url) from e
         if r.status_code >= 400:
             raise _map_response_error(r, _pool_id(path, body))
         return r.json()
@@ -111,7 +129,7 @@ class HttpTransport(_HttpBase):
                     if data is not None:
                         yield from parser.feed(data)
         except httpx.TransportError as e:
-            raise _map_transport_error(e) from e
+            raise _map_transport_error(e, self.base_url, method, url) from e
 
 
 class AsyncHttpTransport(_HttpBase):
@@ -147,7 +165,7 @@ class AsyncHttpTransport(_HttpBase):
             r = await self.http.request(method, self.base_url + url, json=json_body, params=params,
                                         headers=self.headers, **self.timeout_kw)
         except httpx.TransportError as e:
-            raise _map_transport_error(e) from e
+            raise _map_transport_error(e, self.base_url, method, url) from e
         if r.status_code >= 400:
             raise _map_response_error(r, _pool_id(path, body))
         return r.json()
@@ -168,7 +186,7 @@ class AsyncHttpTransport(_HttpBase):
                         for c in parser.feed(data):
                             yield c
         except httpx.TransportError as e:
-            raise _map_transport_error(e) from e
+            raise _map_transport_error(e, self.base_url, method, url) from e
 
 
 # ============================================================================ in-process

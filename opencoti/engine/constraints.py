@@ -85,6 +85,7 @@ def _with_options(schema: dict | bool) -> dict:
 
 
 _LITERAL_KEYS = ("const", "enum", "default", "examples")
+_NAMED_KEYS = ("properties", "$defs", "definitions", "patternProperties")  # maps of names to schemas
 
 
 def _reroot(schema: Any, base: str) -> Any:
@@ -109,6 +110,9 @@ def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
             continue
         params = fn.get("parameters")
         params = {"type": "object"} if params is None else _schema_dict(params, f"tool {fn['name']!r} parameters")
+        # arguments follow the schema: an object that lists its properties and says nothing about
+        # others gets no invented keys (an explicit additionalProperties is kept)
+        params = _closed_objects(params, explicit=False)
         what = f"JSON schema for the parameters of tool {fn['name']!r}"
         _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(params)), what)
         chosen.append((fn["name"], params))
@@ -207,15 +211,22 @@ class ConstraintSpec:
                    trigger=TOOL_CALL_OPEN if lazy else None)
 
 
-def _closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object that allows any key."""
+def _closed_objects(schema: Any, explicit: bool = True) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that allows any key
+    (``explicit`` False: only on objects that list ``properties`` and do not set it)."""
     if isinstance(schema, list):
-        return [_closed_objects(v) for v in schema]
+        return [_closed_objects(v, explicit) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _LITERAL_KEYS else _closed_objects(v)) for k, v in schema.items()}
+    out = {k: (v if k in _LITERAL_KEYS else
+               {n: _closed_objects(sub, explicit) for n, sub in v.items()} if k in _NAMED_KEYS and isinstance(v, dict)
+               else _closed_objects(v, explicit)) for k, v in schema.items()}
     types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
-    if ("object" in types or "properties" in out) and out.get("additionalProperties", True) is True:
+    if explicit:
+        close = ("object" in types or "properties" in out) and out.get("additionalProperties", True) is True
+    else:
+        close = "properties" in out and "additionalProperties" not in out and "patternProperties" not in out
+    if close:
         out["additionalProperties"] = False
     return out
 

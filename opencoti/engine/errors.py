@@ -1,6 +1,13 @@
-"""Typed exceptions of the engine API. Each carries the HTTP status the server maps it to."""
+"""Typed exceptions of the engine API. Each carries the HTTP status the server maps it to.
+
+Where LangChain has a type for the same condition, the exception is also that type
+(``langchain_core.exceptions``): a context overflow is a ``ContextOverflowError`` (what
+``SummarizationMiddleware`` recovers from), a refused admission a ``ModelRateLimitError``, a bad
+request a ``ModelInvalidRequestError``, so LangChain code that catches those catches ours."""
 
 from __future__ import annotations
+
+from langchain_core.exceptions import ContextOverflowError, ModelInvalidRequestError, ModelRateLimitError
 
 
 class OpencotiError(Exception):
@@ -10,16 +17,17 @@ class OpencotiError(Exception):
     error_type = "server_error"
 
 
-class InvalidRequestError(OpencotiError, ValueError):
+class InvalidRequestError(OpencotiError, ValueError, ModelInvalidRequestError):
     """The request is malformed or a value is out of range (HTTP 400)."""
 
     status_code = 400
     error_type = "invalid_request_error"
 
 
-class ContextLengthError(InvalidRequestError):
+class ContextLengthError(InvalidRequestError, ContextOverflowError):
     """Prompt plus max_tokens does not fit the model's context (HTTP 400). ``n_prompt_tokens`` and
-    ``n_ctx`` are reported in the error body, like llama.cpp's."""
+    ``n_ctx`` are reported in the error body, like llama.cpp's; on the OpenAI routes the body also
+    carries OpenAI's ``code: "context_length_exceeded"``."""
 
     error_type = "exceed_context_size_error"
 
@@ -77,7 +85,7 @@ class CapacityError(OpencotiError):
         self.retry_after = retry_after
 
 
-class PoolSaturatedError(OpencotiError):
+class PoolSaturatedError(OpencotiError, ModelRateLimitError):
     """A new session does not fit a pool whose admission policy is enforced (HTTP 429 + Retry-After).
 
     ``retry_after``: seconds after which trying again may succeed; ``reason``: the capacity reason

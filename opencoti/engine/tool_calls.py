@@ -161,6 +161,7 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     other names are left as content). Text that is not a recognisable call stays content."""
     if TOOL_CALL_OPEN in text:
         content_parts: list[str] = []
+        unparsed: list[int] = []  # indices of the parts that are tool-call blocks with no call in them
         calls: list[ToolCall] = []
         pos = 0
         while True:
@@ -179,10 +180,15 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
             if found:
                 calls.extend(found)
             else:
+                unparsed.append(len(content_parts))
                 content_parts.append(text[i:end])
             pos = end
-        content = "".join(content_parts)
-        return (content.strip() if calls else content), calls
+        if not calls:
+            return "".join(content_parts), calls
+        # beside real calls, a block that is no call (one cut short by max_tokens) and the start of
+        # a tag the output ended in are markup, not content
+        content = "".join(p for k, p in enumerate(content_parts) if k not in unparsed).strip()
+        return content[:len(content) - _partial_suffix(content, TOOL_CALL_OPEN)].rstrip(), calls
     stripped = text.strip()
     m = _FENCE.match(stripped)
     candidate = m.group(1) if m else stripped
@@ -192,6 +198,22 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
         if found:
             return "", found
     return text, []
+
+
+def distinct_calls(calls: list[ToolCall]) -> list[ToolCall]:
+    """``calls`` without repeats: a call with the same name and the same arguments (as JSON values)
+    as an earlier one is dropped (a model forced to call often writes its call twice)."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for c in calls:
+        try:
+            key = (c.name, json.dumps(json.loads(c.arguments), sort_keys=True))
+        except ValueError:
+            key = (c.name, c.arguments)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def forced_call_fallback(name: str, generated: str) -> ToolCall:

@@ -18,7 +18,7 @@ from ..engine.constraints_request import constraint_from_request, logit_bias_fro
 from ..engine.errors import InvalidRequestError
 from ..engine.persist.slots import generation_session_id, slot_number
 from ..engine.results import GenerationResult, RequestInfo
-from ..engine.tool_calls import ToolCall, ToolStreamFilter, resolve_tool_output
+from ..engine.tool_calls import ToolCall, ToolStreamFilter, distinct_calls, resolve_tool_output
 from .chat_continue import chat_prompt
 from .context import Context
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest, PolyKVFields, SamplingFields
@@ -180,6 +180,8 @@ class ChatTurn:
         return (content, *self._calls_and_reason(calls, result))
 
     def _calls_and_reason(self, calls, result) -> tuple[list[ToolCall], str]:
+        if self.prompt.choice.mode == "required":  # a forced call: the same call written twice is one call
+            calls = distinct_calls(calls)
         if self.single_call:
             calls = calls[:1]
         if calls and result.stop_reason != "length":

@@ -391,8 +391,12 @@ def test_prompt_beyond_context_is_400(client, engine):
     err = assert_error(client.post("/completion", json={"prompt": "x" * (engine.max_context + 5)}), 400,
                        "exceed_context_size_error")
     assert "exceeds the context length" in err["message"]
-    assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10_000}), 400,
-                 "exceed_context_size_error")
+    # the OpenAI routes: OpenAI's error code (what its SDKs and langchain-openai map to a context overflow)
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10_000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert err["n_ctx"] == engine.max_context and err["n_prompt_tokens"] > 0
 
 
 def test_unknown_ids_and_routes(client):
