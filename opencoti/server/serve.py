@@ -1,7 +1,8 @@
 """``opencoti serve``: one Engine behind the HTTP API, run by uvicorn.
 
 The socket opens at once; the model loads in the background (``/health`` answers 503 until it is
-ready). SIGINT/SIGTERM shut down gracefully: no new connections, live tps streams end, in-flight
+ready). A start-up that fails (the model, the state directory) ends the process with exit status 1
+and the reason on stderr. SIGINT/SIGTERM shut down gracefully: no new connections, live tps streams end, in-flight
 generations get ``--graceful-timeout`` seconds to finish (a stream still open then ends with an
 SSE error event and its request is cancelled), the engine stops, and the process exits with 0.
 """
@@ -176,6 +177,13 @@ def run(args) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.graceful_timeout, access_log=args.log_level == "debug",
                                    lifespan="on"))
+    def load_failed(e: BaseException) -> None:
+        # a server that cannot start exits (non-zero) instead of answering 500 forever: a process
+        # supervisor (systemd, Kubernetes) sees the failure and acts on its restart policy
+        print(f"opencoti serve: start-up failed: {e}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    state.on_load_error = load_failed
     server.run()
     if state.load_error is not None:
         return 1

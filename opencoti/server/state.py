@@ -39,6 +39,7 @@ class ServerState:
         self._ctx: Context | None = None
         self._tenant_ctx: dict[str, Context] = {}  # with tenant keys: one view each
         self._loader: threading.Thread | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None  # e.g. stop the server (serve.py)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -52,6 +53,8 @@ class ServerState:
         except BaseException as e:  # noqa: BLE001 - reported by /health
             log.exception("model load failed")
             self.load_error = e
+            if self.on_load_error is not None:
+                self.on_load_error(e)
             return
         if self.stopping.is_set():
             eng.shutdown()
