@@ -16,7 +16,7 @@ import torch
 
 from opencoti.engine import EngineConfig
 from opencoti.engine.errors import InvalidRequestError
-from opencoti.engine.model import autotune, kernels, qformats, threads, weights
+from opencoti.engine.model import autotune, choose, kernels, qformats, threads, weights
 from opencoti.engine.model.loader import tiny_model
 from opencoti.engine.model.qformats import Int4Weight, Int8Weight
 
@@ -269,32 +269,85 @@ def test_auto_keeps_fp32_for_a_model_that_fits_in_cache():
     assert model.weights == "fp32" and "stay in cache" in model.weights_choice["reason"]
 
 
-def test_auto_picks_a_format_that_passes_the_gate_or_fp32(monkeypatch):
-    monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
-    model = weights.build_forward(tiny_model("llama"), weights="auto", dtype=torch.float32, device="cpu",
+def _stand_in_times(table):
+    """``choose.time_steps`` stand-in: {format: (decode_1, decode_8, prefill) seconds} for the built models."""
+    def fake(models, rounds=choose.ROUNDS):
+        return {f: choose.StepTimes(*table[f]) for f in models}
+    return fake
+
+
+def test_decision_rule_weighs_decode_over_a_mostly_shared_prompt():
+    # the reference turn: 75 x t(1) + 75 x t(8) / 8 + 100 x t(prefill 128) / 128
+    fast_decode = choose.StepTimes(0.010, 0.030, 0.500)   # 0.75 + 0.28 + 0.39 = 1.42 s
+    fast_prefill = choose.StepTimes(0.025, 0.060, 0.150)  # 1.875 + 0.56 + 0.12 = 2.55 s
+    assert fast_decode.cost() == pytest.approx(75 * 0.010 + 75 * 0.030 / 8 + 100 * 0.500 / 128)
+    assert choose.decide({"bf16": fast_prefill, "int4": fast_decode}, {"bf16": True, "int4": True}) == "int4"
+    # a format that fails the gate is never chosen, however fast; fp32 needs no gate
+    assert choose.decide({"fp32": fast_prefill, "int4": fast_decode}, {"int4": False}) == "fp32"
+    with pytest.raises(ValueError):
+        choose.decide({"int4": fast_decode}, {"int4": False})
+
+
+def test_a_measurement_under_load_is_not_kept():
+    quiet = {"int4": choose.StepTimes(0.01, 0.03, 0.5, spread=1.05)}
+    assert choose.disturbed(quiet, 0.3, 0.9, cpus=2) is None
+    assert "load average" in choose.disturbed(quiet, 0.3, 3.1, cpus=2)
+    noisy = {"int4": choose.StepTimes(0.01, 0.03, 0.5, spread=1.6)}
+    assert "spread" in choose.disturbed(noisy, 0.0, 0.0, cpus=2)
+
+
+def test_real_steps_are_timed_for_every_format():
+    model = weights.build_forward(tiny_model("llama"), weights="int8", dtype=torch.float32, device="cpu",
                                   max_positions=300, adapt_threads=False)
-    choice = model.weights_choice
-    assert set(choice["estimated_step_ms"]) >= {"fp32", "int8", "int4"}
-    if model.weights != "fp32":
-        assert choice["gate"][model.weights]["passed"]
-        assert choice["estimated_step_ms"][model.weights] < choice["estimated_step_ms"]["fp32"]
-    for fmt, g in choice.get("gate", {}).items():  # every format tried before the winner failed
-        assert g["passed"] == (fmt == model.weights)
+    times = choose.time_steps({"int8": model}, rounds=2)["int8"]
+    assert 0 < times.decode_1 and 0 < times.decode_8 and 0 < times.prefill and times.spread >= 1.0
+    d = times.as_dict()
+    assert set(d) >= {"decode_1_ms", "decode_8_ms", "prefill_128_ms", "turn_cost_ms", "spread"}
+    assert choose.StepTimes.from_dict(d).cost() == pytest.approx(times.cost(), rel=1e-2)
 
 
-def test_auto_reuses_cached_gate_results(monkeypatch, tmp_path):
+def test_auto_picks_the_cheapest_measured_format_that_passes_the_gate(monkeypatch, tmp_path):
     monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
+    table = {"fp32": (0.03, 0.08, 0.2), "bf16": (0.02, 0.06, 0.15), "int8": (0.012, 0.04, 0.3),
+             "int4": (0.010, 0.035, 0.4)}
+    monkeypatch.setattr(choose, "time_steps", _stand_in_times(table))
+    monkeypatch.setattr(choose, "load_average", lambda: 0.0)
+    model = weights.build_forward(tiny_model("llama"), weights="auto", dtype=torch.float32, device="cpu",
+                                  max_positions=300, adapt_threads=False, cache_dir=str(tmp_path))
+    choice = model.weights_choice
+    passed = {f for f, g in choice["gate"].items() if g["passed"]}
+    assert set(choice["measured"]) == passed | {"fp32"}  # only formats that passed the gate run steps
+    costs = {f: choose.StepTimes(*table[f]).cost() for f in choice["measured"]}
+    assert model.weights == min(costs, key=costs.get)
+    assert choice["reason"].startswith(f"auto: {model.weights} ran the reference agent turn fastest")
+    assert "weighting" in choice and "disturbed" not in choice
+
+
+def test_auto_keeps_a_quiet_choice_and_measures_a_disturbed_one_again(monkeypatch, tmp_path):
+    monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0,
+                                                                   "top1_agreement": 1.0})
     kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
               cache_dir=str(tmp_path))
-    fake = {"fp32": 3.0, "int8": 1.0, "int4": 2.0, "bf16": 2.5}  # int8 first, then int4, bf16
-    monkeypatch.setattr(weights, "_estimate", lambda tuner, fmt, counts, hf: fake[fmt])
+    calls = []
+    table = {"fp32": (0.03, 0.08, 0.2), "bf16": (0.02, 0.06, 0.15), "int8": (0.012, 0.04, 0.3),
+             "int4": (0.010, 0.035, 0.4)}
+
+    def timed(models, rounds=choose.ROUNDS):
+        calls.append(sorted(models))
+        return _stand_in_times(table)(models)
+
+    monkeypatch.setattr(choose, "time_steps", timed)
+    monkeypatch.setattr(choose, "load_average", lambda: 9.0)  # a busy machine: used now, measured again next time
     first = weights.build_forward(tiny_model("llama"), **kw)
-    assert first.weights_choice["gate"] and "int8" in first.weights_choice["gate"]
-    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: pytest.fail("the gate ran again"))
+    assert first.weights == "int4" and "load average" in first.weights_choice["disturbed"]
+    monkeypatch.setattr(choose, "load_average", lambda: 0.0)
     second = weights.build_forward(tiny_model("llama"), **kw)
-    assert second.weights == first.weights
-    assert list(second.weights_choice["gate"]) == list(first.weights_choice["gate"])
-    assert all(g.get("cached") for g in second.weights_choice["gate"].values())
+    assert len(calls) == 2 and second.weights == "int4" and "disturbed" not in second.weights_choice
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: pytest.fail("the gate ran again"))
+    third = weights.build_forward(tiny_model("llama"), **kw)  # quiet and cached: no steps, no gate
+    assert len(calls) == 2 and third.weights == "int4" and third.weights_choice["cached"]
+    assert third.weights_choice["measured"] == second.weights_choice["measured"]
 
 
 def test_gate_metrics_pass_and_fail():

@@ -3,13 +3,14 @@
 * ``fp32`` | ``bf16`` | ``int8`` | ``int4``: that format for every projection (q/k/v, o,
   gate/up, down, lm_head); embeddings and norms stay in the activation dtype. Each projection
   shape gets the fastest kernel of the format on this machine (``autotune.py``).
-* ``auto``: the fastest format that passes the accuracy gate. Models whose projection weights
-  are under ``AUTO_MIN_BYTES`` in fp32 stay fp32 (they sit in cache: nothing to gain). Otherwise
-  each format's step time is estimated from the per-shape kernel timings, an fp32 reference is
-  built, and the formats faster than fp32 are tried fastest first on :data:`GATE_TEXT`: one that
-  keeps perplexity within 3 % of fp32 and agrees with fp32's greedy top-1 on >= 95 % of the
-  positions is kept; if none does, fp32. Gate results are cached per machine, model and kernels
-  (next to the kernel timings), so later loads skip the fp32 reference.
+* ``auto``: the fastest format that passes the accuracy gate, by real steps of the real model
+  (``choose.py``). Models whose projection weights are under ``AUTO_MIN_BYTES`` in fp32 stay fp32
+  (they sit in cache: nothing to gain). Otherwise each quantized format is checked against an fp32
+  reference on :data:`GATE_TEXT` (it passes when it keeps perplexity within 3 % of fp32 and agrees
+  with fp32's greedy top-1 on >= 95 % of the positions); fp32 and the formats that pass run real
+  decode and prefill steps, and the cheapest reference agent turn wins. Gate results and the
+  choice are cached per machine, model and kernels (next to the kernel timings), so later loads
+  build only the chosen format.
 
 The output projection (the largest GEMM of a step) of a quantized format takes 16-bit weights
 when they are measured faster for its shape than 8-bit ones (:func:`head_format`), else int8.
@@ -187,71 +188,100 @@ def _projection_shapes(hf) -> list[tuple[int, int]]:
     return per_layer * d.num_layers + [(d.vocab_size, d.hidden_size)]
 
 
-def _estimate(tuner: Autotuner, fmt: str, counts: dict, hf) -> float | None:
-    """Sum over projections of the chosen kernel's t(1) + t(8) + t(128) (the head: t(1) + t(8);
-    None when not measured)."""
-    total = 0.0
-    vocab = ModelDims.from_hf_config(hf).vocab_size
-    for (n, k), count in counts.items():
-        f = head_format(tuner, fmt, hf) if n == vocab else fmt
-        try:
-            timings = tuner.timings(f, n, k)
-            name = tuner.choose(f, n, k)
-        except (RuntimeError, ValueError):
-            return None
-        if name not in timings:
-            return None
-        total += count * (_head_cost(timings[name]) if n == vocab else sum(timings[name]))
-    return total
+def _kernel_signature(tuner: Autotuner, fmt: str, counts: dict, hf) -> str:
+    return ",".join(tuner.choose(fmt, n, k) for n, k in counts) + f" head={head_format(tuner, fmt, hf)}"
+
+
+def _gate(fmt: str, entry: str, tuner: Autotuner, make, reference) -> tuple[dict, "LlamaForward | None"]:
+    """The accuracy gate's result for ``fmt`` (cached per machine, model and kernels) and, when it
+    passes, the model in that format."""
+    m = tuner.remembered(entry)
+    if m is not None:
+        return {**m, "cached": True}, (make(fmt) if m["passed"] else None)
+    ref_logits, ids = reference()
+    model = make(fmt)
+    m = gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS)
+    m = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+    tuner.remember(entry, m)
+    return m, (model if m["passed"] else None)
 
 
 def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaForward:
+    """See ``choose.py``: every format that passes the accuracy gate runs real steps; the cheapest
+    reference agent turn wins; the choice is kept per machine unless it was measured under load."""
+    from .. import native
+    from . import choose
+    from .threads import usable_cpus
+
     hf = loaded.hf_config
     shapes = _projection_shapes(hf)
     fp32_bytes = sum(n * k * 4 for n, k in shapes)
     if fp32_bytes < AUTO_MIN_BYTES:
         choice["reason"] = f"auto: {fp32_bytes / 2**20:.1f} MiB of fp32 projection weights stay in cache"
         return make("fp32")
-    say("auto weights: timing the kernels of each format (cached per machine) ...")
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
-    est = {f: e for f in kernels.FORMATS if (e := _estimate(tuner, f, counts, hf)) is not None}
-    choice["estimated_step_ms"] = {f: round(v * 1e3, 2) for f, v in est.items()}  # t(1) + t(8) + t(128)
-    fp32_est = est.get("fp32", float("inf"))
-    order = [f for f in sorted(est, key=est.get) if f != "fp32" and est[f] < fp32_est]
-    if not order:
-        choice["reason"] = "auto: no format is faster than fp32 here"
-        return make("fp32")
+    say("auto weights: choosing the kernels of each format (cached per machine) ...")
+    sigs = {f: _kernel_signature(tuner, f, counts, hf) for f in kernels.FORMATS}
     fingerprint = _fingerprint(loaded)
-    ref = ref_logits = ids = None
-    choice["gate"] = {}
-    for fmt in order:
-        kernels_sig = ",".join(tuner.choose(fmt, n, k) for n, k in counts) + f" head={head_format(tuner, fmt, hf)}"
-        entry = f"gate {fingerprint} {fmt} {kernels_sig}"
-        m = tuner.remembered(entry)
-        if m is None:  # not checked on this machine yet: run the gate against an fp32 reference
-            if ref is None:
-                say("auto weights: building the fp32 reference for the accuracy gate ...")
-                ref = make("fp32")
-                ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:min(GATE_TOKENS, ref.max_positions)],
-                                   dtype=torch.long)
-                ref_logits = ref.dense_logits(ids)
-            model = make(fmt)
-            m = gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS)
-            m = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
-            tuner.remember(entry, m)
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    sig_hash = hashlib.sha256(repr(sorted(sigs.items())).encode()).hexdigest()[:12]
+    key = f"choice {fingerprint} threads={threads} native={native.build_id()} kernels={sig_hash}"
+    choice["weighting"] = choose.WEIGHTING
+    kept = tuner.remembered(key)
+    if kept is not None and kept.get("kept"):
+        fmt = kept["format"]
+        choice.update(measured=kept["measured"], gate=kept.get("gate", {}), cached=True,
+                      reason=f"auto: {fmt} ran the reference agent turn fastest of the formats passing the "
+                             f"accuracy gate (measured on this machine earlier, cached)")
+        return make(fmt)
+    if kept is not None:
+        say(f"auto weights: the last measurement was disturbed ({kept.get('disturbed')}); measuring again")
+    ref_state: dict = {}
+
+    def reference():
+        if not ref_state:
+            say("auto weights: building the fp32 reference for the accuracy gate ...")
+            ref_state["model"] = make("fp32")
+            ids = torch.tensor(loaded.tokenizer.encode(GATE_TEXT)[:min(GATE_TOKENS, ref_state["model"].max_positions)],
+                               dtype=torch.long)
+            ref_state["ids"], ref_state["logits"] = ids, ref_state["model"].dense_logits(ids)
+        return ref_state["logits"], ref_state["ids"]
+
+    gate: dict = {}
+    models: dict = {}
+    for fmt in kernels.FORMATS:
+        if fmt == "fp32":
+            continue
+        gate[fmt], model = _gate(fmt, f"gate {fingerprint} {fmt} {sigs[fmt]}", tuner, make, reference)
+        if model is None:
+            say(f"auto weights: {fmt} fails the accuracy gate (ppl x{gate[fmt]['ppl_ratio']:.3f}, "
+                f"top-1 {gate[fmt]['top1_agreement']:.1%})")
         else:
-            m = {**m, "cached": True}
-            model = make(fmt) if m["passed"] else None
-        choice["gate"][fmt] = m
-        if m["passed"]:
-            choice["reason"] = (f"auto: fastest format passing the accuracy gate (ppl x{m['ppl_ratio']:.3f}, "
-                                f"top-1 agreement {m['top1_agreement']:.1%} vs fp32)")
-            return model
-        say(f"auto weights: {fmt} fails the accuracy gate (ppl x{m['ppl_ratio']:.3f}, "
-            f"top-1 {m['top1_agreement']:.1%}); trying the next")
-        del model
-    choice["reason"] = "auto: no faster format passes the accuracy gate"
-    return ref if ref is not None else make("fp32")
+            models[fmt] = model
+    models["fp32"] = ref_state.pop("model", None) or make("fp32")
+    choice["gate"] = gate
+    say(f"auto weights: timing real decode and prefill steps of {', '.join(models)} ...")
+    load_before = choose.load_average()
+    times = choose.time_steps(models)
+    load_after = choose.load_average()
+    fmt = choose.decide(times, {f: g["passed"] for f, g in gate.items()})
+    why = choose.disturbed(times, load_before, load_after, usable_cpus())
+    measured = {f: t.as_dict() for f, t in times.items()}
+    tuner.remember(key, {"format": fmt, "measured": measured, "gate": gate, "kept": why is None, "disturbed": why,
+                         "load": [round(load_before, 2), round(load_after, 2)]})
+    choice.update(measured=measured, load=[round(load_before, 2), round(load_after, 2)])
+    if why is not None:
+        choice["disturbed"] = why
+        log.warning("auto weights: measured under load (%s); using %s now and measuring again at the next start",
+                    why, fmt)
+    g = gate.get(fmt)
+    acc = (f" (ppl x{g['ppl_ratio']:.3f}, top-1 agreement {g['top1_agreement']:.1%} vs fp32)" if g else "")
+    choice["reason"] = (f"auto: {fmt} ran the reference agent turn fastest ({times[fmt].cost() * 1e3:.1f} ms; "
+                        f"decode {1 / times[fmt].decode_1:.0f} tok/s alone) of the formats passing the accuracy "
+                        f"gate{acc}")
+    chosen = models.pop(fmt)
+    models.clear()
+    return chosen
 
 
 def _fingerprint(loaded) -> str:
