@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .constraints_close import CloseWatch
+from .constraints_sat import check_satisfiable
 from .errors import InvalidRequestError
 
 __all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]
@@ -114,6 +115,7 @@ def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
         # others gets no invented keys (an explicit additionalProperties is kept)
         params = _closed_objects(params, explicit=False)
         what = f"JSON schema for the parameters of tool {fn['name']!r}"
+        check_satisfiable(params, what)
         _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(params)), what)
         chosen.append((fn["name"], params))
     if not chosen:
@@ -164,6 +166,7 @@ class ConstraintSpec:
         llg = _llg()
         if self.kind == "json_schema":
             schema = _schema_dict(self.source, "JSON schema")
+            check_satisfiable(schema, "JSON schema")
             grammar = llg.LLMatcher.grammar_from_json_schema(_with_options(schema))
             what = "JSON schema"
         elif self.kind == "json_object":

@@ -23,6 +23,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from .constraints import ConstraintSpec, _llg, _schema_dict, _validate, _with_options, tool_calls_lark
+from .constraints_sat import check_satisfiable
 from .constraints_strict import check_strict_schema
 from .errors import InvalidRequestError
 
@@ -131,6 +132,7 @@ def check_strict_tools(tools: Sequence[dict] | None) -> None:
 def _calls_or_json(tools: Sequence[dict], parallel: bool, schema: Any) -> ConstraintSpec:
     """tool_choice=auto with a JSON response format: one or more tool calls, or the JSON answer."""
     schema = _schema_dict(schema, "JSON schema")
+    check_satisfiable(schema, "JSON schema")
     _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(schema)), "JSON schema")
     calls = tool_calls_lark(tools, None, parallel).replace("start:", "calls:", 1)
     lark = "start: calls | answer\n" + calls + "\nanswer: %json " + json.dumps(_with_options(schema))
