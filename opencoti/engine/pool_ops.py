@@ -207,9 +207,10 @@ class PoolOpsMixin:
         return n
 
     def release_pool(self, pool_id: int, immediate: bool = False) -> None:
-        """Release a pool (leaves first). Within its grace TTL (its last descendant left less than
-        ``pool_grace_ttl_s`` ago) the release is deferred: the pool stays resident and attachable
-        until the grace ends (``release_in_s``); ``immediate`` releases it now."""
+        """Release a pool (leaves first). One rule, whatever happened before: the release waits out
+        the grace TTL (``pool_grace_ttl_s``, counted from now, or from the end of the last request in
+        flight on the pool) and the pool stays resident and attachable meanwhile (``release_in_s``);
+        idle attached sessions neither cancel nor extend it. ``immediate`` releases it now."""
         pool = self.tree.get(pool_id)
         kids = [c for c in pool.children if c.residency != Residency.RELEASED]
         live = [c.pool_id for c in kids if c.release_at is None]  # children released already wait out their grace
@@ -220,25 +221,36 @@ class PoolOpsMixin:
         if immediate:
             for c in kids:  # their release was asked for already: it happens now, leaves first
                 self.release_pool(c.pool_id, immediate=True)
-        elif kids or time.monotonic() < pool.grace_until:
-            # deferred: after its own grace, and after the deferred releases of its children
-            pool.release_at = max([pool.grace_until] + [c.release_at for c in kids])
-            return
+        else:
+            now = time.monotonic()
+            # after its own grace, and after the deferred releases of its children
+            due = max([now + self.config.pool_grace_ttl_s, pool.grace_until] + [c.release_at for c in kids])
+            if kids or due > now or self._decoding_on(pool):
+                pool.release_at = due
+                return
         self._unlink(pool)
         self._expire_with_pool(pool)  # idle anonymous sessions do not keep a released pool's pages
 
+    def _decoding_on(self, pool: Pool) -> bool:
+        """A request is in flight on one of the pool's sessions (idle sessions do not count)."""
+        return any(s is not None and s.job is not None for s in map(self.sessions.get, pool.sessions))
+
     def release_due(self, now: float | None = None) -> float | None:
-        """Complete deferred releases whose grace ran out (a descendant that came back and left
-        again extends it). Returns the next due time (monotonic), or None."""
+        """Complete deferred releases whose grace ran out. While a request is in flight on the pool
+        the grace starts again (it counts from the end of the last one); a descendant that comes back
+        and leaves again extends it. Returns the next due time (monotonic), or None."""
         now = time.monotonic() if now is None else now
         nxt = None
         # deepest first, so a parent whose children go in this pass goes in the same pass
         for pool in sorted((p for p in self.tree.pools.values() if p.release_at is not None),
                            key=lambda p: -p.depth()):
+            if self._decoding_on(pool):
+                pool.release_at = max(pool.release_at, now + self.config.pool_grace_ttl_s)
             pool.release_at = max(pool.release_at, pool.grace_until)
-            busy = pool.live_children or self._sessions_in_use(pool) or pool.residency == Residency.MATERIALIZING
+            busy = pool.live_children or self._decoding_on(pool) or pool.residency == Residency.MATERIALIZING
             if now >= pool.release_at and not busy:
                 self._unlink(pool)
+                self._expire_with_pool(pool)
             elif not busy:
                 nxt = pool.release_at if nxt is None else min(nxt, pool.release_at)
         return nxt

@@ -65,3 +65,69 @@ def test_every_pool_answer_lists_sessions_with_tps_and_ttft(engine):
         # in process too
         row = {t.name: t for t in polykv_tools(engine)}["pool_status"].invoke({"pool_id": fork["pool_id"]})
         assert row["sessions"][0]["tps_ewma"] > 0
+
+
+# ============================================================================ 2. one release rule
+def _greedy(n: int):
+    from opencoti.engine import SamplingParams
+    return SamplingParams.greedy(n, ignore_eos=True)
+
+
+def _live_ids(eng) -> set[int]:
+    return {p["pool_id"] for p in eng.pools()["pools"]}
+
+
+def _wait(pred, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_a_release_waits_out_the_grace_whatever_happened_before(make_engine):
+    """Never used, idle sessions still attached, or its sessions gone: the same deferred release,
+    and the next agent attaches instead of getting 404."""
+    eng = make_engine(pool_grace_ttl_s=0.8)
+    never = eng.create_pool(tokens=toks(20, 12))
+    idle = eng.create_pool(tokens=toks(21, 12))
+    eng.generate(toks(21, 12) + [5], params=_greedy(2), pool_id=idle.pool_id, session_id="idle-agent")
+    left = eng.create_pool(tokens=toks(22, 12))
+    eng.generate(toks(22, 12) + [5], params=_greedy(2), pool_id=left.pool_id, session_id="gone")
+    eng.release_session("gone")
+    for p in (never, idle, left):
+        eng.release_pool(p.pool_id)
+        info = eng.pool(p.pool_id)  # deferred: resident, attachable, with the time left
+        assert info.residency == "resident" and 0.5 < info.release_in_s <= 0.8, (p.pool_id, info.release_in_s)
+    assert [s["session_id"] for s in eng.pool(idle.pool_id).sessions] == ["idle-agent"]
+    r = eng.generate(toks(20, 12) + [9], params=_greedy(2), pool_id=never.pool_id, session_id="next")
+    assert r.info.pool_id == never.pool_id and r.info.cached_prefix_tokens >= 11
+    # the grace ends: all three go, the idle session's included (it keeps its own context)
+    assert _wait(lambda: not {never.pool_id, idle.pool_id, left.pool_id} & _live_ids(eng))
+    r = eng.generate(toks(21, 12) + [5, 6], params=_greedy(2), session_id="idle-agent")
+    assert r.info.cached_prefix_tokens >= 12
+    eng.check_integrity()
+
+
+def test_a_release_waits_for_the_request_in_flight_then_the_grace(make_engine):
+    eng = make_engine(pool_grace_ttl_s=0.5)
+    pool = eng.create_pool(tokens=toks(23, 12))
+    stream = eng.stream(toks(23, 12) + [4], params=_greedy(300), pool_id=pool.pool_id, session_id="busy")
+    it = iter(stream)
+    next(it)  # decoding
+    eng.release_pool(pool.pool_id)
+    time.sleep(0.6)  # longer than the grace, while it decodes (300 tokens take seconds here)
+    assert eng.pool(pool.pool_id).sessions[0]["state"] != "idle"
+    for _ in it:
+        pass
+    t_end = time.monotonic()
+    assert pool.pool_id in _live_ids(eng)  # the grace counts from the end of the last request
+    assert _wait(lambda: pool.pool_id not in _live_ids(eng))
+    assert time.monotonic() - t_end >= 0.3
+    # immediate: at once, decoding or not
+    p2 = eng.create_pool(tokens=toks(24, 12))
+    eng.generate(toks(24, 12) + [4], params=_greedy(2), pool_id=p2.pool_id, session_id="x")
+    eng.release_pool(p2.pool_id, immediate=True)
+    assert p2.pool_id not in _live_ids(eng)
+    eng.check_integrity()
