@@ -350,6 +350,21 @@ def test_auto_keeps_a_quiet_choice_and_measures_a_disturbed_one_again(monkeypatc
     assert third.weights_choice["measured"] == second.weights_choice["measured"]
 
 
+def test_auto_on_a_machine_that_is_never_quiet_keeps_the_last_measurement(monkeypatch, tmp_path):
+    monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(choose, "load_average", lambda: 9.0)
+    calls = []
+    table = {"fp32": (0.03, 0.08, 0.2), "bf16": (0.02, 0.06, 0.15), "int8": (0.012, 0.04, 0.3),
+             "int4": (0.010, 0.035, 0.4)}
+    monkeypatch.setattr(choose, "time_steps", lambda models, rounds=5: calls.append(1) or
+                        _stand_in_times(table)(models))
+    kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
+              cache_dir=str(tmp_path))
+    for _ in range(choose.MAX_ATTEMPTS + 1):
+        model = weights.build_forward(tiny_model("llama"), **kw)
+    assert len(calls) == choose.MAX_ATTEMPTS and model.weights_choice["cached"]
+
+
 def test_gate_metrics_pass_and_fail():
     ids = torch.tensor([1, 2, 3, 4, 5])
     ref = torch.nn.functional.one_hot(torch.tensor([2, 3, 4, 5, 0]), 8).float() * 5

@@ -20,7 +20,8 @@ everything the fused decode layer saves, and gave the prefill chunk most of the 
 The choice is cached per machine (CPU model and flags, torch version, thread count, native build)
 and model. A measurement taken under load -- the load average above the usable core count, or the
 rounds of a step spreading by more than :data:`MAX_SPREAD` -- is used for this start and measured
-again at the next one instead of being kept.
+again at the next one instead of being kept (after :data:`MAX_ATTEMPTS` disturbed measurements in a
+row, on a machine that is never quiet, the last one is kept).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PREFILL = 128  # tokens of the prefill chunk
 DECODE_BATCH = 8
 ROUNDS = 5
 MAX_SPREAD = 1.25  # median / best of a step's rounds above this: the measurement was disturbed
+MAX_ATTEMPTS = 3  # disturbed measurements in a row after which the last choice is kept anyway
 PAGE_SIZE = 16
 # the reference agent turn: tokens decoded alone, tokens decoded in a batch of eight, prompt tokens computed
 AGENT_TURN = {"decode_1": 75, "decode_8": 75, "prefill": 100}

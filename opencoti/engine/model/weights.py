@@ -267,13 +267,15 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
     fmt = choose.decide(times, {f: g["passed"] for f, g in gate.items()})
     why = choose.disturbed(times, load_before, load_after, usable_cpus())
     measured = {f: t.as_dict() for f, t in times.items()}
-    tuner.remember(key, {"format": fmt, "measured": measured, "gate": gate, "kept": why is None, "disturbed": why,
-                         "load": [round(load_before, 2), round(load_after, 2)]})
+    attempts = (kept or {}).get("attempts", 0) + 1
+    keep = why is None or attempts >= choose.MAX_ATTEMPTS  # a machine that is never quiet: keep the last one
+    tuner.remember(key, {"format": fmt, "measured": measured, "gate": gate, "kept": keep, "disturbed": why,
+                         "attempts": attempts, "load": [round(load_before, 2), round(load_after, 2)]})
     choice.update(measured=measured, load=[round(load_before, 2), round(load_after, 2)])
     if why is not None:
         choice["disturbed"] = why
-        log.warning("auto weights: measured under load (%s); using %s now and measuring again at the next start",
-                    why, fmt)
+        log.warning("auto weights: measured under load (%s); using %s, %s", why, fmt,
+                    "kept after %d disturbed measurements" % attempts if keep else "measuring again at the next start")
     g = gate.get(fmt)
     acc = (f" (ppl x{g['ppl_ratio']:.3f}, top-1 agreement {g['top1_agreement']:.1%} vs fp32)" if g else "")
     choice["reason"] = (f"auto: {fmt} ran the reference agent turn fastest ({times[fmt].cost() * 1e3:.1f} ms; "
