@@ -1,5 +1,6 @@
 """Shared helpers for the benchmarks: import path, timing, statistics, machine description,
-a printed table and JSON output to ``benchmarks/results/<name>.json``.
+a printed table and JSON output to ``benchmarks/results/<machine-id>/<name>.json`` (committed: the
+numbers in the docs are generated from these files by ``benchmarks/report.py``).
 
 The benchmark scripts are run as ``.venv/bin/python benchmarks/bench_<name>.py`` or through
 ``opencoti bench <name>`` (runpy), so they put the repository root and this folder on
@@ -196,10 +197,42 @@ def check_mark(value: float | None, target: float) -> str:
     return "PASS" if value >= target else "FAIL"
 
 
+def machine_id() -> str:
+    """A folder name for this machine's results: CPU model, usable cores and a hash of the CPU flags
+    (e.g. ``amd-epyc-9b14-2c-1a2b3c4d``); ``OPENCOTI_MACHINE_ID`` overrides it."""
+    import hashlib
+    import re
+
+    if os.environ.get("OPENCOTI_MACHINE_ID"):
+        return re.sub(r"[^a-z0-9._-]+", "-", os.environ["OPENCOTI_MACHINE_ID"].lower())
+    model = re.sub(r"\(r\)|\(tm\)|cpu|processor|[0-9]+-core", " ", _cpu_model().lower())
+    model = re.sub(r"[^a-z0-9]+", "-", model).strip("-")[:40] or platform.machine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    return f"{model}-{cores}c-{flags}"
+
+
+def results_dir() -> Path:
+    return RESULTS_DIR / machine_id()
+
+
+def load_snapshot() -> dict:
+    """The load average and the busiest other processes now (recorded before and after a run)."""
+    snap: dict[str, Any] = {"loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    try:
+        ps = subprocess.run(["ps", "-eo", "pcpu,comm", "--sort=-pcpu", "--no-headers"], capture_output=True,
+                            text=True, timeout=10).stdout.splitlines()
+        snap["top"] = [line.strip() for line in ps[:5]]
+    except (OSError, subprocess.SubprocessError):
+        snap["top"] = None
+    return snap
+
+
 def write_json(name: str, payload: dict, out: str | None = None) -> Path:
-    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path = Path(out) if out else results_dir() / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **payload}
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_id": machine_id(),
+               "load_at_end": load_snapshot(), **payload}
     path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
     return path
 
