@@ -354,6 +354,10 @@ class Engine(PoolAPIMixin):
             raise self._integrity_error
         self._call(self.core.check_integrity)
 
+    def check_kv_files(self, pool_ids: set[int] | None = None) -> dict:
+        """Verify the checksums of the state directory's KV files (see ``Persister.check_kv_files``)."""
+        return self._persist.check_kv_files(self._call, pool_ids)
+
     def stats(self) -> dict:
         """Counters, KV pages, sessions, queue lengths and the prefix cache (pages, bytes, hit rate)."""
         return self._call(self.core.stats)

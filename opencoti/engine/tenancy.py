@@ -197,6 +197,9 @@ class TenantEngine:
         owned = self._owned()
         return self._out([e for e in self._eng.admission_events(pool_id, since) if e.get("pool_id") in owned])
 
+    def check_kv_files(self) -> dict:
+        return self._eng.check_kv_files(self._owned())
+
     # ================================================================== sessions
     def release_session(self, session_id: str) -> None:
         self._call(self._eng.release_session, self._sid(session_id))

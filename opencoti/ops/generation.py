@@ -143,6 +143,9 @@ def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true")
     kwargs = engine_kwargs(body)
+    if body.n > 1 and body.session_id is None:
+        # llama.cpp's id_slot with several choices: the choices decode side by side in sessions of their own
+        kwargs["session_id"] = None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prompt = chat_prompt(ctx.engine.tokenizer, body.messages, body.tools, body.tool_choice,
                          body.add_generation_prompt, body.continue_final_message)
@@ -207,7 +210,17 @@ def generation_settings(ctx: Context, params: SamplingParams, stream: bool = Fal
             "n_predict": -1 if params.max_tokens is None else params.max_tokens,
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
             "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
-            "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0, "stream": stream}
+            "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0, "stream": stream,
+            "logit_bias": settings_logit_bias(ctx, params)}
+
+
+def settings_logit_bias(ctx: Context, params: SamplingParams) -> list[dict]:
+    """llama.cpp's ``generation_settings.logit_bias``: ``[{"token", "bias"}]`` with null for -inf (a ban);
+    ``ignore_eos`` shows as a ban of every end-of-generation token, as llama.cpp applies it."""
+    bias = dict(params.logit_bias or {})
+    if params.ignore_eos:
+        bias.update({t: float("-inf") for t in ctx.engine.tokenizer.eos_token_ids})
+    return [{"token": t, "bias": None if b == float("-inf") else b} for t, b in bias.items()]
 
 
 def llama_final(ctx: Context, body: CompletionRequest, prepared: Prepared, info: RequestInfo,

@@ -205,6 +205,8 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
                                                                  "when continuing the final assistant message)")
     continue_final_message: bool | None = Field(None, description="continue the final assistant message instead "
                                                                   "of starting a new one (default: when it is last)")
+    verbose: bool = Field(False, description="llama.cpp: add __verbose (the rendered prompt, the generation "
+                                             "settings) to a whole answer")
 
 
 class TokenizeRequest(_Lenient):

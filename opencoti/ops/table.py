@@ -100,7 +100,7 @@ def _props(ctx: Context) -> dict:
         "default_generation_settings": {
             "n_ctx": eng.max_context,
             "params": {"n_predict": n_predict, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-                       "seed": -1},
+                       "seed": cfg.seed},  # the default seed (--seed; drawn at start for -1)
         },
         "total_slots": cfg.max_running, "model_path": model_path(eng), "model_alias": ctx.model_name,
         "chat_template": eng.tokenizer.chat_template or "", "modalities": {"vision": False, "audio": False},
@@ -209,8 +209,10 @@ def _integrity(ctx: Context) -> dict:
         eng.check_integrity()
     except AssertionError as e:
         raise IntegrityCheckError(f"integrity check failed: {e}") from None
+    files = eng.check_kv_files()  # a corrupt file is reported, dropped and written again
     st = eng.pools()
-    return {"ok": True, "kv_pages_used": st["kv_pages_used"], "kv_pages_total": st["kv_pages_total"]}
+    return {"ok": not files["corrupt"], "kv_pages_used": st["kv_pages_used"], "kv_pages_total": st["kv_pages_total"],
+            "kv_files": files}
 
 
 def _pool_info(method: str) -> Callable[[Context, int], dict]:
@@ -280,7 +282,7 @@ _ROWS = [
               lambda ctx, query: ctx.engine.tps_history(query.session_id, query.since), query=TpsHistoryQuery,
               tags=_P, summary="the sampled tps time series"),
     Operation("integrity", "GET", "/polykv/integrity", _integrity, tags=_P,
-              summary="run the KV integrity check (refcounts, ownership)", errors=(500, 503)),
+              summary="run the KV integrity check (refcounts, ownership, the checksums of the KV files on disk)", errors=(500, 503)),
 ]
 OPERATIONS: dict[str, Operation] = {op.name: op for op in _ROWS}
 

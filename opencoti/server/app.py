@@ -23,11 +23,12 @@ from .config import ServerConfig
 from .errors import SafeJSONResponse, install_handlers
 from .middleware import (PUBLIC_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware,
                          RequestMetricsMiddleware)
+from .cors import LocalhostCorsMiddleware
 from .openapi import install_openapi
 from .routes_anthropic import router as anthropic_router
 from .routes_dashboard import router as dashboard_router
 from .routes_generate import router as generate_router
-from .routes_monitor import metrics_router
+from .routes_monitor import metrics_off_router, metrics_router
 from .routes_monitor import router as monitor_router
 from .routes_ops import operations_router
 from .routes_responses import router as responses_router
@@ -70,8 +71,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
                     operator_only=frozenset({"/metrics"}) if config.tenant_keys else frozenset())
     routers = [operations_router(), generate_router, anthropic_router, responses_router, monitor_router,
                dashboard_router]
-    if config.metrics:  # off: /metrics is an unknown route (404) and nothing is collected for it
-        routers.append(metrics_router)
+    # off: GET /metrics answers 501 (llama.cpp's answer without --metrics) and nothing is collected for it
+    routers.append(metrics_router if config.metrics else metrics_off_router)
     for router in routers:
         app.include_router(router)
     # (path regex, methods) of every route, for the Allow header of a 405
@@ -86,7 +87,9 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     app.add_middleware(RequestGuardMiddleware, allowed_hosts=config.allowed_hosts, cors_origins=config.cors_origins)
     if state.metrics is not None:
         app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
-    if config.cors_origins:
+    if not config.cors_origins:  # llama.cpp's localhost policy: preflights answered, localhost origins echoed
+        app.add_middleware(LocalhostCorsMiddleware, expose_headers=EXPOSED_HEADERS)
+    else:
         # like llama.cpp: the request's origin is echoed (with credentials allowed), also for '*'
         any_origin = "*" in config.cors_origins
         app.add_middleware(CORSMiddleware, allow_origins=[o for o in config.cors_origins if o != "*"],

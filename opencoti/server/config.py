@@ -19,7 +19,7 @@ class ServerConfig:
     tenant_keys: ``{key: tenant}`` (an API keys file, ``tenants.load_keys_file``): every key a tenant that
         sees only its own pools and sessions (docs/persistence.md); not together with ``api_key``.
     metrics: serve ``GET /metrics`` and collect its server-side series (request counters, latency
-        histograms). False (``--no-metrics``): ``/metrics`` answers 404 like any unknown route and
+        histograms). False (``--no-metrics``): ``GET /metrics`` answers 501 (llama.cpp without ``--metrics``) and
         nothing is collected for it.
     metrics_key: a key that opens ``GET /metrics`` only (for a Prometheus scraper). With ``tenant_keys``
         it is the only key ``/metrics`` answers (it shows every tenant's pools and sessions; a tenant's

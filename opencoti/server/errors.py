@@ -88,7 +88,7 @@ def anthropic_error(body: dict) -> dict:
     """An error body in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (the
     status stays in ``error.code``)."""
     err = body.get("error", {})
-    status = err.get("code", 500)
+    status = err.get("code") if isinstance(err.get("code"), int) else 400
     etype = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {**err, "type": etype}}
 

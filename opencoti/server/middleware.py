@@ -11,7 +11,8 @@ import secrets
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import gcpause
-from .errors import error_body
+from .cors import origin_is_localhost
+from .errors import error_body, shaped
 from .metrics import ServerMetrics
 
 LARGE_BODY = 1 << 20  # bodies from this size on are handled with automatic GC paused (gcpause)
@@ -20,8 +21,9 @@ METRICS_PATH = "/metrics"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
 
-async def _send_error(send, status: int, message: str, etype: str, headers: list | None = None) -> None:
-    body = json.dumps(error_body(status, message, etype)).encode()
+async def _send_error(send, status: int, message: str, etype: str, headers: list | None = None,
+                      path: str = "") -> None:
+    body = json.dumps(shaped(path, error_body(status, message, etype))).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 + (headers or [])})
@@ -50,7 +52,8 @@ class ApiKeyMiddleware:
         if not metrics_ok and (given is None or not secrets.compare_digest(given, self.key)):
             msg = "Invalid API Key" if given is not None else \
                 "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'"
-            return await _send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")])
+            return await _send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")],
+                                     path=scope["path"])
         return await self.app(scope, receive, send)
 
 
@@ -173,6 +176,8 @@ class RequestGuardMiddleware:
 
     def _origin_ok(self, origin: str, host: str) -> bool:
         if "*" in self.cors_origins or origin in self.cors_origins:
+            return True
+        if not self.cors_origins and origin_is_localhost(origin):  # the default CORS policy (cors.py)
             return True
         return origin != "null" and origin.split("://", 1)[-1].rstrip("/").lower() == host.lower()
 

@@ -1,5 +1,6 @@
 """Anthropic's Messages API: ``POST /v1/messages`` (whole, or streamed with Anthropic's event
-sequence) and ``POST /v1/messages/count_tokens``.
+sequence) and ``POST /v1/messages/count_tokens``; and llama.cpp's token count of a chat request,
+``POST /v1/chat/completions/input_tokens``.
 
 A Messages request runs as the chat completion it translates to (``opencoti.ops.anthropic``): the
 same prefix reuse, pools (``pool_id`` / ``session_id`` fields, the ``x-pool-id`` header), admission,
@@ -26,6 +27,7 @@ from ..ops.anthropic import (CountTokensRequest, MessagesRequest, chat_request, 
                              tool_use_block)
 from ..ops.chat_continue import chat_prompt
 from ..ops.headers import generation_headers
+from ..ops.schemas import ChatCompletionRequest
 from .chat_runs import ChatTurn, named_event, pool_header, start_chat
 from .errors import SafeJSONResponse, anthropic_error, error_responses
 from .routing import JsonRoute
@@ -115,13 +117,20 @@ async def messages(request: Request, body: MessagesRequest, ctx: Context = Depen
                    on_error=lambda body: named_event("error", anthropic_error(body)))
 
 
-def _count(ctx: Context, body: CountTokensRequest) -> dict:
-    chat = chat_request(body)
-    prompt = chat_prompt(ctx.engine.tokenizer, chat.messages, chat.tools, chat.tool_choice)
+def _count(ctx: Context, chat: ChatCompletionRequest) -> dict:
+    prompt = chat_prompt(ctx.engine.tokenizer, chat.messages, chat.tools, chat.tool_choice,
+                         chat.add_generation_prompt, chat.continue_final_message)
     return {"input_tokens": len(ctx.engine.tokenize(prompt.full_text))}
 
 
 @router.post("/v1/messages/count_tokens", tags=["Anthropic"], responses=error_responses((400,)),
              summary="Anthropic token count: the prompt tokens a Messages request would use")
 async def count_tokens(body: CountTokensRequest, ctx: Context = Depends(get_ctx)):
+    return SafeJSONResponse(await run_in_threadpool(_count, ctx, chat_request(body)))
+
+
+@router.post("/v1/chat/completions/input_tokens", tags=["llama.cpp"], responses=error_responses((400,)),
+             summary="the prompt tokens a chat completion request would use (llama.cpp)")
+@router.post("/chat/completions/input_tokens", include_in_schema=False)
+async def chat_input_tokens(body: ChatCompletionRequest, ctx: Context = Depends(get_ctx)):
     return SafeJSONResponse(await run_in_threadpool(_count, ctx, body))

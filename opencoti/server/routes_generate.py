@@ -27,8 +27,8 @@ from ..engine.errors import InvalidRequestError
 from ..engine.results import RequestInfo
 from ..ops import Context
 from ..ops.headers import generation_headers
-from ..ops.generation import (FINISH_OPENAI, ChatTurn, llama_final, opencoti_block, prepare_chat_request,
-                              prepare_completion, prepare_openai_completion, usage)
+from ..ops.generation import (FINISH_OPENAI, ChatTurn, generation_settings, llama_final, opencoti_block,
+                              prepare_chat_request, prepare_completion, prepare_openai_completion, usage)
 from ..ops.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest
 from .choices import chat_choices, collect_runs, completion_choices, start_runs, stream_runs
 from .errors import ApiError, SafeJSONResponse, error_responses
@@ -124,9 +124,10 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
     n = 0
 
     def progress(processed: int) -> bytes:
+        ms = (time.perf_counter() - t_start) * 1e3 if processed > info.cached_prefix_tokens else 0.0
         return sse({"index": index, "content": "", "tokens": [], "stop": False, "prompt_progress": {
             "total": info.prompt_tokens, "cache": info.cached_prefix_tokens, "processed": processed,
-            "time_ms": (time.perf_counter() - t_start) * 1e3}})
+            "time_ms": ms}, "timings": progress_timings(info, processed, ms)})
 
     def on_delta(d):
         nonlocal n
@@ -142,6 +143,14 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
 
     first = [progress(info.cached_prefix_tokens)] if body.return_progress else []
     return gen.sse(on_delta, lambda result: [sse(final(result, ""))], first=first, headers=headers)
+
+
+def progress_timings(info: RequestInfo, processed: int, prompt_ms: float) -> dict:
+    """llama.cpp's ``timings`` on a prompt-progress event: the prompt so far, nothing predicted yet."""
+    n = processed - info.cached_prefix_tokens
+    return {"cache_n": info.cached_prefix_tokens, "prompt_n": n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / n if n else 0.0, "prompt_per_second": 1e3 * n / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
 
 
 def split_prompts(prompt) -> list:
@@ -339,12 +348,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
         lp = {"content": [_chat_logprob(ctx, d) for d in result.logprobs or []]} if body.logprobs else None
-        return SafeJSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint,
-            "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
-            "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info),
-        }, headers=generation_headers(info, result.timings))
+        out = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+               "system_fingerprint": fingerprint,
+               "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
+               "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info)}
+        if body.verbose:  # llama.cpp's __verbose: what the model was given and how it sampled
+            out["__verbose"] = {"prompt": prepared.chat.full_text, "content": result.text,
+                                "generation_settings": generation_settings(ctx, prepared.params)}
+        return SafeJSONResponse(out, headers=generation_headers(info, result.timings))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

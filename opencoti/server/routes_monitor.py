@@ -12,12 +12,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..ops import OPERATIONS, Context
-from .errors import error_responses
+from .errors import ApiError, error_responses
 from .state import ServerState, get_ctx, get_state
 from .streaming import SSE_HEADERS, sse
 
 router = APIRouter()
 metrics_router = APIRouter()  # only with ServerConfig.metrics (``--no-metrics`` leaves it out)
+metrics_off_router = APIRouter()  # with --no-metrics: GET /metrics answers 501, as llama.cpp without --metrics
 
 
 @metrics_router.get("/metrics", tags=["llama.cpp"], summary="Prometheus text exposition",
@@ -25,6 +26,11 @@ metrics_router = APIRouter()  # only with ServerConfig.metrics (``--no-metrics``
 def metrics(state: ServerState = Depends(get_state)):
     return PlainTextResponse(state.metrics.render(state.engine if state.is_ready else None),
                              media_type=CONTENT_TYPE_LATEST)
+
+
+@metrics_off_router.get("/metrics", include_in_schema=False)
+def metrics_off():
+    raise ApiError(501, "metrics are off: the server was started with --no-metrics", "not_supported_error")
 
 
 @router.get("/polykv/tps", tags=["PolyKV"], summary="live tps: SSE every interval (?once=1: one JSON snapshot)",

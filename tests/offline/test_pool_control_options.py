@@ -154,17 +154,16 @@ def test_release_immediate_on_both_clients(make_engine, transport):
 
 
 # ============================================================================ --no-metrics
-def test_metrics_on_by_default_and_off_is_an_unknown_route(engine):
+def test_metrics_on_by_default_and_off_answers_501(engine):
     with TestClient(create_app(engine), raise_server_exceptions=False) as c:
         r = c.get("/metrics")
         assert r.status_code == 200 and "opencoti:http_requests" in r.text
     app = create_app(engine, config=ServerConfig(metrics=False))
     with TestClient(app, raise_server_exceptions=False) as c:
-        unknown = c.get("/no-such-route")
-        for method in ("GET", "POST"):
-            r = c.request(method, "/metrics")
-            assert r.status_code == 404 == unknown.status_code, r.text
-            assert r.json()["error"]["type"] == unknown.json()["error"]["type"] == "not_found_error"
+        r = c.get("/metrics")  # llama.cpp without --metrics: 501, not_supported_error
+        assert r.status_code == 501, r.text
+        assert r.json()["error"]["type"] == "not_supported_error" and "--no-metrics" in r.json()["error"]["message"]
+        assert c.post("/metrics").status_code == 405
         # nothing is collected: no metrics object, no request-metrics middleware, generation still works
         assert app.state.server.metrics is None
         assert not [m for m in app.user_middleware if m.cls.__name__ == "RequestMetricsMiddleware"]

@@ -50,6 +50,7 @@ class Persister:
         self._pools: dict[int, tuple] = {}  # stored pool id -> (pinned, label, admission)
         self._sessions: dict[str, tuple] = {}  # stored session id -> (pool_id, len(tokens), id(seq))
         self._kv_saved: set[int] = set()  # pool ids whose KV file is written (or queued)
+        self.kv_rejected: list[int] = []  # pools whose KV file failed its checksum (recomputed instead)
         self.kv_writer = kvfile.KvWriter()
         self._reserved = 0
         self._dirty_sessions: set[str] = set()
@@ -294,7 +295,7 @@ class Persister:
                 if kvfile.matches(path, pool.branch_pos, pool.tokens, self.kv_identity):
                     self._kv_saved.add(pid)
                 else:  # written for other tokens, another model, weight format or KV dtype: recomputed
-                    log.info("state: the KV file of pool %d does not match this engine; it is recomputed", pid)
+                    log.warning("state: the KV file of pool %d does not match this engine; it is recomputed", pid)
                     path.unlink(missing_ok=True)  # (and written again once the pool is resident)
             if pool.parent is not None and pool.parent.residency != Residency.RESIDENT:
                 continue
@@ -323,12 +324,41 @@ class Persister:
         if not tables.extend(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n, pool.tokens,
                                                                   identity=self.kv_identity):
             tables.drop(pool.seq)
+            problem = kvfile.verify(path)
+            if problem is not None:  # never loaded: the pool stays evicted, recomputed on first use
+                log.warning("state: the KV file of pool %d is not used (%s); its KV is recomputed and the "
+                            "file written again", pool.pool_id, problem)
+                self.kv_rejected.append(pool.pool_id)
+                self._drop_kv_file(pool.pool_id)
             return False
         tables.advance(pool.seq, n - d)
         pool.residency = Residency.RESIDENT
         pool.last_access = time.time()
         self._kv_saved.add(pool.pool_id)
         return True
+
+    def check_kv_files(self, on_step, pool_ids: set[int] | None = None) -> dict:
+        """Verify the checksums of the KV files (of ``pool_ids``, default all), reading them off the
+        step thread (``on_step(fn)`` runs ``fn`` there). A corrupt file is dropped and, for a resident
+        pool, written again from its pages. Returns {"checked", "corrupt", "rejected_at_load"}."""
+        mine = (lambda pid: True) if pool_ids is None else pool_ids.__contains__
+        files = [pid for pid in on_step(lambda: sorted(self._kv_saved)) if mine(pid)]
+        self.kv_writer.flush()
+        corrupt = []
+        for pid in files:
+            problem = kvfile.verify(self._kv_path(pid))
+            if problem is not None:
+                log.warning("state: the KV file of pool %d: %s; it is written again", pid, problem)
+                corrupt.append(pid)
+
+        def rewrite():
+            for pid in corrupt:
+                self._drop_kv_file(pid)
+            self._save_pinned_kv()
+        if corrupt:
+            on_step(rewrite)
+        return {"checked": len(files), "corrupt": corrupt,
+                "rejected_at_load": [pid for pid in self.kv_rejected if mine(pid)]}
 
     def after(self, result):
         """Called by the step loop after each command, before its caller gets ``result``."""
@@ -393,6 +423,10 @@ class Ephemeral:
 
     enabled = False
     stats: dict = {}
+
+    @staticmethod
+    def check_kv_files(on_step, pool_ids=None) -> dict:
+        return {"checked": 0, "corrupt": [], "rejected_at_load": []}
 
     @staticmethod
     def after(result):

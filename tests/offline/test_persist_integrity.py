@@ -1,0 +1,87 @@
+"""The state directory never serves wrong KV and never hands an id out twice: KV files carry a
+checksum checked on load (a corrupt file is recomputed, logged, reported by /polykv/integrity);
+a state database that exists but is empty or unreadable stops the engine before anything is
+deleted; the id high-water mark is kept beside the database too."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from opencoti.engine import SamplingParams
+from opencoti.engine.persist import kvfile
+from opencoti.ops import call
+from opencoti.ops.context import Context
+
+ROOT = list(range(10, 42))
+EXT = ROOT + [5, 6, 7, 8, 9, 11]
+
+
+def flip_middle(path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = kvfile.HEADER + (len(data) - kvfile.HEADER) // 2
+    for i in range(mid, mid + 64):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))  # the same size: only the checksum can tell
+
+
+def test_a_corrupt_kv_file_is_recomputed_never_loaded(make_engine, tmp_path, caplog):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    root = eng.create_pool(tokens=ROOT)
+    ext = eng.fork_pool(root.pool_id, tokens=EXT, pinned=True)
+    prompt = EXT + [70, 71]
+    before = eng.generate(prompt, pool_id=ext.pool_id, params=SamplingParams.greedy(6))
+    eng.shutdown()
+    path = state / "kv" / f"{ext.pool_id}.kv"
+    assert kvfile.verify(path) is None
+    flip_middle(path)
+    assert "checksum does not match" in kvfile.verify(path)
+
+    with caplog.at_level(logging.WARNING, logger="opencoti.engine.persist"):
+        eng = make_engine(state_dir=str(state))
+    assert f"the KV file of pool {ext.pool_id} is not used" in caplog.text
+    assert eng._persist.stats["kv_loaded_pools"] == 1  # the root's file is fine
+    assert eng.pool(ext.pool_id).residency == "evicted" and eng.pool(root.pool_id).residency == "resident"
+    report = call(Context(eng), "integrity")
+    assert report["ok"] and report["kv_files"]["rejected_at_load"] == [ext.pool_id]
+    after = eng.generate(prompt, pool_id=ext.pool_id, params=SamplingParams.greedy(6))
+    assert after.token_ids == before.token_ids and after.info.rematerialized_pools == [ext.pool_id]
+    eng._persist.kv_writer.flush()
+    assert kvfile.verify(path) is None  # written again from the recomputed pages
+    eng.shutdown()
+    eng = make_engine(state_dir=str(state))
+    assert eng._persist.stats["kv_loaded_pools"] == 2
+
+
+def test_integrity_reports_a_kv_file_corrupted_on_disk(make_engine, tmp_path):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    p = eng.create_pool(tokens=ROOT, pinned=True)
+    ctx = Context(eng)
+    eng._persist.kv_writer.flush()
+    assert call(ctx, "integrity")["kv_files"] == {"checked": 1, "corrupt": [], "rejected_at_load": []}
+    path = state / "kv" / f"{p.pool_id}.kv"
+    flip_middle(path)
+    report = call(ctx, "integrity")
+    assert report["ok"] is False and report["kv_files"]["corrupt"] == [p.pool_id]
+    eng._persist.kv_writer.flush()
+    assert kvfile.verify(path) is None  # written again from the resident pages
+    assert call(ctx, "integrity")["ok"] is True
+
+
+def test_a_kv_file_without_a_checksum_is_not_loaded(make_engine, tmp_path):
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    p = eng.create_pool(tokens=ROOT, pinned=True)
+    eng.shutdown()
+    path = state / "kv" / f"{p.pool_id}.kv"
+    head = kvfile.read_header(path)
+    del head["checksum"]
+    raw = path.read_bytes()
+    path.write_bytes((kvfile.MAGIC + __import__("json").dumps(head).encode() + b"\n").ljust(kvfile.HEADER, b"\0")
+                     + raw[kvfile.HEADER:])
+    assert "no checksum" in kvfile.verify(path)
+    eng = make_engine(state_dir=str(state))
+    assert eng._persist.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"
