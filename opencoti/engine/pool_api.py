@@ -131,8 +131,10 @@ class PoolAPIMixin:
                         text: str | None = None, messages: list[dict] | None = None,
                         branch_pos: int | None = None, release_old: bool = True) -> dict:
         """Compaction by re-fork: fork the stable ancestor with the compacted prefix
-        (e.g. system + summary + recent tail), move the session onto it, release the old pool
-        when nothing else uses it. Returns the new pool and KV pages before/after."""
+        (e.g. system + summary + recent tail), move the session onto it, release the pools it leaves
+        behind that nothing else uses (at once). Returns the new pool, the released pool ids and the
+        KV pages owned by pools and sessions before / after (pages only the prefix cache holds,
+        reusable and evicted first, apart: ``kv_pages_cache_before`` / ``_after``)."""
         toks = self._pool_tokens(tokens, text, messages, None, False)
         if toks is None:
             raise InvalidRequestError("compaction needs the compacted prefix (tokens, text or messages)")
@@ -140,7 +142,7 @@ class PoolAPIMixin:
             s = self.core.get_session(session_id)
             if s.job is not None:
                 raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
-            return self.core.kv.num_used, s.pool_id
+            return self.core.kv_accounting(), s.pool_id
 
         before, old_pool_id = self._call(check)
         if branch_pos is None:
@@ -150,8 +152,9 @@ class PoolAPIMixin:
             released = self._call(self.core.move_session, session_id, info.pool_id,
                                   old_pool_id if release_old else None, ancestor_pool_id)
         except Exception:
-            self._call(self.core.release_pool, info.pool_id)  # nothing half-done
+            self._call(self.core.release_pool, info.pool_id, True)  # nothing half-done
             raise
-        after = self._call(lambda: self.core.kv.num_used)
-        return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before,
-                "kv_pages_after": after, "page_bytes": self.kv.page_bytes}
+        after = self._call(self.core.kv_accounting)
+        return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before[0],
+                "kv_pages_after": after[0], "kv_pages_cache_before": before[1], "kv_pages_cache_after": after[1],
+                "page_bytes": self.kv.page_bytes}

@@ -281,16 +281,20 @@ class PoolOpsMixin:
         if s.job is not None:
             raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
         pool = self.tree.get(pool_id)
+        # from the pool the session leaves (released already, e.g. a snapshot of it, or live) up to
+        # ``keep``: every pool nothing else uses goes now (compaction frees the old subtree)
+        p = None if release_from is None else self.tree.pools.get(release_from) or self.tree.released.get(release_from)
         self._drop_session_kv(s)
         s.pool_id = pool.pool_id
         pool.sessions.add(s.session_id)
         released = []
-        p = self.tree.pools.get(release_from) if release_from is not None else None
-        while (p is not None and p.pool_id != keep and p is not pool and not p.sessions and not p.pinned
-               and not any(c.residency != Residency.RELEASED for c in p.children)):
+        while p is not None and p.pool_id != keep and p is not pool:
             parent = p.parent
-            self.release_pool(p.pool_id, immediate=True)  # compaction frees the old subtree now
-            released.append(p.pool_id)
+            if p.residency != Residency.RELEASED:
+                if p.sessions or p.pinned or any(c.residency != Residency.RELEASED for c in p.children):
+                    break
+                self.release_pool(p.pool_id, immediate=True)
+                released.append(p.pool_id)
             p = parent
         return released
 

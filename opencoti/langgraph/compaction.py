@@ -66,6 +66,9 @@ class CompactionNode(RunnableLambda):
                  summary_header: str = "Summary of the conversation so far:", flush_sessions: bool = True,
                  messages_key: str = "messages", pool_key: str = "pool_id", root_key: str = "root_pool_id",
                  session_key: str = "session_id"):
+        """A compaction node. ``model``: the chat model that writes the summary (sync or async);
+        ``client``: the PolyKV client (default: the model's); the thresholds, ``keep_last``, the
+        summary settings and the state keys are described in the class docstring."""
         if keep_last < 0:
             raise ValueError("keep_last must be >= 0")
         self.model = model
@@ -233,7 +236,7 @@ class CompactionNode(RunnableLambda):
             try:
                 if self.flush_sessions:
                     c.flush_pool(p.pool_id)
-                c.release_pool(p.pool_id)
+                c.release_pool(p.pool_id, immediate=True)  # compaction frees the old subtree now
                 released.append(p.pool_id)
             except Exception:  # noqa: BLE001 - gone already, or still used by someone else: leave it
                 pass
@@ -250,7 +253,7 @@ class CompactionNode(RunnableLambda):
             try:
                 if self.flush_sessions:
                     await c.flush_pool(p.pool_id)
-                await c.release_pool(p.pool_id)
+                await c.release_pool(p.pool_id, immediate=True)
                 released.append(p.pool_id)
             except Exception:  # noqa: BLE001
                 pass

@@ -178,9 +178,13 @@ class CompactionResult(_Model):
     released_pools: list[int] = Field(default_factory=list)
     """Pools released because nothing else used them."""
     kv_pages_before: int = 0
-    """KV pages in use before."""
+    """KV pages owned by pools and sessions before (pages only the prefix cache holds are apart)."""
     kv_pages_after: int = 0
-    """KV pages in use after."""
+    """KV pages owned by pools and sessions after."""
+    kv_pages_cache_before: int = 0
+    """Pages only the prefix cache held before: reusable, evicted first when memory is needed."""
+    kv_pages_cache_after: int = 0
+    """Pages only the prefix cache holds after (the freed pages a later prompt may still reuse)."""
 
 
 class GenerationInfo(_Model):

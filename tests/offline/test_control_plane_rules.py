@@ -131,3 +131,46 @@ def test_a_release_waits_for_the_request_in_flight_then_the_grace(make_engine):
     eng.release_pool(p2.pool_id, immediate=True)
     assert p2.pool_id not in _live_ids(eng)
     eng.check_integrity()
+
+
+# ============================================================================ 5. snapshots and compaction
+def test_compaction_after_a_released_snapshot_frees_the_old_working_pool(engine):
+    """from_session moves the session onto its snapshot (a child of its pool); once the snapshot is
+    released, compaction still releases the working pool the session came from, and reports the KV
+    owned by pools and sessions (cache apart)."""
+    system = toks(30, 12)
+    root = engine.create_pool(tokens=system)
+    work = engine.fork_pool(root.pool_id, tokens=system + toks(31, 40))
+    engine.generate(engine.core.tree.get(work.pool_id).tokens + toks(32, 10), params=_greedy(12),
+                    pool_id=work.pool_id, session_id="agent")
+    snap = engine.create_pool(from_session="agent")
+    assert snap.parent == work.pool_id and [s["session_id"] for s in snap.sessions] == ["agent"]
+    assert [s["session_id"] for s in engine.pool(work.pool_id).sessions] == []  # the documented move
+    engine.release_pool(snap.pool_id, immediate=True)
+    used_before = engine.pools()["kv_pages_used"]
+    out = engine.compact_session("agent", root.pool_id, tokens=system + toks(33, 6))
+    assert out["released_pools"] == [work.pool_id]
+    live = _live_ids(engine)
+    assert work.pool_id not in live and snap.pool_id not in live and out["pool"].pool_id in live
+    assert out["kv_pages_before"] == used_before  # pages owned by pools and sessions, as /polykv/pools says
+    assert out["kv_pages_after"] == engine.pools()["kv_pages_used"] < out["kv_pages_before"]
+    # what was freed and still sits in the prefix cache is reported apart
+    assert out["kv_pages_cache_after"] == engine.pools()["kv_pages_cache"]
+    assert out["kv_pages_cache_after"] > out["kv_pages_cache_before"]
+    r = engine.generate(system + toks(33, 6) + [7], params=_greedy(2), session_id="agent")
+    assert r.info.pool_id == out["pool"].pool_id and r.info.cached_prefix_tokens >= 18
+    engine.check_integrity()
+
+
+def test_compaction_keeps_what_others_still_use(engine):
+    system = toks(34, 12)
+    root = engine.create_pool(tokens=system)
+    work = engine.fork_pool(root.pool_id, tokens=system + toks(35, 20))
+    wtoks = engine.core.tree.get(work.pool_id).tokens
+    for sid in ("a", "b"):
+        engine.generate(wtoks + toks(36, 4), params=_greedy(4), pool_id=work.pool_id, session_id=sid)
+    snap = engine.create_pool(from_session="a")
+    engine.release_pool(snap.pool_id, immediate=True)
+    out = engine.compact_session("a", root.pool_id, tokens=system + toks(37, 6))
+    assert out["released_pools"] == [] and work.pool_id in _live_ids(engine)  # "b" still works on it
+    engine.check_integrity()
