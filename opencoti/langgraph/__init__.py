@@ -13,6 +13,7 @@ from .convert import (convert_message_to_dict, convert_messages, format_tool_cho
                       usage_metadata)
 from .lazy import LazyEngine, model_from_env, shared_engine
 from .nodes import CapacityGateNode, CompactionNode, SpawnPacer
+from .resume import ainvoke_until_done, invoke_until_done, resume_command
 from .pools import PoolSpec, aensure_pool, ensure_pool, merge_pools, pool_spec, track_pool
 from .state import (PolyKVMessagesState, PolyKVState, append_list, capacity_update, keep_latest, keep_max, keep_min,
                     polykv_update)
@@ -21,6 +22,7 @@ from .tools import polykv_tools
 __all__ = [
     "OpencotiChatModel", "DEFAULT_MAX_TOKENS", "model_from_env", "shared_engine", "LazyEngine",
     "polykv_tools", "CapacityGateNode", "CompactionNode", "SpawnPacer",
+    "resume_command", "invoke_until_done", "ainvoke_until_done",
     "PolyKVState", "PolyKVMessagesState", "polykv_update", "capacity_update",
     "keep_latest", "keep_min", "keep_max", "append_list",
     "PoolSpec", "pool_spec", "track_pool", "ensure_pool", "aensure_pool", "merge_pools",

@@ -7,8 +7,10 @@
   graphs, with a sync or an async client.
 * ``SpawnPacer``: spec §14.3 pacing shared by the gates of a fan-out: one spawn decision at a
   time per pool, never while the pool is settling, and the next decision only once the server has
-  seen the previous spawn's session (so it judges a measurement that includes it). A pool without
-  a tps floor is not paced: every gate spawns at once.
+  seen the previous spawn's session (so it judges a measurement that includes it). When the
+  measured tps headroom has room for several sessions, a spawn opens a *batch*: the next gates
+  spawn at once, up to that headroom, without waiting for the settle window. A pool without a tps
+  floor is not paced: every gate spawns at once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from langgraph.constants import END
 from langgraph.types import Command, interrupt
 
 from ..client import Capacity
+from ..engine.admission.policy import REASON_CONTEXT, REASON_GUARANTEED, REASON_KV, REASON_OK, REASON_SETTLING
 from ._clients import client_pair
 from .pools import aensure_pool, ensure_pool
 from .state import capacity_update
@@ -41,16 +44,31 @@ class SpawnPacer:
     passes; only then may the next gate decide. Share one pacer between the gates of a fan-out
     (it is thread-safe, and works under ``ainvoke`` too). On a pool with no floor
     (``target_tps_per_session`` None) there is nothing to protect: gates spawn at once, unpaced.
+
+    Batches: a spawn decided on a measured report whose tps headroom (``tps_headroom_sessions``:
+    sessions the forecast's upper bound keeps above the floor, capped by the KV headroom) is k >= 2
+    opens a batch of ``min(k, max_batch)``: for ``batch_window_s`` the next gates spawn without
+    waiting for the pool to settle (each still takes the turn, checks the context and KV arms, and
+    waits until the server has seen its session). Cost: the sessions of a batch are admitted on one
+    measurement; if the forecast was wrong they are all below the floor until sessions end.
+    ``max_batch=1`` spawns one at a time (a settle window per spawn). A report with nothing measured
+    yet (a cold engine: ``tps_headroom_sessions`` None) opens no batch.
     """
 
-    def __init__(self, claim_timeout_s: float = 10.0, claim_poll_s: float = 0.05):
+    def __init__(self, claim_timeout_s: float = 10.0, claim_poll_s: float = 0.05, max_batch: int = 8,
+                 batch_window_s: float = 2.0):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.claim_timeout_s = claim_timeout_s
         self.claim_poll_s = claim_poll_s
+        self.max_batch = max_batch
+        self.batch_window_s = batch_window_s
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
         self._tasks: set = set()
+        self._batches: dict[int, list] = {}  # pool id -> [spawns left, open until (monotonic)]
         self.log: list[dict] = []
-        """Every decision: ``{t, pool_id, decision, settling, n_warming, can_admit, reason, paced}``."""
+        """Every decision: ``{t, pool_id, decision, settling, n_warming, can_admit, reason, paced, batch}``."""
 
     def _lock(self, pool_id: int) -> threading.Lock:
         with self._guard:
@@ -63,11 +81,46 @@ class SpawnPacer:
     def release(self, pool_id: int) -> None:
         self._lock(pool_id).release()
 
-    def record(self, pool_id: int, decision: str, cap: Capacity, paced: bool = True) -> None:
+    def record(self, pool_id: int, decision: str, cap: Capacity, paced: bool = True, batch: bool = False) -> None:
         with self._guard:
             self.log.append({"t": time.monotonic(), "pool_id": pool_id, "decision": decision,
                              "settling": cap.settling, "n_warming": cap.n_warming, "can_admit": cap.can_admit,
-                             "reason": cap.reason, "paced": paced})
+                             "reason": cap.reason, "paced": paced, "batch": batch})
+
+    # ---------------------------------------------------------------- batches
+    def batch_size(self, cap: Capacity) -> int:
+        """Sessions one measured report has room for at once (1: no batch)."""
+        tps = getattr(cap, "tps_headroom_sessions", None)
+        if cap.target_tps_per_session is None or not isinstance(tps, int) or tps < 2:
+            return 1
+        kv = cap.headroom_sessions
+        return max(1, min(tps, kv if isinstance(kv, int) else tps, self.max_batch))
+
+    def open_batch(self, pool_id: int, cap: Capacity) -> int:
+        """After a spawn decided on ``cap``: let ``batch_size(cap) - 1`` more gates spawn at once."""
+        n = self.batch_size(cap) - 1
+        with self._guard:
+            if n > 0:
+                self._batches[pool_id] = [n, time.monotonic() + self.batch_window_s]
+            else:
+                self._batches.pop(pool_id, None)
+        return n
+
+    def take_batch_slot(self, pool_id: int, cap: Capacity) -> bool:
+        """A place in the pool's open batch (the caller holds the pool's turn). Only while the batch is
+        open and the report's hard arms pass: the context fits, KV has room, and nothing but the
+        batch's own settle window (or warming sessions) holds the pool."""
+        with self._guard:
+            b = self._batches.get(pool_id)
+            if b is None or b[0] <= 0 or time.monotonic() > b[1]:
+                self._batches.pop(pool_id, None)
+                return False
+            kv = cap.headroom_sessions
+            if not cap.context_ok or (isinstance(kv, int) and kv < 1) \
+                    or cap.reason not in (REASON_OK, REASON_GUARANTEED, REASON_SETTLING):
+                return False
+            b[0] -= 1
+            return True
 
     def _watch(self, pool_id: int, session_id: str, since: float) -> Steps:
         """Wait (steps ``("capacity", pool_id, session_id)``, ``("events", pool_id, since)``, ``("sleep", s)``)
@@ -107,8 +160,30 @@ class SpawnPacer:
         task.add_done_callback(self._tasks.discard)
 
 
+def hold_message(cap: Capacity) -> str:
+    """Why a gate holds, in words that match ``cap.reason`` (the interrupt's ``message``)."""
+    pool = f"pool {cap.pool_id}"
+    if cap.reason == BUSY_REASON:
+        what = f"another gate of this fan-out is admitting a session on {pool}; it spawns next"
+    elif cap.reason == REASON_SETTLING:
+        what = f"{pool} is measuring its last admit ({cap.settle_remaining_ms / 1e3:.1f} s left at most)"
+    elif cap.reason == REASON_CONTEXT:
+        what = f"a new session's expected tokens do not fit the context or free KV of {pool}"
+    elif cap.reason == REASON_KV:
+        what = f"{pool} has no KV headroom for another session"
+    elif cap.can_admit:  # admits, but sessions are still warming (require_settled)
+        what = f"{pool} admits, but {cap.n_warming} session(s) are still warming up"
+    else:
+        what = f"{pool} cannot take another session: {cap.reason}"
+    return what + "; resume to re-check"
+
+
 # ============================================================================ capacity gate
 HoldMode = Literal["route", "wait", "interrupt"]
+BUSY_REASON = "another spawn is being admitted"
+"""The reason of a paced gate that did not get the pool's turn (another gate of the fan-out has it)."""
+BATCH_REASON = "admitted in a batch"
+"""The reason of a gate that spawned in a batch opened by an earlier spawn (see ``SpawnPacer``)."""
 
 
 class CapacityGateNode(RunnableLambda):
@@ -141,6 +216,10 @@ class CapacityGateNode(RunnableLambda):
                  max_wait_s: float = 60.0, poll_interval_s: float = 0.1, max_poll_interval_s: float = 2.0,
                  backoff: float = 1.6, pacer: SpawnPacer | None = None, session_key: str = "session_id",
                  session_prefix: str = "agent"):
+        """A gate that routes to ``spawn`` when the pool has room for one more session, else to
+        ``hold``. ``client``: a PolyKVClient, AsyncPolyKVClient, Engine or OpencotiChatModel;
+        ``on_hold``: ``"route"`` | ``"wait"`` | ``"interrupt"``; ``pacer``: a ``SpawnPacer`` shared by
+        the gates of a fan-out. Every argument is described in the class docstring."""
         if on_hold not in ("route", "wait", "interrupt"):
             raise ValueError(f"on_hold must be route | wait | interrupt, got {on_hold!r}")
         self.clients = client_pair(client)
@@ -213,10 +292,16 @@ class CapacityGateNode(RunnableLambda):
             got = yield ("acquire", pool_id, max(0.0, deadline - time.monotonic())
                          if self.on_hold != "interrupt" else 0.0)
             if not got:
-                cap = cap.model_copy(update={"can_admit": False, "reason": "another spawn is being admitted"})
+                cap = cap.model_copy(update={"can_admit": False, "reason": BUSY_REASON})
                 self.pacer.record(pool_id, "hold", cap)
                 return cap, False, {}
             cap = yield ("capacity", pool_id, expected)
+            if self.pacer.take_batch_slot(pool_id, cap):  # an earlier spawn's batch has room: no settle wait
+                cap = cap.model_copy(update={"can_admit": True, "reason": BATCH_REASON})
+                self.pacer.record(pool_id, "spawn", cap, paced, batch=True)
+                sid = state.get(self.session_key) or f"{self.session_prefix}-{uuid.uuid4().hex[:12]}"
+                yield ("claim", pool_id, sid)
+                return cap, True, {self.session_key: sid}
         attempt = 0
         try:
             while not self.admits(cap) and self.on_hold == "wait" and time.monotonic() < deadline:
@@ -241,6 +326,7 @@ class CapacityGateNode(RunnableLambda):
             sid = state.get(self.session_key) or f"{self.session_prefix}-{uuid.uuid4().hex[:12]}"
             extra[self.session_key] = sid
             if paced:
+                self.pacer.open_batch(pool_id, cap)
                 yield ("claim", pool_id, sid)
         return cap, True, extra
 
@@ -275,7 +361,7 @@ class CapacityGateNode(RunnableLambda):
 
     def _interrupt(self, cap: Capacity) -> None:
         interrupt({"reason": cap.reason, "pool_id": cap.pool_id, "capacity": cap.model_dump(),
-                   "message": "pool has no capacity for another session; resume to re-check"})
+                   "message": hold_message(cap)})
 
     def _run(self, state: dict) -> Command:
         cap, ok, extra = self.decide(state)

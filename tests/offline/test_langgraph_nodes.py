@@ -209,7 +209,9 @@ def test_paced_fan_out_with_send(engine):
     out = g.compile().invoke({"tasks": [f"task {i}" for i in range(4)], "pool_id": pool.pool_id})
     assert sorted(t for t, _ in out["results"]) == [f"task {i}" for i in range(4)]
     spawns = [e for e in pacer.log if e["decision"] == "spawn"]
-    assert len(spawns) == 4 and not any(e["settling"] for e in spawns)
+    # a spawn decided on its own report never happens while the pool settles; one admitted in a batch
+    # (the measured headroom had room for several) may, inside the window its batch opened
+    assert len(spawns) == 4 and not any(e["settling"] for e in spawns if not e["batch"])
     client.release_pool(pool.pool_id)
 
 
