@@ -85,3 +85,69 @@ def test_a_kv_file_without_a_checksum_is_not_loaded(make_engine, tmp_path):
     assert "no checksum" in kvfile.verify(path)
     eng = make_engine(state_dir=str(state))
     assert eng._persist.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"
+
+
+# ============================================================================ the database and the id mark
+def _three_pools(make_engine, state) -> tuple[int, list[str]]:
+    eng = make_engine(state_dir=str(state))
+    ids = [eng.create_pool(tokens=ROOT, pinned=True).pool_id, eng.create_pool(tokens=[4, 5, 6]).pool_id]
+    eng.release_pool(ids[1])
+    ids.append(eng.create_pool(tokens=[7, 8, 9]).pool_id)
+    eng.shutdown()
+    return max(ids), sorted(f.name for f in (state / "kv").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["empty", "no tables", "garbage"])
+def test_a_damaged_database_is_an_error_and_nothing_is_deleted(make_engine, tmp_path, damage):
+    import sqlite3
+
+    from opencoti.engine.persist.store import DB_NAME, StateDirError
+
+    state = tmp_path / "state"
+    _, kv_files = _three_pools(make_engine, state)
+    db = state / DB_NAME
+    for side in ("-wal", "-shm"):
+        (state / (DB_NAME + side)).unlink(missing_ok=True)
+    if damage == "empty":
+        db.write_bytes(b"")
+    elif damage == "no tables":
+        db.unlink()
+        sqlite3.connect(str(db)).execute("CREATE TABLE other (x)").connection.close()
+    else:
+        db.write_bytes(b"\x00garbage" * 1000)
+    before = sorted(p.name for p in state.rglob("*"))
+    with pytest.raises(StateDirError, match="empty|holds no opencoti state|cannot open the state database"):
+        make_engine(state_dir=str(state))
+    assert sorted(p.name for p in state.rglob("*")) == before  # the KV files and the mark are still there
+    assert sorted(f.name for f in (state / "kv").iterdir()) == kv_files
+    assert db.stat().st_size == (0 if damage == "empty" else db.stat().st_size)
+
+
+def test_ids_never_come_back_even_when_the_database_is_lost(make_engine, tmp_path, caplog):
+    from opencoti.engine.persist.store import DB_NAME, MARK_NAME
+
+    state = tmp_path / "state"
+    top, _ = _three_pools(make_engine, state)
+    assert int((state / MARK_NAME).read_text()) == top + 1
+    for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm"):
+        (state / name).unlink(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger="opencoti.engine.persist"):
+        eng = make_engine(state_dir=str(state))
+    assert "the database was lost" in caplog.text
+    assert eng.pools()["pools"] == []
+    assert eng.create_pool(tokens=[1, 2, 3]).pool_id == top + 1  # never an id handed out before
+    eng.shutdown()
+
+
+def test_the_mark_file_wins_when_it_is_higher(make_engine, tmp_path):
+    from opencoti.engine.persist.store import MARK_NAME, StateDirError
+
+    state = tmp_path / "state"
+    top, _ = _three_pools(make_engine, state)
+    (state / MARK_NAME).write_text("40\n")  # e.g. the database restored from an older backup
+    eng = make_engine(state_dir=str(state))
+    assert eng.create_pool(tokens=[1, 2, 3]).pool_id == 40
+    eng.shutdown()
+    (state / MARK_NAME).write_text("x\n")
+    with pytest.raises(StateDirError, match="id mark .* is damaged"):
+        make_engine(state_dir=str(state))

@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .store import fsync_dir
+
 log = logging.getLogger("opencoti.engine.persist")
 
 MAGIC = b"OPENCOTI-KV1\n"
@@ -78,7 +80,7 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return HEADER + 2 * k.numel() * k.element_size() + (4 * len(tokens) if store_tokens else 0)
 
 
@@ -190,19 +192,6 @@ def verify(path: str | os.PathLike) -> str | None:
     if head is None:
         return "no readable header"
     return _checked_body(path, head)[1]
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class KvWriter:

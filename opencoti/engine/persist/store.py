@@ -8,11 +8,18 @@ whole transaction or none of it. ``synchronous=FULL`` makes every acknowledged c
 power loss too.
 
 One process at a time: the directory is locked (``flock``) while a store is open.
+
+The database is created whole (under a temporary name, then renamed), so a database that exists
+but is empty (0 bytes) or holds no opencoti tables was damaged: it is an error, never a fresh
+start, and nothing in the directory is touched. The id high-water mark is also kept in a file of
+its own (``next_pool_id``, written before the database), so even a lost database cannot make ids
+come back: a new one continues above the mark.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -27,6 +34,10 @@ from ..errors import OpencotiError
 SCHEMA_VERSION = 1
 DB_NAME = "state.sqlite3"
 LOCK_NAME = "lock"
+MARK_NAME = "next_pool_id"  # the id high-water mark, beside the database
+_TABLES = {"meta", "pools", "sessions"}
+
+log = logging.getLogger("opencoti.engine.persist")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -119,8 +130,18 @@ class StateStore:
         except OSError as e:
             raise StateDirError(f"cannot create the state directory {self.dir}: {e}") from e
         self._lock_fd = self._lock()
+        self.db = None
         try:
-            self.db = sqlite3.connect(str(self.dir / DB_NAME), isolation_level=None, check_same_thread=False)
+            self._mark = read_mark(self.dir)
+            path = self.dir / DB_NAME
+            if not path.exists():
+                self._create(path)
+            elif path.stat().st_size == 0:
+                raise StateDirError(f"the state database {path} exists but is empty (0 bytes): it was damaged. "
+                                    "Starting from zero would hand out pool ids again; restore it from a backup, "
+                                    "or move the state directory away to start afresh")
+            self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._check_tables(path)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self._durable = True
@@ -132,12 +153,45 @@ class StateStore:
                 self._check_meta(identity or {})
         except sqlite3.Error as e:
             self.close()
-            raise StateDirError(f"cannot open the state database in {self.dir}: {e}") from e
+            raise StateDirError(f"cannot open the state database in {self.dir}: {e}; nothing in it was changed. "
+                                "Restore it from a backup, or move the state directory away to start afresh") from e
         except BaseException:
             self.close()
             raise
 
     # ---------------------------------------------------------------- open / close
+    def _create(self, path: Path) -> None:
+        """A new database, whole or not at all: built under a temporary name, then renamed."""
+        if self._mark > 1 or (self.dir / "kv").is_dir():
+            log.warning("state: %s has no database but an id mark (%d) or KV files: the database was lost; "
+                        "starting with no pools, ids continue above the mark", self.dir, self._mark)
+        tmp = path.with_name(path.name + ".new")
+        tmp.unlink(missing_ok=True)
+        db = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            db.execute("BEGIN")
+            for stmt in _SCHEMA.strip().split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            db.execute("INSERT INTO meta VALUES ('next_pool_id', ?)", (str(self._mark),))
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(self.dir)
+
+    def _check_tables(self, path: Path) -> None:
+        names = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        mark = self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone() \
+            if "meta" in names else None
+        if not _TABLES <= names or mark is None:
+            raise StateDirError(f"the state database {path} holds no opencoti state (tables "
+                                f"{sorted(_TABLES - names) or 'meta.next_pool_id'} missing): it was damaged or is "
+                                "not ours. Restore it from a backup, or move the state directory away to start afresh")
+
     def _lock(self) -> int:
         import fcntl
 
@@ -166,7 +220,6 @@ class StateStore:
                 f"the state directory {self.dir} holds pools of another model ({stored}, this engine is "
                 f"{identity}); their tokens mean nothing to this model: use another --state-dir")
         self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('next_pool_id', '1')")
         if identity:
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('identity', ?)", (json.dumps(identity, sort_keys=True),))
 
@@ -224,14 +277,20 @@ class StateStore:
         return Snapshot(pools=pools, sessions=sessions, next_pool_id=self.next_pool_id())
 
     def next_pool_id(self) -> int:
-        return int(self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
+        """The id high-water mark: the database's, or the mark file's when that is higher."""
+        db = int(self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
+        return max(db, self._mark)
 
     def pool_ids(self) -> Iterator[int]:
         return (r[0] for r in self.db.execute("SELECT pool_id FROM pools"))
 
     # ---------------------------------------------------------------- writes (call inside a transaction)
     def reserve_pool_ids(self, next_id: int) -> None:
-        """Ids below ``next_id`` are spent for good (the mark only moves up)."""
+        """Ids below ``next_id`` are spent for good (the mark only moves up). The mark file is
+        written first: a mark that gets ahead of the database only skips ids."""
+        if next_id > self._mark:
+            write_mark(self.dir, int(next_id))
+            self._mark = int(next_id)
         self.db.execute("UPDATE meta SET value = ? WHERE key = 'next_pool_id' AND CAST(value AS INTEGER) < ?",
                         (str(int(next_id)), int(next_id)))
 
@@ -258,3 +317,42 @@ class StateStore:
 
     def delete_session(self, session_id: str) -> None:
         self.db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+
+
+def read_mark(directory: Path) -> int:
+    """The id high-water mark of the mark file (1 when there is none)."""
+    try:
+        text = (directory / MARK_NAME).read_text().strip()
+    except FileNotFoundError:
+        return 1
+    except OSError as e:
+        raise StateDirError(f"cannot read the id mark {directory / MARK_NAME}: {e}") from None
+    if not text.isdigit() or int(text) < 1:
+        raise StateDirError(f"the id mark {directory / MARK_NAME} is damaged ({text[:40]!r}): restore it, or write "
+                            "an id above every pool id ever handed out")
+    return int(text)
+
+
+def write_mark(directory: Path, next_id: int) -> None:
+    """Write the mark file atomically and durably (temporary file, fsync, rename, fsync the directory)."""
+    tmp = directory / (MARK_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{next_id}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MARK_NAME)
+    fsync_dir(directory)
+
+
+def fsync_dir(d: Path) -> None:
+    """Make a rename in ``d`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
