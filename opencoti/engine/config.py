@@ -153,6 +153,8 @@ class EngineConfig:
         engine its own range so that ids stay unique across engines and say which one holds a pool.
     state_dir: where the pool tree, named sessions and id marks persist across restarts (None:
         nothing persists; see docs/persistence.md).
+    session_kv_budget_mib: disk the named sessions' KV files may use in ``state_dir`` (the least
+        recently written go first; 0: sessions come back without KV and recompute).
     prefix_cache: share the KV of any cached prefix automatically (requests without a pool or a
         session id included); finished requests leave their full pages as evictable cache.
     session_ttl_s: an idle session nobody named (created without session_id) ends after this many
@@ -181,6 +183,7 @@ class EngineConfig:
     pool_id_base: int = 0
     debug_checks: bool = False
     state_dir: str | None = None
+    session_kv_budget_mib: float = 1024.0
     prefix_cache: bool = True
     session_ttl_s: float = 300.0
 
@@ -213,6 +216,8 @@ class EngineConfig:
         _check(self.weights in ("auto", "fp32", "bf16", "int8", "int4"),
                f"weights must be auto|fp32|bf16|int8|int4, got {self.weights!r}")
         _check(isinstance(self.debug_checks, bool), "debug_checks must be a boolean")
+        _check(_is_number(self.session_kv_budget_mib) and self.session_kv_budget_mib >= 0,
+               f"session_kv_budget_mib must be a number >= 0, got {self.session_kv_budget_mib!r}")
         _check(self.state_dir is None or (isinstance(self.state_dir, str) and self.state_dir.strip() != ""),
                f"state_dir must be a directory path or None, got {self.state_dir!r}")
         _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where pools, named sessions and pool ids persist across restarts (default: "
                         "$OPENCOTI_STATE_DIR, else state/port-<port> under the cache dir; none with --port 0; "
                         "'none': keep nothing). See docs/persistence.md")
+    p.add_argument("--session-kv-budget-mib", type=float, default=1024.0, metavar="MIB",
+                   help="disk the named sessions' KV may use in the state directory, so that a session's next "
+                        "turn after a restart reads its cache (least recently written dropped first; 0: off; "
+                        "default 1024)")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="one '<tenant> <key>' per line: each key a tenant that sees only its own pools and "
                         "sessions (docs/persistence.md); not with --api-key")
@@ -121,6 +125,7 @@ def run(args) -> int:
             num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl,
             prefix_cache=args.prefix_cache == "on", session_ttl_s=args.session_ttl,
             state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights,
+            session_kv_budget_mib=args.session_kv_budget_mib,
             seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),

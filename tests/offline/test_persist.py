@@ -78,7 +78,7 @@ def test_restart_restores_tree_sessions_and_never_reuses_ids(make_engine, tmp_pa
     eng.check_integrity()
     eng.shutdown()
 
-    eng = make_engine(state_dir=state)
+    eng = make_engine(state_dir=state, session_kv_budget_mib=0)  # the session without its KV file: it recomputes
     st = eng._persist.stats
     assert st["pools"] == 3 and st["sessions"] == 1 and st["skipped_pools"] == []
     pools = pools_by_id(eng)

@@ -23,6 +23,7 @@ from ..kv.pools import Pool, Residency, prefix_hashes
 from ..session import Sequence, Session
 from ..tenancy import set_owner  # noqa: F401 - re-exported for the engine (pool owners are persisted)
 from . import kvfile
+from .session_kv import DEFAULT_BUDGET_MIB, SessionKv
 from .store import PoolRecord, SessionRecord, StateStore
 
 log = logging.getLogger("opencoti.engine.persist")
@@ -38,7 +39,7 @@ class Persister:
     enabled = True
 
     def __init__(self, store: StateStore, core, *, admission=None, kv_files: bool = True,
-                 kv_identity: dict | None = None):
+                 kv_identity: dict | None = None, session_kv_budget_mib: float = DEFAULT_BUDGET_MIB):
         self.store = store
         self.core = core
         self.kv_identity = kv_identity  # written into every KV file; a file of another identity is not loaded
@@ -52,6 +53,9 @@ class Persister:
         self._kv_saved: set[int] = set()  # pool ids whose KV file is written (or queued)
         self.kv_rejected: list[int] = []  # pools whose KV file failed its checksum (recomputed instead)
         self.kv_writer = kvfile.KvWriter()
+        # named sessions' KV files (session_kv.py), within their disk budget
+        self.session_kv = SessionKv(store.dir / "session_kv", core, self.kv_writer, kv_identity,
+                                    int(session_kv_budget_mib * 2**20) if kv_files else 0)
         self._reserved = 0
         self._dirty_sessions: set[str] = set()
         self.stats: dict = {}
@@ -89,6 +93,7 @@ class Persister:
         tree._next_id = max(tree._next_id, snap.next_pool_id, max(restored, default=0) + 1)
         self._reserved = snap.next_pool_id
         n_sessions = 0
+        back: list[Session] = []
         for rec in snap.sessions:
             if rec.session_id in core.sessions:
                 continue
@@ -101,11 +106,16 @@ class Persister:
                 pool.sessions.add(s.session_id)
             core.sessions[s.session_id] = s
             self._sessions[s.session_id] = self._session_key(s)
+            back.append(s)
             n_sessions += 1
         loaded = self._load_pinned_kv() if self.kv_files else 0
+        sessions_loaded = self.session_kv.restore(back)
+        for s in back:  # a session given its KV back keeps the key it is stored under
+            self._sessions[s.session_id] = self._session_key(s)
         self.sync()
         self.stats = {"pools": len(restored), "sessions": n_sessions, "skipped_pools": skipped,
                       "next_pool_id": tree._next_id, "kv_loaded_pools": loaded,
+                      "kv_loaded_sessions": sessions_loaded,
                       "seconds": time.perf_counter() - t0}
         return self.stats
 
@@ -219,8 +229,10 @@ class Persister:
                 self._drop_kv_file(op[1])
             elif kind == "sdel":
                 self._sessions.pop(op[1], None)
+                self.session_kv.drop(op[1])
             elif kind == "sput":
                 self._sessions[op[1].session_id] = op[2]
+                self.session_kv.save(op[1])
         if self.kv_files:
             self._save_pinned_kv()
 
@@ -407,7 +419,8 @@ def attach(engine, state_dir, *, kv_files: bool = True) -> Persister:
     store = StateStore(state_dir, identity=identity_of(engine))
     try:
         p = Persister(store, engine.core, admission=getattr(engine, "_admission", None), kv_files=kv_files,
-                      kv_identity=kv_identity_of(engine))
+                      kv_identity=kv_identity_of(engine),
+                      session_kv_budget_mib=getattr(engine.config, "session_kv_budget_mib", DEFAULT_BUDGET_MIB))
         p.restore()
     except BaseException:
         store.close()
