@@ -8,7 +8,8 @@ text; ``tool_use`` blocks (assistant) -> tool calls; ``tool_result`` blocks (use
 (``is_error`` prefixes the content with "Error: "); ``thinking`` blocks -> the message's
 ``reasoning_content``; ``tools`` (``input_schema``) -> function tools; ``tool_choice``
 (auto / any / tool / none, ``disable_parallel_tool_use``); ``stop_sequences``; ``temperature``,
-``top_p``, ``top_k``. ``metadata`` and ``thinking`` are accepted (the model has no thinking mode).
+``top_p``, ``top_k``; ``output_config.format`` (json_schema: the constraint engine). ``metadata``
+and ``thinking`` are accepted (the model has no thinking mode).
 Image and document blocks are refused (400): the model reads text only. The PolyKV fields
 (``pool_id``, ``session_id``, ``cache_salt``, ...) may be sent as extra fields.
 """
@@ -47,6 +48,9 @@ class MessagesRequest(PolyKVFields):
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"json_schema\", "
+                                                                   "\"schema\": {...}}}: structured output")
+    output_format: dict[str, Any] | None = Field(None, description="the earlier name of output_config.format")
 
 
 class CountTokensRequest(MessagesRequest):
@@ -176,6 +180,16 @@ def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
     raise InvalidRequestError(f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
 
 
+def _response_format(body: MessagesRequest) -> dict | None:
+    """Anthropic's structured output (``output_config.format``) as the chat's json_schema response_format."""
+    fmt = (body.output_config or {}).get("format") or body.output_format
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequestError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+
+
 def chat_request(body: MessagesRequest, pool_header: int | None = None) -> ChatCompletionRequest:
     """The chat completion a Messages request stands for (``pool_header``: the x-pool-id header)."""
     if not body.messages:
@@ -192,7 +206,7 @@ def chat_request(body: MessagesRequest, pool_header: int | None = None) -> ChatC
     fields.update(model=body.model, messages=messages, tools=_tools(body.tools), tool_choice=tool_choice,
                   parallel_tool_calls=parallel, max_tokens=body.max_tokens, stop=body.stop_sequences,
                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                  stream=bool(getattr(body, "stream", False)))
+                  response_format=_response_format(body), stream=bool(getattr(body, "stream", False)))
     return ChatCompletionRequest.model_construct(**fields)
 
 
