@@ -41,6 +41,9 @@ def info_from_headers(headers: Any) -> GenerationInfo:
         except ValueError:
             return None
 
+    def remaining(v: str | None) -> int | str | None:
+        return "unknown" if v == "unknown" else num("x-sessions-remaining")
+
     def seconds(name: str) -> float | None:
         v = headers.get(name)
         try:
@@ -51,7 +54,7 @@ def info_from_headers(headers: Any) -> GenerationInfo:
 
     return GenerationInfo(session_id=headers.get("x-session-id") or "", pool_id=num("x-pool-id"),
                           cached_prefix_tokens=num("x-cached-prefix-tokens") or 0,
-                          sessions_remaining=num("x-sessions-remaining"),
+                          sessions_remaining=remaining(headers.get("x-sessions-remaining")),
                           admission_warning=headers.get("x-admission-warning"),
                           admission_retry_after_s=seconds("x-admission-retry-after"))
 

@@ -135,7 +135,8 @@ def backpressure(info: GenerationInfo | None) -> dict | None:
     """``response_metadata["backpressure"]``: what an enforced pool's admission gate said when it
     admitted this request as a session new to the pool (None otherwise: no gate applied; the same
     cases as the ``X-Sessions-Remaining`` header). ``sessions_remaining``: new sessions the pool
-    could take at that moment, this one included (0: admitted only by ``warn`` or ``overcommit``);
+    could take at that moment, this one included (0: none fit, this one came in by the guarantee,
+    ``warn`` or ``overcommit``; ``"unknown"``: a floor and nothing measured to project from);
     ``warning``: only when admitted past a full pool; ``retry_after_s``: only when no other new
     session fits after this one, the whole seconds until one is likely to."""
     if info is None or info.sessions_remaining is None:

@@ -3,7 +3,8 @@ write them as headers, the client's in-process transport reads the same values f
 ``RequestInfo`` (docs/http-api.md, "Sessions and pools on every generation route").
 
 * ``X-Sessions-Remaining``: an enforced pool's ``sessions_remaining`` when it admitted this new
-  session (this one included; 0: admitted only by ``warn`` / ``overcommit``).
+  session: how many new sessions fit at that moment, this one included (0: none fit, this one
+  came in by the guarantee, ``warn`` or ``overcommit``; ``unknown``: a floor and nothing measured).
 * ``x-admission-warning``: admitted past a full pool (``warn``, ``overcommit``).
 * ``x-admission-retry-after``: when no other new session fits after this one, whole seconds until
   one is likely to (the estimate a 429 carries in ``Retry-After``). Not ``Retry-After`` itself:
@@ -46,6 +47,12 @@ def tps_value(info: RequestInfo, timings: dict | None = None) -> float | None:
     return float(v) if v is not None and v > 0 else None
 
 
+def sessions_remaining_header(v) -> str:
+    """``X-Sessions-Remaining``: new sessions the pool could take when the gate decided, the
+    request's own included, or ``unknown`` (a floor and nothing measured to project from)."""
+    return v if v == "unknown" else str(int(v or 0))
+
+
 def generation_headers(info: RequestInfo, timings: dict | None = None) -> dict[str, str]:
     """The headers of a generation answer: ``timings`` given for an answer sent whole (after the
     request ended), None for a stream (before its first token)."""
@@ -55,7 +62,7 @@ def generation_headers(info: RequestInfo, timings: dict | None = None) -> dict[s
     adm: dict[str, Any] | None = info.admission
     if adm is not None:
         if adm.get("sessions_remaining") is not None:
-            h["X-Sessions-Remaining"] = str(int(adm["sessions_remaining"]))
+            h["X-Sessions-Remaining"] = sessions_remaining_header(adm["sessions_remaining"])
         if adm.get("warning"):
             h["x-admission-warning"] = str(adm["warning"]).encode("ascii", "replace").decode()
         retry = admission_retry_after(adm)

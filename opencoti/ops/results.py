@@ -4,7 +4,7 @@ the HTTP API documents. Unknown fields are kept: a server may report more than a
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -196,8 +196,9 @@ class GenerationInfo(_Model):
     """The pool it attached to."""
     cached_prefix_tokens: int = 0
     """Prompt tokens reused from the pool / session cache (``cache_n``)."""
-    sessions_remaining: int | None = None
-    """Enforced pools: sessions that still fit (``X-Sessions-Remaining``)."""
+    sessions_remaining: int | Literal["unknown"] | None = None
+    """Enforced pools: new sessions that fit when the gate admitted this one, this one included
+    (``X-Sessions-Remaining``); ``"unknown"`` with a floor and nothing measured; None: no gate."""
     admission_warning: str | None = None
     """Admitted under ``on_saturation: warn`` (or by ``overcommit`` past a full pool): the warning."""
     admission_retry_after_s: float | None = None

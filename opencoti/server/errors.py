@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.errors import ContextLengthError, EngineClosedError, OpencotiError, PoolSaturatedError
+from ..ops.headers import sessions_remaining_header
 from ..ops.validation import validation_message
 from . import json_steps
 
@@ -136,7 +137,7 @@ def describe_exception(exc: BaseException) -> tuple[int, str, str, dict[str, str
         headers = retry_after_header(getattr(exc, "retry_after", None))  # only some kinds carry one
         if isinstance(exc, PoolSaturatedError):
             cap = exc.capacity or {}
-            headers["X-Sessions-Remaining"] = str(int(cap.get("sessions_remaining") or 0))
+            headers["X-Sessions-Remaining"] = sessions_remaining_header(cap.get("sessions_remaining"))
             if exc.reason:
                 headers["X-Admission-Reason"] = exc.reason
     else:

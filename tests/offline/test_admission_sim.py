@@ -235,7 +235,7 @@ def test_the_frontier_is_entered_only_from_a_size_measured_to_precision():
     ok = compute_capacity(CapacityInputs(**base, fc_est_tps=37.0, fc_bound_tps=34.0, fc_headroom=1))
     assert ok["can_admit"] and ok["sessions_remaining"] == 1
     thin = compute_capacity(CapacityInputs(**base, fc_est_tps=37.0, fc_bound_tps=34.0, fc_headroom=1, fc_thin=True))
-    assert not thin["can_admit"] and thin["reason"] == "next admit may cross the floor (uncertain drop)"
+    assert not thin["can_admit"] and thin["reason"] == "batch size not yet measured enough"
     assert thin["sessions_remaining"] == 0
     probe = dict(base, fc_est_tps=37.0, fc_bound_tps=28.0)  # a probe, unless the current size is thin
     assert compute_capacity(CapacityInputs(**probe))["probe"]
@@ -273,7 +273,7 @@ def test_a_settle_window_that_ran_out_of_time_leaves_the_frontier_closed():
     cap = adm.capacity(pid)
     assert cap["forecast_kind"] == "extrapolated" and not cap["settling"]
     assert cap["projected_mean_tps_if_admitted"] > 1.0  # the bound passes, but size 2 is thin:
-    assert not cap["can_admit"] and cap["reason"] == "next admit may cross the floor (uncertain drop)"
+    assert not cap["can_admit"] and cap["reason"] == "batch size not yet measured enough"
     assert cap["sessions_remaining"] == 0
     sim.run_until(8.0)
     assert fc.stats[2].n >= 48 and adm.capacity(pid)["can_admit"]
@@ -321,7 +321,7 @@ def test_no_admit_from_a_probed_size_before_it_is_measured():
     base = dict(policy=pol, mean=50.0, n_active=5, n_decoding=5, n_pool_sessions=5, n_engine_inflight=5,
                 available_cells=1000, free_cells=1000, total_cells=1000, marginal_tokens=100, fc_kind="unmeasured")
     cap = compute_capacity(CapacityInputs(**base, fc_frontier=True))
-    assert not cap["can_admit"] and cap["reason"] == "next admit may cross the floor (uncertain drop)"
+    assert not cap["can_admit"] and cap["reason"] == "batch size not yet measured enough"
     assert cap["sessions_remaining"] == 0
     inner = compute_capacity(CapacityInputs(**base, fc_frontier=False))
     assert inner["can_admit"] and inner["projected_mean_tps_if_admitted"] == pytest.approx(50 * 5 / 6)

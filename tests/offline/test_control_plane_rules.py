@@ -174,3 +174,116 @@ def test_compaction_keeps_what_others_still_use(engine):
     out = engine.compact_session("a", root.pool_id, tokens=system + toks(37, 6))
     assert out["released_pools"] == [] and work.pool_id in _live_ids(engine)  # "b" still works on it
     engine.check_integrity()
+
+
+# ============================================================================ 3. conservative projections
+from opencoti.engine.admission import (REASON_FLOOR, REASON_FLOOR_IDLE, REASON_GUARANTEED, REASON_UNCERTAIN,  # noqa: E402
+                                       REASON_UNMEASURED, AdmissionPolicy, CapacityInputs, compute_capacity)
+
+
+def _cap(**kw) -> dict:
+    base = dict(available_cells=1000, free_cells=1000, total_cells=1000, marginal_tokens=100)
+    return compute_capacity(CapacityInputs(**{**base, **kw}))
+
+
+def test_a_projection_is_never_above_what_is_measured_now():
+    pol = AdmissionPolicy(target_tps_per_session=10.0)
+    cap = _cap(policy=pol, mean=26.88, n_active=3, n_decoding=3, n_pool_sessions=3, n_engine_inflight=3,
+               fc_kind="measured", fc_now_tps=26.9, fc_est_tps=27.35, fc_bound_tps=27.1, fc_headroom=4)
+    assert cap["projected_mean_tps_measured"] <= 26.88 and cap["projected_mean_tps_if_admitted"] <= 26.88
+    assert cap["can_admit"]
+    # with nothing decoding, the ceiling is the step time measured at the current size
+    cap = _cap(policy=pol, mean=None, n_pool_sessions=0, n_engine_inflight=0, fc_kind="extrapolated",
+               fc_now_tps=20.0, fc_est_tps=21.0, fc_bound_tps=20.5)
+    assert cap["projected_mean_tps_measured"] <= 20.0 and cap["projected_mean_tps_if_admitted"] <= 20.0
+
+
+def test_with_nothing_measured_a_floor_says_unknown_never_a_number():
+    absurd = AdmissionPolicy(target_tps_per_session=1e6, mode="enforced")
+    # the first session on a cold engine: guaranteed, and how many more fit is unknown
+    first = _cap(policy=absurd, mean=None, n_pool_sessions=0, n_engine_inflight=0)
+    assert first["can_admit"] and first["reason"] == REASON_GUARANTEED and first["sessions_remaining"] == "unknown"
+    # a second one while the first still warms up: held until its steps are measured
+    second = _cap(policy=absurd, mean=None, n_warming=1, n_pool_sessions=1, n_engine_inflight=1)
+    assert not second["can_admit"] and second["reason"] == REASON_UNMEASURED
+    assert second["sessions_remaining"] == "unknown"
+    # an idle engine that measured nothing: the only way to learn is to admit; it says unknown
+    idle = _cap(policy=absurd, mean=None, n_pool_sessions=1, n_engine_inflight=0)
+    assert idle["can_admit"] and idle["probe"] and idle["sessions_remaining"] == "unknown"
+    # no floor: nothing to project, the KV headroom is the number
+    assert _cap(policy=AdmissionPolicy(), mean=None, n_pool_sessions=1, n_engine_inflight=1)["sessions_remaining"] == 10
+
+
+def test_x_sessions_remaining_means_one_thing_cold_and_warm(make_engine):
+    eng = make_engine()
+    system = toks(40, 12)
+    with TestClient(create_app(eng), raise_server_exceptions=False) as c:
+        def enforced_pool(seed):
+            p = ok(c.post("/polykv/pools", json={"tokens": system + toks(seed, 4)}))
+            ok(c.post(f"/polykv/pools/{p['pool_id']}/admission",
+                     json={"target_tps_per_session": 1e6, "mode": "enforced", "on_saturation": "reject"}))
+            return p["pool_id"], system + toks(seed, 4)
+
+        pid, prefix = enforced_pool(41)
+        # cold engine: the guaranteed first session, nothing measured yet
+        r = c.post("/completion", json={"prompt": prefix + [5], "n_predict": 40, "pool_id": pid, "session_id": "a",
+                                         **GREEDY})
+        ok(r)
+        assert r.headers["x-sessions-remaining"] == "unknown"
+        # warm engine, idle again: a second session is refused with the floor's reason, 0 remaining
+        r = c.post("/completion", json={"prompt": prefix + [6], "n_predict": 4, "pool_id": pid, "session_id": "b",
+                                        **GREEDY})
+        assert r.status_code == 429 and r.headers["x-sessions-remaining"] == "0"
+        assert r.headers["x-admission-reason"] in (REASON_FLOOR, REASON_FLOOR_IDLE, REASON_UNCERTAIN)
+        # the guaranteed first session of a new pool on the warm engine: 0, no session fits past it
+        pid2, prefix2 = enforced_pool(42)
+        r = c.post("/completion", json={"prompt": prefix2 + [5], "n_predict": 4, "pool_id": pid2,
+                                        "session_id": "c", **GREEDY})
+        ok(r)
+        assert r.headers["x-sessions-remaining"] == "0"
+    # the same values in process (the client reads the engine's answer)
+    pid3 = eng.create_pool(tokens=toks(43, 12)).pool_id
+    eng.set_admission(pid3, target_tps_per_session=1e6, mode="enforced")
+    res = eng.generate(toks(43, 12) + [5], params=_greedy(4), pool_id=pid3, session_id="d")
+    assert res.info.admission["decision"] == "guaranteed" and res.info.admission["sessions_remaining"] == 0
+
+
+# ============================================================================ 4. hold reasons name their cause
+def test_hold_reasons_name_their_real_cause():
+    pol = AdmissionPolicy(target_tps_per_session=0.01)
+    idle = dict(policy=pol, mean=None, n_pool_sessions=2, n_engine_inflight=0, last_settled_mean=25.5,
+                last_settled_age_s=1.0, fc_now_tps=25.5, fc_frontier=True, fc_kind="extrapolated")
+    # held because the current batch size is not measured to precision (not "below the floor")
+    cap = _cap(**idle, fc_est_tps=25.3, fc_bound_tps=25.08, fc_thin=True)
+    assert cap["projected_idle_estimate"] and not cap["can_admit"]
+    assert cap["reason"] == REASON_UNMEASURED and cap["projected_mean_tps_if_admitted"] > 0.01
+    # estimate above the floor, bound below it: uncertain, idle estimate or not
+    pol2 = AdmissionPolicy(target_tps_per_session=25.0)
+    cap = _cap(**{**idle, "policy": pol2, "fc_frontier": False, "fc_kind": "measured"}, fc_est_tps=25.3,
+               fc_bound_tps=24.0)
+    assert cap["projected_idle_estimate"] and cap["reason"] == REASON_UNCERTAIN
+    # both below: below the floor, from the idle estimate
+    cap = _cap(**{**idle, "policy": pol2, "fc_frontier": False, "fc_kind": "measured"}, fc_est_tps=24.5,
+               fc_bound_tps=24.0)
+    assert cap["reason"] == REASON_FLOOR_IDLE
+    # a probed size with no steps of its own yet
+    cap = _cap(policy=AdmissionPolicy(target_tps_per_session=30.0), mean=50.0, n_active=5, n_decoding=5,
+               n_pool_sessions=5, n_engine_inflight=5, fc_kind="unmeasured", fc_frontier=True)
+    assert cap["reason"] == REASON_UNMEASURED
+
+
+def test_unknown_reaches_every_surface_the_same_way():
+    from opencoti.client.events import generation_info, info_from_headers
+    from opencoti.engine.results import RequestInfo
+    from opencoti.langgraph.convert import backpressure
+    from opencoti.ops.headers import generation_headers
+
+    info = RequestInfo("r", "s", 2, 5, 9, admission={"decision": "guaranteed", "sessions_remaining": "unknown",
+                                                     "warning": None, "retry_after": None})
+    h = generation_headers(info)
+    assert h["X-Sessions-Remaining"] == "unknown" and "x-admission-retry-after" not in h
+    over_http = info_from_headers({k.lower(): v for k, v in h.items()})
+    in_process = generation_info(info)
+    assert over_http.sessions_remaining == in_process.sessions_remaining == "unknown"
+    assert backpressure(over_http) == backpressure(in_process) == {"sessions_remaining": "unknown"}
+    assert info_from_headers({"x-session-id": "s", "x-sessions-remaining": "3"}).sessions_remaining == 3

@@ -15,11 +15,12 @@ from .controller import AdmissionController
 from .decide import ADMIT, HOLD, REJECT, UNGATED, AdmissionPlan, Decision, GateInputs, decide
 from .policy import (ADVISORY, ENFORCED, FLOOR_REASONS, QUEUE, REASON_CONTEXT, REASON_FLOOR, REASON_FLOOR_IDLE,
                      REASON_GUARANTEED, REASON_KV, REASON_OK, REASON_QUEUE_TIMEOUT, REASON_SETTLING,
-                     REASON_UNCERTAIN, REJECT as ON_REJECT, WARN, AdmissionPolicy)
+                     REASON_UNCERTAIN, REASON_UNMEASURED, REJECT as ON_REJECT, UNKNOWN, WARN, AdmissionPolicy)
 from .state import DROP_ALPHA, Held, PoolState, Settle, fold_drop
 
 __all__ = ["ADMIT", "HOLD", "REJECT", "UNGATED", "ADVISORY", "ENFORCED", "QUEUE", "WARN", "ON_REJECT",
            "FLOOR_REASONS", "REASON_CONTEXT", "REASON_FLOOR", "REASON_FLOOR_IDLE", "REASON_GUARANTEED", "REASON_KV",
-           "REASON_OK", "REASON_QUEUE_TIMEOUT", "REASON_SETTLING", "REASON_UNCERTAIN", "DROP_ALPHA",
+           "REASON_OK", "REASON_QUEUE_TIMEOUT", "REASON_SETTLING", "REASON_UNCERTAIN",
+           "REASON_UNMEASURED", "UNKNOWN", "DROP_ALPHA",
            "AdmissionController", "AdmissionPlan", "AdmissionPolicy", "CapacityInputs", "Decision", "GateInputs",
            "Held", "PoolState", "Settle", "compute_capacity", "decide", "fold_drop", "model_ratio"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .policy import (IDLE_FRESH_S, REASON_CONTEXT, REASON_FLOOR, REASON_FLOOR_IDLE, REASON_GUARANTEED, REASON_KV,
-                     REASON_OK, REASON_SETTLING, REASON_UNCERTAIN, AdmissionPolicy)
+                     REASON_OK, REASON_SETTLING, REASON_UNCERTAIN, REASON_UNMEASURED, UNKNOWN, AdmissionPolicy)
 
 
 @dataclass
@@ -110,6 +110,11 @@ def compute_capacity(x: CapacityInputs) -> dict:
     if adaptive:
         measured = x.fc_est_tps
         projected = x.fc_bound_tps
+        # never above what is measured now: one more session never makes anyone faster
+        ceiling = base if base is not None else x.fc_now_tps
+        if ceiling is not None:
+            measured = None if measured is None else min(measured, ceiling)
+            projected = None if projected is None else min(projected, ceiling)
         # the frontier (a batch size never measured) is probed while the engine is above the floor
         # now, when the estimate passes, or with a single size measured (no slope known at all);
         # "above the floor now" is judged on its lower confidence bound, so a size reached by a
@@ -157,7 +162,14 @@ def compute_capacity(x: CapacityInputs) -> dict:
             tps_headroom = k
     if thin:  # held for want of a measured size: no session fits until it is measured
         tps_headroom = 0
-    sessions_remaining = headroom_sessions if tps_headroom is None else min(headroom_sessions, tps_headroom)
+    # a floor with nothing measured to project from: how many fit is unknown, not a number; an idle
+    # engine admits (measuring is the only way to learn), a busy one holds until its steps are measured
+    unknown = floor is not None and projected is None and not thin
+    if unknown:
+        sessions_remaining = UNKNOWN
+        probe = x.n_engine_inflight == 0
+    else:
+        sessions_remaining = headroom_sessions if tps_headroom is None else min(headroom_sessions, tps_headroom)
 
     ctx_limit = x.available_cells if x.context_left is None else min(x.available_cells, x.context_left)
     context_ok = x.expected_tokens is None or x.expected_tokens <= ctx_limit
@@ -165,7 +177,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
     window_open = x.settle_remaining_s is not None
     settling = window_open and p.has_floor  # a pool without a floor measures but never waits
     below = floor is not None and not probe and projected is not None and projected < floor
-    below = below or thin
+    below = below or thin or (unknown and not probe)
     if not context_ok:
         can, reason = False, REASON_CONTEXT
     elif guaranteed:
@@ -178,7 +190,10 @@ def compute_capacity(x: CapacityInputs) -> dict:
         mean_only = (measured is not None and measured >= floor) if adaptive else \
             measured is not None and x.drop_ewma is not None and base - x.drop_ewma >= floor
         can = False
-        reason = REASON_FLOOR_IDLE if idle_estimate else REASON_UNCERTAIN if mean_only or unmeasured else REASON_FLOOR
+        # the real cause: a batch size not measured enough (or nothing measured), an estimate that
+        # passes with a bound that does not, or a projection below the floor (from the idle estimate)
+        reason = (REASON_UNMEASURED if thin or unknown else REASON_UNCERTAIN if mean_only
+                  else REASON_FLOOR_IDLE if idle_estimate else REASON_FLOOR)
     else:
         can, reason = True, REASON_OK
     return {

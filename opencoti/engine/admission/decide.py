@@ -109,7 +109,8 @@ def decide(plan: AdmissionPlan, g: GateInputs | None) -> Decision:
     An admit that leaves no room for another new session carries ``retry_after`` (when the next
     one is likely to fit: the same estimate a 429 gives)."""
     d = _decide(plan, g)
-    if d.action == ADMIT and d.capacity is not None and d.capacity["sessions_remaining"] <= 1:
+    left = d.capacity["sessions_remaining"] if d.capacity is not None else None
+    if d.action == ADMIT and isinstance(left, int) and left <= 1:  # not when unknown (nothing measured)
         d = replace(d, retry_after=retry_after_s(d.capacity, g.soonest_finish_s, g.capacity.policy.settle_max_ms))
     return d
 

@@ -17,10 +17,12 @@ REASON_SETTLING = "measurement settling"
 REASON_FLOOR = "projected mean tps below floor"
 REASON_FLOOR_IDLE = "projected mean tps below floor (idle estimate)"
 REASON_UNCERTAIN = "next admit may cross the floor (uncertain drop)"
+REASON_UNMEASURED = "batch size not yet measured enough"
 REASON_KV = "kv headroom exhausted"
 REASON_CONTEXT = "context headroom exhausted"
 REASON_QUEUE_TIMEOUT = "queue timeout"
 FLOOR_REASONS = (REASON_FLOOR, REASON_FLOOR_IDLE, REASON_UNCERTAIN)
+UNKNOWN = "unknown"  # sessions_remaining when a floor is set and nothing is measured to project from
 
 IDLE_FRESH_S = 30.0  # a settled mean younger than this feeds the idle estimate
 SETTLE_HOLD_GRACE_S = 1.0  # an enforced settling hold lasts at most settle_max_ms + this
