@@ -190,8 +190,9 @@ class CapacityGateNode(RunnableLambda):
     """Route to ``spawn`` when the pool has room for one more session, else to ``hold``.
 
     ``CapacityGateNode(client, spawn="worker", hold="wait_a_bit")`` reads
-    ``capacity(state["pool_id"])`` and returns ``Command(update={capacity_ok, headroom_sessions,
-    mean_active_tps, reason, settling, compaction_pressure, session_id?}, goto=spawn | hold)``.
+    ``capacity(state["pool_id"])`` and returns ``Command(update={capacity_ok, sessions_remaining,
+    kv_headroom_sessions, mean_active_tps, reason, settling, compaction_pressure, session_id?},
+    goto=spawn | hold)``.
     ``client``: a PolyKVClient, AsyncPolyKVClient, Engine or OpencotiChatModel (either graph kind).
     A pool that is gone is re-created from ``state["pools"]`` (``ensure_pool``), and the update
     moves ``pool_id`` to it.

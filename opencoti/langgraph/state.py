@@ -4,8 +4,9 @@
         task: str
 
 The keys surface live PolyKV capacity into the graph so conditional edges can branch on it:
-``pool_id`` (the pool the graph's model calls attach to), ``session_id``, ``headroom_sessions``,
-``mean_active_tps``, ``compaction_pressure``, ``ctx_headroom_tokens`` (written by
+``pool_id`` (the pool the graph's model calls attach to), ``session_id``, ``sessions_remaining``
+(new sessions that fit the pool now: KV and tps floor together), ``kv_headroom_sessions`` (the KV
+arm alone), ``mean_active_tps``, ``compaction_pressure``, ``ctx_headroom_tokens`` (written by
 ``CapacityGateNode`` and by ``polykv_update(message)`` after a model call), plus the gate's
 ``capacity_ok`` / ``reason`` / ``settling``, and ``pools``: what each pool is, so that a missing
 pool can be re-created (see ``opencoti.langgraph.pools``). Every key has a reducer, so parallel branches
@@ -14,7 +15,7 @@ pool can be re-created (see ``opencoti.langgraph.pools``). Every key has a reduc
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Optional, TypedDict
+from typing import Annotated, Any, Callable, Literal, Optional, TypedDict, Union
 
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage
 from langgraph.graph.message import add_messages
@@ -75,8 +76,12 @@ class PolyKVState(TypedDict, total=False):
     """Why (the capacity report's reason)."""
     settling: Annotated[Optional[bool], keep_latest]
     """The pool is absorbing its last admit."""
-    headroom_sessions: Annotated[Optional[int], keep_latest]
-    """How many more sessions fit the pool (None: unbounded)."""
+    sessions_remaining: Annotated[Optional[Union[int, Literal["unknown"]]], keep_latest]
+    """New sessions that fit the pool now, by its KV and its tps floor together (the capacity
+    report's ``sessions_remaining``; ``"unknown"``: a floor and nothing measured yet). Branch on this."""
+    kv_headroom_sessions: Annotated[Optional[int], keep_latest]
+    """New sessions the pool's free KV alone has room for (the report's ``headroom_sessions``): an
+    upper bound that ignores the tps floor."""
     mean_active_tps: Annotated[Optional[float], keep_latest]
     """Mean experienced decode tps of the active sessions."""
     session_tps: Annotated[Optional[float], keep_latest]
@@ -114,5 +119,6 @@ def capacity_update(cap: Any) -> dict:
     """State update from a capacity report (``opencoti.client.Capacity`` or its dict)."""
     d = cap.model_dump() if hasattr(cap, "model_dump") else dict(cap)
     return {"capacity_ok": bool(d.get("can_admit")), "reason": d.get("reason"), "settling": bool(d.get("settling")),
-            "headroom_sessions": d.get("headroom_sessions"), "mean_active_tps": d.get("mean_active_tps"),
+            "sessions_remaining": d.get("sessions_remaining"), "kv_headroom_sessions": d.get("headroom_sessions"),
+            "mean_active_tps": d.get("mean_active_tps"),
             "compaction_pressure": d.get("compaction_pressure")}

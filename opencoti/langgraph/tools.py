@@ -127,7 +127,8 @@ def _tps_summary(snap, session_id: Optional[str]) -> dict:
 
 
 def _capacity_summary(cap) -> dict:
-    keys = ("pool_id", "can_admit", "reason", "headroom_sessions", "mean_active_tps", "projected_mean_tps_if_admitted",
+    keys = ("pool_id", "can_admit", "reason", "sessions_remaining", "headroom_sessions", "tps_headroom_sessions",
+            "mean_active_tps", "projected_mean_tps_if_admitted",
             "target_tps_per_session", "kv_headroom_pct", "settling", "settle_remaining_ms", "n_warming",
             "n_pool_sessions", "guaranteed", "compaction_pressure")
     d = cap.model_dump()

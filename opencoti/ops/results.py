@@ -83,8 +83,13 @@ class Capacity(_Model):
     """True when a new session fits (tps floor, KV headroom and context arms)."""
     reason: str = ""
     """Why (e.g. ``ok``, ``measurement settling``, ``projected mean tps below floor``)."""
+    sessions_remaining: int | Literal["unknown"] | None = None
+    """New sessions that fit now, by the KV and the tps floor together (``"unknown"``: a floor and
+    nothing measured yet)."""
     headroom_sessions: int | None = None
-    """How many more sessions fit (None: unbounded by the tps arm and no KV limit known)."""
+    """New sessions the free KV alone has room for (ignores the tps floor)."""
+    tps_headroom_sessions: int | None = None
+    """New sessions the tps floor alone allows (None: no floor, or nothing measured)."""
     mean_active_tps: float | None = None
     """Mean experienced decode tps of the active (non-warming) sessions."""
     projected_mean_tps_if_admitted: float | None = None

@@ -287,3 +287,31 @@ def test_unknown_reaches_every_surface_the_same_way():
     assert over_http.sessions_remaining == in_process.sessions_remaining == "unknown"
     assert backpressure(over_http) == backpressure(in_process) == {"sessions_remaining": "unknown"}
     assert info_from_headers({"x-session-id": "s", "x-sessions-remaining": "3"}).sessions_remaining == 3
+
+
+# ============================================================================ 6. the gate's state update
+def test_the_gate_puts_the_combined_sessions_remaining_in_the_state(make_engine):
+    from langgraph.graph import END, START, StateGraph
+
+    from opencoti.langgraph import CapacityGateNode, PolyKVState
+
+    class S(PolyKVState, total=False):
+        route: str
+
+    eng = make_engine()
+    prefix = toks(50, 12)
+    pool = eng.create_pool(tokens=prefix)
+    eng.generate(prefix + [5], params=_greedy(40), pool_id=pool.pool_id, session_id="warm")  # measured now
+    eng.set_admission(pool.pool_id, target_tps_per_session=1e6, mode="enforced")
+    g = StateGraph(S)
+    g.add_node("gate", CapacityGateNode(PolyKVClient(engine=eng), spawn="spawn", hold="hold"))
+    g.add_node("spawn", lambda s: {"route": "spawn"})
+    g.add_node("hold", lambda s: {"route": "hold"})
+    g.add_edge(START, "gate")
+    g.add_edge("spawn", END)
+    g.add_edge("hold", END)
+    out = g.compile().invoke({"pool_id": pool.pool_id})
+    assert out["route"] == "hold" and out["capacity_ok"] is False
+    assert out["sessions_remaining"] == 0  # what a graph branches on: nothing fits under this floor
+    assert out["kv_headroom_sessions"] > 10  # the KV alone would have room: named for what it is
+    assert "headroom_sessions" not in out

@@ -114,7 +114,7 @@ def test_gate_routes_and_draws_its_edges(model):
     drawn = app.get_graph().draw_mermaid()
     assert "gate -.-> spawn;" in drawn and "gate -.-> hold;" in drawn
     out = app.invoke({"pool_id": pool.pool_id, "need": 8})
-    assert out["route"] == "spawn" and out["capacity_ok"] and out["reason"] and out["headroom_sessions"] > 0
+    assert out["route"] == "spawn" and out["capacity_ok"] and out["reason"] and out["sessions_remaining"] > 0
     out = app.invoke({"pool_id": pool.pool_id, "need": 10**6})  # the context arm refuses
     assert out["route"] == "hold" and out["capacity_ok"] is False and "context" in out["reason"]
     with pytest.raises(ValueError, match="no pool"):
@@ -292,18 +292,19 @@ def test_reducers_and_updates():
     assert polykv_update(msg) == {"pool_id": 3, "session_id": "s", "session_tps": 9.5, "compaction_pressure": 0.4,
                                   "ctx_headroom_tokens": 100}
     assert polykv_update(HumanMessage("x")) == {}
-    assert capacity_update({"can_admit": True, "reason": "ok", "headroom_sessions": 2, "mean_active_tps": 30.0}) == {
-        "capacity_ok": True, "reason": "ok", "settling": False, "headroom_sessions": 2, "mean_active_tps": 30.0,
-        "compaction_pressure": None}
+    assert capacity_update({"can_admit": True, "reason": "ok", "headroom_sessions": 2, "sessions_remaining": 1,
+                            "mean_active_tps": 30.0}) == {
+        "capacity_ok": True, "reason": "ok", "settling": False, "sessions_remaining": 1, "kv_headroom_sessions": 2,
+        "mean_active_tps": 30.0, "compaction_pressure": None}
 
     # parallel branches may write the same keys in one step
     class S(PolyKVState, total=False):
         n: Annotated[list, operator.add]
 
     g = StateGraph(S)
-    g.add_node("a", lambda s: {"headroom_sessions": 2, "n": [1]})
-    g.add_node("b", lambda s: {"headroom_sessions": 5, "n": [2]})
+    g.add_node("a", lambda s: {"sessions_remaining": 2, "n": [1]})
+    g.add_node("b", lambda s: {"sessions_remaining": 5, "n": [2]})
     g.add_edge(START, "a")
     g.add_edge(START, "b")
     out = g.compile().invoke({"pool_id": 1})
-    assert out["headroom_sessions"] in (2, 5) and sorted(out["n"]) == [1, 2] and out["pool_id"] == 1
+    assert out["sessions_remaining"] in (2, 5) and sorted(out["n"]) == [1, 2] and out["pool_id"] == 1
