@@ -139,7 +139,8 @@ def hint_for(method: str, path: str, body: bytes) -> Hint:
         return Hint(prefix=body_prefix(obj))
     if path in GENERATION_PATHS:
         sid = obj.get("session_id")
-        return Hint(pool_id=_int_or_none(obj.get("pool_id")),
+        pid = obj.get("pool_id") if obj.get("pool_id") is not None else obj.get("shared_pool_slot")  # legacy name
+        return Hint(pool_id=_int_or_none(pid),
                     session_id=sid if isinstance(sid, str) and sid else None,
                     prefix=body_prefix(obj))
     return Hint()

@@ -99,8 +99,10 @@ class EngineReplica:
             path = f"/polykv/pools/{local}{m.group(2) or ''}"
         body = req.get("body") or b""
         obj = parse_json(body)
-        if obj is not None and obj.get("pool_id") == pid:
-            obj["pool_id"] = local
+        keys = [k for k in ("pool_id", "shared_pool_slot") if obj is not None and obj.get(k) == pid]  # legacy alias
+        if keys:
+            for k in keys:
+                obj[k] = local
             body = json.dumps(obj).encode()
         return {**req, "path": path, "body": body}
 

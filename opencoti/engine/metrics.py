@@ -352,8 +352,9 @@ class Metrics:
         live_counters = [(pid, c) for pid, c in sorted(self.pool_counters.items()) if pid in core.tree.pools]
         metric("opencoti_polykv:aggregate_tps", "gauge", "Engine decode tokens/s (recent window)",
                [("", self.aggregate.rate(now))])
+        # no sample while no session is active: 0.0 would read as "infinitely slow" (docs/polykv.md)
         metric("opencoti_polykv:mean_active_tps", "gauge", "Mean experienced decode tps of active sessions",
-               [("", act.mean_active_tps or 0.0)])
+               [] if act.mean_active_tps is None else [("", act.mean_active_tps)])
         metric("opencoti_polykv:sessions_warming", "gauge", "Sessions in flight without a tps sample yet",
                [("", act.n_warming)])
         metric("opencoti_polykv:gen_throughput_tps", "gauge", "Sum of experienced decode tps per pool",

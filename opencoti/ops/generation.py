@@ -80,7 +80,13 @@ def engine_kwargs(body: PolyKVFields) -> dict:
     if sid is not None and (not sid or not sid.isascii() or not sid.isprintable()):
         raise InvalidRequestError("session_id must be a non-empty string of printable ASCII characters "
                                   "(it is echoed in the x-session-id header)")
-    return dict(session_id=sid, pool_id=body.pool_id, shared_prefix_n_tokens=body.shared_prefix_n_tokens,
+    pool_id = body.pool_id
+    if body.shared_pool_slot is not None:  # the design's legacy name of pool_id
+        if pool_id is not None and pool_id != body.shared_pool_slot:
+            raise InvalidRequestError(f"shared_pool_slot ({body.shared_pool_slot}) is the legacy name of pool_id "
+                                      f"({pool_id}); give one, or the same value in both")
+        pool_id = body.shared_pool_slot
+    return dict(session_id=sid, pool_id=pool_id, shared_prefix_n_tokens=body.shared_prefix_n_tokens,
                 overcommit=body.overcommit, cache_salt=body.cache_salt)
 
 

@@ -104,6 +104,8 @@ class _Strict(_Input):
 
 class PolyKVFields(_Lenient):
     pool_id: int | None = Field(None, description="attach to this pool (the shared prefix P is found automatically)")
+    shared_pool_slot: int | None = Field(None, description="the PolyKV design's legacy name of pool_id (an alias: "
+                                                           "it must equal pool_id when both are given)")
     session_id: SessionId | None = Field(None, description="the session whose KV cache outlives the request "
                                                            "(a new one is made when absent; returned in x-session-id)")
     shared_prefix_n_tokens: int | None = Field(None, description="explicit P (validated against the pool)")

@@ -315,3 +315,41 @@ def test_the_gate_puts_the_combined_sessions_remaining_in_the_state(make_engine)
     assert out["sessions_remaining"] == 0  # what a graph branches on: nothing fits under this floor
     assert out["kv_headroom_sessions"] > 10  # the KV alone would have room: named for what it is
     assert "headroom_sessions" not in out
+
+
+# ============================================================================ 7. legacy field, /metrics when idle
+def test_shared_pool_slot_is_the_legacy_name_of_pool_id(engine):
+    prefix = toks(60, 12)
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        pid = ok(c.post("/polykv/pools", json={"tokens": prefix}))["pool_id"]
+        other = ok(c.post("/polykv/pools", json={"tokens": toks(61, 12)}))["pool_id"]
+        r = c.post("/completion", json={"prompt": prefix + [5], "n_predict": 2, "shared_pool_slot": pid, **GREEDY})
+        ok(r)
+        assert r.headers["x-pool-id"] == str(pid) and int(r.headers["x-cached-prefix-tokens"]) >= 12
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 "shared_pool_slot": pid, "pool_id": pid, **GREEDY})
+        ok(r)
+        assert r.headers["x-pool-id"] == str(pid)
+        before = ok(c.get("/slots"))
+        # both names with different pools: refused, nothing runs
+        err(c.post("/completion", json={"prompt": prefix + [6], "n_predict": 2, "shared_pool_slot": pid,
+                                        "pool_id": other, **GREEDY}), 400, "shared_pool_slot")
+        err(c.post("/completion", json={"prompt": prefix + [6], "n_predict": 2, "shared_pool_slot": "1"}), 400,
+            "shared_pool_slot")
+        err(c.post("/completion", json={"prompt": prefix + [6], "n_predict": 2, "shared_pool_slot": 999}), 404)
+        assert ok(c.get("/slots")) == before
+
+
+def test_metrics_has_no_mean_active_tps_sample_when_idle(engine):
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        text = c.get("/metrics").text
+        assert "# TYPE opencoti_polykv:mean_active_tps gauge" in text
+        assert not [ln for ln in text.splitlines() if ln.startswith("opencoti_polykv:mean_active_tps")]
+        stream = engine.stream(toks(62, 8), params=_greedy(400), session_id="busy")
+        it = iter(stream)
+        assert _wait(lambda: engine.tps_snapshot()["mean_active_tps"] is not None)
+        text = c.get("/metrics").text
+        (line,) = [ln for ln in text.splitlines() if ln.startswith("opencoti_polykv:mean_active_tps")]
+        assert float(line.split()[-1]) > 0
+        for _ in it:
+            pass
