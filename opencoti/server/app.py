@@ -31,6 +31,7 @@ from .routes_generate import router as generate_router
 from .routes_monitor import metrics_off_router, metrics_router
 from .routes_monitor import router as monitor_router
 from .routes_ops import operations_router
+from .resumable import router as stream_router
 from .routes_responses import router as responses_router
 from .state import ServerState
 from .tenants import TenantKeyMiddleware
@@ -69,8 +70,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     install_handlers(app)
     install_openapi(app, auth=bool(config.api_key or config.tenant_keys), public_paths=PUBLIC_PATHS,
                     operator_only=frozenset({"/metrics"}) if config.tenant_keys else frozenset())
-    routers = [operations_router(), generate_router, anthropic_router, responses_router, monitor_router,
-               dashboard_router]
+    routers = [operations_router(), generate_router, anthropic_router, responses_router, stream_router,
+               monitor_router, dashboard_router]
     # off: GET /metrics answers 501 (llama.cpp's answer without --metrics) and nothing is collected for it
     routers.append(metrics_router if config.metrics else metrics_off_router)
     for router in routers:

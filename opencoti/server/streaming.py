@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..engine.results import GenerationResult, TokenDelta
 from ..ops.generation import Prepared
 from .errors import error_event
+from .resumable import conversation_id, resumable_response
 from .state import ServerState
 from .tenants import request_tenant
 
@@ -181,4 +182,8 @@ class Generation:
                     await stream.aclose()
                 tracker.done(stream.result)
 
+        conv_id = conversation_id(self.request)
+        if conv_id is not None:  # X-Conversation-Id: the generation outlives its client (resumable.py)
+            return resumable_response(self.request, conv_id, events(), "text/event-stream",
+                                      {**SSE_HEADERS, **(headers or {})})
         return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})

@@ -297,3 +297,22 @@ def test_props_reports_the_default_seed(make_engine):
     eng = make_engine(seed=42)
     with TestClient(create_app(eng), raise_server_exceptions=False) as c:
         assert c.get("/props").json()["default_generation_settings"]["params"]["seed"] == 42
+
+
+def test_resumable_stream_replays_and_stops(client):
+    conv = "conv-1::ggml-org/tinygemma3-GGUF:Q8_0"  # a model name with slashes: the id goes in the query
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "stream": True}
+    live = client.post("/chat/completions", json=body, headers={"X-Conversation-Id": conv})
+    assert live.status_code == 200 and "data: " in live.text
+    qs = {"conv_id": conv}
+    replay = client.get("/v1/stream", params={**qs, "from": 0})
+    assert replay.status_code == 200 and replay.text == live.text
+    assert client.get("/v1/stream", params={**qs, "from": 10}).text == live.text[10:]
+    assert client.get("/v1/stream", params={"conv_id": "other"}).status_code == 404
+    assert client.get("/v1/stream").status_code == 400
+    assert client.delete("/v1/stream", params=qs).status_code == 204
+    assert client.get("/v1/stream", params={**qs, "from": 0}).status_code == 404
+    assert client.delete("/v1/stream", params=qs).status_code == 204  # idempotent
+    # without the header a stream is not kept
+    client.post("/chat/completions", json=body)
+    assert client.get("/v1/stream", params={"conv_id": ""}).status_code == 400
