@@ -4,7 +4,10 @@
 For every step-cost profile in ``opencoti/sim/profiles`` (measured on this machine, or derived /
 synthetic), the spawn ramp (``opencoti.sim.ramp``) runs with the naive rule and with ours on the
 same seeds; the real ``AdmissionController`` and ``Metrics`` run unchanged on the simulated clock.
-Printed per profile (means over seeds; ratios are ours / naive on the same profile and seeds):
+Printed per profile (means over seeds; ratios are ours / naive on the same profile and seeds).
+The headline is on held-out seeds (``--seeds`` 40 from ``--first-seed`` 20): the policy's constants
+were tuned on seeds 0-19, which are reported separately as tuning seeds. Every profile's ``fit``
+must follow the rule of ``opencoti.sim.ramp.choose_fit`` (the run stops otherwise):
 
 * under: share of session-decode seconds under the floor; deep: under 80 % of it;
 * overshoot: the most sessions in flight beyond ``fit`` (ours: the worst seed);
@@ -41,7 +44,7 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 from common import fmt, log, print_table, write_json  # noqa: E402
 
 from opencoti.sim.profile import StepProfile, profile_names  # noqa: E402
-from opencoti.sim.ramp import RampConfig, compare, expected_tps, run_ramp  # noqa: E402
+from opencoti.sim.ramp import RampConfig, choose_fit, compare, expected_tps, run_ramp  # noqa: E402
 
 TARGETS = {"under_ratio": 0.5, "deep_ratio": 0.2, "overshoot_max": 1, "wall_ratio": 1.15}
 
@@ -111,56 +114,116 @@ def verdict(c: dict, orc: dict, orc1: dict) -> str:
     return "miss: " + ", ".join(out)
 
 
+TUNING_SEEDS = 20  # seeds 0..19: the policy's constants were tuned on them
+
+
+def seed_sets(held_out: int, first_held_out: int, tuning: int, quick: bool = False) -> dict[str, list[int]]:
+    """The seeds of the headline (``held_out`` seeds from ``first_held_out``: never among the seeds
+    the policy was tuned on) and the tuning seeds 0.. reported separately (``tuning`` of them, at
+    most ``TUNING_SEEDS``). ``quick``: 3 of each."""
+    if quick:
+        held_out, tuning = min(held_out, 3), min(tuning, 3)
+    if held_out < 1 or tuning < 0:
+        raise ValueError("at least one held-out seed; tuning seeds >= 0")
+    if first_held_out < TUNING_SEEDS:
+        raise ValueError(f"held-out seeds must start at {TUNING_SEEDS} or later: seeds 0-{TUNING_SEEDS - 1} "
+                         f"are the ones the policy was tuned on")
+    return {"held_out": list(range(first_held_out, first_held_out + held_out)),
+            "tuning": list(range(min(tuning, TUNING_SEEDS)))}
+
+
+def evaluate(prof: StepProfile, seeds: list[int], conservative: bool) -> tuple[list, list, dict]:
+    """(table row, wall-bound row, JSON) of one profile on ``seeds``."""
+    cfg = RampConfig.for_profile(prof)
+    naive = [run_ramp(prof, "naive", s, cfg) for s in seeds]
+    c = compare(prof, seeds, naive=naive)
+    gate = compare(prof, seeds, policy="gate", naive=naive)
+    same = sum(a["spawns"] == b["spawns"] for a, b in zip(c["runs"]["ours"], gate["runs"]["ours"]))
+    cons = compare(prof, seeds, admission={"forecast": "conservative"}, naive=naive) if conservative else None
+    orc = compare(prof, seeds, policy="oracle", naive=naive)
+    orc1 = compare(prof, seeds, policy="oracle+1", naive=naive)
+    m = c["means"]
+    o3 = lambda x: f"{fmt(x['under_ratio'])} / {fmt(x['deep_ratio'])} / {fmt(x['wall_ratio'])}"  # noqa: E731
+    row = [prof.name, prof.source, cfg.fit, fmt(c["floor"]),
+           f"{m['ours']['under_share']:.3f} / {m['naive']['under_share']:.3f}", fmt(c["under_ratio"]),
+           f"{m['ours']['deep_share']:.4f} / {m['naive']['deep_share']:.4f}", fmt(c["deep_ratio"]),
+           c["overshoot_max"], fmt(c["wall_ratio"]), fmt(c["tok_s_ratio"]), o3(orc), o3(orc1),
+           "-" if cons is None else f"{fmt(cons['under_ratio'])} / {fmt(cons['wall_ratio'])}",
+           f"{same}/{len(seeds)}", verdict(c, orc, orc1)]
+    wb = c["wall_bound"]
+    brow = [prof.name, m["naive"]["wall_s"], wb["fit+0"]["wall_s"], fmt(wb["fit+0"]["ratio"]),
+            wb["fit+1"]["wall_s"], fmt(wb["fit+1"]["ratio"]), fmt(orc["wall_ratio"]), fmt(orc1["wall_ratio"]),
+            fmt(c["wall_ratio"])]
+    out = {"ramp": cfg.__dict__, "fit_by_rule": choose_fit(prof),
+           "tps_by_batch": {b: expected_tps(prof, b, cfg) for b in range(1, cfg.fit + 3)},
+           "adaptive": c, "gate": gate, "gate_same_spawns": same, "conservative": cons, "oracle": orc,
+           "oracle+1": orc1, "passes": passes(c), "verdict": verdict(c, orc, orc1)}
+    return row, brow, out
+
+
+HEADERS = ["profile", "source", "fit", "floor", "under ours/naive", "under x", "deep ours/naive", "deep x",
+           "overshoot", "wall x", "tok/s x", "oracle under/deep/wall x", "oracle+1 under/deep/wall x",
+           "cons. under/wall x", "gate = ours", "targets"]
+
+
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=40, help="held-out seeds (the headline)")
+    p.add_argument("--first-seed", type=int, default=TUNING_SEEDS,
+                   help=f"the first held-out seed (>= {TUNING_SEEDS}: 0-{TUNING_SEEDS - 1} are the tuning seeds)")
+    p.add_argument("--tuning-seeds", type=int, default=TUNING_SEEDS,
+                   help="tuning seeds 0.. to report separately (0: none)")
     p.add_argument("--profiles", nargs="*", default=None, help=f"default: all of {profile_names()}")
     p.add_argument("--plot", default=str(common.REPO_ROOT / "docs" / "img" / "admission_sim.png"))
     p.add_argument("--no-conservative", action="store_true", help="skip the conservative-forecast columns")
     args = p.parse_args()
+    try:
+        sets = seed_sets(args.seeds, args.first_seed, args.tuning_seeds, args.quick)
+    except ValueError as e:
+        p.error(str(e))
     names = args.profiles or profile_names()
-    seeds = list(range(3 if args.quick else args.seeds))
     profiles = [StepProfile.load(n) for n in names]
-    rows, brows, payload = [], [], {"seeds": seeds, "targets": TARGETS, "profiles": {}}
+    wrong_fit = {prof.name: (prof.ramp.get("fit"), choose_fit(prof)) for prof in profiles
+                 if prof.ramp.get("fit") != choose_fit(prof)}
+    if wrong_fit:  # every profile's fit follows the documented rule (sim_profiles.py / sim_measure.py write it)
+        p.error(f"profiles whose fit does not follow the rule (fit, rule): {wrong_fit}")
+    load_before = common.load_snapshot()
+    machine = common.machine_info()
+    payload: dict = {"config": {"quick": args.quick, "seeds": args.seeds, "first_seed": args.first_seed,
+                                "tuning_seeds": args.tuning_seeds, "profiles": names,
+                                "conservative": not args.no_conservative},
+                     "seeds": sets, "headline": "held_out", "targets": TARGETS, "machine": machine,
+                     "load_before": load_before, "fit_rule": choose_fit.__doc__, "profiles": {}}
     t0 = time.perf_counter()
-    for prof in profiles:
-        cfg = RampConfig.for_profile(prof)
-        naive = [run_ramp(prof, "naive", s, cfg) for s in seeds]
-        c = compare(prof, seeds, naive=naive)
-        gate = compare(prof, seeds, policy="gate", naive=naive)
-        same = sum(a["spawns"] == b["spawns"] for a, b in zip(c["runs"]["ours"], gate["runs"]["ours"]))
-        cons = None if args.no_conservative else compare(prof, seeds, admission={"forecast": "conservative"},
-                                                         naive=naive)
-        orc = compare(prof, seeds, policy="oracle", naive=naive)
-        orc1 = compare(prof, seeds, policy="oracle+1", naive=naive)
-        m = c["means"]
-        o3 = lambda x: f"{fmt(x['under_ratio'])} / {fmt(x['deep_ratio'])} / {fmt(x['wall_ratio'])}"  # noqa: E731
-        rows.append([prof.name, prof.source, cfg.fit, fmt(c["floor"]),
-                     f"{m['ours']['under_share']:.3f} / {m['naive']['under_share']:.3f}", fmt(c["under_ratio"]),
-                     f"{m['ours']['deep_share']:.4f} / {m['naive']['deep_share']:.4f}", fmt(c["deep_ratio"]),
-                     c["overshoot_max"], fmt(c["wall_ratio"]), fmt(c["tok_s_ratio"]), o3(orc), o3(orc1),
-                     "-" if cons is None else f"{fmt(cons['under_ratio'])} / {fmt(cons['wall_ratio'])}",
-                     f"{same}/{len(seeds)}", verdict(c, orc, orc1)])
-        wb = c["wall_bound"]
-        brows.append([prof.name, m["naive"]["wall_s"], wb["fit+0"]["wall_s"], fmt(wb["fit+0"]["ratio"]),
-                      wb["fit+1"]["wall_s"], fmt(wb["fit+1"]["ratio"]), fmt(orc["wall_ratio"]), fmt(orc1["wall_ratio"]),
-                      fmt(c["wall_ratio"])])
-        payload["profiles"][prof.name] = {"ramp": cfg.__dict__, "tps_by_batch": {
-            b: expected_tps(prof, b, cfg) for b in range(1, cfg.fit + 3)}, "adaptive": c, "gate": gate,
-            "gate_same_spawns": same, "conservative": cons, "oracle": orc, "oracle+1": orc1,
-            "verdict": verdict(c, orc, orc1)}
-        log(f"{prof.name}: done ({time.perf_counter() - t0:.0f} s)")
-    print_table(["profile", "source", "fit", "floor", "under ours/naive", "under x", "deep ours/naive", "deep x",
-                 "overshoot", "wall x", "tok/s x", "oracle under/deep/wall x", "oracle+1 under/deep/wall x",
-                 "cons. under/wall x", "gate = ours", "targets"], rows,
-                title=f"spawn ramp on the simulator, {len(seeds)} seeds per profile (x = ours / naive)")
-    print_table(["profile", "naive wall s", "bound fit s", "x", "bound fit+1 s", "x", "oracle wall x",
-                 "oracle+1 wall x", "ours wall x"], brows,
-                title="wall time: the lower bound of any schedule with at most fit (+1) sessions in flight "
-                      "(opencoti.sim.bounds) vs naive's mean wall")
+    for kind in ("held_out", "tuning"):
+        seeds = sets[kind]
+        if not seeds:
+            continue
+        rows, brows = [], []
+        for prof in profiles:
+            row, brow, out = evaluate(prof, seeds, not args.no_conservative)
+            rows.append(row)
+            brows.append(brow)
+            payload["profiles"].setdefault(prof.name, {})[kind] = out
+            log(f"{prof.name}, {kind} seeds: done ({time.perf_counter() - t0:.0f} s)")
+        label = (f"HELD-OUT seeds {seeds[0]}-{seeds[-1]} (the headline: the policy was not tuned on them)"
+                 if kind == "held_out" else
+                 f"tuning seeds {seeds[0]}-{seeds[-1]} (the policy's constants were tuned on these; for reference)")
+        print_table(HEADERS, rows, title=f"spawn ramp on the simulator, {label}, {len(seeds)} seeds per profile "
+                                         f"(x = ours / naive)")
+        print_table(["profile", "naive wall s", "bound fit s", "x", "bound fit+1 s", "x", "oracle wall x",
+                     "oracle+1 wall x", "ours wall x"], brows,
+                    title=f"wall time ({kind.replace('_', '-')} seeds): the lower bound of any schedule with at most "
+                          f"fit (+1) sessions in flight (opencoti.sim.bounds) vs naive's mean wall")
+    met = {n: v["held_out"]["passes"] for n, v in payload["profiles"].items()}
+    print(f"\nheld-out seeds: all four targets met on {sum(met.values())}/{len(met)} profiles "
+          f"({', '.join(n for n, ok in met.items() if ok) or 'none'})")
+    payload["held_out_profiles_meeting_all_targets"] = met
+    payload["machine_end"] = common.machine_info()
+    payload["seconds"] = time.perf_counter() - t0
     write_json("admission_sim", payload, args.out)
     if args.plot:
-        plot(profiles, 0, Path(args.plot))
+        plot(profiles, sets["held_out"][0], Path(args.plot))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 from common import check_mark, fmt, log, now, print_table, ratio, summarize  # noqa: E402
+from hf_fanout import _TokenClock, load_transformers  # noqa: E402,F401  (no opencoti import there)
 
 AGGREGATE_DEFINITION = (
     "aggregate decode tok/s = tokens received in the window (T0, T1] / (T1 - T0), where "
@@ -58,33 +59,6 @@ def chat_tokens(engine, text: str) -> list[int]:
 
 
 # ============================================================================ transformers
-class _TokenClock:
-    """A transformers streamer that only records when each put() happens.
-
-    generate() puts the prompt once before the first forward, then each new token as it is
-    sampled, so times[1:] are the arrival times of generated tokens 1..N."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:  # noqa: ARG002 - only the timing matters
-        self.times.append(now())
-
-    def end(self) -> None:
-        pass
-
-
-def load_transformers(model_dir, dtype_name: str):
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.utils.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype_name))
-    model.eval()
-    return model
-
-
 def hf_param_bytes(model) -> int:
     """Bytes of parameters (tied embedding/lm_head counted once: it is read once per step, as the
     lm_head; the embedding lookup reads one row). Comparable to the engine's weight_bytes."""

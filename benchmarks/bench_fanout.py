@@ -49,16 +49,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
-from bench_engine import _TokenClock, load_transformers  # noqa: E402
 from bench_pools import QUESTIONS, build_prefix, build_suffix  # noqa: E402
+from hf_fanout import baseline_env, finish_run, percentile, union_length  # noqa: E402,F401
 from common import check_mark, fmt, log, now, print_table, ratio  # noqa: E402
 
 ALL_SYSTEMS = ["opencoti-pool", "opencoti-nopool", "hf-recompute", "hf-copy", "hf-batch", "hf-cb"]
 HF_PER_SESSION = ["hf-recompute", "hf-copy"]
 HF_BATCHED = ["hf-batch", "hf-cb"]
-LABELS = {
+LABELS = {  # the weight format of each side is added at run time (labels())
     "opencoti-pool": "opencoti, pool + attached sessions",
-    "opencoti-nopool": "opencoti, sessions only (no pool)",
+    "opencoti-nopool": "opencoti, sessions only (no pool, nothing reused)",
     "hf-recompute": "transformers generate, per session, prefix recomputed",
     "hf-copy": "transformers generate, prefix cache deep-copied per session",
     "hf-batch": "transformers generate, one padded batch",
@@ -81,49 +81,26 @@ CB_NOTE = (
     "block sharing on (its default).")
 
 
-# ============================================================================ timing helpers
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of [a, b] intervals."""
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+def labels(engine_weights: str, hf_dtype: str) -> dict:
+    """LABELS with the weights each side runs: ours in the engine's format (int4 under ``auto`` on
+    most CPUs), transformers in its dtype, so a table never reads as the same precision on both sides."""
+    hf = {"float32": "fp32", "bfloat16": "bf16"}.get(hf_dtype, hf_dtype)
+    return {k: f"{v} [{engine_weights if k.startswith('opencoti') else hf} weights]" for k, v in LABELS.items()}
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100])."""
-    vals = sorted(values)
-    if len(vals) == 1:
-        return vals[0]
-    pos = (len(vals) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+def run_hf_process(system: str, job: dict, env: dict) -> dict:
+    """One transformers measurement in a process of its own (hf_fanout.py), under ``env``."""
+    import subprocess
+    import tempfile
 
-
-def finish_run(system: str, P: int, N: int, G: int, first: list[float], last: list[float],
-               token_ids: list[list[int]], peak_kv: int, extra: dict) -> dict:
-    """Metrics of one run from per-session first/last token times (seconds since t0)."""
-    decode = [(G - 1) / (b - a) if b > a else None for a, b in zip(first, last)]
-    decode_time = union_length(list(zip(first, last)))
-    return {
-        "system": system, "prefix": P, "sessions": N, "gen": G,
-        "wall_s": max(last),
-        "ttft_p50_s": percentile(first, 50), "ttft_p95_s": percentile(first, 95),
-        "ttft_s": first, "last_token_s": last,
-        "per_session_decode_tps": statistics.median(d for d in decode if d is not None) if any(decode) else None,
-        "per_session_decode_tps_all": decode,
-        "aggregate_decode_tps": N * (G - 1) / decode_time if decode_time > 0 else None,
-        "end_to_end_tps": N * G / max(last),
-        "peak_kv_bytes": peak_kv,
-        "generated": [len(t) for t in token_ids],
-        "token_ids": token_ids,
-        "loadavg": os.getloadavg(),
-        **extra,
-    }
+    with tempfile.TemporaryDirectory() as tmp:
+        jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        jp.write_text(json.dumps({**job, "system": system}))
+        r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "hf_fanout.py"), str(jp), str(op)],
+                           env=env, capture_output=True, text=True, timeout=7200)
+        if r.returncode or not op.exists():
+            raise RuntimeError(f"{system} failed (rc {r.returncode}): {r.stderr[-2000:]}")
+        return json.loads(op.read_text())
 
 
 # ============================================================================ opencoti
@@ -152,7 +129,9 @@ class PagePoller:
 
 def run_opencoti(engine, prefix: list[int], suffixes: list[list[int]], G: int, use_pool: bool, tag: str) -> dict:
     """N concurrent streams released together; with ``use_pool`` the pool is created first
-    (after t0: computing the prefix is part of the workload)."""
+    (after t0: computing the prefix is part of the workload). Each session has a ``cache_salt`` of
+    its own, so nothing is shared through the automatic prefix cache: without a pool every session
+    computes prefix + suffix (asserted: cache_n == 0), with one it reuses exactly the pool's P tokens."""
     from opencoti.engine import SamplingParams
 
     N, P = len(suffixes), len(prefix)
@@ -173,7 +152,7 @@ def run_opencoti(engine, prefix: list[int], suffixes: list[list[int]], G: int, u
         try:
             go.wait()
             s = engine.stream(prefix + suffixes[i], params=SamplingParams.greedy(G, ignore_eos=True),
-                              session_id=f"{tag}-{i}", pool_id=pool_id[0])
+                              session_id=f"{tag}-{i}", pool_id=pool_id[0], cache_salt=common.fresh_salt(f"{tag}-{i}"))
             for _ in s:
                 times[i].append(now())
             results[i] = s.result
@@ -208,6 +187,9 @@ def run_opencoti(engine, prefix: list[int], suffixes: list[list[int]], G: int, u
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}") from errors[0]
     if any(len(ts) != G for ts in times):
         raise RuntimeError(f"a session got {[len(ts) for ts in times]} tokens, wanted {G}")
+    # every session under a salt of its own: the pool is the only thing shared
+    common.assert_cache_n([r.timings["cache_n"] for r in results], P if use_pool else 0,
+                          "opencoti with a pool" if use_pool else "opencoti without a pool")
     left = engine.kv.num_used - base_pages
     steps_rel = [(ts - t0, *rest) for ts, *rest in steps]
     return finish_run(
@@ -247,236 +229,6 @@ def step_overhead(run: dict) -> dict:
         "overhead_loop": 1 - sum(m for _, m in periods) / sum(p for p, _ in periods) if periods else None,
         "overhead_in_step_all_steps": 1 - all_model / all_total if all_total else None,
     }
-
-
-# ============================================================================ transformers
-def cache_bytes(cache) -> int:
-    """Bytes of the key and value tensors of a DynamicCache."""
-    if cache is None:
-        return 0
-    n = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if t is not None:
-                n += t.numel() * t.element_size()
-    return n
-
-
-def hf_gen_config(model, G: int):
-    from transformers import GenerationConfig
-
-    eos = model.config.eos_token_id
-    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
-    return GenerationConfig(do_sample=False, max_new_tokens=G, min_new_tokens=G, num_beams=1,
-                            eos_token_id=eos, pad_token_id=eos, return_dict_in_generate=True)
-
-
-def cache_kwarg(model) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name still works, with a warning)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def hf_generate(model, ids_2d, G: int, past=None):
-    """One generate() call; returns (token ids per row, time of each generated step, the cache)."""
-    import torch
-
-    input_ids = torch.tensor(ids_2d, dtype=torch.long)
-    clock = _TokenClock()
-    kw = {cache_kwarg(model): past} if past is not None else {}
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=hf_gen_config(model, G), streamer=clock, **kw)
-    gen = out.sequences[:, input_ids.shape[1]:].tolist()
-    times = clock.times[1:]  # the first put() is the prompt
-    if any(len(g) != G for g in gen) or len(times) != G:
-        raise RuntimeError(f"transformers generated {[len(g) for g in gen]} tokens ({len(times)} timed), wanted {G}")
-    cache = getattr(out, "cache", None)
-    return gen, times, cache if cache is not None else getattr(out, "past_key_values", None)
-
-
-def run_hf_recompute(model, prefix, suffixes, G: int) -> dict:
-    N, P = len(suffixes), len(prefix)
-    caches, first, last, ids = [], [], [], []
-    t0 = now()
-    for s in suffixes:
-        gen, times, cache = hf_generate(model, [prefix + s], G)
-        caches.append(cache)  # the session keeps its cache
-        first.append(times[0] - t0)
-        last.append(times[-1] - t0)
-        ids.append(gen[0])
-    peak = sum(cache_bytes(c) for c in caches)
-    return finish_run("hf-recompute", P, N, G, first, last, ids, peak,
-                      {"attn_implementation": model.config._attn_implementation})
-
-
-def run_hf_copy(model, prefix, suffixes, G: int) -> dict:
-    """transformers' documented prompt reuse: the prefix into a DynamicCache once, then per
-    session ``copy.deepcopy`` of it and ``generate(past_key_values=copy)`` on prefix + suffix."""
-    import torch
-    from transformers import DynamicCache
-
-    N, P = len(suffixes), len(prefix)
-    caches, first, last, ids = [], [], [], []
-    peak = 0
-    t0 = now()
-    template = DynamicCache()
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prefix], dtype=torch.long), use_cache=True, **{cache_kwarg(model): template})
-    t_template = now() - t0
-    for i, s in enumerate(suffixes):
-        cache = copy.deepcopy(template)
-        if i == N - 1:
-            template = None  # nothing needs it any more
-        gen, times, cache = hf_generate(model, [prefix + s], G, past=cache)
-        caches.append(cache)
-        peak = max(peak, cache_bytes(template) + sum(cache_bytes(c) for c in caches))
-        first.append(times[0] - t0)
-        last.append(times[-1] - t0)
-        ids.append(gen[0])
-    return finish_run("hf-copy", P, N, G, first, last, ids, peak, {"prefix_cache_s": t_template})
-
-
-def run_hf_batch(model, prefix, suffixes, G: int) -> dict:
-    N, P = len(suffixes), len(prefix)
-    t0 = now()
-    gen, times, cache = hf_generate(model, [prefix + s for s in suffixes], G)
-    first = [times[0] - t0] * N
-    last = [times[-1] - t0] * N
-    return finish_run("hf-batch", P, N, G, first, last, gen, cache_bytes(cache), {})
-
-
-def run_hf_cb(model, prefix, suffixes, G: int) -> dict:
-    """``generate_batch`` as transformers implements it (continuous_batching_context_manager +
-    add_requests + get_result), with the cache's blocks in use polled between results."""
-    import torch
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    try:
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-    except ImportError:  # other layouts: generate_batch builds the same hints
-        WorkloadHints = None  # noqa: N806
-
-    N, P = len(suffixes), len(prefix)
-    Q = len(suffixes[0])
-    page = 256
-    cbc = ContinuousBatchingConfig(page_size=page, num_blocks=-(-N * (P + Q + G) // page) + 2, max_batch_tokens=512)
-    gcfg = GenerationConfig(do_sample=False, max_new_tokens=G, eos_token_id=-1, pad_token_id=0)
-    inputs = [prefix + s for s in suffixes]
-    hints = WorkloadHints(max_prompt_length=P + Q, max_generated_length=G, num_requests=N) if WorkloadHints else None
-    results: dict = {}
-    peak_used = 0
-    cache_total = None
-    prefix_hits: list[int] = []
-    with torch.no_grad():
-        t0 = now()
-        with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cbc,
-                                                       block=True, timeout=5, workload_hints=hints) as manager:
-            attn_impl = model.config._attn_implementation  # what CB switched the model to
-            probe = CBStepProbe(model)
-            try:
-                ids = manager.add_requests(inputs=inputs, max_new_tokens=G, record_timestamps=True)
-                cache = manager.batch_processor.cache if manager.batch_processor is not None else None
-                while len(results) < N:
-                    r = manager.get_result(timeout=0.01)
-                    bp = manager.batch_processor
-                    if bp is not None:
-                        cache = bp.cache
-                        total = cache.num_sectors * cache.bytes_per_sector
-                        cache_total = total
-                        peak_used = max(peak_used, int(round((1 - cache.compute_free_capacity(relative=True)) * total)))
-                    if r is not None and r.is_finished():
-                        results[r.request_id] = r
-                    elif r is None and not manager.is_running():
-                        raise RuntimeError("transformers continuous batching stopped before finishing")
-                t_end = now()
-            finally:
-                probe.remove()
-        if cache is not None:
-            prefix_hits = list(getattr(cache, "_bench_prefix_hits", []))
-    outs = [results[i] for i in ids]
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"transformers continuous batching failed: {errors[0]}")
-    first = [o.timestamps[0] - t0 for o in outs]
-    last = [o.timestamps[-1] - t0 for o in outs]
-    gen = [list(o.generated_tokens) for o in outs]
-    if any(len(g) != G for g in gen):
-        raise RuntimeError(f"transformers continuous batching generated {[len(g) for g in gen]} tokens, wanted {G}")
-    return finish_run("hf-cb", P, N, G, first, last, gen, peak_used,
-                      {"cache_allocated_bytes": cache_total, "cb_prefix_hit_tokens": prefix_hits,
-                       "attn_implementation": attn_impl, "cb_decode": probe.decode_summary(N),
-                       "call_s": t_end - t0, "cb_config": {"page_size": page, "num_blocks": cbc.num_blocks,
-                                                             "max_batch_tokens": 512}})
-
-
-class CBStepProbe:
-    """Times transformers CB's generation steps and the attention calls inside them (the attention
-    function the model resolves per call, under the key CB switched it to), and keeps the shapes of
-    each step's last attention call. Two perf_counter calls per layer: negligible."""
-
-    def __init__(self, model):
-        from transformers.generation.continuous_batching import continuous_api as ca
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        self.steps: list[tuple[float, float, tuple | None]] = []  # (step s, attention s, (q shape, k shape))
-        self._attn_s, self._shapes = 0.0, None
-        self._cls, self._fns = ca.ContinuousBatchProcessor, ALL_ATTENTION_FUNCTIONS
-        self._key = model.config._attn_implementation
-        self._orig_step, self._orig_attn = self._cls._generation_step, self._fns[self._key]
-        probe = self
-
-        def step(bp, m):
-            probe._attn_s, probe._shapes = 0.0, None
-            t = time.perf_counter()
-            r = probe._orig_step(bp, m)
-            probe.steps.append((time.perf_counter() - t, probe._attn_s, probe._shapes))
-            return r
-
-        def attention(module, query, key, value, attention_mask, *a, **kw):
-            t = time.perf_counter()
-            r = probe._orig_attn(module, query, key, value, attention_mask, *a, **kw)
-            probe._attn_s += time.perf_counter() - t
-            probe._shapes = (tuple(query.shape), tuple(key.shape))
-            return r
-
-        self._cls._generation_step = step
-        self._fns[self._key] = attention
-
-    def remove(self) -> None:
-        self._cls._generation_step = self._orig_step
-        self._fns[self._key] = self._orig_attn
-
-    def decode_summary(self, n: int) -> dict:
-        """Steps whose query holds exactly n tokens (all n sessions decoding), the first one excluded."""
-        dec = [x for x in self.steps if x[2] is not None and x[2][0][-2] == n][1:]
-        if not dec:
-            return {"decode_steps": 0}
-        return {"decode_steps": len(dec), "step_ms_median": 1e3 * statistics.median(x[0] for x in dec),
-                "attention_ms_median": 1e3 * statistics.median(x[1] for x in dec),
-                "attention_shapes_q_k": dec[-1][2], "steps": len(self.steps)}
-
-
-def instrument_cb_prefix_hits() -> None:
-    """Record how many prompt tokens each CB request found in the shared cache (informational)."""
-    try:
-        from transformers.generation.continuous_batching import cache as cb_cache
-    except ImportError:
-        return
-    cls = cb_cache.PagedAttentionCache
-    if getattr(cls, "_bench_wrapped", False):
-        return
-    orig = cls.search_prefix_match
-
-    def search_prefix_match(self, request_id, prompt_ids):
-        n = orig(self, request_id, prompt_ids)
-        self.__dict__.setdefault("_bench_prefix_hits", []).append(int(n))
-        return n
-
-    cls.search_prefix_match = search_prefix_match
-    cls._bench_wrapped = True
 
 
 # ============================================================================ profiler
@@ -665,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     t_start = now()
+    load_before = common.load_snapshot()
     machine = common.machine_info()
     log(f"machine: {common.describe_machine(machine)}")
     Q, G = args.suffix, args.gen
@@ -675,10 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"engine loaded in {engine.load_seconds:.1f}s ({engine.model_name}, {engine.dtype}, {engine.device}); "
         f"KV {engine.kv.num_pages} pages x {engine.kv.page_size} tokens, {engine.kv.page_bytes} B/page; "
         f"cascade={engine.backend.cascade}")
-    hf = None
-    if any(s.startswith("hf-") for s in args.systems):
-        hf = load_transformers(engine.loaded.model_dir, args.dtype)
-        instrument_cb_prefix_hits()
+    hf_env = baseline_env()  # the transformers baselines: their own processes, OpenMP's own defaults
+    weights = engine.model.weights
+    run_labels = labels(weights, args.dtype)
     bytes_per_token = engine.kv.page_bytes // engine.kv.page_size
     prefixes = {}
     for P in args.prefix:
@@ -688,11 +440,20 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "opencoti-pool": lambda P, N, tag: run_opencoti(engine, prefixes[P], suffixes[:N], G, True, tag),
         "opencoti-nopool": lambda P, N, tag: run_opencoti(engine, prefixes[P], suffixes[:N], G, False, tag),
-        "hf-recompute": lambda P, N, tag: run_hf_recompute(hf, prefixes[P], suffixes[:N], G),
-        "hf-copy": lambda P, N, tag: run_hf_copy(hf, prefixes[P], suffixes[:N], G),
-        "hf-batch": lambda P, N, tag: run_hf_batch(hf, prefixes[P], suffixes[:N], G),
-        "hf-cb": lambda P, N, tag: run_hf_cb(hf, prefixes[P], suffixes[:N], G),
     }
+    wP = min(args.prefix)
+
+    def hf_runner(system: str):
+        def run(P: int, N: int, tag: str) -> dict:
+            if tag.startswith("warm-"):  # each measuring process warms up by itself
+                return {}
+            job = {"model_dir": str(engine.loaded.model_dir), "dtype": args.dtype, "threads": args.threads,
+                   "prefix": prefixes[P], "suffixes": suffixes[:N], "gen": G,
+                   "warm": {"prefix": prefixes[wP], "suffixes": suffixes[:min(2, maxN)]}}
+            return run_hf_process(system, job, hf_env)
+        return run
+
+    runners.update({s: hf_runner(s) for s in ALL_SYSTEMS if s.startswith("hf-")})
 
     def points_for(system: str) -> list[tuple[int, int]]:
         grid = [(P, N) for P in args.prefix for N in args.sessions]
@@ -707,8 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         return sorted(pts, key=lambda x: grid.index(x))
 
     # ---------------------------------------------------------------- warm-up
-    log("warm-up (every system once, small)")
-    wP = min(args.prefix)
+    log("warm-up (our engine; each transformers process warms up by itself)")
     for system in args.systems:
         runners[system](wP, min(2, maxN), f"warm-{system}")
     gc.collect()
@@ -809,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {common.describe_machine(machine)}")
     rows = []
     for system in args.systems:
-        rows.append([LABELS[system], med(system, TP, TN, "wall_s"), med(system, TP, TN, "ttft_p50_s"),
+        rows.append([run_labels[system], med(system, TP, TN, "wall_s"), med(system, TP, TN, "ttft_p50_s"),
                      med(system, TP, TN, "ttft_p95_s"), med(system, TP, TN, "per_session_decode_tps"),
                      med(system, TP, TN, "aggregate_decode_tps"),
                      (med(system, TP, TN, "peak_kv_bytes") or 0) / mib,
@@ -866,9 +626,15 @@ def main(argv: list[str] | None = None) -> int:
                    "points": {s: points_for(s) for s in args.systems}, "quick": args.quick,
                    "cascade": engine.backend.cascade, "max_batch_tokens": engine.config.max_batch_tokens,
                    "torch_threads": torch.get_num_threads(),
-                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+                   "weights": weights, "hf_dtype": args.dtype,
+                   "openmp_env_ours": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+                   "openmp_env_transformers": {k: hf_env.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+                   "transformers_processes": "each transformers measurement in a process of its own "
+                                             "(hf_fanout.py, no opencoti import), warmed up in it first"},
+        "load_before": load_before,
+        "machine_end": common.machine_info(),
         "machine": machine,
-        "labels": LABELS,
+        "labels": run_labels,
         "definitions": {
             "t0": "the moment the fan-out starts: before the pool is created (opencoti-pool) / the prefix cache "
                   "is computed (hf-copy) / the first request is made",
@@ -925,8 +691,10 @@ def markdown_report(d: dict) -> str:
     def f(x, digits=2):
         return fmt(x, digits) if x is not None else "–"
 
+    weights = (f" opencoti runs {cfg['weights']} weights, transformers {cfg['hf_dtype']} (each transformers run in "
+               f"a process of its own, OpenMP defaults)." if cfg.get("weights") else "")
     out = [f"Target point P = {TP}, N = {TN}, Q = {cfg['suffix']}, G = {cfg['gen']} "
-           f"(median of {cfg['repeats']} interleaved rounds):", "",
+           f"(median of {cfg['repeats']} interleaved rounds).{weights}", "",
            "| system | wall s | TTFT p50 s | TTFT p95 s | per-session decode tok/s | aggregate decode tok/s "
            "| peak KV MiB | wall vs opencoti-pool |", "|---|---|---|---|---|---|---|---|"]
     for system in cfg["systems"]:

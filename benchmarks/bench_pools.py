@@ -147,11 +147,13 @@ def build_suffix(engine, question: str, n_tokens: int) -> list[int]:
 
 # ============================================================================ (a) TTFT
 def ttft_once(engine, prompt: list[int], session_id: str, pool_id: int | None) -> dict:
+    """One 1-token request on a fresh session, under a salt of its own: it finds nothing in the
+    automatic prefix cache, so a full prefill computes every token and an attach exactly the suffix."""
     from opencoti.engine import SamplingParams
 
     t0 = now()
     r = engine.generate(prompt, params=SamplingParams.greedy(1, ignore_eos=True), session_id=session_id,
-                        pool_id=pool_id)
+                        pool_id=pool_id, cache_salt=common.fresh_salt(session_id))
     wall = now() - t0
     engine.release_session(session_id)
     return {"ttft_s": wall, "engine_prompt_ms": r.timings["prompt_ms"], "prompt_n": r.timings["prompt_n"],
@@ -186,8 +188,9 @@ class PeakPoller:
 
 
 def run_sessions(engine, prompts: list[list[int]], gen: int, tag: str, pool_id: int | None, baseline: int) -> dict:
-    """All prompts at once (one thread each); sessions stay cached afterwards. ``baseline`` is
-    kv_bytes_used before the phase began (before its pool was created, so the pool counts)."""
+    """All prompts at once (one thread each), each under a salt of its own (sessions share KV only
+    through ``pool_id``, never through the automatic prefix cache); sessions stay cached afterwards.
+    ``baseline`` is kv_bytes_used before the phase began (before its pool was created, so the pool counts)."""
     from opencoti.engine import SamplingParams
 
     results: list = [None] * len(prompts)
@@ -198,7 +201,8 @@ def run_sessions(engine, prompts: list[list[int]], gen: int, tag: str, pool_id: 
         try:
             barrier.wait()
             results[i] = engine.generate(prompts[i], params=SamplingParams.greedy(gen, ignore_eos=True),
-                                         session_id=f"{tag}-{i}", pool_id=pool_id)
+                                         session_id=f"{tag}-{i}", pool_id=pool_id,
+                                         cache_salt=common.fresh_salt(f"{tag}-{i}"))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -254,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     common.set_threads(args.threads)
 
     t_start = now()
+    load_before = common.load_snapshot()
     machine = common.machine_info()
     log(f"machine: {common.describe_machine(machine)}")
     P, Q, G, S = args.prefix, args.suffix, args.gen, args.sessions
@@ -283,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         attach_runs.append(ttft_once(engine, prompt, f"attach-{r}", pool.pool_id))
     engine.release_pool(pool.pool_id)
     engine.check_integrity()
-    bad_cache = [x["cache_n"] for x in full_runs if x["cache_n"] != 0] + \
-                [x["cache_n"] for x in attach_runs if x["cache_n"] != P]
+    common.assert_cache_n([x["cache_n"] for x in full_runs], 0, "full prefill")
+    common.assert_cache_n([x["cache_n"] for x in attach_runs], P, "attach")
     same_token = all(x["token"] == full_runs[0]["token"] for x in full_runs + attach_runs)
     full = summarize([x["ttft_s"] for x in full_runs])
     attach = summarize([x["ttft_s"] for x in attach_runs])
@@ -299,12 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"WARNING: {left} KV pages still in use before the memory test")
     log(f"memory: {S} sessions without pools")
     nopool = run_sessions(engine, prompts, G, "nopool", None, engine.pools()["kv_bytes_used"])
+    common.assert_cache_n(nopool["cache_n"], 0, "memory, no pools")
     release_all(engine, "nopool", S)
     log(f"memory: {S} sessions on one pool")
     baseline = engine.pools()["kv_bytes_used"]
     pool = engine.create_pool(tokens=prefix, label="bench-memory")
     pool_bytes = pool.own_kv_bytes
     withpool = run_sessions(engine, prompts, G, "pool", pool.pool_id, baseline)
+    common.assert_cache_n(withpool["cache_n"], P, "memory, one pool")
     tree = engine.pools()
     release_all(engine, "pool", S)
     engine.release_pool(pool.pool_id)
@@ -338,8 +345,6 @@ def main(argv: list[str] | None = None) -> int:
               f"median of {args.repeats}")
     print(f"  attach speed-up: {fmt(ttft_ratio, 1)}x   target >= 10x: {check_mark(ttft_ratio, 10.0)}"
           f"   (first token identical in all runs: {fmt(same_token)})")
-    if bad_cache:
-        print(f"  WARNING: unexpected cache_n values {bad_cache} (full prefill should reuse 0, attach {P})")
 
     mib = 2**20
     print_table(
@@ -371,8 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "definitions": {
             "ttft": "wall time of a generate() call with max_tokens=1 on a fresh session",
-            "full_prefill": "fresh session, no pool: computes all prefix+suffix tokens",
-            "attach": "fresh session with pool_id of a resident pool holding the prefix (auto-P)",
+            "full_prefill": "fresh session, no pool, a cache_salt of its own: computes all prefix+suffix tokens "
+                            "(asserted: cache_n == 0)",
+            "attach": "fresh session with pool_id of a resident pool holding the prefix (auto-P), a cache_salt "
+                      "of its own (asserted: cache_n == prefix tokens, nothing from the automatic prefix cache)",
+            "memory_no_pool": "each session under its own cache_salt (asserted: cache_n == 0)",
             "kv_bytes": "engine.pools()['kv_bytes_used'] (physical pages in use x page bytes) minus the "
                         "value before the phase; peak polled every 20 ms, after = all requests finished",
             "ideal_ratio": "S*(P+Q+G) / (P + S*(Q+G))",
@@ -387,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                    "pool_tree_after": tree, "kv_pages_in_use_at_end": pages_end},
         "total_seconds": now() - t_start,
         "loadavg_end": common.machine_info()["loadavg"],
+        "machine_end": common.machine_info(),
+        "load_before": load_before,
     }
     path = common.write_json("pools", payload, args.out)
     print(f"\nwrote {path} ({now() - t_start:.0f}s total)")

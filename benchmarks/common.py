@@ -247,6 +247,25 @@ def _json_default(o: Any) -> Any:
     return repr(o)
 
 
+# ============================================================================ baselines that must not reuse
+def fresh_salt(tag: str) -> str:
+    """A ``cache_salt`` no other request has: the request shares no cached KV (the automatic prefix
+    cache keys its pages by salt), so a "no pool" / "full prefill" baseline computes every token."""
+    import uuid
+
+    return f"bench-{tag}-{uuid.uuid4().hex}"
+
+
+def assert_cache_n(values: Iterable[int], expected: int, what: str) -> None:
+    """Raise unless every request of a run found exactly ``expected`` prompt tokens in cache
+    (``timings["cache_n"]``): 0 for a baseline that must compute everything, P for an attach."""
+    values = list(values)
+    bad = [v for v in values if v != expected]
+    if bad:
+        raise RuntimeError(f"{what}: expected {expected} cached prompt tokens per request, got {values}; "
+                           f"the comparison would not measure what it says")
+
+
 def run_threads(n: int, fn: Callable[[int], Any]) -> None:
     """``fn(0) .. fn(n - 1)`` on ``n`` threads started together; returns when all have ended."""
     import threading

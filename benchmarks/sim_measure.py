@@ -25,22 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 from common import log, make_engine, machine_info, write_json  # noqa: E402
 
+from opencoti.sim.ramp import choose_fit  # noqa: E402  (the rule every profile's fit follows)
+
 SYSTEM = "You are a meticulous research assistant. Answer in detail and never stop early."
-
-
-def choose_fit(prof, ramp: dict) -> int:
-    """The largest k such that every batch size up to k is at least 10 % faster per session than
-    k + 1 (so a floor between tps(k) and tps(k + 1) keeps all of them above it, with a gap larger
-    than the noise of a mean), as the real ramp benchmark chooses its fit."""
-    from opencoti.sim.ramp import RampConfig, expected_tps
-
-    cfg = RampConfig(**{**ramp, "fit": 1})
-    tps = {b: expected_tps(prof, b, cfg) for b in range(1, max(prof.table) + 1)}
-    fit = 1
-    for k in range(1, max(tps)):
-        if min(tps[j] for j in range(1, k + 1)) > 1.1 * tps[k + 1]:
-            fit = k
-    return fit
 
 
 def main() -> None:

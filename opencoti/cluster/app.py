@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-ROUTERS = ("opencoti", "pow2")
+ROUTERS = ("opencoti", "pow2", "ray-prefix")
 
 
 @dataclass
@@ -20,8 +20,10 @@ class ClusterConfig:
     """replicas: engine replicas. cpus_per_replica / gpus_per_replica: Ray resources of each (an
     engine on a GPU takes one; on CPU, threads defaults to cpus_per_replica). router: "opencoti"
     (pool/session/prefix affinity) or "pow2" (Ray Serve's default power-of-two-choices router, for
-    comparison: pool ids then reach a random replica). imbalance_threshold / match_threshold: the
-    prefix-routing balance rule (policy.py). auto_replicate: copy a saturated pool to a replica
+    comparison: pool ids then reach a random replica) or "ray-prefix" (Ray Serve's own
+    PrefixCacheAffinityRouter, ray_prefix.py, also for comparison: it routes by the prompt text only,
+    pool ids reach any replica). imbalance_threshold / match_threshold: the prefix-routing balance
+    rule (policy.py; ray-prefix gets the same two values). auto_replicate: copy a saturated pool to a replica
     with room. engine: EngineConfig fields; server: ServerConfig fields."""
 
     replicas: int = 2
@@ -71,6 +73,11 @@ def make_app(cfg: ClusterConfig):
             request_router_class="opencoti.cluster.router:OpencotiRouter",
             request_router_kwargs={"imbalance_threshold": cfg.imbalance_threshold,
                                    "match_threshold": cfg.match_threshold})
+    elif cfg.router == "ray-prefix":
+        router_cfg["request_router_config"] = RequestRouterConfig(
+            request_router_class="opencoti.cluster.ray_prefix:RayPrefixAffinityRouter",
+            request_router_kwargs={"imbalanced_threshold": cfg.imbalance_threshold,
+                                   "match_rate_threshold": cfg.match_threshold})
     replica = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica},

@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pools", type=int, default=16, help="pool budget of each replica (default 16)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--ctx-size", "-c", type=int, default=None, help="context length per sequence")
-    p.add_argument("--router", choices=["opencoti", "pow2"], default="opencoti",
-                   help="opencoti: pool/session/prefix affinity (default); pow2: Ray Serve's default router")
+    p.add_argument("--router", choices=["opencoti", "pow2", "ray-prefix"], default="opencoti",
+                   help="opencoti: pool/session/prefix affinity (default); pow2: Ray Serve's default router; "
+                        "ray-prefix: Ray Serve's PrefixCacheAffinityRouter")
     p.add_argument("--imbalance-threshold", type=float, default=4.0,
                    help="leave the prefix's replica when its in-flight requests exceed the least loaded "
                         "replica's by more than this (default 4)")

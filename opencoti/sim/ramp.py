@@ -61,6 +61,27 @@ def expected_tps(profile: StepProfile, b: int, cfg: RampConfig) -> float:
     return 1.0 / profile.expected_step_s(b, ctx, share)
 
 
+FIT_GAP = 1.1  # every size up to fit is at least this much faster per session than fit + 1
+FIT_SEARCH_MAX = 64  # the largest batch size considered for a profile without a measured table
+
+
+def choose_fit(profile: StepProfile, ramp: dict | None = None) -> int:
+    """The rule for a profile's ``fit``: the largest k such that every batch size 1..k is at least
+    10 % (``FIT_GAP``) faster per session than k + 1, so a floor between tps(k) and tps(k + 1) keeps
+    all of them above it, with a gap larger than the noise of a mean. Batch sizes up to the largest
+    measured one (``profile.table``), or up to ``FIT_SEARCH_MAX`` for a profile given by its line;
+    1 when no k qualifies. ``ramp``: the scenario (context lengths), default ``profile.ramp``."""
+    cfg = RampConfig(**{**(profile.ramp if ramp is None else ramp), "fit": 1})
+    top = max(profile.table) if profile.table else FIT_SEARCH_MAX
+    tps = {b: expected_tps(profile, b, cfg) for b in range(1, top + 1)}
+    fit, fastest_below = 1, math.inf
+    for k in range(1, top):
+        fastest_below = min(fastest_below, tps[k])  # the slowest of sizes 1..k per session
+        if fastest_below > FIT_GAP * tps[k + 1]:
+            fit = k
+    return fit
+
+
 def _intervals(ts, rate_tokens: int):
     """(seconds, experienced rate, start of the rate's window) of each interval of one session's
     token times: the rate over its last ``rate_tokens`` intervals."""
