@@ -1,4 +1,4 @@
-"""A ReAct agent (``create_agent``) with ordinary tools plus the pool tools, on opencoti.
+"""A ReAct agent (``create_agent``) with two ordinary tools, on opencoti.
 
 ``PolyKVMiddleware`` puts the system prompt + tools in a shared pool and runs each thread's model
 calls in one session, so the second turn of a thread reuses the KV of the first: its
@@ -9,6 +9,10 @@ system prompt.
     python agent.py                     # two turns on one thread, with a checkpointer
 
     input:  {"messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+
+The agent binds only the tools it needs: every bound tool's schema is part of every prompt (the
+six pool tools of ``polykv_tools`` add ~1,100 tokens). Add them (``TOOLS + polykv_tools(model)``)
+for an agent that manages pools itself.
 """
 
 from langchain.agents import create_agent
@@ -17,7 +21,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from opencoti.langgraph import PolyKVMiddleware, model_from_env, polykv_tools
+from opencoti.langgraph import PolyKVMiddleware, model_from_env
 
 SYSTEM = "You are a helpful assistant. Use a tool when it helps, then answer in one sentence."
 
@@ -36,7 +40,7 @@ def add(a: float, b: float) -> float:
     return a + b
 
 
-TOOLS = [get_weather, add, *polykv_tools(model)]
+TOOLS = [get_weather, add]
 
 
 def build(checkpointer=None):

@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     from .cluster.serve import add_arguments as _cluster_arguments
     _cluster_arguments(cls)
     cls.set_defaults(fn=cmd_cluster_serve)
+    st = sub.add_parser("state", help="maintain a state directory (see docs/persistence.md)")
+    st_sub = st.add_subparsers(dest="state_cmd", required=True)
+    pr = st_sub.add_parser("prune", help="remove unpinned pools with no session that nobody released")
+    from .engine.persist.prune import add_arguments as _prune_arguments
+    _prune_arguments(pr)
+    pr.set_defaults(fn=cmd_state_prune)
     b = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     b.add_argument("name", help="benchmark name (engine, pools, cascade, admission, fanout, all)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -90,6 +96,11 @@ def cmd_serve(args) -> int:
 
 def cmd_cluster_serve(args) -> int:
     from .cluster.serve import run
+    return run(args)
+
+
+def cmd_state_prune(args) -> int:
+    from .engine.persist.prune import run
     return run(args)
 
 
