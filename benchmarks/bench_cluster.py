@@ -78,13 +78,6 @@ def hit_rate(prompt_tokens: int, cached_tokens: int, pool_prefill_tokens: int = 
     return 1.0 - (prompt_tokens - cached_tokens + pool_prefill_tokens) / prompt_tokens
 
 
-def rotated(modes: list[str], rnd: int) -> list[str]:
-    """The run order of round ``rnd``: ``modes`` rotated left by ``rnd`` (each mode goes first once
-    every len(modes) rounds)."""
-    k = rnd % len(modes)
-    return modes[k:] + modes[:k]
-
-
 def run_mode(mode: str, args, port: int, rnd: int = 0) -> dict:
     import httpx
     from ray import serve
@@ -92,7 +85,8 @@ def run_mode(mode: str, args, port: int, rnd: int = 0) -> dict:
     from opencoti.cluster.app import ClusterConfig, make_app
 
     router = mode if mode in ("pow2", "ray-prefix") else "opencoti"
-    engine = {"kv_budget_tokens": args.kv_budget_tokens, "max_pools": 8, "num_threads": args.threads}
+    engine = {"kv_budget_tokens": args.kv_budget_tokens, "max_pools": 8, "num_threads": args.threads,
+              "weights": args.weights}
     cfg = ClusterConfig(replicas=2, cpus_per_replica=1, router=router, engine=engine)
     t0 = time.perf_counter()
     serve.run(make_app(cfg), name="opencoti", route_prefix="/")
@@ -226,7 +220,7 @@ def main() -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         for rnd in range(args.rounds):
-            for mode in rotated(modes, rnd):
+            for mode in common.rotated(modes, rnd):
                 results.append(run_mode(mode, args, args.port, rnd))
                 log(f"round {rnd + 1}/{args.rounds}, {mode}: hit rate {results[-1]['hit_rate']}, "
                     f"load {common.load_snapshot()['loadavg']}")
@@ -262,7 +256,7 @@ def main() -> int:
                 print(f"{other} computes {pr:.2f}x the prefill tokens and takes {wr:.2f}x the wall time of our "
                       f"router with pools")
     payload = {"machine": info, "load_before": load_before, "machine_end": common.machine_info(),
-               "args": vars(args), "definitions": {"hit_rate": hit_rate.__doc__, "order": rotated.__doc__},
+               "args": vars(args), "definitions": {"hit_rate": hit_rate.__doc__, "order": common.rotated.__doc__},
                "ray_prefix_router": "ray.serve.llm.request_router.PrefixCacheAffinityRouter (ray "
                                     f"{ray.__version__}) via opencoti.cluster.ray_prefix.RayPrefixAffinityRouter: "
                                     "Ray's class, only reading the prompt text from the forwarded request's JSON body "

@@ -85,12 +85,6 @@ def engine_specs(formats: list[str]) -> dict:
     return {k: specs[k] for k in ["auto", *formats, "fp32-fixed"]}
 
 
-def rotated(names: list[str], rnd: int) -> list[str]:
-    """The order of round ``rnd``: ``names`` rotated left by ``rnd``."""
-    k = rnd % len(names)
-    return names[k:] + names[:k]
-
-
 def auto_vs_fastest(med: dict, formats: list[str]) -> dict:
     """auto's median single-session decode against the fastest explicit format's (target: within 5 %)."""
     cands = {f: med[f]["single"] for f in formats if med.get(f, {}).get("single")}
@@ -205,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict = {name: {"single": [], "agg": [], "busy": [], "load": [], "order": []} for name in names}
     info: dict = {}
     for r in range(args.repeats):
-        order = rotated(names, r)
+        order = common.rotated(names, r)
         log(f"round {r + 1}/{args.repeats}: {', '.join(order)} (each in its own process)")
         for pos, name in enumerate(order):
             res = run_worker(name, args)
@@ -222,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             busy_load = os.getloadavg()[0]
             for r in range(args.repeats):
-                for name in rotated(["fp32-fixed", "auto"], r):
+                for name in common.rotated(["fp32-fixed", "auto"], r):
                     log(f"busy neighbour on CPU 0, round {r + 1}/{args.repeats}: {name}")
                     runs[name]["busy"].append(run_worker(name, args, busy=True)["single"])
         finally:

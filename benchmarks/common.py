@@ -266,6 +266,13 @@ def assert_cache_n(values: Iterable[int], expected: int, what: str) -> None:
                            f"the comparison would not measure what it says")
 
 
+def rotated(items: Sequence[Any], rnd: int) -> list:
+    """The order of round ``rnd``: ``items`` rotated left by ``rnd``, so each goes first once every
+    ``len(items)`` rounds and drift in the machine's load does not always hit the same one."""
+    k = rnd % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
 def run_threads(n: int, fn: Callable[[int], Any]) -> None:
     """``fn(0) .. fn(n - 1)`` on ``n`` threads started together; returns when all have ended."""
     import threading

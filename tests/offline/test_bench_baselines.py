@@ -75,7 +75,7 @@ def test_a_baseline_that_reused_cached_tokens_stops_the_run():
 def test_weight_formats_rotate_and_fp32_fixed_is_not_privileged():
     names = list(bench_quant.engine_specs(["fp32", "bf16", "int8", "int4"]))
     assert names[0] != "fp32-fixed" and {"auto", "fp32", "bf16", "int8", "int4", "fp32-fixed"} == set(names)
-    orders = [bench_quant.rotated(names, r) for r in range(len(names))]
+    orders = [common.rotated(names, r) for r in range(len(names))]
     assert sorted(o[0] for o in orders) == sorted(names)  # each goes first once
     assert all(sorted(o) == sorted(names) for o in orders)
 
@@ -112,7 +112,7 @@ def test_cluster_hit_rate_counts_pool_prefill_as_computed():
 
 def test_cluster_runs_rotate_and_include_rays_prefix_router():
     assert "ray-prefix" in bench_cluster.MODES and "pow2" in bench_cluster.MODES
-    firsts = {bench_cluster.rotated(bench_cluster.MODES, r)[0] for r in range(len(bench_cluster.MODES))}
+    firsts = {common.rotated(bench_cluster.MODES, r)[0] for r in range(len(bench_cluster.MODES))}
     assert firsts == set(bench_cluster.MODES)
 
 
