@@ -297,10 +297,18 @@ class LlamaForward:
         return self.lm_head(x).float()  # [B_out, V]
 
     @torch.inference_mode()
-    def dense_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def dense_logits(self, input_ids: torch.Tensor, rows_per_call: int | None = None) -> torch.Tensor:
         """Logits [T, V] (fp32) of one sequence from position 0, causal, without the paged cache
-        (accuracy checks of weight formats; not a serving path)."""
+        (accuracy checks of weight formats; not a serving path). ``rows_per_call``: each projection
+        runs on that many rows at a time (1: the kernels and numerics of decode steps, whose
+        projections see one row per sequence; None: all T rows, as a prefill chunk)."""
         d = self.dims
+
+        def run(kern, h: torch.Tensor) -> torch.Tensor:
+            if rows_per_call is None or h.shape[0] <= rows_per_call:
+                return kern(h)
+            return torch.cat([kern(h[i:i + rows_per_call]) for i in range(0, h.shape[0], rows_per_call)])
+
         T = input_ids.shape[0]
         h, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
         q_size, kv_size = h * hd, hkv * hd
@@ -311,7 +319,7 @@ class LlamaForward:
         x = self.embed.index_select(0, input_ids.to(self.device))
         eps = d.rms_norm_eps
         for L in self.layers:
-            qkv = L.qkv(_rms_norm(x, L.in_norm, eps))
+            qkv = run(L.qkv, _rms_norm(x, L.in_norm, eps))
             q = qkv[:, :q_size].view(T, h, hd)
             k = qkv[:, q_size:q_size + kv_size].view(T, hkv, hd)
             v = qkv[:, q_size + kv_size:].view(T, hkv, hd)
@@ -322,7 +330,7 @@ class LlamaForward:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                   is_causal=True, scale=self.scale)  # [H, T, D]
-            x = x + L.o(attn.transpose(0, 1).reshape(T, q_size))
-            gate, up = L.gate_up(_rms_norm(x, L.post_norm, eps)).chunk(2, dim=-1)
-            x = x + L.down(F.silu(gate) * up)
-        return self.lm_head(_rms_norm(x, self.final_norm, eps)).float()
+            x = x + run(L.o, attn.transpose(0, 1).reshape(T, q_size))
+            gate, up = run(L.gate_up, _rms_norm(x, L.post_norm, eps)).chunk(2, dim=-1)
+            x = x + run(L.down, F.silu(gate) * up)
+        return run(self.lm_head, _rms_norm(x, self.final_norm, eps)).float()

@@ -7,7 +7,8 @@
   (``choose.py``). Models whose projection weights are under ``AUTO_MIN_BYTES`` in fp32 stay fp32
   (they sit in cache: nothing to gain). Otherwise each quantized format is checked against an fp32
   reference on :data:`GATE_TEXT` (it passes when it keeps perplexity within 3 % of fp32 and agrees
-  with fp32's greedy top-1 on >= 95 % of the positions); fp32 and the formats that pass run real
+  with fp32's greedy top-1 on >= 95 % of the positions, both with the projections run on the whole
+  text at once, as a prefill does, and one row at a time, as decode steps do); fp32 and the formats that pass run real
   decode and prefill steps, and the cheapest reference agent turn wins. Gate results and the
   choice are cached per machine, model and kernels (next to the kernel timings), so later loads
   build only the chosen format.
@@ -192,6 +193,10 @@ def _kernel_signature(tuner: Autotuner, fmt: str, counts: dict, hf) -> str:
     return ",".join(tuner.choose(fmt, n, k) for n, k in counts) + f" head={head_format(tuner, fmt, hf)}"
 
 
+def _rounded(m: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+
+
 def _gate(fmt: str, entry: str, tuner: Autotuner, make, reference) -> tuple[dict, "LlamaForward | None"]:
     """The accuracy gate's result for ``fmt`` (cached per machine, model and kernels) and, when it
     passes, the model in that format."""
@@ -200,8 +205,11 @@ def _gate(fmt: str, entry: str, tuner: Autotuner, make, reference) -> tuple[dict
         return {**m, "cached": True}, (make(fmt) if m["passed"] else None)
     ref_logits, ids = reference()
     model = make(fmt)
-    m = gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS)
-    m = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+    m = _rounded(gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS))
+    # the same text through the projections one row at a time: the kernels decode steps use
+    dec = _rounded(gate_metrics(ref_logits, model.dense_logits(ids, rows_per_call=1), ids, GATE_TOKENS))
+    m["decode_path"] = {k: dec[k] for k in ("ppl_ratio", "top1_agreement", "passed")}
+    m["passed"] = m["passed"] and dec["passed"]
     tuner.remember(entry, m)
     return m, (model if m["passed"] else None)
 
@@ -252,7 +260,8 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
     for fmt in kernels.FORMATS:
         if fmt == "fp32":
             continue
-        gate[fmt], model = _gate(fmt, f"gate {fingerprint} {fmt} {sigs[fmt]}", tuner, make, reference)
+        gate[fmt], model = _gate(fmt, f"gate2 {fingerprint} {fmt} {sigs[fmt]} native={native.build_id()}", tuner,
+                                 make, reference)
         if model is None:
             say(f"auto weights: {fmt} fails the accuracy gate (ppl x{gate[fmt]['ppl_ratio']:.3f}, "
                 f"top-1 {gate[fmt]['top1_agreement']:.1%})")

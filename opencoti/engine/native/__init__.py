@@ -30,7 +30,7 @@ log = logging.getLogger("opencoti.engine")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
@@ -49,6 +49,7 @@ _SIGNATURES = {
     "oc_abi_version": ([], _INT),
     "oc_simd": ([], _INT),
     "oc_gemm_min_rows": ([_I64, _I64, _P, _P], None),
+    "oc_act_rows": ([_I64, _I64, _P, _P], None),
     "oc_q4_matmul": ([_P, _I64, _I64, _P, _I64, _P, _P, _INT], None),
     "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
     "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT], None),
@@ -174,6 +175,18 @@ def gemm_min_rows(q4: int | None = None, q8: int | None = None) -> tuple[int, in
         raise RuntimeError(f"native kernels {status()['reason']}")
     a, b = ctypes.c_int64(), ctypes.c_int64()
     lb.oc_gemm_min_rows(q4 or 0, q8 or 0, ctypes.byref(a), ctypes.byref(b))
+    return a.value, b.value
+
+
+def act_rows(q4: int | None = None, q8: int | None = None) -> tuple[int, int]:
+    """The largest row counts for which the int4 / int8 projections quantize the activations to int8
+    per block of 32 (llama.cpp's Q8 blocks) and use integer dot products (None: unchanged; 0: off);
+    returns the ones before. Tests and A/B timings set them."""
+    lb = lib()
+    if lb is None:
+        raise RuntimeError(f"native kernels {status()['reason']}")
+    a, b = ctypes.c_int64(), ctypes.c_int64()
+    lb.oc_act_rows(-1 if q4 is None else q4, -1 if q8 is None else q8, ctypes.byref(a), ctypes.byref(b))
     return a.value, b.value
 
 
