@@ -28,4 +28,4 @@ test-offline: setup
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline
 
 bench: setup
-	$(PY) -m opencoti bench all
+	$(PY) -m opencoti bench

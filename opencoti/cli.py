@@ -81,8 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     from .engine.persist.prune import add_arguments as _prune_arguments
     _prune_arguments(pr)
     pr.set_defaults(fn=cmd_state_prune)
-    b = sub.add_parser("bench", help="run a benchmark from benchmarks/")
-    b.add_argument("name", help="benchmark name (engine, pools, cascade, admission, fanout, all)")
+    b = sub.add_parser("bench", help="run the headline benchmarks (results + docs/benchmarks.md), or one of them",
+                       description="With no name: every headline benchmark, each in its own process, then "
+                                   "benchmarks/report.py (results in benchmarks/results/<machine-id>/, the tables "
+                                   "of docs/benchmarks.md regenerated). With a name: benchmarks/bench_<name>.py "
+                                   "(or <name>.py) with the arguments that follow.")
+    b.add_argument("--quick", action="store_true", help="the short subset (~10 min on 2 cores, once llama-server "
+                                                        "is built)")
+    b.add_argument("--only", default=None, help="comma-separated headline benchmarks to run (default: all)")
+    b.add_argument("name", nargs="?", default=None, help="one benchmark: engine, quant, pools, cascade, fanout, "
+                                                          "cluster, admission_sim, peer_llamacpp, ... ('all': the "
+                                                          "headline set)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
@@ -106,15 +115,23 @@ def cmd_state_prune(args) -> int:
 
 def cmd_bench(args) -> int:
     import runpy
+    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "benchmarks"
-    names = ["engine", "pools", "cascade", "admission", "fanout"] if args.name == "all" else [args.name]
-    for name in names:
-        path = root / f"bench_{name}.py"
-        if not path.exists():
-            print(f"unknown benchmark {name!r} (no {path})", file=sys.stderr)
-            return 2
-        sys.argv = [str(path), *args.rest]
-        runpy.run_path(str(path), run_name="__main__")
+    if not root.is_dir():
+        print("the benchmarks live in a checkout of the repository (benchmarks/ next to opencoti/)", file=sys.stderr)
+        return 2
+    if args.name in (None, "all"):
+        cmd = [sys.executable, str(root / "run_all.py")] + (["--quick"] if args.quick else []) \
+            + (["--only", args.only] if args.only else [])
+        return subprocess.call(cmd)
+    for path in (root / f"bench_{args.name}.py", root / f"{args.name}.py"):
+        if path.exists():
+            break
+    else:
+        print(f"unknown benchmark {args.name!r} (no bench_{args.name}.py in {root})", file=sys.stderr)
+        return 2
+    sys.argv = [str(path), *(["--quick"] if args.quick else []), *args.rest]
+    runpy.run_path(str(path), run_name="__main__")
     return 0

@@ -1,0 +1,71 @@
+"""Every headline benchmark, each in its own process, then the report (``opencoti bench`` / ``make bench``).
+
+Runs the scripts of :data:`HEADLINE` one after the other (``--quick``: their short modes, ~10
+minutes on 2 cores once llama-server is built and cached), writes
+``benchmarks/results/<machine-id>/run.json`` (commit, machine, load before and after each, seconds,
+exit codes) and regenerates the tables of ``docs/benchmarks.md`` from the result files
+(``benchmarks/report.py``). A benchmark that fails is reported and the others still run; the exit
+code is non-zero when any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+# (result name, script, extra arguments of the full run, of the quick run)
+HEADLINE = [
+    ("peer_llamacpp", "peer_llamacpp.py", [], ["--quick"]),
+    ("quant", "bench_quant.py", [], ["--quick"]),
+    ("pools", "bench_pools.py", [], ["--quick"]),
+    ("cascade", "bench_cascade.py", [], ["--quick"]),
+    ("fanout", "bench_fanout.py", [], ["--quick"]),
+    ("admission_sim", "bench_admission_sim.py", [], ["--quick"]),
+    ("cluster", "bench_cluster.py", [], ["--quick"]),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the short modes of each benchmark")
+    p.add_argument("--only", default=None, help="comma-separated result names to run (default: all)")
+    p.add_argument("--no-report", action="store_true", help="do not regenerate docs/benchmarks.md")
+    args = p.parse_args(argv)
+    names = [h[0] for h in HEADLINE]
+    only = names if not args.only else [n.strip() for n in args.only.split(",")]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    runs = []
+    failed = []
+    for name, script, full, quick in HEADLINE:
+        if name not in only:
+            continue
+        cmd = [sys.executable, str(common.BENCH_DIR / script), *(quick if args.quick else full)]
+        common.log(f"{name}: {' '.join(cmd[1:])}")
+        before = common.load_snapshot()
+        t0 = time.perf_counter()
+        rc = subprocess.call(cmd, cwd=common.REPO_ROOT)
+        runs.append({"name": name, "command": cmd[1:], "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
+                     "load_before": before, "load_after": common.load_snapshot()})
+        if rc != 0:
+            failed.append(name)
+            common.log(f"{name}: FAILED (exit {rc})")
+    common.write_json("run", {"quick": args.quick, "runs": runs, "failed": failed, "machine": common.machine_info()})
+    if not args.no_report:
+        rc = subprocess.call([sys.executable, str(common.BENCH_DIR / "report.py")], cwd=common.REPO_ROOT)
+        if rc != 0:
+            failed.append("report")
+    if failed:
+        common.log(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
