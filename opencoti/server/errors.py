@@ -154,8 +154,10 @@ def _exception_body(exc: BaseException, status: int, message: str, etype: str, o
     if isinstance(exc, ContextLengthError):
         if exc.n_ctx is not None:  # llama.cpp's extra fields
             body["error"].update(n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
-        if openai:  # OpenAI's error code (what OpenAI SDKs and langchain-openai recognise), param "messages"
-            body["error"].update(code=OPENAI_CONTEXT_CODE, param="messages")
+        if openai:  # OpenAI's error code, param "messages"; the code also ends the message, as the
+            # OpenAI SDKs put only the message in the exception's text (what langchain-openai reads)
+            body["error"].update(code=OPENAI_CONTEXT_CODE, param="messages",
+                                 message=f"{message} ({OPENAI_CONTEXT_CODE})")
     return body
 
 

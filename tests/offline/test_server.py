@@ -396,6 +396,7 @@ def test_prompt_beyond_context_is_400(client, engine):
     err = r.json()["error"]
     assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert err["message"].endswith("(context_length_exceeded)")  # the SDKs' exception text is the message
     assert err["n_ctx"] == engine.max_context and err["n_prompt_tokens"] > 0
 
 
