@@ -316,3 +316,13 @@ def test_resumable_stream_replays_and_stops(client):
     # without the header a stream is not kept
     client.post("/chat/completions", json=body)
     assert client.get("/v1/stream", params={"conv_id": ""}).status_code == 400
+
+
+def test_errors_mid_stream_take_each_apis_event_shape(client, engine, monkeypatch):
+    script(monkeypatch, engine, ["a", "b", "c"], fail_after=1)
+    r = client.post("/v1/messages", json={"max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "x"}]})
+    name, data = named_events(r.text)[-1]
+    assert name == "error" and data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/responses", json={"input": "x", "stream": True})
+    name, data = named_events(r.text)[-1]
+    assert name == "error" and data["type"] == "error" and "scripted failure" in data["message"]
