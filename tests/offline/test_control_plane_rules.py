@@ -353,3 +353,13 @@ def test_metrics_has_no_mean_active_tps_sample_when_idle(engine):
         assert float(line.split()[-1]) > 0
         for _ in it:
             pass
+
+
+def test_a_cluster_routes_shared_pool_slot_like_pool_id():
+    import json
+
+    from opencoti.cluster.hints import hint_for
+
+    body = json.dumps({"prompt": "hi", "shared_pool_slot": 7}).encode()
+    assert hint_for("POST", "/completion", body).pool_id == 7
+    assert hint_for("POST", "/completion", json.dumps({"prompt": "hi", "pool_id": 3}).encode()).pool_id == 3
