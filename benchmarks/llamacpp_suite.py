@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -143,11 +144,18 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/llamacpp-suite", help="logs and junit files")
     p.add_argument("--timeout", type=float, default=3600, help="seconds the suite may take per server")
     p.add_argument("--out", default=None)
+    p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                   help="take these servers' results from earlier runs of this script (one server each) "
+                        "instead of running them: the two runs can go side by side")
     args = p.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
     gguf = bundled_gguf()
-    servers = [s for s in args.servers.split(",") if s != "llama-server" or args.llama_server]
-    results = {name: run_suite(name, args, gguf) for name in servers}
+    results: dict[str, dict] = {}
+    for earlier in args.merge:
+        results.update(json.loads(Path(earlier).read_text())["servers"])
+    servers = [s for s in args.servers.split(",") if s and s not in results
+               and (s != "llama-server" or args.llama_server)]
+    results.update({name: run_suite(name, args, gguf) for name in servers})
     version = re.search(r"llama_cpp_python-([0-9.]+)", str(Path(args.suite_dir).resolve()))
     for name, r in results.items():
         log(f"{name}: {r['passed']} of {r['tests']} passed in {r['seconds']} s")
