@@ -10,7 +10,9 @@ docstring has the command.)
    the torch backend in fp32 on those same values): plain prefill (cached prefixes, chunks),
    plain decode, cascade on random pool trees (1-3 levels, sessions in no pool, decode and mixed
    batches; empty groups compacted), for page sizes 1 and 16. PASS when max |diff| <= --tol.
-2. Engine, greedy: a session attached to a pool generates exactly the tokens of the same prompt
+2. Engine: its start-up self-check of the backend against the torch backend on the model
+   (``opencoti/engine/attention/selfcheck.py``, run afresh here, not a cached verdict) must pass;
+   greedy: a session attached to a pool generates exactly the tokens of the same prompt
    without the pool (prefill chunks aligned so both compute the same K/V), with the backend
    that ``attention_backend="auto"`` selects on CUDA (it must be FlashInfer).
 3. Decode tok/s for N sessions attached to one P-token pool (16-token suffix each), cascade on
@@ -30,6 +32,7 @@ small sizes, so the script itself is tested without a GPU. Exit status 0 iff not
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -333,9 +336,19 @@ def make_engine(args, report: Report):
             f"{time.perf_counter() - t:.1f} s")
     elif args.model == "default":
         cfg.model = None
+    if not args.dry_run:  # the engine's start-up self-check against the torch backend: run it, not a cached verdict
+        os.environ["OPENCOTI_ATTENTION_CHECK"] = "force"
     eng = Engine(cfg, loaded=loaded)
-    if args.dry_run:
-        install_backend(eng, make_backend(args, "on"))
+    check = eng.attention_check
+    if args.dry_run:  # on CPU the engine checks nothing: run the same check on the stand-in backend
+        from opencoti.engine.attention.selfcheck import verify
+
+        backend, check = verify(make_backend(args, "on"), eng.model, page_size=cfg.page_size, cascade="on")
+        install_backend(eng, backend)
+    report.add("engine/attention self-check", "PASS" if check.get("status") == "passed" else "FAIL",
+               f"{check.get('backend')} vs torch: max rel logit err {check.get('max_rel_err')} "
+               f"(tolerance {check.get('tolerance')}){', ' + check['error'] if check.get('error') else ''}",
+               attention_check=check)
     be = eng.backend
     ok = isinstance(be, FlashInferBackend) and (args.dry_run or isinstance(be.kernels, FlashInferKernels))
     d = eng.model.dims

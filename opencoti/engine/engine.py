@@ -20,6 +20,7 @@ import torch
 
 from .admission import AdmissionController
 from .attention import select_backend
+from .attention.selfcheck import checked_backend
 from .config import EngineConfig, SamplingParams
 from .core import EngineCore
 from .errors import EngineClosedError, InvalidRequestError
@@ -124,6 +125,10 @@ class Engine(PoolAPIMixin):
         self.kv = PagePool(num_layers=d.num_layers, num_pages=num_pages, page_size=config.page_size,
                            num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=self.dtype, device=self.device)
         self.backend = select_backend(config.attention_backend, self.device, config.cascade)
+        # on CUDA a backend other than torch must first match the torch backend on this model (else: torch)
+        self.backend, self.attention_check = checked_backend(self.backend, self.model, self.device,
+                                                             page_size=config.page_size, cascade=config.cascade,
+                                                             cache_dir=config.cache_dir, model_name=self.loaded.name)
         self.tokenizer = self.loaded.tokenizer
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)

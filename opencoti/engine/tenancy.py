@@ -30,7 +30,7 @@ MAX_SESSION_ID = 128  # the engine's limit for the whole (prefixed) id
 _PASSTHROUGH = frozenset({
     "model_name", "max_context", "tokenizer", "kv", "device", "dtype", "config", "backend", "is_closed",
     "load_seconds", "tokenize", "detokenize", "apply_chat_template", "check_integrity", "stats",
-    "loaded", "weights_info",
+    "loaded", "weights_info", "attention_check",
 })
 
 

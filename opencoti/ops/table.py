@@ -118,6 +118,7 @@ def _props(ctx: Context) -> dict:
             "tps": eng.configure_tps(), "tps_stream_interval_ms": ctx.tps_interval_ms,
             "chat_template_tools": {"native_tools": caps.supports_tools, "native_tool_calls": caps.supports_tool_calls},
             "attention_backend": type(eng.backend).__name__,
+            "attention_check": eng.attention_check,  # the backend's start-up self-check against torch
         }},
     }
 

@@ -352,6 +352,7 @@ def test_gpu_check_dry_run(tmp_path):
     statuses = {c["name"]: c["status"] for c in report["checks"]}
     assert "FAIL" not in statuses.values()
     assert statuses["engine/greedy pooled == unpooled"] == "PASS"
+    assert statuses["engine/attention self-check"] == "PASS"
     assert any(n.startswith("kernels/cascade-mixed levels=3") for n in statuses)
     assert [r["sessions"] for r in report["decode"]] == [1, 4]
 
