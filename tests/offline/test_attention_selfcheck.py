@@ -168,6 +168,14 @@ def test_engine_falls_back_to_torch(make_engine, monkeypatch, tmp_path, caplog, 
     assert check["status"] == "failed" and check["backend"] == wrong.name and check["active_backend"] == "torch"
     assert any("FAILED its self-check" in r.message for r in caplog.records)
     assert (tmp_path / selfcheck.CACHE_FILE).exists()
+    from fastapi.testclient import TestClient
+
+    from opencoti.server import create_app
+
+    with TestClient(create_app(eng)) as c:  # what a user sees
+        shown = c.get("/props").json()["opencoti"]["polykv"]
+    assert shown["attention_backend"] == "TorchAttentionBackend"
+    assert shown["attention_check"]["status"] == "failed" and shown["attention_check"]["error"]
     monkeypatch.undo()
     ref = make_engine()  # the torch backend, unchecked
     prompt, params = [5, 6, 7, 8, 9], SamplingParams.greedy(6, ignore_eos=True)
