@@ -232,6 +232,28 @@ def normalize_tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                          "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}
+# A message as _normalize_message accepts it (the OpenAPI schema of every ``messages`` item):
+# system / user / tool messages need content; an assistant's may be null (tool calls only).
+MESSAGE_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"role": {"enum": ["system", "user"]}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS]},
+                    "name": {"type": ["string", "null"]}, "tool_calls": {"type": "null"},
+                    "tool_call_id": {"type": "null"}}},
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"role": {"const": "tool"}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS]},
+                    "name": {"type": ["string", "null"]}, "tool_calls": {"type": "null"},
+                    "tool_call_id": {"type": ["string", "null"]}}},
+    {"type": "object", "required": ["role"],
+     "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS,
+                                                                         {"type": "null"}]},
+                    "name": {"type": ["string", "null"]}, "tool_call_id": {"type": "null"},
+                    "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}},
+                    "reasoning_content": {"type": ["string", "null"]}}},
+]}
+
+
 def _normalize_message(index: int, message: Any) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, dict):

@@ -10,6 +10,7 @@ from .checks import is_int as _is_int, is_number as _is_number
 from .errors import InvalidRequestError
 
 _MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the same)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -80,7 +81,7 @@ class SamplingParams:
             self.stop = (self.stop,)
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
-        _check(len(self.stop) <= 16, "at most 16 stop strings are allowed")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         self.stop = tuple(self.stop)
         _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be a list of non-negative integers")

@@ -14,15 +14,20 @@ import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
+
+from ..engine.admission.policy import RANGES as ADMISSION_RANGES
+from ..engine.chat import MESSAGE_SCHEMA
+from ..engine.config import MAX_STOP_STRINGS as ENGINE_MAX_STOP_STRINGS
 
 # Size limits of the strings the server keeps or echoes (ids, labels, stop strings)
 MAX_ID_CHARS = 128
 MAX_LABEL_CHARS = 256
-MAX_STOP_STRINGS = 64
+MAX_STOP_STRINGS = ENGINE_MAX_STOP_STRINGS
 MAX_STOP_CHARS = 1024
 
-Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS, json_schema_extra={"minLength": 1})]  # "" is refused
 StopField = Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)], None]
 # long lists fail fast: validation stops at a list's first bad element (pydantic would otherwise
 # report every element that does not fit each branch of a union: millions of errors for one body)
@@ -45,6 +50,7 @@ LLAMA_PROMPT_SCHEMA = {"anyOf": [
     _TEXT, _IDS, _PROMPT_OBJECT,
     {"type": "array", "items": {"anyOf": [_TEXT, _IDS, _PROMPT_OBJECT]}, "minItems": 1, "maxItems": MAX_PROMPTS}]}
 NON_EMPTY = {"minItems": 1}
+MESSAGES = {"minItems": 1, "items": MESSAGE_SCHEMA}  # what the chat template renderer accepts
 MAX_TOP_LOGPROBS = 20  # SamplingParams' limit
 
 
@@ -190,7 +196,7 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
     """OpenAI's ``POST /v1/chat/completions``."""
 
     model: str | None = None
-    messages: list[Any] = Field(..., description="OpenAI chat messages", json_schema_extra=NON_EMPTY)
+    messages: list[Any] = Field(..., description="OpenAI chat messages", json_schema_extra=MESSAGES)
     tools: list[Any] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
@@ -222,13 +228,14 @@ class DetokenizeRequest(_Lenient):
 
 
 class ApplyTemplateRequest(_Lenient):
-    messages: list[Any] = Field(..., json_schema_extra=NON_EMPTY)
+    messages: list[Any] = Field(..., json_schema_extra=MESSAGES)
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
 
 
 def _exactly_one(*names: str) -> dict:
-    return {"oneOf": [{"required": [n]} for n in names]}
+    """Exactly one of ``names`` given (null counts as not given, as in validation)."""
+    return {"oneOf": [{"required": [n], "properties": {n: {"not": {"type": "null"}}}} for n in names]}
 
 
 class _PrefixSource(_Strict):
@@ -240,7 +247,7 @@ class _PrefixSource(_Strict):
     text: str | None = Field(None, description="the full prefix as raw text (tokenized without specials)",
                              json_schema_extra={"minLength": 1})
     messages: list[Any] | None = Field(None, description="chat messages rendered with the chat template",
-                                       json_schema_extra=NON_EMPTY)
+                                       json_schema_extra=MESSAGES)
     tools: list[Any] | None = Field(None, description="tools rendered with the messages (as a chat request would)")
     add_generation_prompt: bool = Field(False, description="end the rendered messages with the assistant header")
     from_session: SessionId | None = Field(None, description="snapshot this idle session's cached context")
@@ -260,14 +267,20 @@ class ForkPoolRequest(_PrefixSource):
     label: Label = ""
 
 
+def _admission_range(name: str, integer: bool = False) -> dict:
+    """The policy's own range: integers in [low, high], numbers in (low, high]."""
+    lo, hi = ADMISSION_RANGES[name]
+    return {"minimum": lo, "maximum": hi} if integer else {"exclusiveMinimum": lo, "maximum": hi}
+
+
 class AdmissionRequest(_Strict):
-    target_tps_per_session: float | None = None
+    target_tps_per_session: float | None = Field(None, json_schema_extra=_admission_range("target_tps_per_session"))
     mode: Literal["advisory", "enforced"] | None = None
     on_saturation: Literal["reject", "warn", "queue"] | None = None
-    guarantee_min_sessions: int | None = None
-    settle_tokens: int | None = None
-    settle_max_ms: float | None = None
-    queue_timeout_ms: float | None = None
+    guarantee_min_sessions: int | None = Field(None, json_schema_extra=_admission_range("guarantee_min_sessions", True))
+    settle_tokens: int | None = Field(None, json_schema_extra=_admission_range("settle_tokens", True))
+    settle_max_ms: float | None = Field(None, json_schema_extra=_admission_range("settle_max_ms"))
+    queue_timeout_ms: float | None = Field(None, json_schema_extra=_admission_range("queue_timeout_ms"))
     forecast: Literal["adaptive", "conservative"] | None = None
 
 
@@ -276,12 +289,16 @@ class CompactRequest(_Strict):
 
     model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages"))
     ancestor_pool_id: int
-    tokens: TokenIds | None = None
-    text: str | None = None
-    messages: list[Any] | None = None
+    tokens: TokenIds | None = Field(None, json_schema_extra=NON_EMPTY)
+    text: str | None = Field(None, json_schema_extra={"minLength": 1})
+    messages: list[Any] | None = Field(None, json_schema_extra=MESSAGES)
     tools: list[Any] | None = None
     branch_pos: int | None = None
     release_old: bool = True
+
+
+# a query parameter is absent or a value: "null" is not one (the schema leaves None out)
+NoNull = SkipJsonSchema[None]
 
 
 class _Query(BaseModel):
@@ -295,15 +312,15 @@ class ReleasePoolQuery(_Query):
 
 
 class CapacityQuery(_Query):
-    expected_tokens: int | None = Field(None, ge=0, description="tokens the new session expects to use")
-    session_id: str | None = Field(None, description="ask for this (existing) session")
+    expected_tokens: Annotated[int, Field(ge=0)] | NoNull = Field(None, description="tokens the new session expects to use")
+    session_id: str | NoNull = Field(None, description="ask for this (existing) session")
 
 
 class EventsQuery(_Query):
-    pool_id: int | None = Field(None, description="only this pool's events")
-    since: float | None = Field(None, description="only events after this wall-clock time")
+    pool_id: int | NoNull = Field(None, description="only this pool's events")
+    since: float | NoNull = Field(None, description="only events after this wall-clock time")
 
 
 class TpsHistoryQuery(_Query):
-    session_id: str | None = Field(None, description="only this session's series")
-    since: float | None = Field(None, description="only samples after this wall-clock time")
+    session_id: str | NoNull = Field(None, description="only this session's series")
+    since: float | NoNull = Field(None, description="only samples after this wall-clock time")

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
@@ -426,14 +426,22 @@ async def infill(request: Request, ctx: Context = Depends(get_ctx), state: Serve
 
 
 # ============================================================================ POST /slots/{id}?action= (llama.cpp)
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
 @router.post("/slots/{slot_id}", tags=["llama.cpp"], responses=error_responses((400, 404, 409, 501)),
+             openapi_extra={"requestBody": {"required": False, "content": {"application/json": {"schema": {
+                 "type": "object", "properties": {"filename": {"type": "string", "minLength": 1}},
+                 "description": "save / restore: {\"filename\": ...} (erase: no body)"}}}}},
              summary="save / restore / erase a session's KV cache by file name (llama.cpp slot actions; "
                      "the slot id is a session id, slot number N the session named \"N\")")
-async def slot_action(request: Request, slot_id: str, action: str = "", ctx: Context = Depends(get_ctx)):
+async def slot_action(request: Request, slot_id: str,
+                      action: str = Query(..., json_schema_extra={"enum": list(SLOT_ACTIONS)}),
+                      ctx: Context = Depends(get_ctx)):
     from ..engine.persist.slots import erase_session, restore_session, save_session, slot_session_id
 
     slot_id = slot_session_id(slot_id)  # /slots/3 is the session "3" (400 for a negative number)
-    if action not in ("save", "restore", "erase"):
+    if action not in SLOT_ACTIONS:
         raise ApiError(400, f"action must be save, restore or erase, got {action!r}", "invalid_request_error")
     filename = None
     if action != "erase":

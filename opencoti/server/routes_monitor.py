@@ -5,13 +5,16 @@ its own, left out with ``--no-metrics``) and ``GET /polykv/tps`` (an SSE stream 
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 import anyio
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic.json_schema import SkipJsonSchema
 
 from ..ops import OPERATIONS, Context
+from ..ops.results import TpsSnapshot
 from .errors import ApiError, error_responses
 from .state import ServerState, get_ctx, get_state
 from .streaming import SSE_HEADERS, sse
@@ -34,12 +37,16 @@ def metrics_off():
 
 
 @router.get("/polykv/tps", tags=["PolyKV"], summary="live tps: SSE every interval (?once=1: one JSON snapshot)",
-            responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}},
-                                         "application/json": {}},
-                             "description": "server-sent tps snapshots, or one JSON snapshot with once=1"},
-                       **error_responses((400, 503))})
-async def tps(once: bool = False, interval_ms: float | None = Query(None, ge=50, le=60000),
-              count: int | None = Query(None, ge=1, description="end the stream after this many events"),
+            responses={200: {"model": TpsSnapshot, "content": {"text/event-stream": {"schema": {
+                "type": "string", "contentMediaType": "text/event-stream",
+                "description": "server-sent events, one per interval: each `data:` line is a TpsSnapshot",
+                "x-item-schema": {"$ref": "#/components/schemas/TpsSnapshot"}}}},
+                "description": "server-sent TpsSnapshot events, or one TpsSnapshot (application/json) with once=1"},
+                **error_responses((400, 503))})
+async def tps(once: bool = False,
+              interval_ms: Annotated[float, Query(ge=50, le=60000)] | SkipJsonSchema[None] = None,
+              count: Annotated[int, Query(ge=1, description="end the stream after this many events")]
+              | SkipJsonSchema[None] = None,
               ctx: Context = Depends(get_ctx), state: ServerState = Depends(get_state)):
     eng = ctx.engine
     if once:

@@ -280,7 +280,8 @@ def test_openapi_describes_what_the_server_answers(client):
     prompt = schemas["OpenAICompletionRequest"]["properties"]["prompt"]
     assert {"type": "string", "minLength": 1} in prompt["anyOf"]
     pool = schemas["CreatePoolRequest"]
-    assert pool["oneOf"] == [{"required": [n]} for n in ("tokens", "text", "messages", "from_session")]
+    assert pool["oneOf"] == [{"required": [n], "properties": {n: {"not": {"type": "null"}}}}  # null = not given
+                             for n in ("tokens", "text", "messages", "from_session")]
     assert pool["properties"]["label"]["maxLength"] == 256
     sampling = schemas["CompletionRequest"]["properties"]
     assert (sampling["temperature"]["minimum"], sampling["temperature"]["maximum"]) == (0, 100)

@@ -28,6 +28,12 @@ IDLE_FRESH_S = 30.0  # a settled mean younger than this feeds the idle estimate
 SETTLE_HOLD_GRACE_S = 1.0  # an enforced settling hold lasts at most settle_max_ms + this
 
 
+# (low, high) of the numeric fields: integers in [low, high], numbers in (low, high] (the OpenAPI
+# schema of POST /polykv/pools/{id}/admission is made from these)
+RANGES = {"target_tps_per_session": (0, 1e6), "guarantee_min_sessions": (0, 1_000_000),
+          "settle_tokens": (1, 1_000_000), "settle_max_ms": (0, 3_600_000), "queue_timeout_ms": (0, 86_400_000)}
+
+
 @dataclass(frozen=True)
 class AdmissionPolicy:
     """Per-pool admission policy.
@@ -65,18 +71,23 @@ class AdmissionPolicy:
                 raise InvalidRequestError(msg)
 
         t = self.target_tps_per_session
-        check(t is None or (is_number(t) and 0 < t <= 1e6),
-              f"target_tps_per_session must be a positive number of tokens/s (or null), got {t!r}")
+        lo, hi = RANGES["target_tps_per_session"]
+        check(t is None or (is_number(t) and lo < t <= hi),
+              f"target_tps_per_session must be a positive number of tokens/s up to {hi:g} (or null), got {t!r}")
         check(self.mode in (ADVISORY, ENFORCED), f"mode must be advisory|enforced, got {self.mode!r}")
         check(self.on_saturation in (REJECT, WARN, QUEUE),
               f"on_saturation must be reject|warn|queue, got {self.on_saturation!r}")
-        check(is_int(self.guarantee_min_sessions) and 0 <= self.guarantee_min_sessions <= 1_000_000,
-              f"guarantee_min_sessions must be a non-negative integer, got {self.guarantee_min_sessions!r}")
-        check(is_int(self.settle_tokens) and 1 <= self.settle_tokens <= 1_000_000,
-              f"settle_tokens must be a positive integer, got {self.settle_tokens!r}")
-        check(is_number(self.settle_max_ms) and 0 < self.settle_max_ms <= 3_600_000,
+        lo, hi = RANGES["guarantee_min_sessions"]
+        check(is_int(self.guarantee_min_sessions) and lo <= self.guarantee_min_sessions <= hi,
+              f"guarantee_min_sessions must be an integer from {lo} to {hi:,}, got {self.guarantee_min_sessions!r}")
+        lo, hi = RANGES["settle_tokens"]
+        check(is_int(self.settle_tokens) and lo <= self.settle_tokens <= hi,
+              f"settle_tokens must be an integer from {lo} to {hi:,}, got {self.settle_tokens!r}")
+        lo, hi = RANGES["settle_max_ms"]
+        check(is_number(self.settle_max_ms) and lo < self.settle_max_ms <= hi,
               f"settle_max_ms must be a positive number of milliseconds (<= 1 h), got {self.settle_max_ms!r}")
-        check(is_number(self.queue_timeout_ms) and 0 < self.queue_timeout_ms <= 86_400_000,
+        lo, hi = RANGES["queue_timeout_ms"]
+        check(is_number(self.queue_timeout_ms) and lo < self.queue_timeout_ms <= hi,
               f"queue_timeout_ms must be a positive number of milliseconds (<= 24 h), got {self.queue_timeout_ms!r}")
         check(self.forecast in (ADAPTIVE, CONSERVATIVE),
               f"forecast must be adaptive|conservative, got {self.forecast!r}")
