@@ -100,13 +100,19 @@ def run_suite(name: str, args, gguf: Path) -> dict:
         junit = Path(args.work) / f"{name}-junit.xml"
         files = [f"unit/{f}" for f in FILES]
         t0 = time.monotonic()
-        run = subprocess.run([args.suite_python, "-m", "pytest", "-m", "not slow", "-p", "no:cacheprovider", "-q",
-                              "-o", "addopts=", f"--junitxml={junit}", *files],
-                             cwd=args.suite_dir, env={**os.environ, "DEBUG_EXTERNAL": "1", "PORT": str(port)},
-                             capture_output=True, text=True, timeout=args.timeout)
+        complete = True
+        try:
+            run = subprocess.run([args.suite_python, "-m", "pytest", "-m", "not slow", "-p", "no:cacheprovider", "-v",
+                                  "-o", "addopts=", f"--junitxml={junit}", *files],
+                                 cwd=args.suite_dir, env={**os.environ, "DEBUG_EXTERNAL": "1", "PORT": str(port)},
+                                 capture_output=True, text=True, timeout=args.timeout)
+            output = run.stdout + run.stderr
+        except subprocess.TimeoutExpired as e:  # what ran until then is kept (and marked incomplete)
+            complete = False
+            output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         seconds = time.monotonic() - t0
-        (Path(args.work) / f"{name}-pytest.log").write_text(run.stdout + run.stderr)
-        outcomes = parse_junit(junit)
+        (Path(args.work) / f"{name}-pytest.log").write_text(output)
+        outcomes = parse_junit(junit) if complete else parse_verbose(output)
     finally:
         proc.terminate()
         try:
@@ -117,9 +123,18 @@ def run_suite(name: str, args, gguf: Path) -> dict:
     per_file: dict[str, Counter] = {}
     for test, outcome in outcomes.items():
         per_file.setdefault(test.split("::")[0], Counter())[outcome] += 1
-    return {"command": [Path(cmd[0]).name, *cmd[1:]], "seconds": round(seconds, 1),
+    return {"command": [Path(cmd[0]).name, *cmd[1:]], "seconds": round(seconds, 1), "complete": complete,
+            "files_run": FILES if complete else sorted(per_file),
             "passed": sum(c["passed"] for c in per_file.values()), "tests": len(outcomes),
             "per_file": {f: dict(c) for f, c in sorted(per_file.items())}, "outcomes": dict(sorted(outcomes.items()))}
+
+
+def parse_verbose(output: str) -> dict[str, str]:
+    """``file::test`` -> outcome from pytest -v lines (a run cut short by the timeout)."""
+    out = {}
+    for m in re.finditer(r"^unit/(\S+\.py::\S+) (PASSED|FAILED|ERROR|SKIPPED)", output, re.M):
+        out[m.group(1)] = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}[m.group(2)]
+    return out
 
 
 def parse_junit(path: Path) -> dict[str, str]:
@@ -142,12 +157,15 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="the llama-server binary (without it: opencoti only)")
     p.add_argument("--servers", default="opencoti,llama-server")
     p.add_argument("--work", default="/tmp/llamacpp-suite", help="logs and junit files")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds the suite may take per server")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds the suite may take per server (the tests "
+                                                                "run until then are kept, marked incomplete)")
+    p.add_argument("--files", default=",".join(FILES), help="the suite's test files to run (comma-separated)")
     p.add_argument("--out", default=None)
     p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                    help="take these servers' results from earlier runs of this script (one server each) "
                         "instead of running them: the two runs can go side by side")
     args = p.parse_args()
+    FILES[:] = args.files.split(",")
     Path(args.work).mkdir(parents=True, exist_ok=True)
     gguf = bundled_gguf()
     results: dict[str, dict] = {}
