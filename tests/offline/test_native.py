@@ -244,3 +244,74 @@ def test_fused_path_not_taken_where_it_does_not_apply(make_engine, monkeypatch, 
     assert eng.model.fused_layers is None
     eng = make_engine(weights="fp32")  # torch's fp32 kernels
     assert eng.model.fused_layers is None
+
+
+@pytest.fixture(scope="module")
+def scalar_lib(tmp_path_factory):
+    """The library built without AVX2/FMA/F16C: the portable code a user on another CPU runs."""
+    path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), tmp_path_factory.mktemp("scalar"))
+    lib = native.load(path)
+    assert lib.oc_simd() == 0
+    return lib
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 33, 50])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_scalar_build_computes_the_projections(scalar_lib, fmt, T):
+    torch.manual_seed(T)
+    n, k = 24, 64
+    wq = kernels.to_format(torch.randn(n, k) * 0.05, fmt)
+    x = torch.randn(T, k)
+    b = torch.randn(n)
+    y = torch.empty(T, n)
+    if fmt == "int4":
+        blocks = kernels.build("native_q4", wq, None, act_dtype=torch.float32, device="cpu").blocks
+        scalar_lib.oc_q4_matmul(x.data_ptr(), T, k, blocks.data_ptr(), n, b.data_ptr(), y.data_ptr(), 2)
+    else:
+        kern = kernels.build("native_q8", wq, None, act_dtype=torch.float32, device="cpu")
+        scalar_lib.oc_q8_matmul(x.data_ptr(), T, k, kern.q.data_ptr(), kern.scale.data_ptr(), n, b.data_ptr(),
+                                y.data_ptr(), 2)
+    ref = x.double() @ wq.dequantize().double().T + b.double()
+    tol = 2e-3 if fmt == "int4" else 2e-4  # int4 scales and offsets stored as fp16 (relative 2^-11 per block)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+def test_scalar_build_computes_paged_decode_attention(scalar_lib):
+    torch.manual_seed(0)
+    H, Hkv, D, S, P = 4, 2, 16, 4, 6
+    k_cache, v_cache = torch.randn(P, S, Hkv, D), torch.randn(P, S, Hkv, D)
+    q = torch.randn(2, H, D)
+    page_idx = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int64)
+    lens = torch.tensor([9, 5], dtype=torch.int64)
+    rows = torch.tensor([0, 1], dtype=torch.int64)
+    out, lse = torch.empty(2, H, D), torch.empty(2, H)
+    scalar_lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, H, Hkv, D, k_cache.data_ptr(), v_cache.data_ptr(),
+                               page_idx.data_ptr(), 3, lens.data_ptr(), S, 0.25, out.data_ptr(), lse.data_ptr(), 2)
+    for b in range(2):
+        keys = torch.cat([k_cache[p] for p in page_idx[b]])[: lens[b]]  # [n, Hkv, D]
+        vals = torch.cat([v_cache[p] for p in page_idx[b]])[: lens[b]]
+        kk, vv = keys.repeat_interleave(H // Hkv, 1), vals.repeat_interleave(H // Hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[b], kk) * 0.25
+        assert torch.allclose(out[b], torch.einsum("hn,nhd->hd", s.softmax(-1), vv), atol=1e-5)
+        assert torch.allclose(lse[b], s.logsumexp(-1), atol=1e-5)
+
+
+def test_a_second_openmp_runtime_is_refused(monkeypatch):
+    with pytest.raises(RuntimeError, match="another OpenMP runtime"):
+        monkeypatch.setattr(native, "openmp_runtimes", lambda: ["/x/libgomp.so.1", "/y/libiomp5.so"])
+        native._check_openmp(["/x/libgomp.so.1"])
+    monkeypatch.setattr(native, "openmp_runtimes", lambda: ["/x/libgomp.so.1"])
+    native._check_openmp(["/x/libgomp.so.1"])  # the same runtime: fine
+
+
+def test_this_process_runs_one_openmp_runtime():
+    runtimes = native.openmp_runtimes()
+    assert len(runtimes) == 1, runtimes  # torch's, shared by the kernels
+
+
+def test_a_new_build_removes_the_builds_it_replaces(tmp_path):
+    old, scalar, current = (tmp_path / f"opencoti_kernels-{n}.so" for n in ("aaaa", "xbbbb", "cccc"))
+    for p in (old, scalar, current):
+        p.write_bytes(b"")
+    native._remove_stale(current)
+    assert not old.exists() and scalar.exists() and current.exists()

@@ -87,38 +87,87 @@ def _build_dir() -> Path:
     return cache_root() / "native"
 
 
-def _key(cxx: str) -> str:
+def _key(cxx: str, flags: list[str] | None = None) -> str:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "?"
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(FLAGS), version, _cpu_signature(), str(ABI_VERSION)):
+    for part in (" ".join(flags or FLAGS), version, _cpu_signature(), str(ABI_VERSION)):
         h.update(part.encode())
-    return h.hexdigest()[:16]
+    return ("x" if flags and flags != FLAGS else "") + h.hexdigest()[:16]
 
 
-def build() -> Path:
-    """Compile the library for this machine (or find it already built); raises RuntimeError if it can't."""
+def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
+    """Compile the library for this machine (or find it already built); raises RuntimeError if it can't.
+
+    ``extra_flags`` (e.g. ``-mno-avx2 -mno-fma``: the portable scalar code, which the tests build
+    too) become part of the file's key. A new build of the default flags removes the older builds
+    it replaces (another source, compiler or CPU) from the cache folder."""
     cxx = _compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
-    out_dir = _build_dir()
-    out = out_dir / f"opencoti_kernels-{_key(cxx)}.so"
+        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH: install one (Debian/Ubuntu: "
+                           "apt-get install g++) for the native int4/int8 kernels")
+    flags = [*FLAGS, *extra_flags]
+    out_dir = out_dir or _build_dir()
+    out = out_dir / f"opencoti_kernels-{_key(cxx, flags)}.so"
     if out.exists():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
+    log.info("building the native CPU kernels for this machine (once; a few seconds) ...")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent loader sees the whole file or none
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if not extra_flags:
+        _remove_stale(out)
     return out
+
+
+def _remove_stale(current: Path) -> None:
+    """Older default builds next to ``current`` (a process that still maps one keeps its pages)."""
+    for old in current.parent.glob("opencoti_kernels-*.so"):
+        if old != current and not old.name.startswith("opencoti_kernels-x"):
+            try:
+                old.unlink()
+            except OSError:
+                pass
+
+
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtime files mapped into this process (libgomp / libiomp / libomp)."""
+    found = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                name = os.path.basename(path)
+                if name.startswith(("libgomp", "libiomp", "libomp")) and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def _check_openmp(before: list[str]) -> None:
+    """The library must share torch's OpenMP runtime: two runtimes in one process each keep a pool of
+    spinning threads on the same cores (and libgomp and libiomp disagree on thread counts)."""
+    after = openmp_runtimes()
+    new = [p for p in after if p not in before]
+    if before and new:
+        raise RuntimeError(f"the kernels loaded another OpenMP runtime ({', '.join(new)}) than torch's "
+                           f"({', '.join(before)})")
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its functions typed (e.g. one built with :func:`build`'s ``extra_flags``)."""
+    return _load(path)
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -142,11 +191,15 @@ def lib() -> ctypes.CDLL | None:
             else:
                 try:
                     path = build()
-                    _state["lib"], _state["path"] = _load(path), str(path)
+                    before = openmp_runtimes()
+                    loaded = _load(path)
+                    _check_openmp(before)
+                    _state["lib"], _state["path"] = loaded, str(path)
                     _state["reason"] = "ok" if _state["lib"].oc_simd() else "ok (no AVX2/FMA/F16C: scalar code)"
                 except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
                     _state["reason"] = f"unavailable: {e}"
-                    log.warning("native kernels unavailable, using torch kernels: %s", e)
+                    log.warning("native kernels unavailable (%s): the int4 and int8 weight formats run torch's "
+                                "kernels, several times slower on CPU", e)
             _state["tried"] = True
     return _state["lib"]
 
