@@ -393,15 +393,21 @@ def test_capacity_probe_and_uncertain_hold():
 
 # ============================================================================ the LangGraph gate
 @pytest.mark.parametrize("name", ["epyc-2core-avx2", "gpu-knee"])
-def test_the_langgraph_gate_makes_the_same_decisions(name):
+def test_the_langgraph_gate_follows_the_controller_and_batches_within_the_targets(name):
     """CapacityGateNode + SpawnPacer (their decision code, driven on the simulated clock) spawn
-    exactly when ours does: the fan-out uses the controller's decisions, nothing of its own."""
-    prof = StepProfile.load(name)
-    ours, gate = run_ramp(prof, "ours", 0), run_ramp(prof, "gate", 0)
-    assert len(gate.spawns) == RampConfig.for_profile(prof).tasks
-    assert gate.spawns == ours.spawns
-    assert {k: v for k, v in gate.row().items() if k != "policy"} == {k: v for k, v in ours.row().items()
-                                                                       if k != "policy"}
+    every task, the first spawns no later than the controller alone does (a measured headroom
+    opens a batch that skips the settle windows), never overshooting more, and the fan-out still
+    meets the simulator's targets against naive on the same seeds."""
+    prof, seeds = StepProfile.load(name), [0, 1, 2, 3]
+    for seed in seeds:
+        ours, gate = run_ramp(prof, "ours", seed), run_ramp(prof, "gate", seed)
+        assert len(gate.spawns) == RampConfig.for_profile(prof).tasks
+        assert gate.spawns[:3] == ours.spawns[:3]  # nothing measured yet: the controller's own probes
+        assert sum(gate.spawns) <= sum(ours.spawns) + 1e-6, (gate.spawns, ours.spawns)
+        assert gate.overshoot <= ours.overshoot
+    c = compare(prof, seeds, policy="gate")
+    for k, limit in TARGETS.items():
+        assert c[k] <= limit, (k, c[k])
 
 
 # ============================================================================ the targets
