@@ -306,6 +306,13 @@ def test_real_steps_are_timed_for_every_format():
     assert choose.StepTimes.from_dict(d).cost() == pytest.approx(times.cost(), rel=1e-2)
 
 
+def test_real_steps_fit_a_short_context_window():
+    model = weights.build_forward(tiny_model("llama"), weights="int8", dtype=torch.float32, device="cpu",
+                                  max_positions=64, adapt_threads=False)
+    times = choose.time_steps({"int8": model}, rounds=1)["int8"]  # CONTEXT and PREFILL exceed 64 positions
+    assert times.decode_1 > 0 and times.prefill > 0
+
+
 def test_auto_picks_the_cheapest_measured_format_that_passes_the_gate(monkeypatch, tmp_path):
     monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
     table = {"fp32": (0.03, 0.08, 0.2), "bf16": (0.02, 0.06, 0.15), "int8": (0.012, 0.04, 0.3),

@@ -108,23 +108,25 @@ class _Bench:
 
         d = model.dims
         self.model = model
-        per_seq = -(-(CONTEXT + 1) // PAGE_SIZE)
-        pages = max(per_seq * DECODE_BATCH, -(-PREFILL // PAGE_SIZE)) + 1
+        ctx = min(CONTEXT, model.max_positions - 1)  # a short context window (--ctx-size) bounds both
+        prefill = min(PREFILL, model.max_positions)
+        per_seq = -(-(ctx + 1) // PAGE_SIZE)
+        pages = max(per_seq * DECODE_BATCH, -(-prefill // PAGE_SIZE)) + 1
         shape = (d.num_layers, pages, PAGE_SIZE, d.num_kv_heads, d.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.backend = TorchAttentionBackend(cascade="off")
         tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(DECODE_BATCH)]
         self.entries = {
-            "decode_1": [SeqBatchEntry(tables[0], CONTEXT, 1)],
-            "decode_8": [SeqBatchEntry(t, CONTEXT, 1) for t in tables],
-            "prefill": [SeqBatchEntry(list(range(1, 1 + -(-PREFILL // PAGE_SIZE))), 0, PREFILL)],
+            "decode_1": [SeqBatchEntry(tables[0], ctx, 1)],
+            "decode_8": [SeqBatchEntry(t, ctx, 1) for t in tables],
+            "prefill": [SeqBatchEntry(list(range(1, 1 + -(-prefill // PAGE_SIZE))), 0, prefill)],
         }
         gen = torch.Generator().manual_seed(0)
         self.ids = {kind: torch.randint(0, d.vocab_size, (sum(e.num_new for e in es),), generator=gen)
                     for kind, es in self.entries.items()}
         self.rows = {"decode_1": torch.arange(1), "decode_8": torch.arange(DECODE_BATCH),
-                     "prefill": torch.tensor([PREFILL - 1])}
+                     "prefill": torch.tensor([prefill - 1])}
 
     def run(self, kind: str) -> float:
         meta = build_metadata(self.entries[kind], PAGE_SIZE, self.model.device)
