@@ -18,8 +18,9 @@ Per-kernel timings of synthetic shapes (``autotune.py``) are not used for this: 
 everything the fused decode layer saves, and gave the prefill chunk most of the weight.
 
 The choice is cached per machine (CPU model and flags, torch version, thread count, native build)
-and model. A measurement taken under load -- the load average above the usable core count, or the
-rounds of a step spreading by more than :data:`MAX_SPREAD` -- is used for this start and measured
+and model. A measurement taken under load -- other processes using more than :data:`MAX_OTHERS` of
+the cores while it ran (from ``/proc/stat`` less this process's own CPU time), or the rounds of a
+step spreading by more than :data:`MAX_SPREAD` -- is used for this start and measured
 again at the next one instead of being kept (after :data:`MAX_ATTEMPTS` disturbed measurements in a
 row, on a machine that is never quiet, the last one is kept).
 """
@@ -38,7 +39,8 @@ CONTEXT = 256  # tokens of context of each decoding sequence
 PREFILL = 128  # tokens of the prefill chunk
 DECODE_BATCH = 8
 ROUNDS = 5
-MAX_SPREAD = 1.25  # median / best of a step's rounds above this: the measurement was disturbed
+MAX_SPREAD = 1.5  # median / best of a step's rounds above this: the measurement was disturbed
+MAX_OTHERS = 0.25  # share of the cores other processes may use while it runs
 MAX_ATTEMPTS = 3  # disturbed measurements in a row after which the last choice is kept anyway
 PAGE_SIZE = 16
 # the reference agent turn: tokens decoded alone, tokens decoded in a batch of eight, prompt tokens computed
@@ -82,22 +84,34 @@ def decide(measured: dict[str, StepTimes], passed: dict[str, bool]) -> str:
     return min(eligible, key=lambda f: measured[f].cost())
 
 
-def disturbed(times: dict[str, StepTimes], load_before: float, load_after: float, cpus: int) -> str | None:
-    """Why this measurement is not to be kept (None: it is): load or a wide spread of rounds."""
+def disturbed(times: dict[str, StepTimes], others: float, cpus: int) -> str | None:
+    """Why this measurement is not to be kept (None: it is): other processes used more than
+    :data:`MAX_OTHERS` of the machine's cores while it ran, or its rounds spread widely."""
+    if others > MAX_OTHERS * cpus:
+        return f"other processes used {others:.2f} of {cpus} cores while it ran"
     worst = max((t.spread for t in times.values()), default=1.0)
     if worst > MAX_SPREAD:
         return f"rounds spread by x{worst:.2f} (> x{MAX_SPREAD})"
-    load = max(load_before, load_after)
-    if load > cpus:
-        return f"load average {load:.2f} on {cpus} usable cores"
     return None
 
 
-def load_average() -> float:
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy seconds of the whole machine, CPU seconds of this process) so far; None off Linux."""
     try:
-        return os.getloadavg()[0]
-    except OSError:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle and iowait
+        mine = time.process_time()
+        return busy / os.sysconf("SC_CLK_TCK"), mine
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def others_load(before, after, wall_s: float) -> float:
+    """Cores used by other processes on average between two :func:`cpu_seconds` readings."""
+    if before is None or after is None or wall_s <= 0:
         return 0.0
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
 
 
 class _Bench:

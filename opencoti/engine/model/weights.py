@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -270,17 +271,17 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
     models["fp32"] = ref_state.pop("model", None) or make("fp32")
     choice["gate"] = gate
     say(f"auto weights: timing real decode and prefill steps of {', '.join(models)} ...")
-    load_before = choose.load_average()
+    cpu0, t0 = choose.cpu_seconds(), time.perf_counter()
     times = choose.time_steps(models)
-    load_after = choose.load_average()
+    others = choose.others_load(cpu0, choose.cpu_seconds(), time.perf_counter() - t0)
     fmt = choose.decide(times, {f: g["passed"] for f, g in gate.items()})
-    why = choose.disturbed(times, load_before, load_after, usable_cpus())
+    why = choose.disturbed(times, others, usable_cpus())
     measured = {f: t.as_dict() for f, t in times.items()}
     attempts = (kept or {}).get("attempts", 0) + 1
     keep = why is None or attempts >= choose.MAX_ATTEMPTS  # a machine that is never quiet: keep the last one
     tuner.remember(key, {"format": fmt, "measured": measured, "gate": gate, "kept": keep, "disturbed": why,
-                         "attempts": attempts, "load": [round(load_before, 2), round(load_after, 2)]})
-    choice.update(measured=measured, load=[round(load_before, 2), round(load_after, 2)])
+                         "attempts": attempts, "other_processes_cores": round(others, 2)})
+    choice.update(measured=measured, other_processes_cores=round(others, 2))
     if why is not None:
         choice["disturbed"] = why
         log.warning("auto weights: measured under load (%s); using %s, %s", why, fmt,
