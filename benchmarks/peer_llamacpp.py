@@ -5,8 +5,9 @@ vendored llama.cpp: CMake Release, native CPU, no curl, no prebuilt web UI, only
 ``llama-server`` target; ~20 min on 2 cores the first time) and cached under
 ``<opencoti cache>/peer/llama-cpp-python-<version>/``. ``--llama-server PATH`` uses another binary.
 
-Both servers run the bundled SmolLM2-135M-Instruct Q4_1 GGUF with ``--threads`` threads (default:
-the usable cores); llama-server with ``--parallel 8 --kv-unified -c 16384`` (8 slots sharing one
+Both servers load the bundled SmolLM2-135M-Instruct Q4_1 GGUF with ``--threads`` threads (default:
+the usable cores; opencoti's ``auto`` re-quantizes its weights to the format it measures fastest,
+recorded as ``servers.opencoti.weights``); llama-server with ``--parallel 8 --kv-unified -c 16384`` (8 slots sharing one
 KV buffer, as an agent team needs), opencoti with its defaults (no flags but the model, port and
 threads: what a user gets). Each round starts each server fresh (cold caches), the two in
 alternating order, and runs the workloads below on it; ``--rounds`` (3) rounds, medians reported.
@@ -248,14 +249,14 @@ QUESTIONS = ["List the endpoints.", "List the tables.", "List the jobs.", "List 
              "Which metrics?", "What to document?"]
 
 
-def fanout(url: str, nonce: str, questions: list[str], pool_id: int | None) -> float:
+def fanout(url: str, nonce: str, questions: list[str], pool_id: int | None, team: str = "a") -> float:
     sys_msg = {"role": "system", "content": system_prompt(nonce)}
 
     def agent(i: int):
         body = {"messages": [sys_msg, {"role": "user", "content": questions[i]}], "max_tokens": 32,
                 "temperature": 0, "ignore_eos": True}
-        if pool_id is not None:
-            body.update(pool_id=pool_id, session_id=f"{nonce}-agent-{i}")
+        if pool_id is not None:  # each team its own sessions (a named session continues its history)
+            body.update(pool_id=pool_id, session_id=f"{nonce}-{team}-agent-{i}")
         return stream(url, "/v1/chat/completions", body)
 
     t0 = time.perf_counter()
@@ -292,7 +293,7 @@ def run_round(srv: Server, name: str, args, rnd: int) -> dict:
         pool = create_pool(url, nonce + "-pool")
         cold = fanout(url, nonce + "-pool", QUESTIONS[:8], pool)
         out["fanout_pool_cold"] = time.perf_counter() - t0 if cold else None
-        out["fanout_pool_warm"] = fanout(url, nonce + "-pool", QUESTIONS[8:], pool)
+        out["fanout_pool_warm"] = fanout(url, nonce + "-pool", QUESTIONS[8:], pool, team="b")
     return out
 
 

@@ -49,7 +49,8 @@ def machine_line(machine_id: str, payload: dict) -> str:
     m = payload.get("machine") or {}
     load = m.get("loadavg")
     end = (payload.get("load_at_end") or {}).get("loadavg")
-    commit = ((m.get("git") or {}).get("commit") or "?")[:10]
+    git = m.get("git") or {}
+    commit = (git.get("commit") or "?")[:10] + (" + uncommitted changes" if git.get("dirty") else "")
     simd = "/".join(m.get("cpu_flags_of_interest") or []) or "?"
     cores = m.get("cpu_affinity") or m.get("cpu_count")
     loads = " → ".join(f"{v[0]:.2f}" for v in (load, end) if v)
@@ -84,7 +85,7 @@ def render_peer_llamacpp(machine_id: str, d: dict) -> str:
     ours = (d.get("servers") or {}).get("opencoti") or {}
     head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, {cfg['tokens']} tokens per decode request, "
             f"medians; llama-server `{' '.join(cfg['llama_server_flags'])}` from {cfg['llama_cpp_source']}; "
-            f"opencoti with no flags (weights `{ours.get('weights')}`).")
+            f"opencoti with no flags: `auto` loaded the GGUF's weights as `{ours.get('weights')}`.")
     return "\n".join([head, "", table(["workload", "unit", "opencoti", "llama.cpp", "ratio", ""], rows), "",
                       machine_line(machine_id, d)])
 

@@ -46,8 +46,8 @@ class SpawnPacer:
     (``target_tps_per_session`` None) there is nothing to protect: gates spawn at once, unpaced.
 
     Batches: a spawn decided on a measured report whose tps headroom (``tps_headroom_sessions``:
-    sessions the forecast's upper bound keeps above the floor, capped by the KV headroom) is k >= 2
-    opens a batch of ``min(k, max_batch)``: for ``batch_window_s`` the next gates spawn without
+    sessions the forecast's upper bound keeps above the floor) is k >= 4 opens a batch of
+    ``min(k // 2, KV headroom, max_batch)`` (half: a margin for the forecast's error): for ``batch_window_s`` the next gates spawn without
     waiting for the pool to settle (each still takes the turn, checks the context and KV arms, and
     waits until the server has seen its session). Cost: the sessions of a batch are admitted on one
     measurement; if the forecast was wrong they are all below the floor until sessions end.
@@ -300,7 +300,11 @@ class CapacityGateNode(RunnableLambda):
                 cap = cap.model_copy(update={"can_admit": False, "reason": BUSY_REASON})
                 self.pacer.record(pool_id, "hold", cap)
                 return cap, False, {}
-            cap = yield ("capacity", pool_id, expected)
+            try:
+                cap = yield ("capacity", pool_id, expected)
+            except BaseException:  # the pool's turn is ours: give it back, or every later gate holds
+                self.pacer.release(pool_id)
+                raise
             if self.pacer.take_batch_slot(pool_id, cap):  # an earlier spawn's batch has room: no settle wait
                 cap = cap.model_copy(update={"can_admit": True, "reason": BATCH_REASON})
                 self.pacer.record(pool_id, "spawn", cap, paced, batch=True)

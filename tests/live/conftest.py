@@ -57,7 +57,7 @@ def int4_engine(bundled_model):
     """The engine with int4 weights (the bundled GGUF's own Q4_1 numbers, the native kernels: what
     ``auto`` picks on this kind of machine), for the live tests that compare nothing with
     transformers: LangChain's standard suite, the LangGraph nodes, constrained decoding. A fixed
-    format, not ``auto``: auto chooses by kernel timings on the machine, and these tests check what
+    format, not ``auto``: auto chooses by timing real steps on the machine, and these tests check what
     the model writes (integrity-checked at the end)."""
     eng = _engine(bundled_model, "int4")
     yield eng

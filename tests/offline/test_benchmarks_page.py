@@ -48,7 +48,9 @@ def result_numbers() -> set[str]:
 
 
 def prose(page: str) -> str:
-    """The page without code blocks and inline code (commands, paths, flags, identifiers)."""
+    """The page's own text: without the generated blocks (checked against their results by
+    ``report.py --check``), code blocks and inline code (commands, paths, flags, identifiers)."""
+    page = report.BLOCK.sub("", page)
     page = re.sub(r"```.*?```", "", page, flags=re.S)
     return re.sub(r"`[^`]*`", "", page)
 
@@ -89,6 +91,7 @@ def test_a_hand_edited_table_is_caught(tmp_path, monkeypatch):
 def test_number_extraction_skips_names_and_code():
     assert numbers_of("SmolLM2-135M ran 93.5 tok/s on 2 cores, 1,024 tokens") == {"93.5", "2", "1024"}
     assert numbers_of(prose("run `--rounds 3` and\n```\nx 7\n```\n then 4")) == {"4"}
+    assert numbers_of(prose("a 5\n<!-- generated: x -->\n| 9 |\n<!-- end generated: x -->\n")) == {"5"}
 
 
 @pytest.mark.parametrize("block", ["peer_llamacpp", "quant", "pools", "cascade", "fanout", "admission_sim",

@@ -155,3 +155,20 @@ def test_node_constructors_document_themselves():
     for cls, word in ((CapacityGateNode, "spawn"), (CompactionNode, "summary")):
         doc = inspect.getdoc(cls.__init__)
         assert word in doc and "RunnableLambda" not in doc, doc
+
+
+def test_a_failing_capacity_report_gives_back_the_pools_turn(engine):
+    """The capacity call after taking the pool's turn raises (a dropped connection): the turn is
+    released, so the next gate of the fan-out is not held forever."""
+    pacer = SpawnPacer()
+    model = OpencotiChatModel(engine=engine)
+    gate = CapacityGateNode(model.polykv_client, spawn="agent", hold=END, pacer=pacer, max_wait_s=5)
+    floor = Capacity(pool_id=7, can_admit=True, reason="ok", target_tps_per_session=5.0, headroom_sessions=3)
+    steps = gate._steps({"pool_id": 7}, 7)
+    assert steps.send(None)[0] == "capacity"
+    assert steps.send(floor)[0] == "acquire"
+    assert steps.send(pacer.acquire(7, 1.0))[0] == "capacity"  # the gate holds the turn now
+    with pytest.raises(ConnectionError):
+        steps.throw(ConnectionError("server gone"))
+    assert pacer.acquire(7, 0.0), "the pool's turn was not given back"
+    pacer.release(7)

@@ -22,7 +22,8 @@ and model. A measurement taken under load -- other processes using more than :da
 the cores while it ran (from ``/proc/stat`` less this process's own CPU time), or the rounds of a
 step spreading by more than :data:`MAX_SPREAD` -- is used for this start and measured
 again at the next one instead of being kept (after :data:`MAX_ATTEMPTS` disturbed measurements in a
-row, on a machine that is never quiet, the last one is kept).
+row, on a machine that is never quiet, the last one is kept for :data:`RETRY_AFTER` starts, then
+measured again).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ DECODE_BATCH = 8
 ROUNDS = 5
 MAX_SPREAD = 1.5  # median / best of a step's rounds above this: the measurement was disturbed
 MAX_OTHERS = 0.25  # share of the cores other processes may use while it runs
-MAX_ATTEMPTS = 3  # disturbed measurements in a row after which the last choice is kept anyway
+MAX_ATTEMPTS = 3  # disturbed measurements in a row after which the last choice is kept anyway ...
+RETRY_AFTER = 10  # ... for this many starts, then measured again
 PAGE_SIZE = 16
 # the reference agent turn: tokens decoded alone, tokens decoded in a batch of eight, prompt tokens computed
 AGENT_TURN = {"decode_1": 75, "decode_8": 75, "prefill": 100}
@@ -96,13 +98,23 @@ def disturbed(times: dict[str, StepTimes], others: float, cpus: int) -> str | No
 
 
 def cpu_seconds() -> tuple[float, float] | None:
-    """(busy seconds of the whole machine, CPU seconds of this process) so far; None off Linux."""
+    """(busy seconds of the CPUs this process may run on, CPU seconds of this process) so far; None
+    off Linux. Only the CPUs of the affinity set count: other cores of a large host are not ours."""
     try:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        busy = 0
         with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle and iowait
-        mine = time.process_time()
-        return busy / os.sysconf("SC_CLK_TCK"), mine
+            for line in f:
+                name, *vals = line.split()
+                if not name.startswith("cpu") or name == "cpu":
+                    continue
+                if not name[3:].isdigit():
+                    break
+                if allowed is not None and int(name[3:]) not in allowed:
+                    continue
+                fields = [int(v) for v in vals]
+                busy += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle, iowait
+        return busy / os.sysconf("SC_CLK_TCK"), time.process_time()
     except (OSError, ValueError, IndexError):
         return None
 

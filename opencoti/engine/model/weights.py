@@ -230,13 +230,24 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
         return make("fp32")
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
     say("auto weights: choosing the kernels of each format (cached per machine) ...")
-    sigs = {f: _kernel_signature(tuner, f, counts, hf) for f in kernels.FORMATS}
+    sigs = {}
+    for f in kernels.FORMATS:  # a format no kernel here serves (e.g. int4 on some torch builds) is left out
+        try:
+            sigs[f] = _kernel_signature(tuner, f, counts, hf)
+        except (RuntimeError, ValueError) as exc:
+            log.info("auto weights: %s is not available here: %s", f, exc)
     fingerprint = _fingerprint(loaded)
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     sig_hash = hashlib.sha256(repr(sorted(sigs.items())).encode()).hexdigest()[:12]
     key = f"choice {fingerprint} threads={threads} native={native.build_id()} kernels={sig_hash}"
     choice["weighting"] = choose.WEIGHTING
     kept = tuner.remembered(key)
+    if kept is not None and kept.get("kept") and kept.get("disturbed"):
+        # kept after MAX_ATTEMPTS disturbed measurements: used for RETRY_AFTER starts, then measured again
+        kept["starts"] = kept.get("starts", 0) + 1
+        if kept["starts"] > choose.RETRY_AFTER:
+            kept = {**kept, "kept": False, "attempts": 0}
+        tuner.remember(key, kept)
     if kept is not None and kept.get("kept"):
         fmt = kept["format"]
         choice.update(measured=kept["measured"], gate=kept.get("gate", {}), cached=True,
@@ -259,7 +270,7 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
     gate: dict = {}
     models: dict = {}
     for fmt in kernels.FORMATS:
-        if fmt == "fp32":
+        if fmt == "fp32" or fmt not in sigs:
             continue
         gate[fmt], model = _gate(fmt, f"gate2 {fingerprint} {fmt} {sigs[fmt]} native={native.build_id()}", tuner,
                                  make, reference)
