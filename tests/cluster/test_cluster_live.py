@@ -207,7 +207,7 @@ def test_replication_spreads_attaches(cluster):
     assert all(int(r.headers["x-cached-prefix-tokens"]) > 0 for r in out)
 
     # releasing the logical pool releases its copies
-    assert c.delete(f"/polykv/pools/{pid}").status_code == 200
+    assert c.delete(f"/polykv/pools/{pid}", params={"immediate": "true"}).status_code == 200  # not after the grace TTL
     assert copies[other] not in replicas(c)[other]["pools"]
     assert c.get(f"/polykv/pools/{pid}").status_code == 404
 
