@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("ray.serve", reason="needs the cluster extra: pip install -e '.[cluster]'")
+pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'")
 
 from opencoti.cluster.app import ClusterConfig  # noqa: E402
 from opencoti.cluster.ray_prefix import PrefixCacheAffinityRouter, RayPrefixAffinityRouter, request_prompt  # noqa: E402

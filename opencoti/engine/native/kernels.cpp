@@ -112,6 +112,32 @@ inline void q4_row(const float* x, int64_t K, const uint8_t* wrow, const float* 
 }
 
 #if OC_AVX2
+// Per row of activations and block of an int4 weight row: dd = d * dx (the integer product's scale),
+// and msum = sum over blocks of m * sum(x) (the offset term), 8 blocks at a time. dd is R x stride.
+template <int R>
+inline void q4_block_scales(const uint8_t* wrow, const float* dx, const float* sx, int64_t nb, float* dd,
+                            int64_t stride, float* msum) {
+    const uint16_t* dp = (const uint16_t*)(wrow + nb * 16);
+    const uint16_t* mp = dp + nb;
+    for (int r = 0; r < R; ++r) {
+        float* ddr = dd + r * stride;
+        __m256 ms = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8) {
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + b)));
+            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + b)));
+            _mm256_store_ps(ddr + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
+            ms = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), ms);
+        }
+        float tail = 0.f;
+        for (; b < nb; ++b) {
+            ddr[b] = _cvtsh_ss(dp[b]) * dx[r * nb + b];
+            tail += _cvtsh_ss(mp[b]) * sx[r * nb + b];
+        }
+        msum[r] = hsum(ms) + tail;
+    }
+}
+
 // The same products with the activations as int16 per block of 32 (scale dx: |x| max / 32767, so
 // each activation keeps 15 bits, more than the bf16 torch's int kernels use): the weights widen to
 // int16 once per block and _mm256_madd_epi16 multiplies and pairs them, half the instructions of the
@@ -119,28 +145,10 @@ inline void q4_row(const float* x, int64_t K, const uint8_t* wrow, const float* 
 template <int R>
 inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, const float* sx,
                        int64_t nb, float* out) {
-    // per block: dd = d * dx (the product's scale) and the offset term m * sum(x), 8 blocks at a time
     constexpr int64_t kMaxBlocks = 512;  // K <= 16384 (callers check)
     alignas(32) float dd[R][kMaxBlocks];
     float msum[R];
-    const uint16_t* dp = (const uint16_t*)(wrow + nb * 16);
-    const uint16_t* mp = dp + nb;
-    for (int r = 0; r < R; ++r) {
-        __m256 ms = _mm256_setzero_ps();
-        int64_t b = 0;
-        for (; b + 8 <= nb; b += 8) {
-            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + b)));
-            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + b)));
-            _mm256_store_ps(dd[r] + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
-            ms = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), ms);
-        }
-        float tail = 0.f;
-        for (; b < nb; ++b) {
-            dd[r][b] = _cvtsh_ss(dp[b]) * dx[r * nb + b];
-            tail += _cvtsh_ss(mp[b]) * sx[r * nb + b];
-        }
-        msum[r] = hsum(ms) + tail;
-    }
+    q4_block_scales<R>(wrow, dx, sx, nb, dd[0], kMaxBlocks, msum);
     // two blocks per iteration, each its own accumulator (two FMA chains in flight; the chain is
     // picked at compile time: an index computed at run time kept the accumulators in memory)
     __m256 acc[R][2];
@@ -201,24 +209,7 @@ inline void q4_row_i8(const int8_t* x8, const float* dx, int64_t K, const uint8_
     constexpr int64_t kMaxBlocks = 512;  // K <= 16384 (callers check)
     alignas(32) float dd[R][kMaxBlocks];
     float msum[R];
-    const uint16_t* dp = (const uint16_t*)(wrow + nb * 16);
-    const uint16_t* mp = dp + nb;
-    for (int r = 0; r < R; ++r) {
-        __m256 ms = _mm256_setzero_ps();
-        int64_t b = 0;
-        for (; b + 8 <= nb; b += 8) {
-            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + b)));
-            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + b)));
-            _mm256_store_ps(dd[r] + b, _mm256_mul_ps(d8, _mm256_loadu_ps(dx + r * nb + b)));
-            ms = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + r * nb + b), ms);
-        }
-        float tail = 0.f;
-        for (; b < nb; ++b) {
-            dd[r][b] = _cvtsh_ss(dp[b]) * dx[r * nb + b];
-            tail += _cvtsh_ss(mp[b]) * sx[r * nb + b];
-        }
-        msum[r] = hsum(ms) + tail;
-    }
+    q4_block_scales<R>(wrow, dx, sx, nb, dd[0], kMaxBlocks, msum);
     // two blocks per iteration; up to two rows, each block its own accumulator (two FMA chains in
     // flight); more rows are independent chains already (and 2 x R accumulators would spill)
     constexpr int C = R <= 2 ? 2 : 1;
