@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .constraints_close import CloseWatch
+from .constraints_close import CLOSE_HORIZON, CloseWatch, closing_path
 from .constraints_sat import check_satisfiable
 from .errors import InvalidRequestError
 
@@ -323,7 +323,8 @@ def _build_llg_tokenizer(tokenizer) -> Any:
 class Constraint:
     """One request's matcher. ``mask`` holds the next-token bitmask once computed (``mask_ready``)."""
 
-    __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready", "close", "_out", "_shadow")
+    __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready", "close", "_out", "_shadow",
+                 "_calls_seen", "_budget_end")
 
     def __init__(self, spec: ConstraintSpec, lt: Any):
         import torch  # imported on use: the request side (ConstraintSpec) is imported by clients
@@ -337,6 +338,8 @@ class Constraint:
         self.close = CloseWatch()  # the closing way within the token budget (constraints_close.py)
         self._out = bytearray()  # what the matcher has consumed (replayed by the closing search)
         self._shadow: Any = None  # the closed-objects matcher of the closing search (None: not built)
+        self._calls_seen = 0  # tool-call blocks of the output already compared with the earlier ones
+        self._budget_end = False  # the output ended where it stood: the budget cannot finish another item
         if spec.trigger is None:
             if not self._start(spec.prefix.encode()):
                 raise InvalidRequestError(f"the forced output prefix {spec.prefix!r} does not match the constraint")
@@ -356,17 +359,67 @@ class Constraint:
         """Whether the next token is constrained."""
         return self.matcher is not None and not self.dead
 
-    def budget(self, remaining: int) -> None:
-        """Before a step: with ``remaining`` tokens left, force the next token of the closing way
-        when it is time to finish the document (see constraints_close.py)."""
+    def budget(self, remaining: int | None) -> None:
+        """Before a step, with ``remaining`` tokens left (None: no budget): end the output when its
+        last tool call repeats an earlier one; end a complete output that has no room to finish
+        another item; force the next token of the closing way when it is time to finish the
+        document (see constraints_close.py)."""
         if not self.active:
+            return
+        if self.matcher.is_accepting():
+            if self._repeated_call() or (remaining is not None and self._no_room(remaining)):
+                self._force(self.lt.eos_token)
+                return
+        if remaining is None:
             return
         token = self.close.check(self._closing_matcher, self.lt, remaining)
         if token is not None:
-            self.mask.zero_()
-            bit = 1 << (token & 31)
-            self.mask[token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
-            self.mask_ready = True
+            self._force(token)
+
+    def _force(self, token: int) -> None:
+        self.mask.zero_()
+        bit = 1 << (token & 31)
+        self.mask[token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+        self.mask_ready = True
+
+    def _repeated_call(self) -> bool:
+        """Whether the output's last complete tool call has the name and the arguments of an
+        earlier one: a model forced to call tends to write its call again and again, each copy
+        dropped by the parser, so the output ends at the first repeat (checked once per call)."""
+        if self.spec.kind != "tool_calls":
+            return False
+        blocks = [b.split(TOOL_CALL_CLOSE, 1)[0] for b in
+                  bytes(self._out).decode("utf-8", "replace").split(TOOL_CALL_OPEN)[1:]]
+        if len(blocks) <= self._calls_seen:
+            return False
+        self._calls_seen = len(blocks)
+
+        def key(body: str) -> Any:
+            try:
+                return json.dumps(json.loads(body), sort_keys=True)
+            except ValueError:
+                return body.strip()
+        *earlier, last = [key(b) for b in blocks]
+        return last in earlier
+
+    def _no_room(self, remaining: int) -> bool:
+        """A complete output whose every continuation (tried when the grammar allows few, e.g. the
+        next of several tool calls) needs more than ``remaining`` tokens to be complete again: end
+        it now rather than start an item the budget would cut (the closing way would finish it with
+        invented values). Checked only in the last CLOSE_HORIZON tokens; the end counts as the budget's."""
+        if remaining > CLOSE_HORIZON or self._budget_end:
+            return self._budget_end
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = [int(t) for t in np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+                   if int(t) not in self.lt.eos_tokens]
+        if not allowed or len(allowed) > 4:
+            return False
+        for t in allowed:
+            m = self.matcher.deep_copy()
+            if m.consume_token(t) and closing_path(m, self.lt, remaining - 1) is not None:
+                return False
+        self._budget_end = True
+        return True
 
     def _closing_matcher(self) -> Any:
         """The matcher the closing search starts from: for a JSON schema (or tool calls) the same
@@ -384,7 +437,7 @@ class Constraint:
 
     @property
     def closed_by_budget(self) -> bool:
-        return self.close.engaged
+        return self.close.engaged or self._budget_end
 
     def advance(self, token: int) -> None:
         """The sampled token (after the mask was applied, or a free one before a lazy trigger)."""

@@ -133,7 +133,7 @@ def test_paced_fan_out_under_an_enforced_floor(int4_engine):
     pool = client.create_pool(messages=[{"role": "system", "content": system}])
     client.set_admission(pool.pool_id, target_tps_per_session=0.5, mode="enforced", on_saturation="queue",
                          settle_tokens=8, settle_max_ms=3000)
-    pacer = SpawnPacer(claim_timeout_s=10)
+    pacer = SpawnPacer(claim_timeout_s=10, max_batch=1)  # one at a time: no batch skips a settle window
 
     def agent(state: WorkerState):
         msg = model.invoke([SystemMessage(system), HumanMessage(state["task"])], pool_id=state["pool_id"],

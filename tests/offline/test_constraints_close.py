@@ -145,3 +145,54 @@ def test_a_budget_that_cannot_close_searches_rarely(monkeypatch):
     (ids,) = decode_rows([SamplingParams.greedy(96, constraint=spec)], lambda n, step: looping_logits(n))
     assert len(ids) == 96 and decode(ids).startswith("[")  # left to length, no way to close it
     assert calls and len(calls) <= 8 and calls[0] == 96, calls
+
+
+# ---- several tool calls: a repeated call ends the output; no call is started that the budget would cut
+CITY = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def writer_of(text: str):
+    """Logits that write ``text`` again and again (a model that repeats its call)."""
+    ids = TOK.encode(text + "\n")
+
+    def logits_fn(n, step):
+        logits = torch.zeros(n, V)
+        logits[:, ids[step % len(ids)]] = 10.0
+        return logits
+    return logits_fn
+
+
+@pytest.mark.parametrize("max_tokens", [None, 400])
+def test_a_repeated_tool_call_ends_the_output(max_tokens):
+    spec = ConstraintSpec.tool_calls(CITY, "get_weather")
+    (ids,) = decode_rows([SamplingParams.greedy(max_tokens, constraint=spec)], writer_of(CALL))
+    assert decode(ids) == CALL + "\n" + CALL and ids[-1] in EOS  # the first repeat, then the end
+
+
+def test_distinct_tool_calls_go_on():
+    spec = ConstraintSpec.tool_calls(CITY, "get_weather")
+    other = CALL.replace("Oslo", "Rome")
+    state = SamplerState.for_request(SamplingParams.greedy(None, constraint=spec), [1], TOK, V)
+    for t in TOK.encode(CALL + "\n" + other):
+        state.constraint.advance(t)
+    state.constraint.budget(None)
+    assert not state.constraint.mask_ready  # nothing forced: a different call may be followed by more
+
+
+def test_no_tool_call_is_started_that_the_budget_would_cut():
+    spec = ConstraintSpec.tool_calls(CITY, "get_weather")
+    first = len(TOK.encode(CALL + "\n"))  # one call and its separator: 84 byte tokens
+    calls = [CALL.replace("Oslo", c) for c in ("Oslo", "Rome", "Lima")]
+    text = "\n".join(calls)
+    (ids,) = decode_rows([SamplingParams.greedy(first + 40, constraint=spec)], writer_of(text))
+    # the second call needs ~80 tokens and 40 are left: the output ends after the first, unforged
+    assert decode(ids) == calls[0] and ids[-1] in EOS
+    c = Constraint(spec, llg_tokenizer(TOK))
+    for t in TOK.encode(calls[0]):
+        c.advance(t)
+    c.budget(200)
+    assert not c.mask_ready and not c.closed_by_budget  # room for another call: the model decides
+    c.budget(40)
+    assert c.mask_ready and c.closed_by_budget  # the end is the budget's (finish "length")
