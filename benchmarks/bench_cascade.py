@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (base_parser, describe_machine, log, machine_info, make_engine, print_table,  # noqa: E402
-                    ratio, set_threads, summarize, write_json)
+from common import (base_parser, describe_machine, load_snapshot, log, machine_info, make_engine,  # noqa: E402
+                    print_table, ratio, set_threads, summarize, write_json)
 
 
 def prefix_tokens(eng, n: int) -> list[int]:
@@ -80,6 +80,7 @@ def main() -> None:
     if args.quick:
         args.decode, args.repeats = 10, 1
     set_threads(args.threads)
+    load_before = load_snapshot()
     eng = make_engine(args, kv_budget_tokens=4096 + 16 * 2200, max_batch_tokens=1024, cascade="on")
     info = machine_info()
     log(describe_machine(info))
@@ -107,8 +108,10 @@ def main() -> None:
     print_table(["case", "step ms off", "step ms on", "agg tok/s off", "agg tok/s on", "on/off"], rows,
                 title="Shared-prefix attention (cascade) vs plain paged attention, bundled model")
     print(f"\nmachine: {describe_machine(info)}")
-    path = write_json("cascade", {"machine": info, "decode_tokens": args.decode, "repeats": args.repeats,
-                                  "results": results}, args.out)
+    path = write_json("cascade", {"machine": info, "load_before": load_before, "decode_tokens": args.decode,
+                                  "repeats": args.repeats, "results": results,
+                                  "config": {"quick": args.quick, "prefix": args.prefix, "sessions": args.sessions,
+                                             "decode": args.decode, "repeats": args.repeats}}, args.out)
     print(f"results: {path}")
     eng.shutdown()
 

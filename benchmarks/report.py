@@ -2,9 +2,11 @@
 
 The page holds blocks between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->``;
 each is rewritten from ``benchmarks/results/<machine-id>/NAME.json`` (every machine that has that
-result, newest first), so a table and its data cannot drift apart. Text outside the blocks is left
-as it is. ``--check`` changes nothing and exits 1 when the page differs from what the results give
-(the test suite runs it).
+result, newest first), so a table and its data cannot drift apart. The renderer of each benchmark
+is in ``report_tables.py``: a short table with ratios against the baseline the same run measured,
+and sentences that say where opencoti loses; a note says when a run was reduced (``--quick``) or
+taken under heavy load. Text outside the blocks is left as it is. ``--check`` changes nothing and
+exits 1 when the page differs from what the results give (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_tables import RENDER, bullets, table  # noqa: E402
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS = BENCH_DIR / "results"
 PAGE = BENCH_DIR.parent / "docs" / "benchmarks.md"
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)",
                    re.S)
+HEAVY_LOAD_PER_CORE = 1.5  # a load average above this many runnable tasks per core: other work shared the machine
+SIMULATED = {"admission_sim", "admission_sim_loaded"}  # simulated clock: load does not change the numbers
 
 
 def results(name: str) -> list[tuple[str, dict]]:
@@ -33,75 +40,52 @@ def results(name: str) -> list[tuple[str, dict]]:
     return sorted(out, key=lambda r: r[1].get("time", ""), reverse=True)
 
 
-def num(x, digits: int = 2) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
+def loads_of(payload: dict) -> tuple[list | None, list | None]:
+    """(load average before, after) of a run: the snapshot taken before it started, else the machine's."""
+    before = (payload.get("load_before") or {}).get("loadavg") or (payload.get("machine") or {}).get("loadavg")
+    return before, (payload.get("load_at_end") or {}).get("loadavg")
 
 
-def machine_line(machine_id: str, payload: dict) -> str:
+def quick_of(payload: dict) -> bool:
+    return bool((payload.get("config") or {}).get("quick") or (payload.get("args") or {}).get("quick"))
+
+
+def conditions(name: str, payload: dict) -> str:
+    """A sentence when the run was reduced (``--quick``) or taken on a heavily loaded machine, else ''."""
     m = payload.get("machine") or {}
-    load = m.get("loadavg")
-    end = (payload.get("load_at_end") or {}).get("loadavg")
+    cores = m.get("cpu_affinity") or m.get("cpu_count") or 1
+    loads = [v[0] for v in loads_of(payload) if v]
+    heavy = bool(loads) and max(loads) > HEAVY_LOAD_PER_CORE * cores
+    parts = []
+    if quick_of(payload):
+        parts.append("a reduced run (`--quick`: fewer tokens, rounds, seeds or points than the full benchmark)")
+    if heavy:
+        how = ("the simulated clock keeps its numbers as they are" if name in SIMULATED else
+               "absolute times and rates are well below a quiet machine's, and the ratios are noisier")
+        parts.append(f"taken under heavy load (load average {' → '.join(f'{x:.2f}' for x in loads)} on {cores} "
+                     f"cores from other work): {how}")
+    return f"**This is {'; '.join(parts)}.**" if parts else ""
+
+
+def machine_line(machine_id: str, payload: dict, name: str) -> str:
+    m = payload.get("machine") or {}
     git = m.get("git") or {}
     commit = (git.get("commit") or "?")[:10] + (" + uncommitted changes" if git.get("dirty") else "")
     simd = "/".join(m.get("cpu_flags_of_interest") or []) or "?"
     cores = m.get("cpu_affinity") or m.get("cpu_count")
-    loads = " → ".join(f"{v[0]:.2f}" for v in (load, end) if v)
+    loads = " → ".join(f"{v[0]:.2f}" for v in loads_of(payload) if v)
     return (f"*Machine `{machine_id}`: {m.get('cpu', '?')} [{simd}], {cores} cores, torch {m.get('torch', '?')}; "
             f"commit `{commit}`; {payload.get('time', '?')}; load average {loads or '?'}; raw data "
-            f"`benchmarks/results/{machine_id}/{payload.get('benchmark', '?')}.json`.*")
+            f"`benchmarks/results/{machine_id}/{name}.json`.*")
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(num(c) if not isinstance(c, str) else c for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- renderers
-def render_peer_llamacpp(machine_id: str, d: dict) -> str:
-    med, ratio = d["median"], d["ratio"]
-    peer_of = {"fanout_pool_cold": "fanout_cold", "fanout_pool_warm": "fanout_warm"}
-    labels = {"decode_1": "1 session decode", "decode_1_busy": "1 session decode, a core-burning neighbour",
-              "sessions_8": "8 short sessions, aggregate", "fanout_cold": "8-agent fan-out, cold (no pool)",
-              "fanout_warm": "8-agent fan-out, warm (no pool)",
-              "fanout_pool_cold": "8-agent fan-out, cold, opencoti with a pool",
-              "fanout_pool_warm": "8-agent fan-out, warm, opencoti with a pool"}
-    rows = []
-    for w, r in ratio.items():
-        ours = med.get("opencoti", {}).get(w)
-        theirs = med.get("llama.cpp", {}).get(peer_of.get(w, w))
-        unit = "s" if w.startswith("fanout") else "tok/s"
-        verdict = "–" if r is None else ("faster" if r >= 1 else "**slower**")
-        rows.append([labels.get(w, w), unit, ours, theirs, f"{r:.2f}x" if r is not None else "–", verdict])
-    cfg = d["config"]
-    ours = (d.get("servers") or {}).get("opencoti") or {}
-    head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, {cfg['tokens']} tokens per decode request, "
-            f"medians; llama-server `{' '.join(cfg['llama_server_flags'])}` from {cfg['llama_cpp_source']}; "
-            f"opencoti with no flags: `auto` loaded the GGUF's weights as `{ours.get('weights')}`.")
-    return "\n".join([head, "", table(["workload", "unit", "opencoti", "llama.cpp", "ratio", ""], rows), "",
-                      machine_line(machine_id, d)])
-
-
-def render_generic(machine_id: str, d: dict) -> str:
+def render_generic(d: dict) -> str:
     """A result that carries its own ``report`` table: {"headers": [...], "rows": [[...]], "notes": [...]}."""
     rep = d.get("report")
     if not rep:
-        return f"(no table in `benchmarks/results/{machine_id}/{d.get('benchmark')}.json`)\n\n" + \
-            machine_line(machine_id, d)
+        return "(no table for this result)"
     parts = [table(rep["headers"], rep["rows"])]
-    parts += [""] + [f"- {n}" for n in rep.get("notes", [])] if rep.get("notes") else []
-    return "\n".join(parts + ["", machine_line(machine_id, d)])
-
-
-RENDER = {"peer_llamacpp": render_peer_llamacpp}
+    return "\n".join(parts + bullets(rep.get("notes") or []))
 
 
 def block(name: str) -> str:
@@ -109,7 +93,10 @@ def block(name: str) -> str:
     if not found:
         return f"*Not measured yet: run `opencoti bench {name}`.*\n"
     fn = RENDER.get(name, render_generic)
-    return "\n\n".join(fn(mid, d) for mid, d in found) + "\n"
+    out = []
+    for mid, d in found:
+        out.append("\n\n".join(p for p in (fn(d), conditions(name, d), machine_line(mid, d, name)) if p))
+    return "\n\n".join(out) + "\n"
 
 
 def regenerate(text: str) -> str:

@@ -98,3 +98,166 @@ def test_number_extraction_skips_names_and_code():
                                    "cluster"])
 def test_each_headline_benchmark_has_a_generated_block(block):
     assert f"<!-- generated: {block} -->" in report.PAGE.read_text()
+
+
+# ---------------------------------------------------------------------------- the renderers
+import copy  # noqa: E402
+
+import report_tables  # noqa: E402
+
+COMMITTED = sorted(p for p in report.RESULTS.glob("*/*.json") if p.stem in report_tables.RENDER)
+
+
+def committed(name: str) -> dict:
+    paths = [p for p in COMMITTED if p.stem == name]
+    if not paths:
+        pytest.fail(f"no committed {name}.json to take the shape from")
+    return json.loads(paths[0].read_text())
+
+
+def test_every_headline_benchmark_has_a_renderer_and_a_block():
+    import run_all
+
+    page = report.PAGE.read_text()
+    for name, *_ in run_all.HEADLINE:
+        assert name in report_tables.RENDER, f"{name}: no renderer, the page would show no table"
+        assert f"<!-- generated: {name} -->" in page
+    assert set(report_tables.RENDER) - {h[0] for h in run_all.HEADLINE} == {"admission_sim_loaded"}
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_each_committed_result_renders_a_table(path):
+    text = report.block(path.stem)
+    assert "|---|" in text and f"`benchmarks/results/{path.parent.name}/{path.stem}.json`" in text
+    assert "no table" not in text and "Not measured" not in text
+
+
+def test_the_load_and_a_reduced_run_are_said():
+    d = {"config": {"quick": True}, "machine": {"cpu_affinity": 2, "loadavg": [19.6, 1, 1]},
+         "load_at_end": {"loadavg": [16.2, 1, 1]}}
+    s = report.conditions("quant", d)
+    assert "reduced run" in s and "heavy load" in s and "19.60 → 16.20 on 2 cores" in s
+    assert "simulated clock" in report.conditions("admission_sim", d)
+    quiet = {"config": {"quick": False}, "machine": {"cpu_affinity": 2, "loadavg": [1.6, 1, 1]},
+             "load_at_end": {"loadavg": [2.2, 1, 1]}}
+    assert report.conditions("quant", quiet) == ""
+    quiet["args"] = {"quick": True}  # bench_cluster / bench_crash record their arguments
+    assert "reduced run" in report.conditions("cluster", quiet)
+
+
+def test_quant_says_auto_missed_the_fastest_format_and_why():
+    d = committed("quant")
+    eng = d["engines"]
+    eng["int4"]["median"]["single"] = 10.0
+    eng["auto"]["median"]["single"] = 4.0
+    eng["auto"]["choice"]["gate"] = {"int4": {"passed": False, "top1_agreement": 0.98,
+                                              "decode_path": {"top1_agreement": 0.9}}}
+    d["auto_vs_fastest"] = {"fastest": "int4", "fastest_single_tps": 10.0, "auto_single_tps": 4.0, "ratio": 0.4,
+                            "within_5pct": False}
+    text = report_tables.render_quant(d)
+    assert "Where we lose — `auto` loaded" in text and "0.40x of it (target: within 5 %): **missed**" in text
+    assert "int4 failed auto's accuracy gate" in text and "| int4 |" in text
+    d["auto_vs_fastest"].update(ratio=0.97, within_5pct=True)
+    assert "within 5 %): met" in report_tables.render_quant(d)
+    eng["int4"]["median"]["single"] = 0.5 * eng["fp32"]["median"]["single"]  # a format slower than fp32
+    assert "Where we lose — int4 decodes one session slower than fp32 (0.50x)" in report_tables.render_quant(d)
+
+
+def test_pools_flags_a_baseline_that_reused_the_cache_and_a_missed_target():
+    d = committed("pools")
+    assert "The baseline reused nothing" in report_tables.render_pools(d)
+    d = copy.deepcopy(d)
+    d["ttft"]["full_runs"][0]["cache_n"] = 1024
+    d["ttft"].update(speedup=4.0, target_10x=False)
+    text = report_tables.render_pools(d)
+    assert "**The baseline reused cached tokens**" in text and "| 4.00x | ≥ 10x | **missed** |" in text
+    assert "Where we lose — attaching is 4.00x faster" in text
+
+
+def test_admission_sim_headline_is_the_held_out_seeds():
+    d = copy.deepcopy(committed("admission_sim"))
+    name, prof = next(iter(d["profiles"].items()))
+    prof["held_out"]["adaptive"].update(wall_ratio=1.3, under_ratio=0.1, deep_ratio=0.0, overshoot_max=0)
+    prof["held_out"]["verdict"] = "miss: wall 1.30"
+    prof["tuning"]["adaptive"].update(wall_ratio=1.0, under_ratio=0.1, deep_ratio=0.0, overshoot_max=0)
+    text = report_tables.render_admission_sim(d)
+    row = next(r for r in text.splitlines() if r.startswith(f"| {name} |"))
+    assert "| 1.30x |" in row and row.endswith("| **missed: wall** | met |")  # held-out missed, tuning met
+    assert f"Where we lose — {name}: miss: wall 1.30" in text and f"{name} (1.30x)" in text
+    assert f"{len(d['seeds']['held_out'])} held-out seed(s), {d['seeds']['held_out'][0]}–" in text
+
+
+def test_cascade_renders_the_scripts_shape():
+    runs = {"on": [{"steps": 9, "cascade_steps": 9, "model_ms": 20.0, "agg_tps": 40.0}],
+            "off": [{"steps": 9, "cascade_steps": 0, "model_ms": 30.0, "agg_tps": 20.0}]}
+    d = {"machine": {}, "decode_tokens": 10, "repeats": 1, "config": {"quick": True},
+         "results": [{"prefix": 512, "sessions": 4, "step_ms_off": 10.0, "step_ms_on": 11.0, "agg_tps_off": 50.0,
+                      "agg_tps_on": 45.0, "speedup": 0.9, "runs": runs},
+                     {"prefix": 2048, "sessions": 16, "step_ms_off": 30.0, "step_ms_on": 20.0, "agg_tps_off": 20.0,
+                      "agg_tps_on": 50.0, "speedup": 2.5, "runs": runs}]}
+    text = report_tables.render_cascade(d)
+    assert "| P = 512, N = 4 | 10.00 | 11.00 | 50.00 | 45.00 | 0.90x | ≥ 0.95x | **missed** |" in text
+    assert "| P = 2048, N = 16 |" in text and "| 2.50x | ≥ 2.0x | met |" in text
+    assert "Where we lose — P = 512, N = 4: cascade is slower than plain paged attention (0.90x)" in text
+
+
+def fanout_payload(point=(1024, 8, 32, 64)) -> dict:
+    """A results JSON shaped as bench_fanout.main writes it (checked below against the script's own report)."""
+    from hf_fanout import finish_run
+
+    P, N, Q, G = point
+    systems = ["opencoti-pool", "hf-recompute", "hf-batch"]
+    walls = {"opencoti-pool": 10.0, "hf-recompute": 48.0, "hf-batch": 9.0}
+    runs = [dict(finish_run(s, P, N, G, [1.0] * N, [w] * N, [[1] * G] * N, 2 ** 20, {}), repeat_tag=f"t0-{s}")
+            for s, w in walls.items()]
+    for r in runs:
+        r.pop("token_ids")
+    table = [{k: r[k] for k in ("system", "prefix", "sessions", "wall_s", "ttft_p50_s", "ttft_p95_s",
+                                "per_session_decode_tps", "aggregate_decode_tps", "end_to_end_tps",
+                                "peak_kv_bytes")} | {"repeats": 1} for r in runs]
+    targets = {"wall_vs_hf-recompute": {"ratio": 4.8, "target": 5.0, "pass": False},
+               "wall_vs_hf-batch": {"ratio": 0.9, "target": 2.0, "pass": False},
+               "overhead_at_target_N": {"in_step": 0.05, "loop": 0.08, "target": 0.15, "pass": True}}
+    return {"config": {"target": {"prefix": P, "sessions": N}, "suffix": Q, "gen": G, "repeats": 1,
+                       "systems": systems, "weights": "int8", "hf_dtype": "float32", "kv_bytes_per_token": 46080,
+                       "openmp_env_transformers": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None},
+                       "torch_threads": 2, "quick": point != (1024, 8, 32, 64)},
+            "labels": {s: f"{s} label" for s in systems}, "table": table, "targets": targets, "runs": runs,
+            "profile": None, "seconds": {"total": 60.0}, "loadavg_end": [1.0, 1.0, 1.0],
+            "machine": {"cpu": "CPU", "cpu_affinity": 2, "cpu_count": 2, "torch": "t", "transformers": "x",
+                        "python": "3", "loadavg": [1.0, 1.0, 1.0], "git": {"commit": "abc", "dirty": False}}}
+
+
+def test_fanout_renders_the_scripts_shape_and_says_where_we_lose():
+    import bench_fanout
+
+    d = fanout_payload()
+    assert "| hf-batch |" in bench_fanout.markdown_report(d)  # the script's own report reads this shape too
+    text = report_tables.render_fanout(d)
+    assert "| hf-recompute label | 48.00 |" in text and "| 4.80x |" in text
+    assert "| wall vs hf-recompute | 4.80x | ≥ 5.0x | **missed** |" in text
+    assert "Where we lose — hf-batch finished the fan-out faster than opencoti with a pool (0.90x)" in text
+    assert "opencoti ran int8 weights, transformers float32" in text and "left at their defaults" in text
+    quick = report_tables.render_fanout(fanout_payload((512, 4, 32, 8)))
+    assert "shows its ratios without a verdict" in quick and "**missed**" not in quick
+
+
+def test_cluster_renders_the_scripts_shape_and_counts_pool_prefill():
+    from bench_cluster import hit_rate, summarize_runs
+
+    def run(mode, rnd, cached, pool_prefill, wall):
+        return {"mode": mode, "round": rnd, "prompt_tokens": 1000, "cached_tokens": cached,
+                "hit_rate": hit_rate(1000, cached, pool_prefill), "prefill_tokens": 1000 - cached + pool_prefill,
+                "pool_prefill_tokens": pool_prefill, "agents_wall_s": wall, "total_wall_s": wall, "errors": []}
+
+    results = [run(m, r, c, p, w) for r in range(3) for m, c, p, w in
+               [("opencoti", 990, 80, 20.0), ("pow2", 600, 0, 18.0), ("ray-prefix", 900, 0, 25.0)]]
+    per = summarize_runs(results)
+    d = {"complete": True, "args": {"agents": 16, "teams": 4, "turns": 3, "rounds": 3, "quick": False},
+         "results": results, "summary": {"per_mode": per, "hit_rate_target_met": False}}
+    text = report_tables.render_cluster(d)
+    assert "| our router, pools | 3 | 91.0 % (91.0–91.0) | 90 |" in text  # the 80 pool-prefill tokens count
+    assert "(target ≥ 95 %): **missed**" in text and "misses the 95 % target" in text
+    assert "Where we lose — Ray Serve's default router finished faster than our router with pools (0.90x" in text
+    assert "PrefixCacheAffinityRouter | 3 |" in text
+    assert "incomplete run" in report_tables.render_cluster({"complete": False, "results": results[:2]})
