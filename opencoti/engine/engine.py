@@ -94,7 +94,7 @@ class Engine(PoolAPIMixin):
         self._loop()
 
     def _build(self, progress, loaded) -> None:
-        from .model.weights import build_forward
+        from .model.weights import build_forward, release_memory
         from .model.loader import load_model
 
         config = self.config
@@ -136,6 +136,7 @@ class Engine(PoolAPIMixin):
         self._admission = AdmissionController(self, self._metrics)  # prepare -> decide -> commit; tick()
         self.model_name = self.loaded.name
         self._persist = open_state(self)  # config.state_dir: restore the stored pools and sessions, keep in sync
+        release_memory()  # what start-up built and dropped (candidate formats, the gate's reference, buffers)
         self.load_seconds = time.perf_counter() - t0
 
     @classmethod

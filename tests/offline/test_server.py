@@ -86,6 +86,9 @@ def test_health_models_props_slots(client, engine):
     assert polykv["max_pools"] == engine.config.max_pools and polykv["page_size"] == 4
     assert polykv["admission_defaults"]["mode"] == "advisory" and polykv["tps"]["window_tokens"] > 0
     assert polykv["pin_policy"]["grace_ttl_s"] == engine.config.pool_grace_ttl_s
+    kv = engine.kv  # K and V of one token over all layers, in the KV dtype
+    assert polykv["kv_dtype"] == str(kv.dtype).removeprefix("torch.")
+    assert polykv["kv_bytes_per_token"] == 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.k_cache.element_size()
     assert client.get("/slots").json() == []
     r = client.post("/completion", json={"prompt": "hi", "n_predict": 3, "session_id": "slot-a", **GREEDY})
     assert r.status_code == 200

@@ -8,11 +8,25 @@ check-then-commit: ``can_allocate(n)`` then ``allocate(n)``, which never partial
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Iterable, Sequence
 
 import torch
 
 from ..errors import CapacityError
+
+
+def zeros_on_demand(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is committed as it is written. On CPU it lies in an anonymous
+    memory map: the OS hands out zero pages when first touched, so a KV cache holds resident memory
+    for the pages in use (up to the highest page id used), not for its whole budget."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class PagePool:
@@ -30,8 +44,8 @@ class PagePool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
+        self.k_cache = zeros_on_demand(shape, dtype, self.device)  # [L, P, S, Hkv, D]
+        self.v_cache = zeros_on_demand(shape, dtype, self.device)  # [L, P, S, Hkv, D]
         self.refcount = [0] * num_pages
         # Kept sorted descending while clean and popped from the end, so a multi-page allocation
         # gets an ascending run of ids when one is free: attention then reads a pool's pages as

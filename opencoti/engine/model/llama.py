@@ -161,7 +161,10 @@ class LlamaForward:
         def w(name: str) -> torch.Tensor:
             if name not in state_dict:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+            src = state_dict[name]
+            t = src.to(device=self.device, dtype=dtype).contiguous()
+            # a copy of its own: a view would keep the checkpoint's memory map (all of it) resident
+            return t.clone() if t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() else t
 
         def source(name: str):
             if name in quantized:

@@ -22,6 +22,8 @@ float round trip); other types and HF checkpoints are quantized from the float w
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import logging
 import math
@@ -55,6 +57,21 @@ def check_format(weights: str) -> str:
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {'|'.join(WEIGHT_FORMATS)}, got {weights!r}")
     return weights
+
+
+def release_memory() -> bool:
+    """Collect garbage and hand the C allocator's free memory back to the OS (glibc's
+    ``malloc_trim``). Start-up frees more than it keeps: ``auto`` builds every candidate format
+    and the accuracy gate's fp32 reference, and times each on its own paged cache; the allocator
+    keeps the freed heap resident (1.1 GiB of the bundled model's first start on a 2-core EPYC)
+    unless asked. True when memory was given back."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows): nothing to ask
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
 
 
 def gguf_int4_weights(path: str | Path, hf_config) -> dict[str, object]:
