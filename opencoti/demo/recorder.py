@@ -98,6 +98,7 @@ class Recorder:
         self.t0 = clock()
         self.t_end: float | None = None
         self.samples: list[dict] = []
+        self.last_status: dict | None = None  # the pools() answer of the latest sample
         self.events: list[dict] = []  # engine admission events, ts on the local clock
         self.phases: list[dict] = []
         self.decisions: list[dict] = []  # the capacity gates' decisions
@@ -137,6 +138,7 @@ class Recorder:
         sample["pools"] = compact_pools(status)
         sample["kv"] = kv_accounting(status)
         with self._lock:
+            self.last_status = status  # the pools() answer of the latest sample, whole
             sample["agents"] = {name: a["state"] for name, a in self.agents.items()}
             if snap.get("ts"):
                 self._offsets.append(float(snap["ts"]) - mid)

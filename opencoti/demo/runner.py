@@ -102,7 +102,8 @@ def run_demo(cfg: DemoConfig, *, view=None, engine=None) -> DemoResult:
         finally:
             rec.stop()
             view.stop()
-        final = {"pools": client.pools().model_dump(), "tps": client.tps().model_dump()}
+        # the pool status of the recorder's final sample: the report's final KV and this are one answer
+        final = {"pools": rec.last_status or client.pools().model_dump(), "tps": client.tps().model_dump()}
         if engine is not None:
             final["counters"] = engine.metrics_counters()
             final["stats"] = engine.stats()
