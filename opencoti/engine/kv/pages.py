@@ -26,7 +26,9 @@ def zeros_on_demand(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    private = getattr(mmap, "MAP_PRIVATE", None)  # POSIX: private anonymous memory (else Windows' paging file)
+    mem = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mem, dtype=dtype).view(shape)
 
 
 class PagePool:
