@@ -145,15 +145,16 @@ class Server:
                 self.proc.wait()
 
 
-def start(name: str, gguf: str, threads: int, llama_bin: Path | None) -> Server:
+def start(name: str, gguf: str, threads: int, llama_bin: Path | None, extra: list[str] = ()) -> Server:
+    """``name`` (opencoti | llama.cpp) on ``gguf`` and a free port; ``extra``: more command-line flags."""
     port = free_port()
     if name == "llama.cpp":
         cmd = [str(llama_bin), "-m", gguf, "-t", str(threads), "-tb", str(threads), "--port", str(port),
-               "--host", "127.0.0.1", *LLAMA_FLAGS]
+               "--host", "127.0.0.1", *LLAMA_FLAGS, *extra]
         env = {**os.environ, "LD_LIBRARY_PATH": str(llama_bin.parent)}
     else:
         cmd = [sys.executable, "-m", "opencoti", "serve", "--model", gguf, "--port", str(port), "--threads",
-               str(threads)]
+               str(threads), *extra]
         env = dict(os.environ)
     return Server(name, cmd, port, env)
 
