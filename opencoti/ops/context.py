@@ -16,15 +16,17 @@ class Context:
     default_max_tokens: max tokens of a generation that gives none (None: until EOS / context).
     model_alias: the model id reported to clients (default: the engine's model name).
     tps_interval_ms: the default period of the live tps stream (reported by ``props``).
+    default_seed: the sampling seed of a generation that gives none (None: a fresh seed each).
     """
 
     def __init__(self, engine: "Engine", *, default_max_tokens: int | None = None, model_alias: str | None = None,
-                 tps_interval_ms: float = 500.0, started: float = 0.0):
+                 tps_interval_ms: float = 500.0, started: float = 0.0, default_seed: int | None = None):
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.model_alias = model_alias
         self.tps_interval_ms = tps_interval_ms
         self.started = started
+        self.default_seed = default_seed
         self._pieces: dict[int, str] = {}
 
     @property

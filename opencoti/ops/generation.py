@@ -30,12 +30,13 @@ STOP_TYPE_LLAMA = {"eos": "eos", "stop": "word", "length": "limit", "cancelled":
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     default_max_tokens: int | None = None, *, openai: bool = False,
                     tokenize: Callable[[str], list[int]] | None = None,
-                    constraint: ConstraintSpec | None = None) -> SamplingParams:
+                    constraint: ConstraintSpec | None = None, default_seed: int | None = None) -> SamplingParams:
     """Map request fields onto SamplingParams (unset fields keep the engine's llama.cpp-like defaults).
 
     ``max_tokens``: the body's limit (None: ``default_max_tokens``; -1: until EOS / context).
     ``openai``: OpenAI semantics for penalties and logit_bias ranges (the /v1 routes).
-    ``tokenize``: for llama.cpp's text keys in ``logit_bias``. ``constraint``: the output constraint."""
+    ``tokenize``: for llama.cpp's text keys in ``logit_bias``. ``constraint``: the output constraint.
+    ``default_seed``: the seed when the body gives none (or -1): the server's ``--seed``."""
     kw: dict[str, Any] = penalty_kwargs(repeat_penalty=body.repeat_penalty, repeat_last_n=body.repeat_last_n,
                                         presence_penalty=body.presence_penalty,
                                         frequency_penalty=body.frequency_penalty, openai=openai)
@@ -47,6 +48,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             kw[name] = v
     if body.seed is not None and body.seed != -1:
         kw["seed"] = body.seed
+    elif default_seed is not None:
+        kw["seed"] = default_seed
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if max_tokens is None:
@@ -122,6 +125,7 @@ def prepare_completion(ctx: Context, body: CompletionRequest) -> Prepared:
     kwargs = engine_kwargs(body)
     n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
     params = sampling_params(body, n_predict, body.n_probs or None, ctx.default_max_tokens,
+                             default_seed=ctx.default_seed,
                              tokenize=ctx.engine.tokenize, constraint=body_constraint(body))
     tokens, text = _completion_prompt(ctx, body.prompt)
     return Prepared(tokens, params, kwargs, prompt_text=text)
@@ -135,7 +139,8 @@ def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Pr
     if body.suffix:
         raise InvalidRequestError("suffix (insertion) is not supported")
     kwargs = engine_kwargs(body)
-    params = sampling_params(body, body.max_tokens, body.logprobs, ctx.default_max_tokens, openai=True,
+    params = sampling_params(body, body.max_tokens, body.logprobs, ctx.default_max_tokens,
+                             default_seed=ctx.default_seed, openai=True,
                              tokenize=ctx.engine.tokenize, constraint=body_constraint(body))
     tokens, text = _completion_prompt(ctx, body.prompt)
     if body.echo and text is None:
@@ -159,7 +164,8 @@ def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
                                  tools=normalize_tools(body.tools), prefill=prompt.prefill,
                                  parallel_tool_calls=body.parallel_tool_calls is not False)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             ctx.default_max_tokens, openai=True, tokenize=ctx.engine.tokenize, constraint=constraint)
+                             ctx.default_max_tokens, default_seed=ctx.default_seed, openai=True,
+                             tokenize=ctx.engine.tokenize, constraint=constraint)
     tokens = ctx.engine.tokenize(prompt.full_text)
     return Prepared(tokens, params, kwargs, chat=prompt, single_call=body.parallel_tool_calls is False)
 

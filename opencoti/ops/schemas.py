@@ -215,6 +215,8 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
                                                                   "of starting a new one (default: when it is last)")
     verbose: bool = Field(False, description="llama.cpp: add __verbose (the rendered prompt, the generation "
                                              "settings) to a whole answer")
+    return_progress: bool = Field(False, description="llama.cpp: stream prompt processing progress "
+                                                     "(chunks with prompt_progress and no choices)")
 
 
 class TokenizeRequest(_Lenient):

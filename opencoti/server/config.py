@@ -12,6 +12,8 @@ class ServerConfig:
     cors_origins: origins allowed by CORS (empty = CORS off).
     tps_interval_ms: default period of the ``GET /polykv/tps`` SSE stream.
     default_max_tokens: max tokens when a request gives none (None = until EOS or the context is full).
+    default_seed: the sampling seed of every request that gives none (``--seed N``, llama.cpp's rule:
+        the same request sampled again gives the same answer); None: a fresh seed per request.
     model_alias: the model id reported by /v1/models (default: the engine's model name).
     allowed_hosts: Host header names the server answers (None: any; ``opencoti serve`` bound to loopback
         sets the loopback names plus ``--allowed-host``): a defence against DNS rebinding.
@@ -31,6 +33,7 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     tps_interval_ms: float = 500.0
     default_max_tokens: int | None = None
+    default_seed: int | None = None
     model_alias: str | None = None
     allowed_hosts: list[str] | None = None
     body_timeout_s: float = 30.0

@@ -10,6 +10,10 @@
   ``x-*`` answer headers exposed; any other origin gets no CORS header at all (the browser then
   withholds the answer from the page).
 
+Header names go out in their canonical case (``Access-Control-Allow-Origin``), as llama.cpp sends
+them: HTTP names are case-insensitive, but clients that read the headers into a plain dict (llama.cpp's
+own test suite does) look them up by that spelling.
+
 With ``--cors-origin`` the app uses Starlette's CORSMiddleware with exactly those origins instead.
 """
 
@@ -42,11 +46,11 @@ class LocalhostCorsMiddleware:
         origin = headers.get(b"origin")
         allow = origin is not None and origin_is_localhost(origin.decode("latin-1"))
         if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
-            out = [(b"access-control-allow-credentials", b"true"), (b"access-control-allow-methods", METHODS),
-                   (b"access-control-allow-headers", headers.get(b"access-control-request-headers") or b"*"),
-                   (b"vary", b"Origin"), (b"content-length", b"0"), (b"content-type", b"text/plain")]
+            out = [(b"Access-Control-Allow-Credentials", b"true"), (b"Access-Control-Allow-Methods", METHODS),
+                   (b"Access-Control-Allow-Headers", headers.get(b"access-control-request-headers") or b"*"),
+                   (b"Vary", b"Origin"), (b"Content-Length", b"0"), (b"Content-Type", b"text/plain")]
             if allow:
-                out.append((b"access-control-allow-origin", origin))
+                out.append((b"Access-Control-Allow-Origin", origin))
             await send({"type": "http.response.start", "status": 200, "headers": out})
             await send({"type": "http.response.body", "body": b""})
             return
@@ -55,9 +59,9 @@ class LocalhostCorsMiddleware:
 
         async def with_cors(msg):
             if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": [*msg.get("headers", []), (b"access-control-allow-origin", origin),
-                                          (b"access-control-allow-credentials", b"true"),
-                                          (b"access-control-expose-headers", self.expose), (b"vary", b"Origin")]}
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"Access-Control-Allow-Origin", origin),
+                                          (b"Access-Control-Allow-Credentials", b"true"),
+                                          (b"Access-Control-Expose-Headers", self.expose), (b"Vary", b"Origin")]}
             await send(msg)
 
         return await self.app(scope, receive, with_cors)

@@ -124,10 +124,8 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
     n = 0
 
     def progress(processed: int) -> bytes:
-        ms = (time.perf_counter() - t_start) * 1e3 if processed > info.cached_prefix_tokens else 0.0
-        return sse({"index": index, "content": "", "tokens": [], "stop": False, "prompt_progress": {
-            "total": info.prompt_tokens, "cache": info.cached_prefix_tokens, "processed": processed,
-            "time_ms": ms}, "timings": progress_timings(info, processed, ms)})
+        return sse({"index": index, "content": "", "tokens": [], "stop": False,
+                    **prompt_progress(info, processed, t_start)})
 
     def on_delta(d):
         nonlocal n
@@ -143,6 +141,15 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
 
     first = [progress(info.cached_prefix_tokens)] if body.return_progress else []
     return gen.sse(on_delta, lambda result: [sse(final(result, ""))], first=first, headers=headers)
+
+
+def prompt_progress(info: RequestInfo, processed: int, t_start: float) -> dict:
+    """llama.cpp's ``prompt_progress`` (with ``timings``) after ``processed`` prompt tokens (the cached
+    ones are done at once, in no time)."""
+    ms = (time.perf_counter() - t_start) * 1e3 if processed > info.cached_prefix_tokens else 0.0
+    return {"prompt_progress": {"total": info.prompt_tokens, "cache": info.cached_prefix_tokens,
+                                "processed": processed, "time_ms": ms},
+            "timings": progress_timings(info, processed, ms)}
 
 
 def progress_timings(info: RequestInfo, processed: int, prompt_ms: float) -> dict:
@@ -239,9 +246,8 @@ async def _completion_many(request: Request, body: CompletionRequest, ctx: Conte
     counts = [0] * len(prompts)
 
     def progress(i: int, processed: int) -> bytes:
-        return sse({"index": i, "content": "", "tokens": [], "stop": False, "prompt_progress": {
-            "total": infos[i].prompt_tokens, "cache": infos[i].cached_prefix_tokens, "processed": processed,
-            "time_ms": (time.perf_counter() - t_start) * 1e3}})
+        return sse({"index": i, "content": "", "tokens": [], "stop": False,
+                    **prompt_progress(infos[i], processed, t_start)})
 
     def on_delta(i: int, d):
         counts[i] += 1
@@ -326,6 +332,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: Context = Depends(get_ctx),
                            state: ServerState = Depends(get_state)):
+    t_start = time.perf_counter()
     prepared = await run_in_threadpool(prepare_chat_request, ctx, body)
     if body.n > 1:
         return await chat_choices(request, state, prepared, body, ctx.model_name, lambda d: _chat_logprob(ctx, d))
@@ -369,10 +376,16 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         d.update(extra)
         return sse(d)
 
+    started = [False]
+
     def on_delta(d):
         text = turn.feed(d.text)
         lp = {"content": [_chat_logprob(ctx, d)]} if body.logprobs else None
-        return [chunk({"content": text} if text else {}, logprobs=lp)] if text or lp is not None else []
+        out = [chunk({"content": text} if text else {}, logprobs=lp)] if text or lp is not None else []
+        if body.return_progress and not started[0]:  # the prompt is done when its first token comes
+            out.insert(0, chunk(None, **prompt_progress(info, info.prompt_tokens, t_start)))
+        started[0] = True
+        return out
 
     def on_end(result):
         content, calls, finish = turn.finish(result)
@@ -385,7 +398,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
             yield chunk(None, usage=usage(info, result), timings=result.timings)
         yield DONE
 
-    return gen.sse(on_delta, on_end, first=[chunk({"role": "assistant", "content": None})], headers=headers)
+    first = [chunk({"role": "assistant", "content": None})]
+    if body.return_progress:  # llama.cpp: progress chunks carry no choices
+        first.append(chunk(None, **prompt_progress(info, info.cached_prefix_tokens, t_start)))
+    return gen.sse(on_delta, on_end, first=first, headers=headers)
 
 
 # ============================================================================ POST /infill (llama.cpp)

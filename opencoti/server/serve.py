@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default max tokens when a request gives none (-1 = until EOS / context)")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
     p.add_argument("--seed", "-s", type=int, default=-1,
-                   help="RNG seed for requests that give none (-1 = random at start, like llama.cpp)")
+                   help="the sampling seed of every request that gives none, as llama.cpp: the same request "
+                        "gives the same answer (-1 = a fresh seed per request)")
     p.add_argument("--tps-interval-ms", type=float, default=500.0, help="GET /polykv/tps SSE period (default 500)")
     p.add_argument("--max-body-mib", type=float, default=16.0, help="request body limit (default 16 MiB)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -131,6 +132,7 @@ def run(args) -> int:
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,
             default_max_tokens=None if args.n_predict < 0 else args.n_predict, model_alias=args.alias,
+            default_seed=None if args.seed == -1 else args.seed,
             tenant_keys=load_keys_file(args.api_keys_file) if args.api_keys_file else None,
             allowed_hosts=allowed_hosts(args.host, args.allowed_host), body_timeout_s=args.body_timeout,
             metrics=not args.no_metrics, metrics_key=args.metrics_key or None)

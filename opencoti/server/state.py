@@ -100,7 +100,7 @@ class ServerState:
         if self._ctx is None:
             c = self.config
             self._ctx = Context(eng, default_max_tokens=c.default_max_tokens, model_alias=c.model_alias,
-                                tps_interval_ms=c.tps_interval_ms, started=self.started)
+                                tps_interval_ms=c.tps_interval_ms, started=self.started, default_seed=c.default_seed)
         if tenant is None:
             return self._ctx
         ctx = self._tenant_ctx.get(tenant)
@@ -109,7 +109,7 @@ class ServerState:
             base = self._ctx
             ctx = self._tenant_ctx[tenant] = Context(
                 TenantEngine(eng, tenant), default_max_tokens=base.default_max_tokens, model_alias=base.model_alias,
-                tps_interval_ms=base.tps_interval_ms, started=base.started)
+                tps_interval_ms=base.tps_interval_ms, started=base.started, default_seed=base.default_seed)
         return ctx
 
 

@@ -260,6 +260,10 @@ def test_preflights_answered_and_localhost_origins_echoed_by_default(client, eng
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
         assert r.headers["access-control-allow-credentials"] == "true"
         assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+        # in llama.cpp's spelling: clients that read headers into a plain dict look them up so
+        names = {k for k, _ in r.headers.raw}
+        assert {b"Access-Control-Allow-Origin", b"Access-Control-Allow-Credentials",
+                b"Access-Control-Allow-Methods", b"Access-Control-Allow-Headers"} <= names, names
     for origin in ("http://evil.com", "http://localhost.evil.com", "http://notlocalhost"):
         r = client.options("/completions", headers={"Origin": origin, **pre})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
@@ -281,6 +285,16 @@ def test_llama_cpp_generation_details(client):
     progress = [e for e in events if "prompt_progress" in e]
     assert len(progress) == 2 and progress[0]["timings"]["prompt_n"] == 0 and progress[0]["timings"]["prompt_ms"] == 0
     assert progress[-1]["timings"]["prompt_ms"] > 0 and progress[-1]["timings"]["predicted_n"] == 0
+    # chat streams report it too (chunks with no choices), the cached part done at once
+    chat = {"messages": [{"role": "user", "content": "This is a test " * 10}], "max_tokens": 3, "stream": True,
+            "return_progress": True}
+    for _ in range(2):  # the second time most of the prompt comes from the prefix cache
+        events = sse_events(client.post("/v1/chat/completions", json=chat).text)
+        progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+        assert len(progress) == 2 and progress[0]["cache"] == progress[0]["processed"]
+        assert progress[1]["processed"] == progress[1]["total"] > progress[0]["processed"]
+        assert all(e["choices"] == [] for e in events if "prompt_progress" in e)
+    assert progress[0]["cache"] > 0
     msgs = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
     r = client.post("/chat/completions", json={"messages": msgs, "n": 2, "id_slot": 0, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
@@ -297,6 +311,21 @@ def test_props_reports_the_default_seed(make_engine):
     eng = make_engine(seed=42)
     with TestClient(create_app(eng), raise_server_exceptions=False) as c:
         assert c.get("/props").json()["default_generation_settings"]["params"]["seed"] == 42
+
+
+def test_server_seed_makes_a_request_repeatable_as_llama_cpp(engine):
+    """``--seed N``: every request that gives no seed samples with N (the same request, the same
+    answer); without it each request draws a fresh seed."""
+    body = {"prompt": "abc", "n_predict": 12, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+            "ignore_eos": True, "return_tokens": True}
+    with TestClient(create_app(engine, config=ServerConfig(default_seed=42)), raise_server_exceptions=False) as c:
+        a, b = (c.post("/completion", json=body).json() for _ in range(2))
+        assert a["tokens"] == b["tokens"] and a["generation_settings"]["seed"] == 42
+        assert c.post("/completion", json={**body, "seed": -1}).json()["tokens"] == a["tokens"]  # -1: the default
+        assert c.post("/completion", json={**body, "seed": 7}).json()["generation_settings"]["seed"] == 7
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        outs = [tuple(c.post("/completion", json=body).json()["tokens"]) for _ in range(4)]
+        assert len(set(outs)) > 1  # fresh seeds
 
 
 def test_resumable_stream_replays_and_stops(client):
