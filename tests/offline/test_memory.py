@@ -129,3 +129,23 @@ def test_auto_keeps_only_the_chosen_format_alive(monkeypatch, tmp_path):
         gc.enable()
     assert len(made) >= 3 and model.weights != "fp32"  # the reference, the candidates, one chosen
     assert alive == [model]
+
+
+def test_the_step_loop_gives_memory_back_when_it_goes_idle(monkeypatch):
+    from opencoti.engine import SamplingParams
+    from opencoti.engine import engine as engine_mod
+
+    calls: list = []
+    monkeypatch.setattr(weights, "release_memory", lambda collect=True: calls.append(collect) or True)
+    eng = Engine(EngineConfig(model="tiny:llama", kv_budget_tokens=512, weights="fp32"))
+    try:
+        assert calls == [True]  # start-up: gc and trim
+        eng.generate([5, 6, 7, 8], params=SamplingParams.greedy(4, ignore_eos=True))
+        eng._submit(lambda: None).result(timeout=30)  # the loop has passed its idle point
+        assert calls == [True, False]  # idle: trim only (no gc pass on the step thread)
+        monkeypatch.setattr(engine_mod, "_TRIM_EVERY_S", 3600.0)
+        eng.generate([5, 6, 7], params=SamplingParams.greedy(4, ignore_eos=True))
+        eng._submit(lambda: None).result(timeout=30)
+        assert calls == [True, False]  # not again within _TRIM_EVERY_S
+    finally:
+        eng.close()

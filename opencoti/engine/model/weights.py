@@ -59,13 +59,14 @@ def check_format(weights: str) -> str:
     return weights
 
 
-def release_memory() -> bool:
-    """Collect garbage and hand the C allocator's free memory back to the OS (glibc's
+def release_memory(collect: bool = True) -> bool:
+    """Collect garbage (``collect``) and hand the C allocator's free memory back to the OS (glibc's
     ``malloc_trim``). Start-up frees more than it keeps: ``auto`` builds every candidate format
     and the accuracy gate's fp32 reference, and times each on its own paged cache; the allocator
     keeps the freed heap resident (1.1 GiB of the bundled model's first start on a 2-core EPYC)
     unless asked. True when memory was given back."""
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows): nothing to ask
