@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .constraints_close import CLOSE_HORIZON, CloseWatch, closing_path
+from .constraints_close import CLOSE_HORIZON, CloseWatch
 from .constraints_sat import check_satisfiable
 from .errors import InvalidRequestError
 
@@ -324,7 +324,7 @@ class Constraint:
     """One request's matcher. ``mask`` holds the next-token bitmask once computed (``mask_ready``)."""
 
     __slots__ = ("spec", "lt", "matcher", "dead", "_tail", "mask", "mask_ready", "close", "_out", "_shadow",
-                 "_calls_seen", "_budget_end")
+                 "_calls_seen")
 
     def __init__(self, spec: ConstraintSpec, lt: Any):
         import torch  # imported on use: the request side (ConstraintSpec) is imported by clients
@@ -339,7 +339,6 @@ class Constraint:
         self._out = bytearray()  # what the matcher has consumed (replayed by the closing search)
         self._shadow: Any = None  # the closed-objects matcher of the closing search (None: not built)
         self._calls_seen = 0  # tool-call blocks of the output already compared with the earlier ones
-        self._budget_end = False  # the output ended where it stood: the budget cannot finish another item
         if spec.trigger is None:
             if not self._start(spec.prefix.encode()):
                 raise InvalidRequestError(f"the forced output prefix {spec.prefix!r} does not match the constraint")
@@ -360,14 +359,17 @@ class Constraint:
         return self.matcher is not None and not self.dead
 
     def budget(self, remaining: int | None) -> None:
-        """Before a step, with ``remaining`` tokens left (None: no budget): end the output when its
-        last tool call repeats an earlier one; end a complete output that has no room to finish
-        another item; force the next token of the closing way when it is time to finish the
-        document (see constraints_close.py)."""
+        """Before a step, with ``remaining`` tokens left (None: no budget). Tool calls: a complete
+        output ends when its last call repeats an earlier one, or when fewer tokens are left than
+        its last call took (another call would be cut and finished by the closing way with
+        invented values); either ends it as the model would, its calls whole. Any constraint:
+        force the next token of the closing way when it is time to finish the document (see
+        constraints_close.py)."""
         if not self.active:
             return
-        if self.matcher.is_accepting():
-            if self._repeated_call() or (remaining is not None and self._no_room(remaining)):
+        if self.spec.kind == "tool_calls" and self.matcher.is_accepting():
+            blocks = self._call_blocks()
+            if blocks and (self._repeated_call(blocks) or (remaining is not None and self._no_room(blocks, remaining))):
                 self._force(self.lt.eos_token)
                 return
         if remaining is None:
@@ -382,14 +384,15 @@ class Constraint:
         self.mask[token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
         self.mask_ready = True
 
-    def _repeated_call(self) -> bool:
-        """Whether the output's last complete tool call has the name and the arguments of an
-        earlier one: a model forced to call tends to write its call again and again, each copy
-        dropped by the parser, so the output ends at the first repeat (checked once per call)."""
-        if self.spec.kind != "tool_calls":
-            return False
-        blocks = [b.split(TOOL_CALL_CLOSE, 1)[0] for b in
-                  bytes(self._out).decode("utf-8", "replace").split(TOOL_CALL_OPEN)[1:]]
+    def _call_blocks(self) -> list[str]:
+        """The bodies of the output's tool calls (the output stands after a complete call)."""
+        text = bytes(self._out).decode("utf-8", "replace")
+        return [b.rsplit(TOOL_CALL_CLOSE, 1)[0] for b in text.split(TOOL_CALL_OPEN)[1:]]
+
+    def _repeated_call(self, blocks: list[str]) -> bool:
+        """Whether the last call has the name and the arguments of an earlier one: a model forced
+        to call tends to write its call again and again, each copy dropped by the parser (checked
+        once per call)."""
         if len(blocks) <= self._calls_seen:
             return False
         self._calls_seen = len(blocks)
@@ -402,24 +405,13 @@ class Constraint:
         *earlier, last = [key(b) for b in blocks]
         return last in earlier
 
-    def _no_room(self, remaining: int) -> bool:
-        """A complete output whose every continuation (tried when the grammar allows few, e.g. the
-        next of several tool calls) needs more than ``remaining`` tokens to be complete again: end
-        it now rather than start an item the budget would cut (the closing way would finish it with
-        invented values). Checked only in the last CLOSE_HORIZON tokens; the end counts as the budget's."""
-        if remaining > CLOSE_HORIZON or self._budget_end:
-            return self._budget_end
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = [int(t) for t in np.flatnonzero(np.unpackbits(bits, bitorder="little"))
-                   if int(t) not in self.lt.eos_tokens]
-        if not allowed or len(allowed) > 4:
+    def _no_room(self, blocks: list[str], remaining: int) -> bool:
+        """Fewer tokens left than a call like the last one takes (checked in the last
+        CLOSE_HORIZON tokens only)."""
+        if remaining > CLOSE_HORIZON:
             return False
-        for t in allowed:
-            m = self.matcher.deep_copy()
-            if m.consume_token(t) and closing_path(m, self.lt, remaining - 1) is not None:
-                return False
-        self._budget_end = True
-        return True
+        need = len(self.lt.tokenize_bytes(f"\n{TOOL_CALL_OPEN}{blocks[-1]}{TOOL_CALL_CLOSE}".encode()))
+        return remaining < need
 
     def _closing_matcher(self) -> Any:
         """The matcher the closing search starts from: for a JSON schema (or tool calls) the same
@@ -437,7 +429,7 @@ class Constraint:
 
     @property
     def closed_by_budget(self) -> bool:
-        return self.close.engaged or self._budget_end
+        return self.close.engaged
 
     def advance(self, token: int) -> None:
         """The sampled token (after the mask was applied, or a free one before a lazy trigger)."""

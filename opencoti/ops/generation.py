@@ -36,7 +36,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     ``max_tokens``: the body's limit (None: ``default_max_tokens``; -1: until EOS / context).
     ``openai``: OpenAI semantics for penalties and logit_bias ranges (the /v1 routes).
     ``tokenize``: for llama.cpp's text keys in ``logit_bias``. ``constraint``: the output constraint.
-    ``default_seed``: the seed when the body gives none (or -1): the server's ``--seed``."""
+    ``default_seed``: the seed when the body gives none: the server's ``--seed`` (-1: a fresh seed)."""
     kw: dict[str, Any] = penalty_kwargs(repeat_penalty=body.repeat_penalty, repeat_last_n=body.repeat_last_n,
                                         presence_penalty=body.presence_penalty,
                                         frequency_penalty=body.frequency_penalty, openai=openai)
@@ -46,10 +46,11 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         v = getattr(body, name)
         if v is not None:
             kw[name] = v
-    if body.seed is not None and body.seed != -1:
+    if body.seed is None:
+        if default_seed is not None:
+            kw["seed"] = default_seed
+    elif body.seed != -1:  # -1: a fresh seed, also under --seed (llama.cpp's LLAMA_DEFAULT_SEED)
         kw["seed"] = body.seed
-    elif default_seed is not None:
-        kw["seed"] = default_seed
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if max_tokens is None:

@@ -186,13 +186,23 @@ def test_no_tool_call_is_started_that_the_budget_would_cut():
     first = len(TOK.encode(CALL + "\n"))  # one call and its separator: 84 byte tokens
     calls = [CALL.replace("Oslo", c) for c in ("Oslo", "Rome", "Lima")]
     text = "\n".join(calls)
-    (ids,) = decode_rows([SamplingParams.greedy(first + 40, constraint=spec)], writer_of(text))
-    # the second call needs ~80 tokens and 40 are left: the output ends after the first, unforged
+    (ids,) = decode_rows([SamplingParams.greedy(first + 60, constraint=spec)], writer_of(text))
+    # a second call like the first needs ~84 tokens and 60 are left: the output ends after the
+    # first, whole (the closing way would otherwise finish the second with invented values)
     assert decode(ids) == calls[0] and ids[-1] in EOS
     c = Constraint(spec, llg_tokenizer(TOK))
     for t in TOK.encode(calls[0]):
         c.advance(t)
-    c.budget(200)
-    assert not c.mask_ready and not c.closed_by_budget  # room for another call: the model decides
-    c.budget(40)
-    assert c.mask_ready and c.closed_by_budget  # the end is the budget's (finish "length")
+    c.budget(90)
+    assert not c.mask_ready  # room for another call like it: the model decides
+    c.budget(60)
+    assert c.mask_ready and not c.closed_by_budget  # ended as the model would: finish "eos" (tool calls)
+
+
+def test_the_end_of_a_json_document_is_left_to_the_grammar():
+    spec = ConstraintSpec.json_schema(JOKE)
+    c = Constraint(spec, llg_tokenizer(TOK))
+    for t in TOK.encode('{"setup": "a", "punchline": "b"}'):
+        c.advance(t)
+    c.budget(10)
+    assert not c.mask_ready  # only tool calls end early; the grammar itself allows only the end here
