@@ -119,6 +119,15 @@ def cpu_seconds() -> tuple[float, float] | None:
         return None
 
 
+def busy_now(cpus: int, window_s: float = 0.5) -> float | None:
+    """Cores other processes use over the next ``window_s`` when that is more than :data:`MAX_OTHERS`
+    of ``cpus`` (a measurement now would be disturbed), else None."""
+    before, t0 = cpu_seconds(), time.perf_counter()
+    time.sleep(window_s)
+    others = others_load(before, cpu_seconds(), time.perf_counter() - t0)
+    return others if others > MAX_OTHERS * cpus else None
+
+
 def others_load(before, after, wall_s: float) -> float:
     """Cores used by other processes on average between two :func:`cpu_seconds` readings."""
     if before is None or after is None or wall_s <= 0:

@@ -272,6 +272,14 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
                       reason=f"auto: {fmt} ran the reference agent turn fastest of the formats passing the "
                              f"accuracy gate (measured on this machine earlier, cached)")
         return make(fmt)
+    if kept is not None and kept.get("format") in sigs and (busy := choose.busy_now(usable_cpus())) is not None:
+        # measured under load before and the machine is busy now too: a restart (after a crash, say)
+        # uses the earlier choice at once, which also keeps KV files saved under it valid
+        fmt = kept["format"]
+        choice.update(measured=kept["measured"], gate=kept.get("gate", {}), cached=True, disturbed=kept.get("disturbed"),
+                      reason=f"auto: {fmt}, measured earlier under load; other processes use {busy:.2f} cores now, "
+                             "so it is measured again at a quieter start")
+        return make(fmt)
     if kept is not None:
         say(f"auto weights: the last measurement was disturbed ({kept.get('disturbed')}); measuring again")
     ref_state: dict = {}
