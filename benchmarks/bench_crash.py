@@ -17,7 +17,9 @@ Checked after every restart:
 * ids reused: an id that came back for a pool the client never created or had released, or a new
   pool's id not above every id seen before (0 required);
 * wrong answers from restored KV: every surviving pinned pool answers a greedy completion exactly
-  as it did before the kills (its KV is loaded from its file at restart; 0 required);
+  as it did before the kills (its KV is loaded from its file at restart; 0 required); every start
+  after the first serves the weight format the first one chose (``--weights``), so an answer
+  checks the restored KV, not a different format;
 * ``/polykv/integrity`` ok.
 
 Writes ``benchmarks/results/<machine>/crash.json`` (machine, load before/after, commit, per-round
@@ -227,6 +229,12 @@ def main() -> int:
         while http.get("/health").status_code != 200:
             time.sleep(0.2)
         rep: dict = {"round": n, "start_s": round(time.perf_counter() - t0, 2)}
+        if n == 0 and not any(a.startswith("--weights") for a in serve):
+            # every later start serves the format this one chose: an answer checks the KV it was
+            # restored from, not a weight format that auto may choose differently at a busy restart
+            fmt = http.get("/props").json()["opencoti"]["weights"]["format"]
+            serve += ["--weights", fmt]
+            rep["weights"] = fmt
         if not vocab:
             vocab = http.post("/tokenize", json={"content": " ".join(SUFFIX_WORDS) * 4}).json()["tokens"]
         rnd = Round(http, j, rng, vocab, args)
