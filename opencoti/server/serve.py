@@ -181,9 +181,12 @@ def run(args) -> int:
     # each take waits for the switch interval, 5 ms by default. 1 ms: measured on the 2-core AVX2
     # box, a thread that takes the GIL back 5 times waits 8 ms (p50) instead of 28 beside a parse.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # h11 writes header names as the app spells them (httptools lowercases them all): llama.cpp
+    # sends "Access-Control-Allow-Origin", and clients that read headers into a plain dict (llama.cpp's
+    # own test suite does) look them up by that spelling; a token takes milliseconds, h11 microseconds
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.graceful_timeout, access_log=args.log_level == "debug",
-                                   lifespan="on"))
+                                   lifespan="on", http="h11"))
     def load_failed(e: BaseException) -> None:
         # a server that cannot start exits (non-zero) instead of answering 500 forever: a process
         # supervisor (systemd, Kubernetes) sees the failure and acts on its restart policy

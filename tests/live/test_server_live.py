@@ -164,6 +164,10 @@ def test_completion_tokenize_slots_props(server):
     assert props["opencoti"]["polykv"]["page_size"] == 16 and "SmolLM2" in props["model_path"]
     # templates like SmolLM2's ignore tools: the server renders them into the system prompt itself
     assert props["opencoti"]["polykv"]["chat_template_tools"]["native_tools"] is False
+    # CORS headers on the wire in llama.cpp's spelling (a plain-dict client looks them up so)
+    pre = server.http.options("/completions", headers={"Origin": "http://localhost:8080",
+                                                       "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200 and (b"Access-Control-Allow-Origin", b"http://localhost:8080") in pre.headers.raw
 
 
 # ============================================================================ journeys over HTTP
