@@ -232,9 +232,9 @@ def main() -> int:
         if n == 0 and not any(a.startswith("--weights") for a in serve):
             # every later start serves the format this one chose: an answer checks the KV it was
             # restored from, not a weight format that auto may choose differently at a busy restart
-            fmt = http.get("/props").json()["opencoti"]["weights"]["format"]
-            serve += ["--weights", fmt]
-            rep["weights"] = fmt
+            chosen = http.get("/props").json()["opencoti"]["weights"]["format"]
+            serve += ["--weights", chosen]
+            rep["weights"] = chosen
         if not vocab:
             vocab = http.post("/tokenize", json={"content": " ".join(SUFFIX_WORDS) * 4}).json()["tokens"]
         rnd = Round(http, j, rng, vocab, args)
