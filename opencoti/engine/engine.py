@@ -155,7 +155,8 @@ class Engine(PoolAPIMixin):
             if busy and not core.has_work:
                 busy = False
                 self._idle_check()
-                self._trim_when_idle()
+                if self._cmds.empty():  # a request already waiting goes first; trimmed at the next idle
+                    self._trim_when_idle()
             core.expire_sessions()
             adm = self._admission
             adm.tick()  # admission deadlines: settle windows that ran out, held requests to re-try
