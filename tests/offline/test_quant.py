@@ -374,20 +374,25 @@ def test_auto_keeps_a_quiet_choice_and_measures_a_disturbed_one_again(monkeypatc
     assert third.weights_choice["measured"] == second.weights_choice["measured"]
 
 
-def test_auto_on_a_busy_machine_uses_the_earlier_choice_until_a_quiet_start(monkeypatch, tmp_path):
-    """A restart under load (after a crash, beside a test run) does not measure again: it uses the
-    choice measured under load before (its KV files stay valid), and measures at a quiet start."""
+def _counting_auto(monkeypatch, tmp_path) -> tuple[list, dict]:
+    """Stand-in step times that count the measurements, and ``build_forward``'s auto arguments."""
     monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
-    others = {"cores": 1.9}
-    monkeypatch.setattr(choose, "others_load", lambda *a: others["cores"])
-    monkeypatch.setattr(choose.time, "sleep", lambda s: None)
-    calls = []
+    calls: list = []
     table = {"fp32": (0.03, 0.08, 0.2), "bf16": (0.02, 0.06, 0.15), "int8": (0.012, 0.04, 0.3),
              "int4": (0.010, 0.035, 0.4)}
     monkeypatch.setattr(choose, "time_steps", lambda models, rounds=5: calls.append(1) or
                         _stand_in_times(table)(models))
-    kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
-              cache_dir=str(tmp_path))
+    return calls, dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
+                       cache_dir=str(tmp_path))
+
+
+def test_auto_on_a_busy_machine_uses_the_earlier_choice_until_a_quiet_start(monkeypatch, tmp_path):
+    """A restart under load (after a crash, beside a test run) does not measure again: it uses the
+    choice measured under load before (its KV files stay valid), and measures at a quiet start."""
+    calls, kw = _counting_auto(monkeypatch, tmp_path)
+    others = {"cores": 1.9}
+    monkeypatch.setattr(choose, "others_load", lambda *a: others["cores"])
+    monkeypatch.setattr(choose.time, "sleep", lambda s: None)
     first = weights.build_forward(tiny_model("llama"), **kw)
     assert len(calls) == 1 and "other processes" in first.weights_choice["disturbed"]
     for _ in range(3):
@@ -401,16 +406,9 @@ def test_auto_on_a_busy_machine_uses_the_earlier_choice_until_a_quiet_start(monk
 
 
 def test_auto_where_every_measurement_is_disturbed_keeps_the_last_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
+    calls, kw = _counting_auto(monkeypatch, tmp_path)
     monkeypatch.setattr(choose, "busy_now", lambda cpus, window_s=0.5: None)  # quiet before it starts ...
     monkeypatch.setattr(choose, "others_load", lambda *a: 1.9)  # ... and busy while it measures
-    calls = []
-    table = {"fp32": (0.03, 0.08, 0.2), "bf16": (0.02, 0.06, 0.15), "int8": (0.012, 0.04, 0.3),
-             "int4": (0.010, 0.035, 0.4)}
-    monkeypatch.setattr(choose, "time_steps", lambda models, rounds=5: calls.append(1) or
-                        _stand_in_times(table)(models))
-    kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
-              cache_dir=str(tmp_path))
     for _ in range(choose.MAX_ATTEMPTS + 1):
         model = weights.build_forward(tiny_model("llama"), **kw)
     assert len(calls) == choose.MAX_ATTEMPTS and model.weights_choice["cached"]
