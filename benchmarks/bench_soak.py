@@ -42,8 +42,8 @@ JSON_H = {"content-type": "application/json"}
 WORDS = ("agent pool session prefix branch fork cache page token model tree leaf root shared budget "
          "admission floor stream context window memory tenant label policy compaction").split()
 
-# name -> weight: what a client does each step (``--churn`` overrides, e.g. "chat=3,bad=2")
 KV_TENSOR_BYTES = [0]  # one KV tensor's bytes (set from /props at start)
+# name -> weight: what a client does each step (``--churn`` overrides, e.g. "chat=3,bad=2")
 DEFAULT_CHURN = {"chat": 4, "stream": 3, "pool_gen": 3, "create": 1, "fork": 1, "release_pool": 1,
                  "release_session": 1, "bad": 2, "read": 1}
 
@@ -97,7 +97,8 @@ def kv_rss_mib(pid: int | None, tensor_bytes: int) -> float | None:
                 size = None
             elif head[:1] == ["Size:"]:
                 size = int(head[1]) * 1024
-            elif head[:1] == ["Rss:"] and anon and size is not None and size >= tensor_bytes - 8192:
+            elif (head[:1] == ["Rss:"] and anon and size is not None
+                  and tensor_bytes - 8192 <= size <= 2 * tensor_bytes + 2**26):  # K, V, merged with little else
                 total += int(head[1]) * 1024
     except OSError:
         return None

@@ -3,6 +3,8 @@ the auto format rule, config validation and the thread adapter. Tiny random mode
 
 from __future__ import annotations
 
+import functools
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -392,7 +394,7 @@ def test_auto_on_a_busy_machine_uses_the_earlier_choice_until_a_quiet_start(monk
     calls, kw = _counting_auto(monkeypatch, tmp_path)
     others = {"cores": 1.9}
     monkeypatch.setattr(choose, "others_load", lambda *a: others["cores"])
-    monkeypatch.setattr(choose.time, "sleep", lambda s: None)
+    monkeypatch.setattr(choose, "busy_now", functools.partial(choose.busy_now, window_s=0.0))
     first = weights.build_forward(tiny_model("llama"), **kw)
     assert len(calls) == 1 and "other processes" in first.weights_choice["disturbed"]
     for _ in range(3):

@@ -21,9 +21,11 @@ The choice is cached per machine (CPU model and flags, torch version, thread cou
 and model. A measurement taken under load -- other processes using more than :data:`MAX_OTHERS` of
 the cores while it ran (from ``/proc/stat`` less this process's own CPU time), or the rounds of a
 step spreading by more than :data:`MAX_SPREAD` -- is used for this start and measured
-again at the next one instead of being kept (after :data:`MAX_ATTEMPTS` disturbed measurements in a
-row, on a machine that is never quiet, the last one is kept for :data:`RETRY_AFTER` starts, then
-measured again).
+again at the next quiet one instead of being kept: a start that finds other processes busy
+(:func:`busy_now`) uses the earlier choice at once (a restart after a crash does not spend a minute
+measuring, nor switch formats under the KV files of pinned pools). After :data:`MAX_ATTEMPTS`
+disturbed measurements in a row the last one is kept for :data:`RETRY_AFTER` starts, then measured
+again.
 """
 
 from __future__ import annotations

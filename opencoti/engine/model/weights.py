@@ -268,7 +268,7 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
         tuner.remember(key, kept)
     if kept is not None and kept.get("kept"):
         fmt = kept["format"]
-        choice.update(measured=kept["measured"], gate=kept.get("gate", {}), cached=True,
+        choice.update(measured=kept.get("measured", {}), gate=kept.get("gate", {}), cached=True,
                       reason=f"auto: {fmt} ran the reference agent turn fastest of the formats passing the "
                              f"accuracy gate (measured on this machine earlier, cached)")
         return make(fmt)
@@ -276,7 +276,9 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
         # measured under load before and the machine is busy now too: a restart (after a crash, say)
         # uses the earlier choice at once, which also keeps KV files saved under it valid
         fmt = kept["format"]
-        choice.update(measured=kept["measured"], gate=kept.get("gate", {}), cached=True, disturbed=kept.get("disturbed"),
+        say(f"auto weights: other processes use {busy:.2f} cores; using {fmt}, measured earlier under load")
+        choice.update(measured=kept.get("measured", {}), gate=kept.get("gate", {}), cached=True,
+                      disturbed=kept.get("disturbed"), other_processes_cores=round(busy, 2),
                       reason=f"auto: {fmt}, measured earlier under load; other processes use {busy:.2f} cores now, "
                              "so it is measured again at a quieter start")
         return make(fmt)
