@@ -66,7 +66,14 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, cascade: str = "auto", min_saved_tokens: int = 1024, native: bool = True):
+    # "auto": shared-prefix attention only when it spares at least this many KV-token reads per step.
+    # It turns off the fused native decode layer, which is faster below that on CPU: measured on the
+    # bundled model (2-core AVX2 EPYC, benchmarks/bench_cascade.py --quick, on/off agg tok/s) cascade
+    # was 0.72x at P=512 N=4 (1,536 spared), 0.84x at 512/16 (7,680), 0.73x at 2048/4 (6,144), 0.98x
+    # at 1024/8 (7,168), 1.54x at 2048/16 (30,720) and 1.98x at 4096/8 (28,672).
+    AUTO_MIN_SAVED_TOKENS = 16384
+
+    def __init__(self, cascade: str = "auto", min_saved_tokens: int = AUTO_MIN_SAVED_TOKENS, native: bool = True):
         self.cascade = cascade
         self.native = native  # use the native decode kernel where it applies (False: torch only)
         self.min_saved_tokens = min_saved_tokens
