@@ -55,21 +55,17 @@ def _mappings(pid: int) -> dict[str, dict]:
     """RSS by mapping: files by name (shortened to the part after site-packages/ or lib/), anonymous
     mappings of 64 MiB or more one by one (KV caches, large buffers), the rest of them together."""
     maps: dict[str, dict] = {}
-    name = None
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$", line)
-        if m:
-            size = int(m.group(2), 16) - int(m.group(1), 16)
-            path = m.group(3).strip()
-            if path.startswith("/"):
-                name = re.sub(r".*/(site-packages|lib)/", r"\1/", path)
-            elif path:
-                name = path
-            else:
-                name = f"[anon {size >> 20} MiB map @{m.group(1)}]" if size >= 64 << 20 else "[anon, small maps]"
-            maps.setdefault(name, {"size_mib": 0.0, "rss_mib": 0.0})["size_mib"] += size / 2**20
-        elif line.startswith("Rss:") and name is not None:
-            maps[name]["rss_mib"] += int(line.split()[1]) / 1024
+    for m in common.smaps(pid):
+        size, path = m["size"], m["path"]
+        if path.startswith("/"):
+            name = re.sub(r".*/(site-packages|lib)/", r"\1/", path)
+        elif path:
+            name = path
+        else:
+            name = f"[anon {size >> 20} MiB map @{m['start']}]" if size >= 64 << 20 else "[anon, small maps]"
+        entry = maps.setdefault(name, {"size_mib": 0.0, "rss_mib": 0.0})
+        entry["size_mib"] += size / 2**20
+        entry["rss_mib"] += m["rss"] / 2**20
     return maps
 
 

@@ -88,20 +88,12 @@ def kv_rss_mib(pid: int | None, tensor_bytes: int) -> float | None:
     Nothing else the server maps anonymously is that large."""
     if pid is None or tensor_bytes <= 0:
         return None
-    total, size, anon = 0, None, False
     try:
-        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-            head = line.split()
-            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-                anon = len(head) == 5  # no path: anonymous
-                size = None
-            elif head[:1] == ["Size:"]:
-                size = int(head[1]) * 1024
-            elif (head[:1] == ["Rss:"] and anon and size is not None
-                  and tensor_bytes - 8192 <= size <= 2 * tensor_bytes + 2**26):  # K, V, merged with little else
-                total += int(head[1]) * 1024
+        maps = common.smaps(pid)
     except OSError:
         return None
+    # K and V, possibly merged with each other and little else
+    total = sum(m["rss"] for m in maps if not m["path"] and tensor_bytes - 8192 <= m["size"] <= 2 * tensor_bytes + 2**26)
     return total / 2**20
 
 

@@ -197,6 +197,21 @@ def check_mark(value: float | None, target: float) -> str:
     return "PASS" if value >= target else "FAIL"
 
 
+def smaps(pid: int) -> list[dict]:
+    """``/proc/<pid>/smaps``, one dict per mapping: ``start`` (hex), ``size`` (bytes, from the address
+    range), ``path`` ("" for anonymous memory) and ``rss`` (bytes). Raises OSError off Linux."""
+    out: list[dict] = []
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and not head[0].endswith(":") and len(head) >= 5:
+            lo, hi = head[0].split("-")
+            out.append({"start": lo, "size": int(hi, 16) - int(lo, 16),
+                        "path": head[5].strip() if len(head) > 5 else "", "rss": 0})
+        elif head[:1] == ["Rss:"] and out:
+            out[-1]["rss"] = int(head[1]) * 1024
+    return out
+
+
 def machine_id() -> str:
     """A folder name for this machine's results: CPU model, usable cores and a hash of the CPU flags
     (e.g. ``amd-epyc-9b14-2c-1a2b3c4d``); ``OPENCOTI_MACHINE_ID`` overrides it."""

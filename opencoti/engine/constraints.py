@@ -28,15 +28,13 @@ import numpy as np
 from .constraints_close import CLOSE_HORIZON, CloseWatch
 from .constraints_sat import check_satisfiable
 from .errors import InvalidRequestError
+from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
 
 __all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]
 
 # JSON layout the constraint allows: the separators models write by habit (json.dumps style) and
 # no free whitespace, so a small model cannot wander off into endless newlines.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 
 _KINDS = ("json_schema", "json_object", "grammar", "regex", "tool_calls")
 _MAX_SOURCE_CHARS = 1 << 20
@@ -396,13 +394,7 @@ class Constraint:
         if len(blocks) <= self._calls_seen:
             return False
         self._calls_seen = len(blocks)
-
-        def key(body: str) -> Any:
-            try:
-                return json.dumps(json.loads(body), sort_keys=True)
-            except ValueError:
-                return body.strip()
-        *earlier, last = [key(b) for b in blocks]
+        *earlier, last = [json_key(b.strip()) for b in blocks]
         return last in earlier
 
     def _no_room(self, blocks: list[str], remaining: int) -> bool:

@@ -200,16 +200,22 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
     return text, []
 
 
+def json_key(text: str) -> str:
+    """``text`` as a comparable key: a JSON text in one canonical form (keys sorted, no layout), any
+    other text as it is."""
+    try:
+        return json.dumps(json.loads(text), sort_keys=True)
+    except ValueError:
+        return text
+
+
 def distinct_calls(calls: list[ToolCall]) -> list[ToolCall]:
     """``calls`` without repeats: a call with the same name and the same arguments (as JSON values)
     as an earlier one is dropped (a model forced to call often writes its call twice)."""
     seen: set[tuple[str, str]] = set()
     out = []
     for c in calls:
-        try:
-            key = (c.name, json.dumps(json.loads(c.arguments), sort_keys=True))
-        except ValueError:
-            key = (c.name, c.arguments)
+        key = (c.name, json_key(c.arguments))
         if key not in seen:
             seen.add(key)
             out.append(c)

@@ -376,15 +376,16 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         d.update(extra)
         return sse(d)
 
-    started = [False]
+    started = False
 
     def on_delta(d):
+        nonlocal started
         text = turn.feed(d.text)
         lp = {"content": [_chat_logprob(ctx, d)]} if body.logprobs else None
         out = [chunk({"content": text} if text else {}, logprobs=lp)] if text or lp is not None else []
-        if body.return_progress and not started[0]:  # the prompt is done when its first token comes
+        if body.return_progress and not started:  # the prompt is done when its first token comes
             out.insert(0, chunk(None, **prompt_progress(info, info.prompt_tokens, t_start)))
-        started[0] = True
+        started = True
         return out
 
     def on_end(result):
