@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence as Seq
 
@@ -113,9 +114,13 @@ class Engine(PoolAPIMixin):
         self.max_context = max_ctx
         if progress:
             progress("preparing weights")
+        saved_kv = None
+        if config.state_dir is not None and config.weights == "auto":
+            from .persist.kvfile import saved_weight_formats
+            saved_kv = saved_weight_formats(*(Path(config.state_dir).expanduser() / d for d in ("kv", "session_kv")))
         self.model = build_forward(self.loaded, weights=config.weights, dtype=self.dtype, device=self.device,
                                    max_positions=max_ctx, cache_dir=config.cache_dir, progress=progress,
-                                   adapt_threads=config.num_threads is None)
+                                   adapt_threads=config.num_threads is None, saved_kv=saved_kv)
         self.loaded.state_dict = None  # the forward holds its own (fused) copies
         d = self.model.dims
         bpt = PagePool.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, self.dtype)

@@ -419,6 +419,40 @@ def test_auto_where_every_measurement_is_disturbed_keeps_the_last_one(monkeypatc
     assert len(calls) == choose.MAX_ATTEMPTS + 1
 
 
+def test_auto_over_saved_kv_keeps_its_format_until_a_quiet_measurement_says_otherwise(monkeypatch, tmp_path):
+    """A restart over a state directory whose KV files int8 computed: a disturbed last measurement
+    (int4) is not redone (its answer could switch formats under the files); a kept quiet one wins."""
+    calls, kw = _counting_auto(monkeypatch, tmp_path)
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0,
+                                                                   "top1_agreement": 1.0})
+    monkeypatch.setattr(choose, "busy_now", lambda cpus, window_s=0.5: None)
+    monkeypatch.setattr(choose, "others_load", lambda *a: 1.9)
+    first = weights.build_forward(tiny_model("llama"), **kw)
+    assert first.weights == "int4" and first.weights_choice["disturbed"] and len(calls) == 1
+    again = weights.build_forward(tiny_model("llama"), **kw, saved_kv={"int8": 3, "bf16": 1})
+    assert again.weights == "int8" and len(calls) == 1
+    assert "3 KV file(s) saved in the state directory" in again.weights_choice["reason"]
+    monkeypatch.setattr(choose, "others_load", lambda *a: 0.0)
+    quiet = weights.build_forward(tiny_model("llama"), **kw)  # no saved KV: measured, quiet, kept
+    assert quiet.weights == "int4" and len(calls) == 2 and "disturbed" not in quiet.weights_choice
+    kept = weights.build_forward(tiny_model("llama"), **kw, saved_kv={"int8": 3})
+    assert kept.weights == "int4" and kept.weights_choice["cached"] and len(calls) == 2
+    unknown = weights.build_forward(tiny_model("llama"), **kw, saved_kv={"fp8": 2})  # not a format here
+    assert unknown.weights == "int4"
+
+
+def test_saved_weight_formats_counts_complete_kv_files(tmp_path):
+    from opencoti.engine.persist import kvfile
+
+    k = torch.zeros(2, 3, 1, 4)
+    (tmp_path / "kv").mkdir()
+    for name, fmt in (("1.kv", "int4"), ("2.kv", "int4"), ("3.kv", "bf16")):
+        kvfile.write_kv(tmp_path / "kv" / name, k, k, 0, [1, 2, 3], extra={"kv": {"weights": fmt}})
+    (tmp_path / "kv" / "4.kv.tmp").write_bytes(b"half")  # half-written: not counted
+    (tmp_path / "kv" / "5.kv").write_bytes(b"not a kv file")
+    assert kvfile.saved_weight_formats(tmp_path / "kv", tmp_path / "missing") == {"int4": 2, "bf16": 1}
+
+
 def test_gate_metrics_pass_and_fail():
     ids = torch.tensor([1, 2, 3, 4, 5])
     ref = torch.nn.functional.one_hot(torch.tensor([2, 3, 4, 5, 0]), 8).float() * 5

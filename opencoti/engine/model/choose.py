@@ -23,7 +23,9 @@ the cores while it ran (from ``/proc/stat`` less this process's own CPU time), o
 step spreading by more than :data:`MAX_SPREAD` -- is used for this start and measured
 again at the next quiet one instead of being kept: a start that finds other processes busy
 (:func:`busy_now`) uses the earlier choice at once (a restart after a crash does not spend a minute
-measuring, nor switch formats under the KV files of pinned pools). After :data:`MAX_ATTEMPTS`
+measuring), and a start over a state directory with saved KV files keeps the format that computed
+them unless a kept quiet measurement chose another (it does not switch formats under the KV files
+of pinned pools and named sessions). After :data:`MAX_ATTEMPTS`
 disturbed measurements in a row the last one is kept for :data:`RETRY_AFTER` starts, then measured
 again.
 """

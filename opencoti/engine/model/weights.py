@@ -128,11 +128,14 @@ def _cache_file(cache_dir) -> Path | None:
 
 
 def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, max_positions: int,
-                  cache_dir=None, progress=None, adapt_threads: bool = True) -> LlamaForward:
+                  cache_dir=None, progress=None, adapt_threads: bool = True,
+                  saved_kv: dict[str, int] | None = None) -> LlamaForward:
     """The forward pass of ``loaded`` (a ``LoadedModel``) with projection weights in ``weights``.
 
     ``adapt_threads``: on CPU, a ``ThreadAdapter`` picks the torch thread count around each step
-    (pass False when the thread count was set explicitly). The result's ``weights_info`` says
+    (pass False when the thread count was set explicitly). ``saved_kv``: how many KV files of a state
+    directory each weight format computed (``auto`` keeps that format rather than measuring again
+    after a disturbed measurement, so the files stay loadable). The result's ``weights_info`` says
     what was chosen and why."""
     check_format(weights)
     say = progress or (lambda _msg: None)
@@ -160,7 +163,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
         model = make(weights)
         choice["reason"] = "requested"
     else:
-        model = _auto(loaded, make, tuner, device, say, choice)
+        model = _auto(loaded, make, tuner, device, say, choice, saved_kv or {})
     tuner.save()
     model.weights_choice = choice
     info = model.weights_info
@@ -233,7 +236,7 @@ def _gate(fmt: str, entry: str, tuner: Autotuner, make, reference) -> tuple[dict
     return m, (model if m["passed"] else None)
 
 
-def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaForward:
+def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: dict[str, int]) -> LlamaForward:
     """See ``choose.py``: every format that passes the accuracy gate runs real steps; the cheapest
     reference agent turn wins; the choice is kept per machine unless it was measured under load."""
     from .. import native
@@ -272,6 +275,17 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict) -> LlamaFor
                       reason=f"auto: {fmt} ran the reference agent turn fastest of the formats passing the "
                              f"accuracy gate (measured on this machine earlier, cached)")
         return make(fmt)
+    saved = max(saved_kv, key=lambda f: saved_kv[f]) if saved_kv else None
+    if saved in sigs and (kept is None or saved == kept.get("format") or not kept.get("kept")):
+        # a restart over saved KV (pinned pools, named sessions) that no quiet measurement contradicts:
+        # switching formats would make every file unloadable (recomputed on first use)
+        say(f"auto weights: using {saved}, the format of the {saved_kv[saved]} saved KV file(s) in the state directory")
+        choice.update(measured=(kept or {}).get("measured", {}), gate=(kept or {}).get("gate", {}), cached=True,
+                      saved_kv_files=saved_kv[saved],
+                      reason=f"auto: {saved}, the weight format that computed the {saved_kv[saved]} KV file(s) saved "
+                             "in the state directory (a measured choice would make them unloadable; "
+                             "pass --weights to choose otherwise)")
+        return make(saved)
     if kept is not None and kept.get("format") in sigs and (busy := choose.busy_now(usable_cpus())) is not None:
         # measured under load before and the machine is busy now too: a restart (after a crash, say)
         # uses the earlier choice at once, which also keeps KV files saved under it valid

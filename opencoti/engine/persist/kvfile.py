@@ -126,6 +126,18 @@ def read_header(path: str | os.PathLike) -> dict | None:
         return None
 
 
+def saved_weight_formats(*dirs: str | os.PathLike) -> dict[str, int]:
+    """How many complete KV files in ``dirs`` each weight format computed (from their headers): a
+    restart that keeps using that format keeps the files loadable."""
+    counts: dict[str, int] = {}
+    for d in dirs:
+        for f in Path(d).glob("*.kv") if Path(d).is_dir() else ():
+            fmt = ((read_header(f) or {}).get("kv") or {}).get("weights")
+            if isinstance(fmt, str):
+                counts[fmt] = counts.get(fmt, 0) + 1
+    return counts
+
+
 def header_matches(head: dict | None, start: int, tokens: Sequence[int], identity: dict | None) -> bool:
     """Whether a header names KV of ``tokens`` from ``start`` computed by ``identity`` (a header
     without the identity asked for does not match: its KV may come from other weights)."""
