@@ -464,10 +464,3 @@ async def _aquietly(fn: Callable, *args) -> None:
         await fn(*args)
     except Exception:  # noqa: BLE001
         pass
-
-
-def __getattr__(name: str) -> Any:
-    if name == "model_from_env":  # moved to .lazy (kept importable from here)
-        from .lazy import model_from_env
-        return model_from_env
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
