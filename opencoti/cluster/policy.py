@@ -181,15 +181,6 @@ class RoutingPolicy:
             while len(self.sessions) > self.options.max_sessions:
                 self.sessions.popitem(last=False)
 
-    def forget_session(self, session_id: str) -> None:
-        with self._lock:
-            self.sessions.pop(session_id, None)
-
-    def session_tag(self, session_id: str) -> int | None:
-        with self._lock:
-            t = self.sessions.get(session_id)
-            return t if t in self.live else None
-
     # ------------------------------------------------------------------ the decision
     def _by_load(self, tags) -> list[int]:
         # ties: the replica with the least cached prefix text, then the one chosen least often

@@ -39,13 +39,6 @@ class Registry:
         self.version += 1
         return self.version
 
-    def remove_copy(self, pool_id: int, tag: int) -> int:
-        self.copies.get(pool_id, {}).pop(tag, None)
-        if not self.copies.get(pool_id):
-            self.copies.pop(pool_id, None)
-        self.version += 1
-        return self.version
-
     def drop_pool(self, pool_id: int) -> int:
         self.copies.pop(pool_id, None)
         self.version += 1

@@ -256,9 +256,6 @@ class Engine(PoolAPIMixin):
     def _call(self, fn: Callable, *args, **kwargs) -> Any:
         return self._submit(fn, *args, **kwargs).result()
 
-    async def _acall(self, fn: Callable, *args, **kwargs) -> Any:
-        return await asyncio.wrap_future(self._submit(fn, *args, **kwargs))
-
     def shutdown(self) -> None:
         """Stop the step loop; pending requests fail with EngineClosedError."""
         if self._closed:

@@ -61,7 +61,3 @@ def leave() -> None:
         if _paused and (_active == 0 or time.monotonic() - _since > MAX_PAUSE_S):
             gc.enable()
             _paused = False
-
-
-def is_paused() -> bool:
-    return _paused

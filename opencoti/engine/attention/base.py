@@ -1,4 +1,4 @@
-"""Attention metadata in FlashInfer's paged format, and the backend protocol.
+"""Attention metadata in FlashInfer's paged format.
 
 One step computes ``T`` new tokens for ``B`` sequences. Sequence ``i`` contributes
 ``qo_lens[i]`` new query tokens (rows ``qo_indptr[i]:qo_indptr[i+1]`` of the flat batch) and
@@ -10,7 +10,7 @@ attends to ``kv_lens[i]`` tokens (its cached prefix plus the new ones) stored in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -86,20 +86,3 @@ def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: tor
         kv_lens=kv_lens,
         page_tables=tables,
     )
-
-
-class AttentionBackend(Protocol):
-    """What the model needs from an attention implementation."""
-
-    name: str
-
-    def plan(self, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        """Prepare per-step state (called once per step, before the layers run)."""
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """Write the new ``k``/``v`` ([T, Hkv, D]) into the layer's cache, then attend.
-
-        ``q`` is [T, H, D]; ``k_cache``/``v_cache`` are this layer's [P, S, Hkv, D]. Returns [T, H, D].
-        """

@@ -25,7 +25,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -280,9 +280,6 @@ class StateStore:
         """The id high-water mark: the database's, or the mark file's when that is higher."""
         db = int(self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
         return max(db, self._mark)
-
-    def pool_ids(self) -> Iterator[int]:
-        return (r[0] for r in self.db.execute("SELECT pool_id FROM pools"))
 
     # ---------------------------------------------------------------- writes (call inside a transaction)
     def reserve_pool_ids(self, next_id: int) -> None:
