@@ -27,6 +27,7 @@ from ..ops.schemas import ChatCompletionRequest
 from ..ops.validation import validate_json
 from .errors import APIConnectionError, APITimeoutError, error_from_response
 from .events import ChatEventParser, chat_end_chunks, generation_info, info_from_headers, sse_data
+from .loop_clients import LoopClients
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -134,30 +135,23 @@ class HttpTransport(_HttpBase):
 
 class AsyncHttpTransport(_HttpBase):
     """An httpx.AsyncClient's connections belong to the event loop that opened them, so the
-    transport keeps one client per running loop (a caller's ``http_client`` is used as given):
-    a client used under one ``asyncio.run`` keeps working under the next."""
+    transport keeps one client per running loop, closed with that loop or when the transport is
+    dropped (``LoopClients``); a caller's ``http_client`` is used as given: a client used under
+    one ``asyncio.run`` keeps working under the next."""
 
     def __init__(self, base_url: str | None, api_key: str | None, timeout: float | None,
                  http_client: httpx.AsyncClient | None):
         super().__init__(base_url, api_key, timeout, http_client)
-        self._given, self._timeout = http_client, timeout
-        self._by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._given = http_client
+        self._clients = LoopClients(lambda: httpx.AsyncClient(timeout=timeout))
 
     @property
     def http(self) -> httpx.AsyncClient:
-        if self._given is not None:
-            return self._given
-        loop = asyncio.get_running_loop()
-        client = self._by_loop.get(loop)
-        if client is None or client.is_closed:
-            client = self._by_loop[loop] = httpx.AsyncClient(timeout=self._timeout)
-        return client
+        return self._given if self._given is not None else self._clients.current()
 
     async def aclose(self) -> None:
         if self.owns_http:
-            client = self._by_loop.pop(asyncio.get_running_loop(), None)
-            if client is not None:
-                await client.aclose()
+            await self._clients.aclose()
 
     async def call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None) -> Any:
         method, url, json_body, params = _request(name, path, query, body)

@@ -4,7 +4,9 @@ transports and on the OpenAI wire; connection errors name the URL and say what t
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import os
 import socket
 import threading
 import time
@@ -118,14 +120,88 @@ def test_base_url_with_v1_reaches_the_routes(server):
     assert model.invoke("Hi").response_metadata["finish_reason"] in ("stop", "length")
 
 
-def test_a_dropped_model_leaves_no_open_socket(server):
-    def use() -> None:
-        model = OpencotiChatModel(base_url=server, temperature=0, max_tokens=2)
-        model.invoke("Hi")
-
+def _assert_no_resource_warning(use) -> None:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", ResourceWarning)
         use()
         gc.collect()
     leaked = [w for w in seen if issubclass(w.category, ResourceWarning)]
     assert not leaked, [str(w.message) for w in leaked]
+
+
+def test_a_dropped_model_leaves_no_open_socket(server):
+    def use() -> None:
+        model = OpencotiChatModel(base_url=server, temperature=0, max_tokens=2)
+        model.invoke("Hi")
+
+    _assert_no_resource_warning(use)
+
+
+def _open_sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def test_async_calls_in_successive_loops_leave_no_open_socket(server):
+    """ainvoke under asyncio.run, several times, then the model is dropped: every connection the
+    async clients (one per event loop) opened is closed, with no ResourceWarning."""
+    def use() -> None:
+        model = OpencotiChatModel(base_url=server, temperature=0, max_tokens=2)
+        for _ in range(3):
+            asyncio.run(model.ainvoke("Hi"))
+
+    gc.collect()
+    before = _open_sockets()
+    _assert_no_resource_warning(use)
+    deadline = time.monotonic() + 10  # the server (in this process) closes its end once ours is closed
+    while _open_sockets() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _open_sockets() <= before
+
+
+def test_loop_clients_close_with_the_loop_or_when_dropped():
+    from opencoti.client.loop_clients import LoopClients
+
+    closed: list[int] = []
+
+    class Recording(httpx.AsyncClient):
+        async def aclose(self) -> None:
+            closed.append(id(self))
+            await super().aclose()
+
+    clients = LoopClients(Recording)
+
+    async def use() -> httpx.AsyncClient:
+        a = clients.current()
+        assert clients.current() is a  # one client per loop
+        return a
+
+    first = asyncio.run(use())
+    second = asyncio.run(use())
+    assert first is not second and first.is_closed and second.is_closed  # closed as asyncio.run shut down
+    assert len(clients) == 0  # no finished loop kept
+
+    async def dropped_while_running() -> None:
+        owner = LoopClients(Recording)
+        c = owner.current()
+        del owner
+        gc.collect()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert c.is_closed  # the loop ran the close while still running
+
+    asyncio.run(dropped_while_running())
+
+    async def explicit() -> None:
+        c = clients.current()
+        await clients.aclose()
+        assert c.is_closed and len(clients) == 0
+        assert clients.current() is not c  # a fresh one after an explicit close
+
+    asyncio.run(explicit())
+    assert len(closed) == 5
