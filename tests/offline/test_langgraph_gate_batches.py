@@ -99,6 +99,42 @@ def test_six_workers_above_the_floor_start_together(engine):
     client.release_pool(pool.pool_id)
 
 
+def floor_with_headroom(client, pool_id: int, most: int, **admission) -> float:
+    """A tps floor at which the measured report has room for 1..``most`` more sessions (bisection
+    over the floor: the headroom falls as the floor rises)."""
+    lo, hi = 0.1, 10_000.0
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        client.set_admission(pool_id, target_tps_per_session=mid, **admission)
+        k = client.capacity(pool_id).tps_headroom_sessions
+        if k is not None and 1 <= k <= most:
+            return mid
+        lo, hi = (mid, hi) if k is None or k > most else (lo, mid)
+    raise AssertionError(f"no floor leaves 1..{most} sessions of headroom")
+
+
+def test_six_workers_a_floor_would_break_are_paced(engine):
+    """The same fan-out on a floor that six sessions would break (the measured headroom has room for
+    at most three): the gates still pace the spawns (a batch never holds more than half the measured
+    headroom, so no batch of six) and every worker runs."""
+    warm_forecast(engine, 6)
+    model = OpencotiChatModel(engine=engine, temperature=0, max_tokens=6)
+    client = model.polykv_client
+    pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
+    settle = {"settle_tokens": 3, "settle_max_ms": 400}
+    floor = floor_with_headroom(client, pool.pool_id, 3, **settle)
+    assert client.capacity(pool.pool_id).tps_headroom_sessions <= 3
+    pacer = SpawnPacer()
+    out = fan_out(model, pacer).invoke({"tasks": [f"task {i}" for i in range(6)], "pool_id": pool.pool_id})
+    assert sorted(out["results"]) == [f"task {i}" for i in range(6)]
+    spawns = [e for e in pacer.log if e["decision"] == "spawn"]
+    assert len(spawns) == 6, pacer.log
+    opened = [e for e in spawns if not e["batch"]]  # spawns decided on their own report (each may open a batch)
+    assert len(opened) >= 3, (floor, pacer.log)  # batches of at most 1 + 1 (half of <= 3, and of <= 5 if faster)
+    assert any(e["decision"] == "wait" for e in pacer.log), pacer.log  # someone waited for the pool
+    client.release_pool(pool.pool_id)
+
+
 def test_no_batch_without_a_measurement_and_max_batch_one(engine):
     cold = Capacity(pool_id=1, can_admit=True, reason="guaranteed minimum", target_tps_per_session=5.0,
                     headroom_sessions=50)
