@@ -15,16 +15,18 @@ run: setup
 # loads ~40 % of their time on one worker); then the cluster tests alone (they check where the router
 # places requests by its requests in flight, which another test file on the same cores disturbs);
 # set-up installs the cluster extra, and OPENCOTI_REQUIRE_CLUSTER=1 makes a missing extra an error,
-# not a skip; all three always run
+# not a skip; all three always run, after the linter (ruff check, under a second; pyproject.toml configures it)
 test:
 	@./scripts/setup.sh --test
 	@rc=0; \
+	$(PY) -m ruff check . || rc=1; \
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline || rc=1; \
 	$(PY) -m pytest -q -n 2 --dist loadfile tests/live tests/browser || rc=1; \
 	OPENCOTI_REQUIRE_CLUSTER=1 $(PY) -m pytest -q tests/cluster || rc=1; \
 	exit $$rc
 
 test-offline: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline
 
 bench: setup

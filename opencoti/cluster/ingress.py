@@ -24,8 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
-from . import aggregate
-from .hints import FANOUT_PATHS, Hint, hint_for
+from .hints import Hint, hint_for
 from .ids import tag_of
 from .policy import POLICY
 from .registry import get_registry

@@ -60,7 +60,8 @@ class LongAgentMixin:
         msgs = state.get("messages") or []
         kept = len(update["messages"]) - 1  # minus RemoveMessage
         _, old, recent = compactor.split(msgs)
-        self.rec.compaction({"t_start": t_start, "agent": state["agent"], "session_id": state["session_id"], "old_pool_id": old_pool,
+        self.rec.compaction({"t_start": t_start, "agent": state["agent"], "session_id": state["session_id"],
+                             "old_pool_id": old_pool,
                              "new_pool_id": new_pool, "ancestor_pool_id": state.get("root_pool_id"),
                              "pressure": pressure, "threshold": self.compact_threshold, "ctx_before": ctx_before,
                              "ctx_after": info.get("prefix_len"), "n_summarized": len(old), "n_kept": len(recent),

@@ -21,13 +21,16 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .constraints_close import CLOSE_HORIZON, CloseWatch
 from .constraints_sat import check_satisfiable
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
 
 __all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]

@@ -47,8 +47,9 @@ class SpawnPacer:
 
     Batches: a spawn decided on a measured report whose tps headroom (``tps_headroom_sessions``:
     sessions the forecast's upper bound keeps above the floor) is k >= 4 opens a batch of
-    ``min(k // 2, KV headroom, max_batch)`` (half: a margin for the forecast's error): for ``batch_window_s`` the next gates spawn without
-    waiting for the pool to settle (each still takes the turn, checks the context and KV arms, and
+    ``min(k // 2, KV headroom, max_batch)`` (half: a margin for the forecast's error): for
+    ``batch_window_s`` the next gates spawn without waiting for the pool to settle (each still takes
+    the turn, checks the context and KV arms, and
     waits until the server has seen its session). Cost: the sessions of a batch are admitted on one
     measurement; if the forecast was wrong they are all below the floor until sessions end.
     ``max_batch=1`` spawns one at a time (a settle window per spawn). A report with nothing measured

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine import SamplingParams
-from ..engine.chat import ChatPrompt, normalize_tools, prepare_chat
+from ..engine.chat import ChatPrompt, normalize_tools
 from ..engine.constraints import ConstraintSpec
 from ..engine.sampling_choices import MAX_CHOICES
 from ..engine.constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs

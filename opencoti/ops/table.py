@@ -284,7 +284,8 @@ _ROWS = [
               lambda ctx, query: ctx.engine.tps_history(query.session_id, query.since), query=TpsHistoryQuery,
               tags=_P, summary="the sampled tps time series"),
     Operation("integrity", "GET", "/polykv/integrity", _integrity, tags=_P,
-              summary="run the KV integrity check (refcounts, ownership, the checksums of the KV files on disk)", errors=(500, 503)),
+              summary="run the KV integrity check (refcounts, ownership, the checksums of the KV files on disk)",
+              errors=(500, 503)),
 ]
 OPERATIONS: dict[str, Operation] = {op.name: op for op in _ROWS}
 

@@ -222,8 +222,8 @@ def run_ramp(profile: StepProfile, policy: str, seed: int, cfg: RampConfig | Non
     under, deep = decode_shares(tokens.values(), floor, cfg.rate_tokens)
     wall = state["t_last"] - (state["t_first"] or 0.0)
     n_tok = sum(len(ts) for ts in tokens.values())
-    return RampResult(policy, seed, floor, under, deep, state["max"], max(0, state["max"] - cfg.fit), wall, n_tok / wall if wall > 0 else 0.0,
-                      timeline if keep_timeline else [], spawns)
+    return RampResult(policy, seed, floor, under, deep, state["max"], max(0, state["max"] - cfg.fit), wall,
+                      n_tok / wall if wall > 0 else 0.0, timeline if keep_timeline else [], spawns)
 
 
 class GateDriver:

@@ -174,7 +174,8 @@ def test_tree_kv_tps_and_actions(server, browser, engine, monkeypatch):
     page.on("dialog", lambda d: d.accept(next(answers)))
     page.click(f"#tree [data-pool='{child['pool_id']}'] >> [data-action='policy'] >> nth=0")
     _wait(page, api,
-          f"() => [...document.querySelectorAll(\"#cap tr[data-pool='{child['pool_id']}'] td\")].some(t => t.textContent === '12.5')")
+          f"() => [...document.querySelectorAll(\"#cap tr[data-pool='{child['pool_id']}'] td\")]"
+          ".some(t => t.textContent === '12.5')")
     assert api.get(f"/polykv/pools/{child['pool_id']}/admission").json()["target_tps_per_session"] == 12.5
 
     # release the session from the page: the request is cancelled, the session is gone

@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 from starlette.testclient import TestClient
 
 from opencoti.client import PolyKVClient

@@ -451,7 +451,8 @@ def _tiny_hf_tokenizer():
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>")
     hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]})
-    hf.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    hf.chat_template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant]{% endif %}")
     return hf  # ids: </s>=3, <|im_start|>=4, <|im_end|>=5, <|endoftext|>=6
 
 

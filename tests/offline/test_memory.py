@@ -21,8 +21,9 @@ from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.model import choose, llama, weights
 from opencoti.engine.model.loader import tiny_model
 
-linux = pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="measures resident memory through Linux's /proc/self/smaps_rollup, "
-                                                                     "which this platform does not have")
+linux = pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(),
+                           reason="measures resident memory through Linux's /proc/self/smaps_rollup, "
+                                  "which this platform does not have")
 
 
 def _rss_mib() -> float:

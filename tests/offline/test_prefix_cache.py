@@ -95,6 +95,7 @@ def test_multi_turn_without_ids_computes_only_new_tokens(make_engine):
     eng = make_engine(page_size=16)
     ref = make_engine(page_size=16, prefix_cache=False)
     convo = toks(4, 50)
+    user: list[int] = []
     for turn in range(6):
         r = eng.generate(convo, params=greedy(7))
         assert r.token_ids == ref.generate(convo, params=greedy(7)).token_ids

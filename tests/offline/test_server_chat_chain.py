@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 from starlette.testclient import TestClient
 

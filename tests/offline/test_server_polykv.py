@@ -265,8 +265,9 @@ def test_queue_and_settling_holds_are_bounded(loaded):
         err(r, 429, "timed out")
         assert r.headers["retry-after"]
         # settling: a new admit opens a settle window; the next new session is held, not refused
-        ok(c.post(f"/polykv/pools/{pid}/admission", json={"target_tps_per_session": 1e-3, "forecast": "conservative", "settle_tokens": 1_000_000,
-                                                          "settle_max_ms": 100, "on_saturation": "reject"}))
+        ok(c.post(f"/polykv/pools/{pid}/admission", json={"target_tps_per_session": 1e-3, "forecast": "conservative",
+                                                          "settle_tokens": 1_000_000, "settle_max_ms": 100,
+                                                          "on_saturation": "reject"}))
         s1 = engine.stream(prefix + toks(4, 3), params=SamplingParams.greedy(450, ignore_eos=True), pool_id=pid,
                            session_id="s1")  # admitted: the pool settles while it decodes
         try:

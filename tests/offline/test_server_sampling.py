@@ -11,7 +11,6 @@ import re
 import pytest
 from starlette.testclient import TestClient
 
-from opencoti.engine.tool_calls import parse_tool_calls
 from opencoti.server import ServerConfig, create_app
 from long_context_server import client, engine  # noqa: F401 - fixtures
 

@@ -235,7 +235,8 @@ def test_stream_tagged_call_after_content():
 
 
 def test_stream_bare_json_is_held_and_parsed():
-    text, calls = feed_all(ToolStreamFilter(ToolChoice("auto"), NAMES), ['{"name": "get_weather", ', '"arguments": {"city": "D"}}'])
+    text, calls = feed_all(ToolStreamFilter(ToolChoice("auto"), NAMES),
+                           ['{"name": "get_weather", ', '"arguments": {"city": "D"}}'])
     assert text == "" and calls[0].name == "get_weather"
     # JSON that is not a call comes out as content at the end
     text, calls = feed_all(ToolStreamFilter(ToolChoice("auto"), NAMES), ['{"a": ', "1}"])

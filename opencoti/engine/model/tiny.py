@@ -117,7 +117,8 @@ def _build_tiny(arch: str, seed: int, overrides: dict):
     model_dir = Path(tempfile.mkdtemp(prefix=f"opencoti-tiny-{arch}-{seed}-"))
     atexit.register(shutil.rmtree, model_dir, True)
     model.save_pretrained(str(model_dir))
-    marker = {"converter_version": CONVERTER_VERSION, "name": f"tiny-{arch}-{seed}", "architecture": arch, "tokenizer": "byte_level"}
+    marker = {"converter_version": CONVERTER_VERSION, "name": f"tiny-{arch}-{seed}", "architecture": arch,
+              "tokenizer": "byte_level"}
     (model_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = normalize_names(state, config)

@@ -6,9 +6,9 @@ model, weight format, KV dtype, so KV saved under ``--weights int4`` never loads
 engine) followed by K then V as
 ``[num_layers, n_tokens, num_kv_heads, head_dim]`` raw little-endian arrays. Written to a
 temporary file, fsync'ed, then renamed: a reader sees a complete file or none. The header carries
-a checksum (CRC-32, about 1 GB/s: a 90 MiB file adds ~0.1 s to its load) of everything after it; loading reads the file, checks the checksum, and only
-then copies token rows into the pages: a file whose bytes changed on disk (or that has no
-checksum) is never loaded, the KV is recomputed instead.
+a checksum (CRC-32, about 1 GB/s: a 90 MiB file adds ~0.1 s to its load) of everything after it;
+loading reads the file, checks the checksum, and only then copies token rows into the pages: a file
+whose bytes changed on disk (or that has no checksum) is never loaded, the KV is recomputed instead.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def save_session(engine, session_id: str, filename: str) -> dict:
         return toks, k, v
 
     toks, k, v = _mapped(engine, eng._call, snap)
-    nbytes = kvfile.write_kv(path, k, v, 0, toks, extra={"identity": identity_of(eng), "kv": kv_identity_of(eng)}, store_tokens=True)
+    nbytes = kvfile.write_kv(path, k, v, 0, toks, extra={"identity": identity_of(eng), "kv": kv_identity_of(eng)},
+                             store_tokens=True)
     return {"filename": filename, "n_saved": len(toks), "n_written": nbytes,
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
