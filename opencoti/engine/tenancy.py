@@ -37,7 +37,7 @@ _PASSTHROUGH = frozenset({
 def set_owner(pool, tenant: str | None) -> None:
     """Record a new pool's tenant: the one given, else its parent's (a fork stays with its tree)."""
     if pool is not None:
-        pool.tenant = tenant if tenant is not None else getattr(pool.parent, "tenant", None)
+        pool.tenant = tenant if tenant is not None else pool.parent.tenant if pool.parent is not None else None
 
 
 def check_tenant_name(name) -> str:
@@ -125,14 +125,14 @@ class TenantEngine:
     def _owned(self) -> set[int]:
         t = self.tenant
         return self._eng._call(lambda: {pid for pid, p in self._eng.core.tree.pools.items()
-                                        if getattr(p, "tenant", None) == t})
+                                        if p.tenant == t})
 
     def _check_pool(self, pool_id) -> None:
         t = self.tenant
 
         def check():
             pool = self._eng.core.tree.get(pool_id)  # PoolNotFoundError for unknown ids
-            if getattr(pool, "tenant", None) != t:
+            if pool.tenant != t:
                 raise PoolNotFoundError(f"pool {pool_id!r} not found")
 
         self._eng._call(check)

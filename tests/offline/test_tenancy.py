@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams, SessionNotFoundError
+from opencoti.engine.kv.pools import Pool, PoolTree
 from opencoti.engine.tenancy import TenantEngine
 
 SYS = list(range(20, 52))
@@ -76,6 +78,18 @@ def test_sessions_are_per_tenant(views):
     assert eng._call(lambda: "alice:agent-1" in eng.core.sessions)
     with pytest.raises(InvalidRequestError, match="at most"):
         alice.generate([1, 2], session_id="x" * 128, params=SamplingParams.greedy(1))
+
+
+def test_a_pool_declares_its_owner(views):
+    """``tenant`` is a field of Pool: None on a pool no tenant made, the creator's, else the parent's."""
+    eng, alice, _ = views
+    assert "tenant" in {f.name for f in dataclasses.fields(Pool)}
+    assert PoolTree(max_pools=2).add(None, 0, [1, 2]).tenant is None
+    own = eng.create_pool(tokens=SYS)
+    pa = alice.create_pool(tokens=SYS)
+    fork = eng.fork_pool(pa.pool_id, tokens=SYS + [1])  # forked by the engine itself: stays with its tree
+    owners = eng._call(lambda: {pid: p.tenant for pid, p in eng.core.tree.pools.items()})
+    assert owners == {own.pool_id: None, pa.pool_id: "alice", fork.pool_id: "alice"}
 
 
 def test_snapshot_fork_and_compaction_stay_with_the_owner(views):

@@ -63,6 +63,7 @@ class Pool:
     rematerializations: int = 0
     cache_hits: int = 0
     label: str = ""
+    tenant: str | None = None  # the tenant that owns the pool (tenancy.py); None: no tenant's
 
     @property
     def prefix_len(self) -> int:

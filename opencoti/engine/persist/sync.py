@@ -31,8 +31,9 @@ log = logging.getLogger("opencoti.engine.persist")
 AUTO_SESSION_ID = re.compile(r"(?:.*:)?s-[0-9a-f]{12}")  # ids the engine made up (optionally tenant-prefixed)
 
 
-def owner_of(obj) -> str | None:
-    return getattr(obj, "tenant", None)
+def owner_of(session) -> str | None:
+    """A session's tenant (set on sessions brought back from the store; Session does not declare it)."""
+    return getattr(session, "tenant", None)
 
 
 class Persister:
@@ -77,8 +78,7 @@ class Persister:
                 continue
             pool = Pool(pool_id=rec.pool_id, parent=parent, branch_pos=rec.branch_pos, seq=Sequence(rec.tokens),
                         hashes=prefix_hashes(rec.tokens), pinned=rec.pinned, residency=Residency.EVICTED,
-                        label=rec.label)
-            pool.tenant = rec.tenant
+                        label=rec.label, tenant=rec.tenant)
             tree.pools[pool.pool_id] = pool
             if parent is not None:
                 parent.children.append(pool)
@@ -245,7 +245,7 @@ class Persister:
             p = op[1]
             st.put_pool(PoolRecord(pool_id=p.pool_id, parent=p.parent.pool_id if p.parent else None,
                                    branch_pos=p.branch_pos, tokens=list(p.tokens), label=p.label, pinned=p.pinned,
-                                   tenant=owner_of(p), admission=self._policy(p.pool_id)))
+                                   tenant=p.tenant, admission=self._policy(p.pool_id)))
         elif kind == "update":
             p, key = op[1], op[2]
             st.update_pool(p.pool_id, pinned=key[0], label=key[1], admission=key[2])
