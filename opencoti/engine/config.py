@@ -43,6 +43,8 @@ class SamplingParams:
     post_sampling_probs: report logprobs under the distribution after the sampling filters
         (llama.cpp's post_sampling_probs) instead of the raw model distribution.
     constraint: a ConstraintSpec (JSON Schema, grammar, regex, tool calls) the output must match.
+    speculative_max: draft tokens verified per step at most (prompt-lookup speculative decoding,
+        llama.cpp's ``speculative.n_max``): 0 = none, None = the engine's setting.
     """
 
     temperature: float = 0.8
@@ -63,6 +65,7 @@ class SamplingParams:
     penalty_scope: str = "context"
     post_sampling_probs: bool = False
     constraint: Any = None
+    speculative_max: int | None = None
 
     def __post_init__(self) -> None:
         _check(_is_number(self.temperature) and 0 <= self.temperature <= 100,
@@ -87,6 +90,8 @@ class SamplingParams:
                "stop_token_ids must be a list of non-negative integers")
         self.stop_token_ids = tuple(self.stop_token_ids)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
+        _check(self.speculative_max is None or (_is_int(self.speculative_max) and 0 <= self.speculative_max <= 64),
+               f"speculative_max must be an integer in [0, 64], got {self.speculative_max!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_TOP_LOGPROBS),
                f"logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         self._check_logits_processing()
@@ -162,6 +167,8 @@ class EngineConfig:
         seconds; its pages fall into the prefix cache.
     debug_checks: check the KV invariants each time the step loop goes idle (also on with the
         environment variable OPENCOTI_DEBUG_CHECKS=1).
+    speculative: "ngram" (prompt-lookup drafts verified in one step, see engine/speculative.py) or
+        "off"; speculative_max: draft tokens per step at most.
     """
 
     model: str | None = None
@@ -187,6 +194,8 @@ class EngineConfig:
     session_kv_budget_mib: float = 1024.0
     prefix_cache: bool = True
     session_ttl_s: float = 300.0
+    speculative: str = "off"
+    speculative_max: int = 8
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -224,6 +233,9 @@ class EngineConfig:
         _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,
                f"pool_id_base must be an integer in [0, 2**53 - 2**32), got {self.pool_id_base!r}")
         _check(isinstance(self.prefix_cache, bool), "prefix_cache must be a boolean")
+        _check(self.speculative in ("ngram", "off"), f"speculative must be ngram|off, got {self.speculative!r}")
+        _check(_is_int(self.speculative_max) and 1 <= self.speculative_max <= 64,
+               f"speculative_max must be an integer in [1, 64], got {self.speculative_max!r}")
         _check(_is_number(self.session_ttl_s) and self.session_ttl_s >= 0,
                f"session_ttl_s must be a number >= 0, got {self.session_ttl_s!r}")
         _check(_is_number(self.pool_grace_ttl_s) and self.pool_grace_ttl_s >= 0,

@@ -27,6 +27,7 @@ from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_g
 from .sampling_state import SamplerState
 from .scheduler import Scheduler, StepStats
 from .session import Job, MaterializeJob, Sequence, Session, SessionState
+from .speculative import DraftState, draft_limit, rows_for_drafts
 
 Emit = Callable[[tuple], None]
 _MAX_SESSION_ID = 128
@@ -88,20 +89,80 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         stats = StepStats()
         batch = self.scheduler.schedule()
         if batch:
-            out = self.runner.execute(batch)
+            batch = self._with_drafts(batch)
+            try:
+                out = self.runner.execute(batch)
+            except BaseException:
+                self._drop_drafts(batch)
+                raise
+            decoding = [n for job, n in batch if n == 1 or (isinstance(job, Job) and job.draft)]
             self._apply(batch, out)
             stats.model_s = out.model_s
             stats.num_seqs = len(batch)
             stats.num_tokens = out.num_tokens
-            stats.num_decode = sum(1 for _, n in batch if n == 1)
-            stats.num_prefill_tokens = stats.num_tokens - stats.num_decode
+            stats.num_decode = len(decoding)
+            stats.num_draft = sum(decoding) - len(decoding)
+            stats.num_prefill_tokens = stats.num_tokens - sum(decoding)
             stats.ctx_tokens = sum(len(job.seq.tokens) for job, _ in batch)  # attended over (after the step)
         stats.total_s = time.perf_counter() - t0
         self.last_step = stats
         return stats
 
+    # ---- speculative decoding (speculative.py) --------------------------------------------
+    def _with_drafts(self, batch: list) -> list:
+        """Give decoding jobs that draft a prompt-lookup draft: ``(job, 1)`` becomes ``(job, 1 + k)``
+        with the draft appended to its tokens, when free pages and the step's draft rows allow."""
+        rows = min(rows_for_drafts(sum(1 for _, n in batch if n == 1)),
+                   self.config.max_batch_tokens - sum(n for _, n in batch))
+        if rows <= 0 or not any(isinstance(j, Job) and j.draft_state is not None for j, _ in batch):
+            return batch
+        out = []
+        for job, n in batch:
+            if rows > 0 and n == 1 and isinstance(job, Job) and job.draft_state is not None and job.num_remaining == 1:
+                st = job.draft_state
+                k = draft_limit(job, min(st.want(), rows))
+                draft = st.propose(job.seq.tokens, k) if k else []
+                if draft and self.tables.extend_free(job.seq, job.seq.num_cached + 1 + len(draft)):
+                    job.seq.tokens.extend(draft)
+                    job.draft = draft
+                    rows -= len(draft)
+                    n += len(draft)
+            out.append((job, n))
+        return out
+
+    def _drop_drafts(self, batch: list) -> None:
+        """A failed step: the drafts leave the jobs' tokens (and their pages go)."""
+        for job, _ in batch:
+            if isinstance(job, Job) and job.draft:
+                del job.seq.tokens[len(job.seq.tokens) - len(job.draft):]
+                job.draft = []
+                self.tables.trim(job.seq, job.seq.num_cached + 1)
+
+    def _apply_verified(self, job: Job, tokens: list, lps, tops) -> None:
+        """Emit what a draft's verification sampled; the KV of the accepted draft tokens stays,
+        the rejected rows' pages go."""
+        seq, draft = job.seq, job.draft
+        base = seq.num_cached  # the position of the token before the draft
+        del seq.tokens[base + 1:]
+        job.draft = []
+        accepted = len(tokens) - 1
+        self.tables.trim(seq, base + 1 + accepted)
+        self.tables.advance(seq, 1)
+        job.draft_state.update(len(draft), accepted)
+        job.timings.draft_n += len(draft)
+        job.timings.draft_n_accepted += accepted
+        job.state = SessionState.DECODE
+        for j, t in enumerate(tokens):
+            self._on_token(job, t, lps[j] if lps else None, tops[j] if tops else None)
+            if job.finish_reason is not None:
+                break
+            if j < accepted:
+                self.tables.advance(seq, 1)  # its KV was computed by the next row
+
     def _apply(self, batch: list, out) -> None:
         for job, n in batch:
+            if isinstance(job, Job) and job.draft:
+                continue  # applied with its verification below
             self.tables.advance(job.seq, n)
             if isinstance(job, MaterializeJob) and job.num_remaining == 0:
                 self.scheduler.remove(job)
@@ -111,6 +172,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             job.state = SessionState.DECODE
             self._on_token(job, out.token_ids[i], lp, top)
+        for job, tokens, lps, tops in out.verified:
+            self._apply_verified(job, tokens, lps, tops)
 
     # ======================================================================== validation
     def _check_tokens(self, tokens, what: str = "prompt") -> list[int]:
@@ -236,6 +299,10 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         job.detok = IncrementalDetokenizer(self.tokenizer.decode)
         job.stopper = StopStringMatcher(params.stop)
         job.sampler_state = req.sampler_state
+        k = params.speculative_max
+        if k is None:
+            k = self.config.speculative_max if self.config.speculative == "ngram" else 0
+        job.draft_state = DraftState(k) if k > 0 else None
         cache_n = max(pool_p, own_p)
         auto_p = self._plan_auto(job, session.pool_id is not None, req.cache_salt)
         job.timings.cache_n = max(cache_n, auto_p)

@@ -23,10 +23,12 @@ Batch = list  # [(job, number of tokens to compute this step)]
 
 
 class StepStats:
-    __slots__ = ("num_tokens", "num_seqs", "num_decode", "num_prefill_tokens", "ctx_tokens", "model_s", "total_s")
+    __slots__ = ("num_tokens", "num_seqs", "num_decode", "num_draft", "num_prefill_tokens", "ctx_tokens", "model_s",
+                 "total_s")
 
     def __init__(self):
-        self.num_tokens = self.num_seqs = self.num_decode = self.num_prefill_tokens = self.ctx_tokens = 0
+        self.num_tokens = self.num_seqs = self.num_decode = self.num_draft = self.num_prefill_tokens = 0
+        self.ctx_tokens = 0
         self.model_s = self.total_s = 0.0
 
 

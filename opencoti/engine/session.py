@@ -82,6 +82,8 @@ class Timings:
     predicted_n: int = 0
     predicted_ms: float = 0.0
     cache_n: int = 0  # prompt tokens reused from cache (pool or session)
+    draft_n: int = 0  # speculative draft tokens proposed (llama.cpp's names)
+    draft_n_accepted: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -97,6 +99,7 @@ class Timings:
             "predicted_per_second": (1e3 * (self.predicted_n - 1) / self.predicted_ms
                                      if self.predicted_ms > 0 and self.predicted_n > 1 else 0.0),
             "cache_n": self.cache_n,
+            **({"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted} if self.draft_n else {}),
         }
 
 
@@ -142,6 +145,8 @@ class Job(_Work):
     info: Any = None  # RequestInfo
     sampler_state: Any = None  # SamplerState: constraint matcher, penalty window, logit bias
     prompt_keys: list = field(default_factory=list)  # prefix-index keys of the prompt's full pages
+    draft_state: Any = None  # speculative.DraftState (None: no speculative decoding)
+    draft: list = field(default_factory=list)  # draft tokens appended to seq.tokens for this step
 
 
 @dataclass(kw_only=True)

@@ -120,6 +120,26 @@ class KVTables:
         seq.page_table.extend(self.kv.allocate(need))
         return True
 
+    def extend_free(self, seq: Sequence, num_tokens: int) -> bool:
+        """``extend`` from free pages only (no reclaim): for work that is worth doing only when it
+        evicts nothing (speculative draft rows)."""
+        need = self.kv.pages_for(num_tokens) - len(seq.page_table)
+        if need <= 0:
+            return True
+        if self.kv.num_free < need:
+            return False
+        seq.page_table.extend(self.kv.allocate(need))
+        return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s own pages past those covering ``num_tokens`` (rolled-back draft rows).
+        Borrowed pages and pages holding computed KV stay."""
+        keep = max(self.kv.pages_for(num_tokens), seq.num_borrowed_pages, self.kv.pages_for(seq.num_cached))
+        extra = seq.page_table[keep:]
+        if extra:
+            del seq.page_table[keep:]
+            self.kv.decref(extra)
+
     def can_copy_partial(self, n_tokens: int, keep=None) -> bool:
         """Check (before committing) that sharing ``n_tokens`` can copy its partial last page."""
         return not n_tokens % self.page_size or self._reserve(1, keep)

@@ -1,0 +1,179 @@
+"""Prompt-lookup speculative decoding: drafts, verification in one step, rollback, equality of outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opencoti.engine import EngineConfig, InvalidRequestError, SamplingParams
+from opencoti.engine.constraints import ConstraintSpec
+from opencoti.engine.speculative import MISSES_TO_PAUSE, PAUSE_STEPS, DraftState
+
+LOOP = [11, 12, 13, 14, 15, 16, 17, 18] * 6  # a context that repeats itself
+
+
+def test_draft_follows_the_latest_longest_match():
+    st = DraftState(4)
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert st.propose(toks, 4) == [7, 8, 1, 2]  # the latest occurrence of (1, 2, 3), not the first
+    assert st.propose(toks + [5], 4) == []  # (3, 5) never occurred before
+    assert st.propose([4, 4], 4) == [] and st.propose(toks, 0) == []
+    assert DraftState(4).propose([1, 2, 5, 1, 2], 2) == [5, 1]  # a bigram is enough
+
+
+def test_draft_length_adapts_and_pauses_after_misses():
+    st = DraftState(8)
+    st.update(8, 8)
+    assert st.k == 8
+    st.update(8, 2)
+    assert st.k == 3
+    st.update(3, 3)
+    assert st.k == 6
+    for _ in range(MISSES_TO_PAUSE):
+        st.update(st.want(), 0)
+    assert [st.want() for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS and st.want() == 1
+    assert (st.drafted, st.accepted) == (8 + 8 + 3 + 6 + 1 + 1, 8 + 2 + 3)
+
+
+def _gen(engine, prompt, spec, **kw):
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 40)
+    return engine.generate(prompt, params=SamplingParams(speculative_max=spec, **kw))
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Drafts from known futures: ``futures[tuple(prompt)] = tokens`` a plain run emitted; every
+    ``wrong_every``-th draft has a wrong token at ``wrong_at`` (partial accepts and rollbacks). A
+    random tiny model never repeats itself, so the prompt-lookup drafter would propose nothing."""
+    futures: dict = {}
+    calls = {"n": 0, "wrong_every": 2, "wrong_at": 2}
+
+    def propose(self, tokens, k):
+        for prompt, future in futures.items():
+            if tokens[:len(prompt)] == list(prompt):
+                done = len(tokens) - len(prompt)
+                draft = list(future[done:done + k])
+                calls["n"] += 1
+                if draft and calls["n"] % calls["wrong_every"] == 0:
+                    i = min(calls["wrong_at"], len(draft) - 1)
+                    draft[i] = (draft[i] + 1) % 300
+                return draft
+        return []
+
+    monkeypatch.setattr(DraftState, "propose", propose)
+    return futures
+
+
+KWS = [{}, {"temperature": 0.9, "seed": 7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0.7, "seed": 3},
+       {"logprobs": 3}, {"repeat_penalty": 1.3, "repeat_last_n": 16}]
+
+
+@pytest.mark.parametrize("kw", KWS, ids=["greedy", "seeded-full-vocab", "seeded-filters", "logprobs", "penalty"])
+def test_speculative_output_equals_plain_decoding(make_engine, oracle, kw):
+    """Greedy: the same tokens; seeded sampling: the same tokens too (one draw per emitted token)."""
+    engine = make_engine(prefix_cache=False)
+    plain = _gen(engine, LOOP, 0, **kw)
+    oracle[tuple(LOOP)] = plain.token_ids
+    spec = _gen(engine, LOOP, 8, **kw)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.stop_reason == plain.stop_reason
+    t = spec.timings
+    assert "draft_n" not in plain.timings and 0 < t["draft_n_accepted"] < t["draft_n"]
+    assert t["draft_n_accepted"] >= len(plain.token_ids) // 3  # most tokens came from accepted drafts
+    if kw.get("logprobs"):
+        assert [d.logprob for d in spec.logprobs] == pytest.approx([d.logprob for d in plain.logprobs], abs=1e-4)
+        assert [[t for t, _ in d.top_logprobs] for d in spec.logprobs] == \
+            [[t for t, _ in d.top_logprobs] for d in plain.logprobs]
+
+
+def test_a_wrong_draft_token_is_never_emitted(make_engine, oracle):
+    engine = make_engine(prefix_cache=False)
+    plain = _gen(engine, LOOP, 0, max_tokens=30)
+    oracle[tuple(LOOP)] = [(t + 1) % 300 for t in plain.token_ids]  # every draft wrong at its first token
+    spec = _gen(engine, LOOP, 8, max_tokens=30)
+    assert spec.token_ids == plain.token_ids and spec.timings["draft_n_accepted"] == 0
+
+
+def test_speculation_in_a_batch_with_plain_sessions(make_engine, oracle):
+    """Drafted and plain jobs in the same steps: each output equals its solo run."""
+    engine = make_engine(prefix_cache=False, speculative="ngram")
+    prompts = [LOOP, [3, 1, 4, 1, 5, 9, 2, 6], LOOP[5:] + [40, 41]]
+    solo = [_gen(engine, p, 0).token_ids for p in prompts]
+    oracle.update({tuple(p): out for p, out in zip(prompts, solo)})
+    streams = [engine.stream(p, params=SamplingParams(temperature=0.0, max_tokens=40,
+                                                       speculative_max=None if i != 1 else 0))
+               for i, p in enumerate(prompts)]
+    for s in streams:
+        for _ in s:
+            pass
+    assert [s.result.token_ids for s in streams] == solo
+    assert "draft_n" not in streams[1].result.timings and streams[0].result.timings["draft_n_accepted"] > 0
+
+
+def test_max_tokens_and_stop_strings_end_inside_a_draft(make_engine, oracle):
+    engine = make_engine(prefix_cache=False)
+    full = _gen(engine, LOOP, 0)
+    oracle[tuple(LOOP)] = full.token_ids
+    for n in (1, 2, 5, 13):
+        spec = _gen(engine, LOOP, 8, max_tokens=n)
+        assert spec.token_ids == full.token_ids[:n]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    plain, spec = _gen(engine, LOOP, 0, stop=[stop]), _gen(engine, LOOP, 8, stop=[stop])
+    assert plain.stop_reason == "stop"
+    assert (spec.text, spec.stop_reason, spec.stopping_word) == (plain.text, plain.stop_reason, plain.stopping_word)
+
+
+def test_constrained_output_is_unchanged(make_engine, oracle):
+    engine = make_engine(prefix_cache=False)
+    c = ConstraintSpec.regex(r"(ab|cd){3,12}")
+    plain = _gen(engine, LOOP, 0, constraint=c)
+    oracle[tuple(LOOP)] = plain.token_ids
+    spec = _gen(engine, LOOP, 8, constraint=c)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text and spec.timings["draft_n_accepted"] > 0
+
+
+def test_a_session_on_a_pool_never_writes_the_pools_pages(make_engine, oracle):
+    engine = make_engine(prefix_cache=False)
+    pool = engine.create_pool(tokens=LOOP[:32]).pool_id
+    pages = engine._call(lambda: list(engine.core.tree.pools[pool].seq.page_table))
+    before = engine.kv.k_cache[:, pages].clone(), engine.kv.v_cache[:, pages].clone()
+    plain = _gen(engine, LOOP, 0)
+    oracle[tuple(LOOP)] = plain.token_ids
+    r = engine.generate(LOOP, params=SamplingParams(temperature=0.0, max_tokens=40, speculative_max=8),
+                        session_id="a", pool_id=pool)
+    assert r.token_ids == plain.token_ids and r.timings["draft_n_accepted"] > 0
+    assert torch.equal(engine.kv.k_cache[:, pages], before[0]) and torch.equal(engine.kv.v_cache[:, pages], before[1])
+    follow = LOOP + r.token_ids + [20, 21]
+    ref = _gen(engine, follow, 0, max_tokens=20)
+    oracle.clear()
+    again = engine.generate(follow, params=SamplingParams(temperature=0.0, max_tokens=20, speculative_max=0),
+                            session_id="a")
+    assert again.token_ids == ref.token_ids  # the session's KV after rollbacks is right
+    assert again.info.cached_prefix_tokens >= len(LOOP) + len(r.token_ids) - 1
+
+
+def test_drafts_use_free_pages_only(make_engine, oracle):
+    """In a full cache drafts shrink or stop; they never evict an idle session's KV."""
+    engine = make_engine(prefix_cache=False, kv_budget_tokens=64, page_size=4)
+    engine.generate([7] * 10, params=SamplingParams(temperature=0.0, max_tokens=1), session_id="keep")
+    prompt = LOOP[:40]
+    plain = engine.generate(prompt, params=SamplingParams(temperature=0.0, max_tokens=12), session_id="p")
+    engine.release_session("p")
+    oracle[tuple(prompt)] = plain.token_ids
+    spec = engine.generate(prompt, params=SamplingParams(temperature=0.0, max_tokens=12, speculative_max=8),
+                           session_id="s")
+    assert spec.token_ids == plain.token_ids and spec.timings["draft_n"] > 0
+    assert engine._call(lambda: engine.core.sessions["keep"].seq.num_cached) == 10
+    assert engine._call(lambda: engine.core.counters["evicted_sessions"]) == 0
+
+
+def test_bad_speculative_settings_are_clear_errors():
+    with pytest.raises(InvalidRequestError, match="speculative_max must be an integer in \\[0, 64\\]"):
+        SamplingParams(speculative_max=-1)
+    with pytest.raises(InvalidRequestError, match="speculative_max must be an integer"):
+        SamplingParams(speculative_max="4")
+    with pytest.raises(InvalidRequestError, match="speculative must be ngram\\|off"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(InvalidRequestError, match="speculative_max must be an integer in \\[1, 64\\]"):
+        EngineConfig(speculative_max=0)
