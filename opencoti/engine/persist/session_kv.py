@@ -144,11 +144,10 @@ class SessionKv:
             return False
         core = self.core
         kv, tables = core.kv, core.tables
-        if s.seq.page_table or not kv.can_allocate(kv.pages_for(n)):
-            return False  # no free pages for it now: recomputed on its next turn, like a session without a file
         seq = s.seq
+        if seq.page_table or not tables.extend_free(seq, n):
+            return False  # no free pages for it now: recomputed on its next turn, like a session without a file
         seq.cacheable = False  # its next request moves these pages into a sequence that indexes them
-        seq.page_table.extend(kv.allocate(kv.pages_for(n)))
         if not kvfile.load_kv(path, kv, seq.page_table, 0, n, tokens[:n], identity=self.identity):
             tables.drop(seq)
             self.drop(s.session_id)
