@@ -1,4 +1,4 @@
-"""Nested fork + branch for a different toolset (spec §7 Journeys A and B).
+"""Nested fork + branch for a different toolset (docs/polykv.md, "Pools and sessions": fork).
 
 The root pool holds system + toolset A. Group A's pool extends it with the task brief (a fork at
 D = L: nesting). Group B needs toolset B: its pool branches off the root at D = the first token

@@ -1,4 +1,4 @@
-"""Compaction of a long conversation by re-fork (spec §13.2, P6d).
+"""Compaction of a long conversation by re-fork (docs/polykv.md, "Compaction").
 
 A chat graph whose model calls attach to a working pool. Before each model call a
 ``CompactionNode`` checks the last answer's ``compaction_pressure``: past the threshold it

@@ -1,4 +1,4 @@
-"""Fan out sub-agents under a tps floor (spec §7 Journey A, §14.3 pacing).
+"""Fan out sub-agents under a tps floor (docs/polykv.md, "Admission"; docs/langgraph.md, spawn pacing).
 
 plan: a root pool holds the system prompt (one per process, shared by every run); a child pool
 extends it with the task brief (nesting).

@@ -5,7 +5,7 @@ floor, nests, branches, compacts and gathers — on an in-process engine or a re
     result = run_demo(DemoConfig(agents=6, out="demo-report"))      # in-process, bundled model
     result = run_demo(DemoConfig(server="http://127.0.0.1:8080"))   # the same graph over HTTP
 
-The steps (spec §7 journeys, §13 compaction, §14 admission), all visible in the live view and the report:
+The steps (nested fork and branch, compaction, admission: docs/polykv.md), all visible in the live view and the report:
 
 1. **root pool** — the lead agent's system prompt + tool definitions (the ``polykv_tools``) become
    the root pool (``create_pool`` tool).

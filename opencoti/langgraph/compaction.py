@@ -1,5 +1,5 @@
-"""``CompactionNode``: compaction by re-fork (spec §13.2) as a node or a pre-model hook, in sync
-and async graphs."""
+"""``CompactionNode``: compaction by re-fork (docs/polykv.md, "Compaction") as a node or a pre-model
+hook, in sync and async graphs."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _as_openai_tool(t: Any) -> dict:
 
 
 class CompactionNode(RunnableLambda):
-    """Compaction by re-fork (spec §13.2), usable as a node or as a pre-model hook.
+    """Compaction by re-fork, usable as a node or as a pre-model hook.
 
     When the last answer's ``compaction_pressure`` (from the state, or the last AIMessage's
     ``response_metadata``) reaches ``pressure_threshold``, or its ``ctx_headroom_tokens`` falls

@@ -5,7 +5,7 @@
   ``interrupt()`` until the pool has room. Its return annotation names both targets, so the
   drawn graph shows its edges. It runs natively in sync (``invoke``) and async (``ainvoke``)
   graphs, with a sync or an async client.
-* ``SpawnPacer``: spec §14.3 pacing shared by the gates of a fan-out: one spawn decision at a
+* ``SpawnPacer``: the pacing shared by the gates of a fan-out: one spawn decision at a
   time per pool, never while the pool is settling, and the next decision only once the server has
   seen the previous spawn's session (so it judges a measurement that includes it). When the
   measured tps headroom has room for several sessions, a spawn opens a *batch*: the next gates
@@ -36,7 +36,7 @@ from .steps import Steps, adrive, drive
 
 # ============================================================================ pacing
 class SpawnPacer:
-    """Serializes spawn decisions per pool (spec §14.3) — on pools that have a tps floor.
+    """Serializes spawn decisions per pool — on pools that have a tps floor.
 
     A gate that uses a pacer takes the pool's turn, waits until the pool admits and is settled
     (no settle window open, no warming session), and on "spawn" keeps the turn until the server
@@ -207,7 +207,7 @@ class CapacityGateNode(RunnableLambda):
         the settle window ends) for up to ``max_wait_s``, then goes to ``hold``; ``"interrupt"``
         calls ``interrupt(<capacity report>)`` and re-checks when resumed, until the pool admits.
     require_settled: on a pool with a tps floor, besides ``can_admit``, wait for the pool to be
-        settled (no settle window, no warming session) before spawning (spec §14.3; True by default).
+        settled (no settle window, no warming session) before spawning (True by default).
     pool_id: a fixed pool (default: ``state[pool_key]``).
     expected_tokens: tokens a new session is expected to use (an int, or a function of the state),
         checked against the context and KV (the context arm).

@@ -1,4 +1,5 @@
-"""Pools on the bundled SmolLM2-135M-Instruct with real chat text (spec §7 journeys, §4.2 accounting).
+"""Pools on the bundled SmolLM2-135M-Instruct with real chat text (nested fork and branch,
+KV attributed by ownership: docs/polykv.md, "Pools and sessions").
 
 The engine runs in-process (no server): one engine for the module, loaded once from the
 converted cache. Greedy tokens with a pool must equal the tokens of the same prompt without one.

@@ -4,7 +4,7 @@ hide a cycle from the interpreter, not from a reader). The graph is read from th
 ``TYPE_CHECKING`` blocks), relative imports resolved against the module's package; ``from pkg import
 name`` counts as an import of the submodule ``pkg.name`` when that is a module, else of ``pkg``. The
 implicit import of a module's parent package is not an edge (every package's ``__init__`` would
-otherwise form a cycle with its own submodules)."""
+otherwise form a cycle with its own submodules). Between packages, imports go one way (LAYERS)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,38 @@ def test_no_import_cycle_between_opencoti_modules():
     assert len(graph) > 100 and graph["opencoti.langgraph.lazy"], "the walk found the package"
     found = cycles(graph)
     assert not found, "import cycles: " + " | ".join(describe(graph, c) for c in found)
+
+
+# The packages in the order docs/architecture.md gives: each imports only packages of an earlier
+# rank ("opencoti" is the top-level __init__, which imports nothing of ours).
+LAYERS = [{"opencoti"}, {"engine"}, {"ops"}, {"client", "server"}, {"langgraph", "cluster"}, {"sim"}, {"demo"},
+          {"cli"}, {"__main__"}]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    rank = {pkg: i for i, group in enumerate(layers) for pkg in group}
+    bad = []
+    for mod, deps in graph.items():
+        for dep in deps:
+            a, b = package_of(mod), package_of(dep)
+            if a != b and not rank[b] < rank[a]:
+                bad.append(f"{mod} -> {dep}")
+    return sorted(bad)
+
+
+def test_packages_import_only_earlier_layers():
+    graph = import_graph(ROOT, "opencoti")
+    assert {package_of(m) for m in graph} == set().union(*LAYERS), "every package has its place in LAYERS"
+    assert upward_imports(graph, LAYERS) == []
+    assert upward_imports({"opencoti.ops.x": {"opencoti.server.y"}, "opencoti.server.y": set()}, LAYERS) == [
+        "opencoti.ops.x -> opencoti.server.y"]
+    assert upward_imports({"opencoti.client.x": {"opencoti.server.y"}, "opencoti.server.y": set()}, LAYERS) == [
+        "opencoti.client.x -> opencoti.server.y"]
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

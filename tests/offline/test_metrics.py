@@ -1,4 +1,4 @@
-"""tps instrumentation (spec §4.3, §5, §13.3 P6b): the estimators on scripted timestamps, then the
+"""tps instrumentation (docs/polykv.md, "tps"): the estimators on scripted timestamps, then the
 engine's own numbers on tiny random-weight models (no timing asserts: only comparisons between
 numbers measured in the same run)."""
 

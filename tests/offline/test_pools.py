@@ -1,4 +1,5 @@
-"""Pools: the tree of immutable shared prefixes (spec §3, §4.1, §4.2, §7, §13.2) on the tiny model.
+"""Pools: the tree of immutable shared prefixes (docs/polykv.md: "Pools and sessions",
+"Lifetime: pin, evict, flush, release, grace", "Status", "Compaction") on the tiny model.
 
 Every test compares against the ground truth that matters to a user: the greedy tokens a
 pooled session produces must equal the tokens of the same full prompt run with no pool, and the
@@ -114,7 +115,7 @@ def run_streams(eng, requests: list[dict]):
     return results
 
 
-# ----------------------------------------------------------------------------- journeys (spec §7)
+# ----------------------------------------------------------------------------- journeys: nested fork, branch
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -250,7 +251,7 @@ def test_fork_outputs_match_no_pool(make_engine, page_size):
     assert sess == 0 and st["kv_pages_used"] == own
 
 
-# ----------------------------------------------------------------------------- zero-copy accounting (§4.2)
+# ----------------------------------------------------------------------------- zero-copy accounting
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -645,7 +646,7 @@ def test_snapshot_under_memory_pressure_is_clean(make_engine):
         assert all(p["residency"] != "materializing" for p in eng.pools()["pools"])
 
 
-# ----------------------------------------------------------------------------- compaction by re-fork (§13.2)
+# ----------------------------------------------------------------------------- compaction by re-fork
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

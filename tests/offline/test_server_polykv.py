@@ -1,5 +1,5 @@
 """The /polykv control plane over HTTP on the tiny model (in-process, no sockets): pool
-lifecycle and the spec §7 journeys, auto-P attach seen in headers and timings, 409s, release
+lifecycle and the nested fork / branch journeys, auto-P attach seen in headers and timings, 409s, release
 ordering, admission (429 + Retry-After, warn + X-Sessions-Remaining), capacity, the tps stream."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_pool_budget_is_503(make_engine):
         assert len(ok(c.get("/polykv/pools"))["pools"]) == 1
 
 
-# ============================================================================ journeys (spec §7)
+# ============================================================================ journeys: nested fork, branch
 def test_journey_a_nesting_with_auto_p(client, engine):
     root = ok(client.post("/polykv/pools", json={"messages": SYSTEM, "tools": TOOLS_A}))
     brief = SYSTEM + [{"role": "user", "content": "Task brief: compare three databases."},
