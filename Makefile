@@ -15,11 +15,13 @@ run: setup
 # loads ~40 % of their time on one worker); then the cluster tests alone (they check where the router
 # places requests by its requests in flight, which another test file on the same cores disturbs);
 # set-up installs the cluster extra, and OPENCOTI_REQUIRE_CLUSTER=1 makes a missing extra an error,
-# not a skip; all three always run, after the linter (ruff check, under a second; pyproject.toml configures it)
+# not a skip; all three always run, after the linter (ruff check, under a second) and the type checker (mypy on
+# the modules pyproject.toml lists; about a minute without its cache)
 test:
 	@./scripts/setup.sh --test
 	@rc=0; \
 	$(PY) -m ruff check . || rc=1; \
+	$(PY) -m mypy || rc=1; \
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline || rc=1; \
 	$(PY) -m pytest -q -n 2 --dist loadfile tests/live tests/browser || rc=1; \
 	OPENCOTI_REQUIRE_CLUSTER=1 $(PY) -m pytest -q tests/cluster || rc=1; \
@@ -27,6 +29,7 @@ test:
 
 test-offline: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline
 
 bench: setup
