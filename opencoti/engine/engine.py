@@ -140,7 +140,7 @@ class Engine(PoolAPIMixin):
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)
         self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
-        self._admission = AdmissionController(self, self._metrics)  # prepare -> decide -> commit; tick()
+        self._admission = AdmissionController(self.core, self._submit, self._metrics)  # prepare -> decide -> commit
         self.model_name = self.loaded.name
         self._persist = open_state(self)  # config.state_dir: restore the stored pools and sessions, keep in sync
         release_memory()  # what start-up built and dropped (candidate formats, the gate's reference, buffers)

@@ -247,8 +247,8 @@ class Harness:
         clock = lambda: self.t  # noqa: E731
         self.metrics = Metrics(core, clock=clock, wall_clock=clock)
         self.posted = []
-        engine = SimpleNamespace(core=core, _submit=lambda fn, *a: self.posted.append((fn, a)) or Future())
-        self.adm = AdmissionController(engine, self.metrics, clock=clock)
+        self.adm = AdmissionController(core, lambda fn, *a: self.posted.append((fn, a)) or Future(), self.metrics,
+                                       clock=clock)
         self.pool = core.tree.add(None, 0, list(range(1, 21)))
         self.pool.residency = Residency.RESIDENT
         # these tests script tokens, not engine steps: the drop-based forecast (the adaptive one

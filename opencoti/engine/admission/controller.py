@@ -38,9 +38,11 @@ class AdmissionController:
     poll_s = 0.5  # while requests are held: re-check at least this often (releases raise no event)
     refresh_s = 0.25  # period of the settled-mean refresh
 
-    def __init__(self, engine, metrics, *, clock: Callable[[], float] | None = None):
-        self.engine = engine
-        self.core = engine.core
+    def __init__(self, core, post: Callable[..., Future], metrics, *, clock: Callable[[], float] | None = None):
+        """``core``: the engine's EngineCore; ``post(fn, *args)``: run ``fn(*args)`` on the step thread
+        (a Future of its result, failed without running once the engine shuts down)."""
+        self.core = core
+        self._post = post
         self.metrics = metrics
         self.clock = clock or metrics.clock
         self.states: dict[int, PoolState] = {}
@@ -101,7 +103,7 @@ class AdmissionController:
         """``EngineCore`` prepare -> decide -> commit, from any thread: the future resolves with the
         Job (or the error) once the request is admitted, which may be later for a held request."""
         entry = Held(args, kwargs, Future())
-        cmd = self.engine._submit(self._submit_command, entry)
+        cmd = self._post(self._submit_command, entry)
         # the command fails without running when the engine shuts down first: fail the request too
         cmd.add_done_callback(lambda f: f.exception() is not None and self._fail(entry, f.exception()))
         return entry.future
