@@ -103,6 +103,21 @@ def test_forecast_kinds_and_bounds():
     assert knee.project(10).est_s == pytest.approx(0.0195)
 
 
+def test_an_idle_engine_that_measured_one_size_projects_a_full_share_from_it():
+    """Sessions that ran one at a time measured size 1 only; with nothing in flight the projection
+    to n sessions is the conservative full share from size 1 (it was "none": no headroom past one)."""
+    fc = StepForecast()
+    feed(fc, 1, 0.02)
+    assert fc.project(0, 1).kind == "measured"
+    pr = fc.project(0, 4)
+    assert pr.kind == "conservative" and pr.frontier
+    assert pr.bound_s == pytest.approx(0.08) and pr.est_s == pytest.approx(0.05)
+    two = StepForecast()
+    feed(two, 2, 0.03)
+    assert two.project(0, 1).kind == "none"  # fewer sessions than the size seen: no full-share bound from it
+    assert two.project(0, 3).bound_s == pytest.approx(0.045)
+
+
 def test_noisier_steps_give_wider_bounds_and_longer_settle_windows():
     quiet, noisy = StepForecast(), StepForecast()
     for b in (1, 2, 3):

@@ -99,18 +99,36 @@ def test_six_workers_above_the_floor_start_together(engine):
     client.release_pool(pool.pool_id)
 
 
-def floor_with_headroom(client, pool_id: int, most: int, **admission) -> float:
-    """A tps floor at which the measured report has room for 1..``most`` more sessions (bisection
-    over the floor: the headroom falls as the floor rises)."""
+def floor_with_headroom(client, pool_id: int, most: int, least: int = 1, **admission) -> float:
+    """A tps floor at which the measured report has room for ``least``..``most`` more sessions
+    (bisection over the floor: the headroom falls as the floor rises)."""
     lo, hi = 0.1, 10_000.0
     for _ in range(40):
         mid = (lo * hi) ** 0.5
         client.set_admission(pool_id, target_tps_per_session=mid, **admission)
         k = client.capacity(pool_id).tps_headroom_sessions
-        if k is not None and 1 <= k <= most:
+        if k is not None and least <= k <= most:
             return mid
         lo, hi = (mid, hi) if k is None or k > most else (lo, mid)
-    raise AssertionError(f"no floor leaves 1..{most} sessions of headroom")
+    raise AssertionError(f"no floor leaves {least}..{most} sessions of headroom")
+
+
+def test_six_workers_start_together_after_sessions_ran_one_at_a_time(engine):
+    """An engine that has only run one session at a time (short workers paced one by one, then
+    idle) knows the step time at one session only; far above the floor the next fan-out still
+    starts in a batch: the idle report projects a full share per session from that one size."""
+    warm_forecast(engine, 1)
+    model = OpencotiChatModel(engine=engine, temperature=0, max_tokens=6)
+    client = model.polykv_client
+    pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
+    settle = {"settle_tokens": 1_000_000, "settle_max_ms": 20_000}
+    floor_with_headroom(client, pool.pool_id, 40, least=12, **settle)  # was 1 at most: nothing past size 1
+    pacer = SpawnPacer()
+    out = fan_out(model, pacer).invoke({"tasks": [f"task {i}" for i in range(6)], "pool_id": pool.pool_id})
+    assert sorted(out["results"]) == [f"task {i}" for i in range(6)]
+    spawns = [e for e in pacer.log if e["decision"] == "spawn"]
+    assert len(spawns) == 6 and sum(e["batch"] for e in spawns) == 5, pacer.log
+    client.release_pool(pool.pool_id)
 
 
 def test_six_workers_a_floor_would_break_are_paced(engine):

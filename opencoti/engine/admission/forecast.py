@@ -21,7 +21,8 @@ both. Projections:
   line through their means (slope >= 0, never below the step time at B), + z standard errors of
   the prediction plus the line's residual spread.
 * **conservative**: only B was seen: a full share per session, ``s_B * (B + 1) / B`` (the bound),
-  with the midpoint ``s_B * (B + 1/2) / B`` as the estimate.
+  with the midpoint ``s_B * (B + 1/2) / B`` as the estimate. On an idle engine (B = 0) that has
+  measured one size x, the same rule from x: ``s_x * n / x`` for n > x sessions.
 
 ``kind`` tells which; a batch size beyond every size seen, or seen for fewer than ``THIN`` steps,
 is the **frontier**: the controller may probe it when the estimate passes the floor (that is how
@@ -345,6 +346,11 @@ class StepForecast:
         if now_s is not None and b > 0:
             return Projection(b, to, now_s, now_s * (b + k / 2) / b, now_s * (b + k) / b, "conservative", frontier,
                               hi)
+        if b == 0 and len(known) == 1 and to > min(known):
+            # idle, one size x measured (sessions that ran one at a time): the same full share per
+            # session from x, so an idle engine reports room for more than the one size it has seen
+            (x, _), = known.items()
+            return Projection(b, to, now_s, m[x] * (x + (to - x) / 2) / x, m[x] * to / x, "conservative", frontier, hi)
         return Projection(b, to, now_s, None, None, "none", frontier, hi)
 
     def _line(self, known: dict, to: int, m: dict) -> tuple[float, float]:
