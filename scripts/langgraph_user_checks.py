@@ -12,6 +12,10 @@
   without session KV files).
 
     .venv/bin/python scripts/langgraph_user_checks.py [--out scripts/results/langgraph_user_checks.json]
+        [--only gate|tools|restart] [--floor 8]
+
+The result file keeps the sections not run (``--only``); ``load`` has the machine's load average
+before and after each section as it ran.
 """
 
 from __future__ import annotations
@@ -208,24 +212,33 @@ def main() -> int:
     ap.add_argument("--only", choices=["gate", "tools", "restart"], default=None)
     ap.add_argument("--floor", type=float, default=8.0, help="the pool's tps floor in the gate runs (default 8)")
     args = ap.parse_args()
-    out: dict = {"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
+    out: dict = {"machine": {"cpus": os.cpu_count()}}
+    load: dict = {}  # per section: the load average (1, 5, 15 min) before and after it ran
+
+    def measured(name: str, fn):
+        before = [round(x, 2) for x in os.getloadavg()]
+        value = fn()
+        load[name] = {"before": before, "after": [round(x, 2) for x in os.getloadavg()]}
+        return value
+
     if args.only in (None, "gate"):
-        gate = gate_runs(args.floor)
+        gate = measured(f"gate_floor_{args.floor:g}", lambda: gate_runs(args.floor))
         out.update(gate)
         print(json.dumps(gate, indent=1), flush=True)
     if args.only in (None, "tools"):
         srv = Server(tempfile.mkdtemp(), 0).start()
         try:
-            out["forced_tool_choice"] = forced_tool_calls(srv)
+            out["forced_tool_choice"] = measured("forced_tool_choice", lambda: forced_tool_calls(srv))
         finally:
             srv.stop()
         print(json.dumps(out["forced_tool_choice"], indent=1), flush=True)
     if args.only in (None, "restart"):
-        out["restart"] = [restart_turns(1024.0), restart_turns(0.0)]
+        out["restart"] = measured("restart", lambda: [restart_turns(1024.0), restart_turns(0.0)])
         print(json.dumps(out["restart"], indent=1), flush=True)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
+    out["load"] = {**old.get("load", {}), **load}  # sections not run now keep the load they ran under
     path.write_text(json.dumps({**old, **out}, indent=1) + "\n")
     return 0
 
