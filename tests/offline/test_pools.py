@@ -17,6 +17,7 @@ import pytest
 
 from opencoti.engine import (CapacityError, InvalidRequestError, NotFoundError, PoolBusyError, PoolContractError,
                              PoolNotFoundError, SamplingParams, SessionBusyError, SessionNotFoundError)
+from opencoti.engine.kv.pools import PoolTree
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -954,3 +955,13 @@ def test_concurrent_pool_ops_and_decoding(make_engine):
     assert eng.stats()["sessions"] == 0
     eng.release_pool(root.pool_id)
     assert eng.pools()["kv_pages_used"] == 0
+
+
+def test_pool_ids_only_skip_forward():
+    """Restoring a state directory moves the next id past every id spent before (never back)."""
+    tree = PoolTree(max_pools=4, id_base=100)
+    assert tree.next_id == 101
+    tree.skip_ids(110)
+    tree.skip_ids(105)
+    assert tree.next_id == 110
+    assert tree.add(None, 0, [1, 2]).pool_id == 110 and tree.next_id == 111

@@ -113,6 +113,15 @@ class PoolTree:
     def num_used(self) -> int:
         return len(self.pools)
 
+    @property
+    def next_id(self) -> int:
+        """The id the next pool gets."""
+        return self._next_id
+
+    def skip_ids(self, next_id: int) -> None:
+        """Ids below ``next_id`` are spent (restored, or used before a restart); never moves back."""
+        self._next_id = max(self._next_id, int(next_id))
+
     def get(self, pool_id: int) -> Pool:
         pool = self.pools.get(pool_id) if isinstance(pool_id, int) and not isinstance(pool_id, bool) else None
         if pool is None:

@@ -90,7 +90,7 @@ class Persister:
                 except Exception as e:  # noqa: BLE001 - a policy this version rejects: defaults
                     log.warning("state: admission policy of pool %d not restored: %s", pool.pool_id, e)
                 self._pools[pool.pool_id] = self._pool_key(pool)
-        tree._next_id = max(tree._next_id, snap.next_pool_id, max(restored, default=0) + 1)
+        tree.skip_ids(max(snap.next_pool_id, max(restored, default=0) + 1))
         self._reserved = snap.next_pool_id
         n_sessions = 0
         back: list[Session] = []
@@ -114,7 +114,7 @@ class Persister:
             self._sessions[s.session_id] = self._session_key(s)
         self.sync()
         self.stats = {"pools": len(restored), "sessions": n_sessions, "skipped_pools": skipped,
-                      "next_pool_id": tree._next_id, "kv_loaded_pools": loaded,
+                      "next_pool_id": tree.next_id, "kv_loaded_pools": loaded,
                       "kv_loaded_sessions": sessions_loaded,
                       "seconds": time.perf_counter() - t0}
         return self.stats
@@ -178,8 +178,8 @@ class Persister:
             return
         core, tree = self.core, self.core.tree
         ops = []
-        if tree._next_id > self._reserved:
-            ops.append(("reserve", tree._next_id))
+        if tree.next_id > self._reserved:
+            ops.append(("reserve", tree.next_id))
         live = tree.pools
         for pid in sorted(live):
             pool = live[pid]
