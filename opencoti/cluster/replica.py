@@ -228,8 +228,4 @@ def _replica_context():
 
 def _pool_tokens(engine, pool_id: int) -> list[int]:
     """A pool's full token prefix [0, L)."""
-    fn = getattr(engine, "pool_tokens", None)
-    if fn is not None:
-        return list(fn(pool_id))
-    engine.pool(pool_id)  # PoolNotFoundError -> 404 first
-    return engine._call(lambda: list(engine.core.tree.get(pool_id).tokens))
+    return list(engine.pool_tokens(pool_id))

@@ -100,6 +100,10 @@ class PoolAPIMixin:
     def pool(self, pool_id: int) -> PoolInfo:
         return self._call(lambda: self._pool_info(self.core.tree.get(pool_id)))
 
+    def pool_tokens(self, pool_id: int) -> list[int]:
+        """A pool's whole token prefix ``[0, L)`` (PoolNotFoundError for an unknown id)."""
+        return self._call(lambda: list(self.core.tree.get(pool_id).tokens))
+
     def pools(self) -> dict:
         """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
         def run():

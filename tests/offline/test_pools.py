@@ -965,3 +965,14 @@ def test_pool_ids_only_skip_forward():
     tree.skip_ids(105)
     assert tree.next_id == 110
     assert tree.add(None, 0, [1, 2]).pool_id == 110 and tree.next_id == 111
+
+
+def test_pool_tokens_is_the_whole_prefix(make_engine):
+    eng = make_engine(page_size=4)
+    root = eng.create_pool(tokens=list(range(10, 30)))
+    child = eng.fork_pool(root.pool_id, tokens=list(range(10, 30)) + [7, 8, 9])
+    assert eng.pool_tokens(child.pool_id) == list(range(10, 30)) + [7, 8, 9]
+    with pytest.raises(PoolNotFoundError):
+        eng.pool_tokens(999)
+    eng.release_pool(child.pool_id)
+    eng.release_pool(root.pool_id)
