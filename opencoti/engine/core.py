@@ -27,7 +27,7 @@ from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_g
 from .sampling_state import SamplerState
 from .scheduler import Scheduler, StepStats
 from .session import Job, MaterializeJob, Sequence, Session, SessionState
-from .speculative import DraftState, draft_limit, rows_for_drafts
+from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, StepCosts, draft_limit
 
 Emit = Callable[[tuple], None]
 _MAX_SESSION_ID = 128
@@ -69,6 +69,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                                    max_running=config.max_running, on_stuck=self._on_stuck)
         self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
         self.last_step = StepStats()
+        self.step_costs = StepCosts()  # decode step seconds by row count (speculative drafts' cost)
         self._init_prefix_cache()
         self._request_ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
@@ -96,6 +97,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 self._drop_drafts(batch)
                 raise
             decoding = [n for job, n in batch if n == 1 or (isinstance(job, Job) and job.draft)]
+            if len(decoding) == len(batch):
+                self.step_costs.observe(out.num_tokens, out.model_s)
             self._apply(batch, out)
             stats.model_s = out.model_s
             stats.num_seqs = len(batch)
@@ -110,25 +113,31 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
 
     # ---- speculative decoding (speculative.py) --------------------------------------------
     def _with_drafts(self, batch: list) -> list:
-        """Give decoding jobs that draft a prompt-lookup draft: ``(job, 1)`` becomes ``(job, 1 + k)``
-        with the draft appended to its tokens, when free pages and the step's draft rows allow."""
-        rows = min(rows_for_drafts(sum(1 for _, n in batch if n == 1)),
-                   self.config.max_batch_tokens - sum(n for _, n in batch))
-        if rows <= 0 or not any(isinstance(j, Job) and j.draft_state is not None for j, _ in batch):
+        """Give decoding jobs a prompt-lookup draft where the step cost model says it pays:
+        ``(job, 1)`` becomes ``(job, 1 + k)`` with the draft appended to its tokens (free pages only)."""
+        cand = [job for job, n in batch if n == 1 and isinstance(job, Job) and job.draft_state is not None
+                and job.num_remaining == 1]
+        if not cand or any(n > 1 for _, n in batch):  # a step with prefill rows is not a decode step
             return batch
-        out = []
-        for job, n in batch:
-            if rows > 0 and n == 1 and isinstance(job, Job) and job.draft_state is not None and job.num_remaining == 1:
-                st = job.draft_state
-                k = draft_limit(job, min(st.want(), rows))
-                draft = st.propose(job.seq.tokens, k) if k else []
-                if draft and self.tables.extend_free(job.seq, job.seq.num_cached + 1 + len(draft)):
-                    job.seq.tokens.extend(draft)
-                    job.draft = draft
-                    rows -= len(draft)
-                    n += len(draft)
-            out.append((job, n))
-        return out
+        budget = min(MAX_DRAFT_ROWS, MAX_STEP_ROWS - len(batch), self.config.max_batch_tokens - len(batch))
+        drafts = []
+        for job in cand:
+            st = job.draft_state
+            st.idle += 1
+            k = draft_limit(job, min(st.k_max, budget))
+            drafts.append(st.propose(job.seq.tokens, k) if k > 0 else [])
+        ks = self.step_costs.plan([j.draft_state for j in cand], len(batch), [len(d) for d in drafts])
+        chosen = {}
+        for job, draft, k in zip(cand, drafts, ks):
+            k = min(k, budget)
+            if k > 0 and self.tables.extend_free(job.seq, job.seq.num_cached + 1 + k):
+                job.draft = draft[:k]
+                job.seq.tokens.extend(job.draft)
+                chosen[id(job)] = k
+                budget -= k
+        if not chosen:
+            return batch
+        return [(job, n + chosen.get(id(job), 0)) for job, n in batch]
 
     def _drop_drafts(self, batch: list) -> None:
         """A failed step: the drafts leave the jobs' tokens (and their pages go)."""

@@ -48,6 +48,7 @@ from typing import Callable
 
 from .session import Job, SessionState
 from .tps import RateWindow, SessionTps, TpsConfig
+from .speculative import acceptance
 
 __all__ = ["Activity", "Metrics", "RateWindow", "SessionTps", "TpsConfig"]
 
@@ -256,6 +257,7 @@ class Metrics:
             "generated_tokens": meter.total_tokens if meter is not None else 0,
             "ttft_ms": self.ttft_ms.get(s.session_id),
             "state": s.state.value,
+            **acceptance(job.draft_state if job is not None else None),  # its request's speculative drafts
         }
 
     def snapshot(self) -> dict:

@@ -51,6 +51,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             kw["seed"] = default_seed
     elif body.seed != -1:  # -1: a fresh seed, also under --seed (llama.cpp's LLAMA_DEFAULT_SEED)
         kw["seed"] = body.seed
+    if body.speculative_n_max is not None:
+        kw["speculative_max"] = body.speculative_n_max
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if max_tokens is None:

@@ -145,6 +145,11 @@ class SamplingFields(_Lenient):
     post_sampling_probs: bool = Field(False, description="report probabilities after the sampling filters")
     json_schema: Any = Field(None, description="constrain the output to this JSON Schema (llama.cpp)")
     grammar: str | None = Field(None, description="constrain the output to this GBNF (llama.cpp) or Lark grammar")
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max",
+                                          description="prompt-lookup draft tokens verified per step at most "
+                                                      "(llama.cpp's speculative.n_max; 0 = no speculative decoding; "
+                                                      "default: the server's --speculative / --draft-max)",
+                                          json_schema_extra=_range(0, 64))
 
 
 class CompletionRequest(SamplingFields, PolyKVFields):

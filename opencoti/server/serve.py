@@ -46,6 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                    help="reuse any cached prompt prefix automatically, for requests without a pool or a session "
                         "id too (default on)")
+    from ..engine.config import EngineConfig
+
+    spec_default = EngineConfig.__dataclass_fields__["speculative"].default
+    p.add_argument("--speculative", "--spec-type", default=spec_default, choices=["ngram", "off"],
+                   help="speculative decoding: ngram = drafts looked up in each session's own context, verified "
+                        f"in one step (outputs unchanged); a request's speculative.n_max overrides (default {spec_default})")
+    p.add_argument("--draft-max", "--draft", "--draft-n", type=int,
+                   default=EngineConfig.__dataclass_fields__["speculative_max"].default,
+                   help="draft tokens verified per step at most (default %(default)s)")
     p.add_argument("--session-ttl", type=float, default=300.0,
                    help="seconds an idle session created without a session_id lives on (default 300)")
     p.add_argument("--n-predict", "-n", type=int, default=-1,
@@ -126,8 +135,8 @@ def run(args) -> int:
             num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl,
             prefix_cache=args.prefix_cache == "on", session_ttl_s=args.session_ttl,
             state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights,
-            session_kv_budget_mib=args.session_kv_budget_mib,
-            seed=engine_seed(args.seed))
+            session_kv_budget_mib=args.session_kv_budget_mib, speculative=args.speculative,
+            speculative_max=args.draft_max, seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),
             cors_origins=list(args.cors_origin), tps_interval_ms=args.tps_interval_ms,

@@ -41,7 +41,7 @@ def gemm_path(request):
 
 @pytest.fixture(params=["default", "int8-activations"])
 def act_path(request):
-    """The activation paths as built (int16 for one or two rows) or with the int8-activation path on."""
+    """The activation paths as built (int16 up to 31 rows) or with the int8-activation path on."""
     before = native.act_rows(*((31, 4) if request.param != "default" else (None, None)))
     yield request.param
     native.act_rows(*before)
@@ -73,7 +73,7 @@ def test_projection_kernels_match_dequantized_weights(fmt, T, bias, gemm_path, a
         assert (err.max() / ref.abs().max()).item() < 2e-2
     else:
         # fp32 accumulation of exact weights (int4 scales stored as fp16: relative 2^-11 per block)
-        tol = 2e-3 if fmt == "int4" else 2e-4  # one or two rows: activations as int16 per block of 32
+        tol = 2e-3 if fmt == "int4" else 2e-4  # up to 31 rows: activations as int16 per block of 32
         assert (err.max() / ref.abs().max()).item() < tol
     assert kern.nbytes == (n * k // 32 * 20 if fmt == "int4" else n * k + n * 4) + (n * 4 if bias else 0)
 
@@ -87,6 +87,27 @@ def test_gemm_row_thresholds_are_set_and_restored():
     finally:
         native.gemm_min_rows(*before)
     assert native.gemm_min_rows() == before
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
+    """Up to 31 rows (a decode batch, a speculative draft's rows): each row's output is bit for bit
+    what it is alone, so greedy outputs do not change with the batch."""
+    assert native.i16_rows() == 31
+    torch.manual_seed(3)
+    w = torch.randn(64, 576) * 0.05
+    kern = kernels.build("native_q4" if fmt == "int4" else "native_q8", kernels.to_format(w, fmt), None,
+                         act_dtype=torch.float32, device="cpu")
+    x = torch.randn(31, 576)
+    alone = torch.cat([kern(x[i:i + 1]) for i in range(31)])
+    for T in (2, 3, 4, 5, 8, 9, 16, 31):
+        assert torch.equal(kern(x[:T]), alone[:T]), T
+    before = native.i16_rows(2)  # the fp32 row path from three rows on: not the same numbers
+    try:
+        assert not torch.equal(kern(x[:8]), alone[:8])
+    finally:
+        native.i16_rows(before)
+    assert native.i16_rows() == 31
 
 
 def test_q4_blocks_hold_gguf_q4_1_bytes():

@@ -7,7 +7,8 @@ import torch
 
 from opencoti.engine import EngineConfig, InvalidRequestError, SamplingParams
 from opencoti.engine.constraints import ConstraintSpec
-from opencoti.engine.speculative import MISSES_TO_PAUSE, PAUSE_STEPS, DraftState
+from opencoti.engine import speculative
+from opencoti.engine.speculative import DraftState, StepCosts, expected_tokens
 
 LOOP = [11, 12, 13, 14, 15, 16, 17, 18] * 6  # a context that repeats itself
 
@@ -21,18 +22,35 @@ def test_draft_follows_the_latest_longest_match():
     assert DraftState(4).propose([1, 2, 5, 1, 2], 2) == [5, 1]  # a bigram is enough
 
 
-def test_draft_length_adapts_and_pauses_after_misses():
+def test_acceptance_rate_is_the_decayed_share_of_tested_positions():
     st = DraftState(8)
+    assert st.rate == pytest.approx(0.6)
     st.update(8, 8)
-    assert st.k == 8
-    st.update(8, 2)
-    assert st.k == 3
-    st.update(3, 3)
-    assert st.k == 6
-    for _ in range(MISSES_TO_PAUSE):
-        st.update(st.want(), 0)
-    assert [st.want() for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS and st.want() == 1
-    assert (st.drafted, st.accepted) == (8 + 8 + 3 + 6 + 1 + 1, 8 + 2 + 3)
+    assert st.rate == pytest.approx((0.96 + 8) / (1.6 + 8))
+    for _ in range(20):
+        st.update(4, 0)  # each tests one position and misses
+    assert st.rate < 0.05 and (st.drafted, st.accepted) == (88, 8)
+
+
+def test_step_cost_plan_drafts_only_where_tokens_per_second_grow():
+    costs = StepCosts()
+    fast, slow = DraftState(8), DraftState(8)
+    fast.hits, fast.tried = 9.5, 10.0  # rate 0.95
+    slow.hits, slow.tried = 3.0, 10.0  # rate 0.3
+    assert costs.plan([fast], 1, [8]) == [0]  # nothing measured: explores only every few steps
+    # a GPU-like step: rows are nearly free -> the fast job drafts all it can, the slow one a little
+    for rows, t in ((1, 0.010), (4, 0.0102), (9, 0.0105)):
+        costs.observe(rows, t)
+    assert costs.plan([fast, slow], 2, [8, 8])[0] == 8
+    # a CPU whose rows cost nearly linearly: only a very high rate pays, and not with long drafts
+    cpu = StepCosts()
+    for rows, t in ((1, 0.020), (2, 0.034), (5, 0.075), (9, 0.130)):
+        cpu.observe(rows, t)
+    k_fast, k_slow = cpu.plan([fast, slow], 2, [8, 8])
+    assert k_slow == 0 and 0 < k_fast < 8
+    a, b = cpu.line()
+    gain = (2 - 1 + expected_tokens(0.95, k_fast)) / (a + b * (2 + k_fast)) / (2 / (a + b * 2))
+    assert gain >= speculative.MIN_GAIN
 
 
 def _gen(engine, prompt, spec, **kw):
@@ -62,6 +80,7 @@ def oracle(monkeypatch):
         return []
 
     monkeypatch.setattr(DraftState, "propose", propose)
+    monkeypatch.setattr(StepCosts, "plan", lambda self, jobs, rows, limits: list(limits))  # every draft runs
     return futures
 
 
@@ -177,3 +196,42 @@ def test_bad_speculative_settings_are_clear_errors():
         EngineConfig(speculative="eagle")
     with pytest.raises(InvalidRequestError, match="speculative_max must be an integer in \\[1, 64\\]"):
         EngineConfig(speculative_max=0)
+
+
+# ------------------------------------------------------------------------------------ HTTP
+from long_context_server import client, engine  # noqa: E402,F401 - fixtures
+
+
+def test_http_speculative_n_max_per_request(client, oracle):
+    """llama.cpp's ``speculative.n_max`` on /completion and the OpenAI routes: same text, the
+    drafts in ``timings``; out of range or not an integer -> 400, nothing generated."""
+    body = {"prompt": LOOP, "n_predict": 24, "temperature": 0, "return_tokens": True}
+    plain = client.post("/completion", json=body).json()
+    oracle[tuple(LOOP)] = plain["tokens"]
+    spec = client.post("/completion", json={**body, "speculative.n_max": 6}).json()
+    assert spec["content"] == plain["content"] and "draft_n" not in plain["timings"]
+    assert spec["timings"]["draft_n"] > 0
+    off = client.post("/completion", json={**body, "speculative.n_max": 0}).json()
+    assert off["content"] == plain["content"] and "draft_n" not in off["timings"]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                                     "temperature": 0, "speculative.n_max": 4})
+    assert chat.status_code == 200, chat.text
+    for bad in (-1, 65, "4", 2.5, True):
+        r = client.post("/completion", json={**body, "speculative.n_max": bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert "speculative" in r.json()["error"]["message"], r.text
+
+
+def test_serve_flags_set_the_engine_default():
+    import argparse
+
+    from opencoti.server.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative", "ngram", "--draft-max", "12"])
+    assert (args.speculative, args.draft_max) == ("ngram", 12)
+    args = parser.parse_args(["--spec-type", "off", "--draft", "3"])
+    assert (args.speculative, args.draft_max) == ("off", 3)
+    assert parser.parse_args([]).speculative == EngineConfig().speculative
+    assert parser.parse_args([]).draft_max == EngineConfig().speculative_max

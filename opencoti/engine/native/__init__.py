@@ -30,7 +30,7 @@ log = logging.getLogger("opencoti.engine")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
@@ -50,6 +50,7 @@ _SIGNATURES = {
     "oc_simd": ([], _INT),
     "oc_gemm_min_rows": ([_I64, _I64, _P, _P], None),
     "oc_act_rows": ([_I64, _I64, _P, _P], None),
+    "oc_i16_rows": ([_I64, _P], None),
     "oc_q4_matmul": ([_P, _I64, _I64, _P, _I64, _P, _P, _INT], None),
     "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
     "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT], None),
@@ -241,6 +242,18 @@ def act_rows(q4: int | None = None, q8: int | None = None) -> tuple[int, int]:
     a, b = ctypes.c_int64(), ctypes.c_int64()
     lb.oc_act_rows(-1 if q4 is None else q4, -1 if q8 is None else q8, ctypes.byref(a), ctypes.byref(b))
     return a.value, b.value
+
+
+def i16_rows(rows: int | None = None) -> int:
+    """The largest row count for which the int4 / int8 projections use the int16-activation row
+    kernels (in pairs of rows: each row's result is independent of the others); None: unchanged.
+    Returns the one before."""
+    lb = lib()
+    if lb is None:
+        raise RuntimeError(f"native kernels {status()['reason']}")
+    old = ctypes.c_int64()
+    lb.oc_i16_rows(-1 if rows is None else rows, ctypes.byref(old))
+    return old.value
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

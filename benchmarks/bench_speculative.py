@@ -1,0 +1,207 @@
+"""Speculative decoding by prompt lookup, on vs off, and llama.cpp's own n-gram speculation, one run.
+
+Four servers on the bundled SmolLM2-135M Q4_1 GGUF, ``--threads`` threads each: ``opencoti serve``
+with ``--speculative off`` and ``--speculative ngram``, ``llama-server`` (``--parallel 8
+--kv-unified -c 16384``) without and with ``--spec-type ngram-simple``. Each round starts every
+server fresh (cold caches: no workload can reuse another's KV), in an order rotated per round; the
+opencoti weight format is the one ``auto`` chose at the first start, pinned for the rest (the
+greedy outputs of both opencoti modes are compared token for token).
+
+Workloads (OpenAI chat requests, greedy, ``--tokens`` tokens at most, one at a time):
+
+* ``react_echo``: a ReAct turn whose tool observation (a JSON record) is to be quoted back;
+* ``json_tools``: a list of people to be rewritten as a JSON array (keys and values recur);
+* ``summarize_quote``: a summarizer asked to quote its input's sentences;
+* ``novel``: a short story (nothing to copy);
+* ``sessions_8``: 8 sessions at once (the three repetitive prompts and five stories):
+  aggregate tok/s = tokens / (last token - first request sent).
+
+Single-session decode tok/s is the server's ``timings.predicted_per_second`` (both servers report
+llama.cpp's timings), accepted draft tokens from ``timings.draft_n_accepted`` / ``draft_n``.
+Targets: repetitive workloads >= 1.5x off, ``novel`` >= 0.97x, ``sessions_8`` >= 0.97x, outputs
+identical. Results: ``benchmarks/results/<machine-id>/speculative.json``.
+
+Run: .venv/bin/python benchmarks/bench_speculative.py [--quick] [--llama-server PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from peer_llamacpp import build_llama_server, parallel, props, start  # noqa: E402
+
+SERVERS = {  # name -> (server, extra flags)
+    "opencoti-off": ("opencoti", ["--speculative", "off"]),
+    "opencoti-ngram": ("opencoti", ["--speculative", "ngram"]),
+    "llama.cpp": ("llama.cpp", []),
+    "llama.cpp-ngram": ("llama.cpp", ["--spec-type", "ngram-simple"]),
+}
+PAIRS = {"opencoti": ("opencoti-ngram", "opencoti-off"), "llama.cpp": ("llama.cpp-ngram", "llama.cpp")}
+REPETITIVE = ("react_echo", "json_tools", "summarize_quote")
+SINGLE = REPETITIVE + ("novel",)
+TARGET = {"react_echo": 1.5, "json_tools": 1.5, "summarize_quote": 1.5, "novel": 0.97, "sessions_8": 0.97}
+
+OBSERVATION = json.dumps({
+    "city": "Paris", "country": "France", "temperature_c": 18.5, "feels_like_c": 17.9, "humidity_pct": 62,
+    "wind_kph": 14.2, "wind_direction": "south-west", "condition": "partly cloudy", "uv_index": 4,
+    "sunrise": "07:42", "sunset": "17:01", "air_quality": "good", "forecast": [
+        {"day": "Monday", "high_c": 19, "low_c": 11, "condition": "sunny"},
+        {"day": "Tuesday", "high_c": 17, "low_c": 10, "condition": "rain"},
+        {"day": "Wednesday", "high_c": 16, "low_c": 9, "condition": "cloudy"}]}, indent=1)
+PEOPLE = "\n".join(f"- {n}, {r}, {n.split()[0].lower()}.{n.split()[1].lower()}@example.com" for n, r in [
+    ("Alice Martin", "engineer"), ("Bruno Costa", "designer"), ("Chloe Dubois", "analyst"),
+    ("David Kim", "manager"), ("Emma Rossi", "engineer"), ("Felix Wagner", "writer"),
+    ("Grace Okafor", "researcher"), ("Hugo Silva", "engineer")])
+ARTICLE = ("The river town grew around a stone bridge built in 1642. Merchants crossed it every morning with "
+           "carts of grain and wool. In 1790 a flood destroyed half of the old market, and the town rebuilt it "
+           "on higher ground. The new market opened in 1795 with forty stalls and a clock tower. Today the "
+           "bridge carries only walkers and cyclists, and the clock tower is a museum of local history.")
+PROMPTS = {
+    "react_echo": [
+        {"role": "system", "content": "You are an agent. After each observation, first repeat the observation "
+                                      "exactly as given, then answer the user."},
+        {"role": "user", "content": "What is the weather in Paris this week?"},
+        {"role": "assistant", "content": "Thought: I need the weather.\nAction: get_weather(city=\"Paris\")"},
+        {"role": "user", "content": f"Observation:\n{OBSERVATION}\n\nRepeat the observation exactly, then "
+                                    "answer."}],
+    "json_tools": [
+        {"role": "user", "content": "Rewrite this list as a JSON array of objects with the keys \"name\", "
+                                    f"\"role\" and \"email\". Output only the JSON.\n\n{PEOPLE}"}],
+    "summarize_quote": [
+        {"role": "user", "content": f"Here is a text:\n\n{ARTICLE}\n\nCopy the text above word for word, then "
+                                    "add a one-line summary."}],
+    "novel": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message "
+                                          "in a bottle."}],
+}
+STORIES = ["a lighthouse keeper", "a clockmaker's apprentice", "a lost cat in Tokyo", "a chess game on a train",
+           "the last bakery on the moon"]
+
+
+def chat(url: str, messages: list, tokens: int, nonce: str) -> dict:
+    """One streamed greedy chat request: its text, timings and client-side times."""
+    import httpx
+
+    body = {"model": "m", "messages": [{"role": "system", "content": f"[{nonce}]"}] + messages, "stream": True,
+            "max_tokens": tokens, "temperature": 0}
+    t_send, first, last, text, timings = time.perf_counter(), None, None, [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat -> {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            delta = ((ev.get("choices") or [{}])[0].get("delta") or {}).get("content")
+            if delta:
+                now = time.perf_counter()
+                first, last = first or now, now
+                text.append(delta)
+            timings = ev.get("timings") or timings
+    return {"text": "".join(text), "timings": timings or {}, "sent": t_send, "first": first, "last": last}
+
+
+def run_round(url: str, tokens: int, nonce: str) -> dict:
+    out: dict = {}
+    chat(url, PROMPTS["novel"], 8, nonce + "-warmup")  # lazily built buffers, page faults
+    for w in SINGLE:
+        r = chat(url, PROMPTS[w], tokens, f"{nonce}-{w}")
+        t = r["timings"]
+        out[w] = {"tps": t.get("predicted_per_second"), "n": t.get("predicted_n"), "draft_n": t.get("draft_n"),
+                  "draft_n_accepted": t.get("draft_n_accepted"), "text": r["text"]}
+    prompts = [PROMPTS[w] for w in REPETITIVE] + [[{"role": "user", "content": f"Write a short story about {s}."}]
+                                                  for s in STORIES]
+    res = parallel(8, lambda i: chat(url, prompts[i], tokens, f"{nonce}-s8-{i}"))
+    n = sum(r["timings"].get("predicted_n") or 0 for r in res)
+    out["sessions_8"] = {"tps": n / (max(r["last"] for r in res) - min(r["sent"] for r in res)), "n": n,
+                         "texts": [r["text"] for r in res]}
+    return out
+
+
+def main() -> int:
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=160, help="tokens per request at most")
+    p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build and cache one)")
+    p.add_argument("--only", default=None, choices=["opencoti", "llama.cpp"], help="one server kind only")
+    args = p.parse_args()
+    if args.quick:
+        args.rounds = 1
+    from opencoti.engine.model.loader import bundled_gguf_path
+    from opencoti.engine.model.threads import usable_cpus
+
+    gguf = str(bundled_gguf_path())
+    threads = args.threads or usable_cpus()
+    names = [n for n, (kind, _) in SERVERS.items() if args.only in (None, kind)]
+    llama_bin = None
+    if any(SERVERS[n][0] == "llama.cpp" for n in names):
+        llama_bin = Path(args.llama_server) if args.llama_server else build_llama_server()
+    before = common.load_snapshot()
+    raw: dict[str, list] = {n: [] for n in names}
+    info: dict[str, dict] = {}
+    weights: list[str] = []
+    for rnd in range(args.rounds):
+        order = common.rotated(names, rnd)
+        for name in order:
+            kind, extra = SERVERS[name]
+            if kind == "opencoti" and weights:
+                extra = extra + ["--weights", weights[0]]
+            srv = start(kind, gguf, threads, llama_bin, extra)
+            try:
+                ready = srv.wait_ready()
+                if kind == "opencoti" and not weights:
+                    weights.append(props(srv.url).get("weights") or "auto")
+                info.setdefault(name, props(srv.url))
+                res = run_round(srv.url, args.tokens, f"r{rnd}-{int(time.time() * 1000) % 100000}")
+                res["ready_s"] = ready
+                raw[name].append(res)
+                common.log(f"round {rnd + 1}: {name}: " + ", ".join(
+                    f"{w} {res[w]['tps']:.1f}" for w in SINGLE + ("sessions_8",)))
+            finally:
+                srv.stop()
+    med = {n: {w: statistics.median(r[w]["tps"] for r in raw[n]) for w in SINGLE + ("sessions_8",)} for n in names}
+    acc = {n: {w: [(r[w]["draft_n_accepted"], r[w]["draft_n"]) for r in raw[n]] for w in SINGLE} for n in names}
+    same = None
+    if {"opencoti-off", "opencoti-ngram"} <= set(names):
+        same = {w: all(a[w]["text"] == b[w]["text"] for a in raw["opencoti-off"] for b in raw["opencoti-ngram"])
+                for w in SINGLE}
+        same["sessions_8"] = all(a["sessions_8"]["texts"] == b["sessions_8"]["texts"]
+                                 for a in raw["opencoti-off"] for b in raw["opencoti-ngram"])
+    rows, ratios = [], {}
+    for kind, (on, off) in PAIRS.items():
+        if on not in med:
+            continue
+        for w in SINGLE + ("sessions_8",):
+            r = common.ratio(med[on][w], med[off][w])
+            ratios.setdefault(kind, {})[w] = r
+            a = [x for x in acc[on].get(w, []) if x[1]]
+            rate = sum(x[0] for x in a) / sum(x[1] for x in a) if a else None
+            rows.append([kind, w, med[off][w], med[on][w], r, rate,
+                         common.check_mark(r, TARGET[w]) if kind == "opencoti" else "-"])
+    common.print_table(["server", "workload", "tok/s off", "tok/s ngram", "ngram/off", "draft acceptance",
+                        "target"], rows, title=f"prompt-lookup speculative decoding, {args.rounds} round(s), "
+                                               f"{threads} threads, medians")
+    if "opencoti-ngram" in med and "llama.cpp-ngram" in med:
+        peer = {w: common.ratio(med["opencoti-ngram"][w], med["llama.cpp-ngram"][w]) for w in med["opencoti-ngram"]}
+        common.print_table(["workload", "opencoti ngram", "llama.cpp ngram", "ours / theirs"],
+                           [[w, med["opencoti-ngram"][w], med["llama.cpp-ngram"][w], peer[w]] for w in peer])
+        ratios["vs_llama_cpp_ngram"] = peer
+    print(f"identical greedy outputs (opencoti ngram vs off): {same}")
+    machine = common.machine_info()
+    print(common.describe_machine(machine))
+    path = common.write_json("speculative", {
+        "config": {"rounds": args.rounds, "tokens": args.tokens, "threads": threads, "gguf": Path(gguf).name,
+                   "servers": {n: SERVERS[n] for n in names}, "opencoti_weights": weights[:1], "quick": args.quick},
+        "servers": info, "raw": raw, "median": med, "ratio": ratios, "identical_outputs": same,
+        "machine": machine, "load_before": before}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
