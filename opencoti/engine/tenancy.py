@@ -58,6 +58,11 @@ class TenantEngine:
         except (TypeError, ValueError):
             self._salted = False
 
+    def engine_and_session_id(self, session_id) -> tuple[Any, str]:
+        """(the shared engine, its id for this tenant's ``session_id``): for code that works on the
+        engine's sessions on a tenant's behalf (llama.cpp slot files)."""
+        return self._eng, self._sid(session_id)
+
     def __getattr__(self, name: str) -> Any:
         if name in _PASSTHROUGH:
             return getattr(self._eng, name)

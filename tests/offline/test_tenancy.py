@@ -55,6 +55,7 @@ def test_sessions_are_per_tenant(views):
     assert ra.info.cached_prefix_tokens == len(SYS)
     assert rb.info.cached_prefix_tokens == 0  # bob's agent-1 is another session
     assert sorted(eng._call(lambda: list(eng.core.sessions))) == ["alice:agent-1", "bob:agent-1"]
+    assert alice.engine_and_session_id("agent-1") == (eng, "alice:agent-1")
     assert [s["session_id"] for s in alice.tps_snapshot()["sessions"]] == ["agent-1"]
     assert [s["pool_id"] for s in bob.tps_snapshot()["sessions"]] == [None]
     assert [s["session_id"] for s in alice.pool(pa.pool_id).sessions] == ["agent-1"]

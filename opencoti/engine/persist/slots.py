@@ -88,9 +88,9 @@ class SlotsNotSupportedError(OpencotiError):
 
 def _resolve(engine, session_id: str):
     """(the Engine, the engine's session id) for an Engine or a TenantEngine."""
-    inner = getattr(engine, "_eng", None)
-    if inner is not None:  # a tenant's view: its session namespace
-        return inner, engine._sid(session_id)
+    resolve = getattr(engine, "engine_and_session_id", None)
+    if resolve is not None:  # a tenant's view: its session namespace
+        return resolve(session_id)
     if not isinstance(session_id, str) or not session_id:
         raise InvalidRequestError("session_id must be a non-empty string")
     return engine, session_id
