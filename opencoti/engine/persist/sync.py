@@ -17,6 +17,7 @@ import hashlib
 import logging
 import re
 import time
+import weakref
 from pathlib import Path
 
 from ..kv.pools import Pool, Residency, prefix_hashes
@@ -395,12 +396,15 @@ def identity_of(engine) -> dict:
             "eos": sorted(int(t) for t in tok.eos_token_ids)}
 
 
+_KV_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its KV identity
+
+
 def kv_identity_of(engine) -> dict:
     """What a KV file must match besides its tokens and shape: the same tokens give other KV under
     another model, another weight format (int4 projections compute other keys and values than fp32)
     or another KV dtype. The page size is not part of it: a file holds token rows, loaded into any
     page layout. Computed once per engine (on its step thread)."""
-    cached = getattr(engine, "_kv_identity", None)
+    cached = _KV_IDENTITIES.get(engine)
     if cached is not None:
         return cached
     model = engine.model
@@ -410,7 +414,7 @@ def kv_identity_of(engine) -> dict:
     ident = {**identity_of(engine), "fingerprint": h.hexdigest()[:16], "weights": str(model.weights),
              "source": "gguf" if getattr(engine.loaded, "source_gguf", None) else "hf",
              "kv_dtype": str(engine.kv.dtype).replace("torch.", "")}
-    engine._kv_identity = ident
+    _KV_IDENTITIES[engine] = ident
     return ident
 
 
