@@ -17,7 +17,10 @@ Workloads (OpenAI chat requests, greedy, ``--tokens`` tokens at most, one at a t
   aggregate tok/s = tokens / (last token - first request sent).
 
 Single-session decode tok/s is the server's ``timings.predicted_per_second`` (both servers report
-llama.cpp's timings), accepted draft tokens from ``timings.draft_n_accepted`` / ``draft_n``.
+llama.cpp's timings), the median of :data:`REPEATS` requests per round (each with its own nonce in
+its first message, so none reuses another's KV), accepted draft tokens from
+``timings.draft_n_accepted`` / ``draft_n``. A round's prompts are the same on every server, so the
+two opencoti modes' outputs are compared request by request.
 Targets: repetitive workloads >= 1.5x off, ``novel`` >= 0.97x, ``sessions_8`` >= 0.97x, outputs
 identical. Results: ``benchmarks/results/<machine-id>/speculative.json``.
 
@@ -45,6 +48,7 @@ SERVERS = {  # name -> (server, extra flags)
 PAIRS = {"opencoti": ("opencoti-ngram", "opencoti-off"), "llama.cpp": ("llama.cpp-ngram", "llama.cpp")}
 REPETITIVE = ("react_echo", "json_tools", "summarize_quote")
 SINGLE = REPETITIVE + ("novel",)
+REPEATS = 3  # each single-session workload per round (median)
 TARGET = {"react_echo": 1.5, "json_tools": 1.5, "summarize_quote": 1.5, "novel": 0.97, "sessions_8": 0.97}
 
 OBSERVATION = json.dumps({
@@ -62,20 +66,27 @@ ARTICLE = ("The river town grew around a stone bridge built in 1642. Merchants c
            "carts of grain and wool. In 1790 a flood destroyed half of the old market, and the town rebuilt it "
            "on higher ground. The new market opened in 1795 with forty stalls and a clock tower. Today the "
            "bridge carries only walkers and cyclists, and the clock tower is a museum of local history.")
+EARLIER = json.dumps({"city": "Lyon", "country": "France", "temperature_c": 16.0, "humidity_pct": 70,
+                      "condition": "rain"}, indent=1)
 PROMPTS = {
     "react_echo": [
         {"role": "system", "content": "You are an agent. After each observation, first repeat the observation "
-                                      "exactly as given, then answer the user."},
-        {"role": "user", "content": "What is the weather in Paris this week?"},
-        {"role": "assistant", "content": "Thought: I need the weather.\nAction: get_weather(city=\"Paris\")"},
-        {"role": "user", "content": f"Observation:\n{OBSERVATION}\n\nRepeat the observation exactly, then "
-                                    "answer."}],
+                                      "exactly as given, then answer the user in one sentence."},
+        {"role": "user", "content": "What is the weather in Lyon?"},
+        {"role": "assistant", "content": "Action: get_weather(city=\"Lyon\")"},
+        {"role": "user", "content": f"Observation:\n{EARLIER}"},
+        {"role": "assistant", "content": f"Observation:\n{EARLIER}\nIt is raining in Lyon, 16 C."},
+        {"role": "user", "content": "And in Paris this week?"},
+        {"role": "assistant", "content": "Action: get_weather(city=\"Paris\")"},
+        {"role": "user", "content": f"Observation:\n{OBSERVATION}"}],
     "json_tools": [
         {"role": "user", "content": "Rewrite this list as a JSON array of objects with the keys \"name\", "
                                     f"\"role\" and \"email\". Output only the JSON.\n\n{PEOPLE}"}],
     "summarize_quote": [
-        {"role": "user", "content": f"Here is a text:\n\n{ARTICLE}\n\nCopy the text above word for word, then "
-                                    "add a one-line summary."}],
+        {"role": "system", "content": "You are a careful editor. When asked to quote, copy sentences word for "
+                                      "word."},
+        {"role": "user", "content": f"Text:\n{ARTICLE}\n\nQuote every sentence of the text that contains a "
+                                    "year, word for word, one per line, then summarize the text in one line."}],
     "novel": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message "
                                           "in a bottle."}],
 }
@@ -87,7 +98,8 @@ def chat(url: str, messages: list, tokens: int, nonce: str) -> dict:
     """One streamed greedy chat request: its text, timings and client-side times."""
     import httpx
 
-    body = {"model": "m", "messages": [{"role": "system", "content": f"[{nonce}]"}] + messages, "stream": True,
+    messages = [{**messages[0], "content": f"[{nonce}] {messages[0]['content']}"}] + messages[1:]
+    body = {"model": "m", "messages": messages, "stream": True,
             "max_tokens": tokens, "temperature": 0}
     t_send, first, last, text, timings = time.perf_counter(), None, None, [], None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
@@ -110,10 +122,12 @@ def run_round(url: str, tokens: int, nonce: str) -> dict:
     out: dict = {}
     chat(url, PROMPTS["novel"], 8, nonce + "-warmup")  # lazily built buffers, page faults
     for w in SINGLE:
-        r = chat(url, PROMPTS[w], tokens, f"{nonce}-{w}")
-        t = r["timings"]
-        out[w] = {"tps": t.get("predicted_per_second"), "n": t.get("predicted_n"), "draft_n": t.get("draft_n"),
-                  "draft_n_accepted": t.get("draft_n_accepted"), "text": r["text"]}
+        runs = [chat(url, PROMPTS[w], tokens, f"{nonce}-{w}-{i}") for i in range(REPEATS)]  # new prompts: no cache
+        t = [r["timings"] for r in runs]
+        out[w] = {"tps": statistics.median(x.get("predicted_per_second") or 0.0 for x in t),
+                  "n": t[0].get("predicted_n"), "draft_n": sum(x.get("draft_n") or 0 for x in t),
+                  "draft_n_accepted": sum(x.get("draft_n_accepted") or 0 for x in t),
+                  "texts": [r["text"] for r in runs]}
     prompts = [PROMPTS[w] for w in REPETITIVE] + [[{"role": "user", "content": f"Write a short story about {s}."}]
                                                   for s in STORIES]
     res = parallel(8, lambda i: chat(url, prompts[i], tokens, f"{nonce}-s8-{i}"))
@@ -157,7 +171,7 @@ def main() -> int:
                 if kind == "opencoti" and not weights:
                     weights.append(props(srv.url).get("weights") or "auto")
                 info.setdefault(name, props(srv.url))
-                res = run_round(srv.url, args.tokens, f"r{rnd}-{int(time.time() * 1000) % 100000}")
+                res = run_round(srv.url, args.tokens, f"r{rnd}")  # fresh server: nothing cached; same prompts per mode
                 res["ready_s"] = ready
                 raw[name].append(res)
                 common.log(f"round {rnd + 1}: {name}: " + ", ".join(
@@ -168,10 +182,9 @@ def main() -> int:
     acc = {n: {w: [(r[w]["draft_n_accepted"], r[w]["draft_n"]) for r in raw[n]] for w in SINGLE} for n in names}
     same = None
     if {"opencoti-off", "opencoti-ngram"} <= set(names):
-        same = {w: all(a[w]["text"] == b[w]["text"] for a in raw["opencoti-off"] for b in raw["opencoti-ngram"])
-                for w in SINGLE}
-        same["sessions_8"] = all(a["sessions_8"]["texts"] == b["sessions_8"]["texts"]
-                                 for a in raw["opencoti-off"] for b in raw["opencoti-ngram"])
+        pairs = list(zip(raw["opencoti-off"], raw["opencoti-ngram"]))  # the same round: the same prompts
+        same = {w: all(a[w]["texts"] == b[w]["texts"] for a, b in pairs) for w in SINGLE}
+        same["sessions_8"] = all(a["sessions_8"]["texts"] == b["sessions_8"]["texts"] for a, b in pairs)
     rows, ratios = [], {}
     for kind, (on, off) in PAIRS.items():
         if on not in med:

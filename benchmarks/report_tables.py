@@ -324,6 +324,44 @@ def render_cluster(d: dict) -> str:
                      + bullets(notes + [f"Where we lose — {x}" for x in lose]))
 
 
+# ---------------------------------------------------------------------------- speculative decoding
+SPEC_LABELS = {"react_echo": "ReAct turn quoting its tool observation", "json_tools": "list rewritten as JSON",
+               "summarize_quote": "summarizer quoting its input", "novel": "short story (nothing to copy)",
+               "sessions_8": "8 sessions at once, aggregate"}
+SPEC_TARGETS = {"react_echo": 1.5, "json_tools": 1.5, "summarize_quote": 1.5, "novel": 0.97, "sessions_8": 0.97}
+
+
+def _acceptance(raw: list, w: str) -> float | None:
+    drafted = sum(r[w].get("draft_n") or 0 for r in raw)
+    return (sum(r[w].get("draft_n_accepted") or 0 for r in raw) / drafted) if drafted else None
+
+
+def render_speculative(d: dict) -> str:
+    med, raw, cfg = d["median"], d["raw"], d["config"]
+    same = d.get("identical_outputs") or {}
+    rows, lose = [], []
+    for w, label in SPEC_LABELS.items():
+        off, on = med.get("opencoti-off", {}).get(w), med.get("opencoti-ngram", {}).get(w)
+        r = ratio(on, off)
+        acc = _acceptance(raw.get("opencoti-ngram", []), w) if w != "sessions_8" else None
+        lo, lon = med.get("llama.cpp", {}).get(w), med.get("llama.cpp-ngram", {}).get(w)
+        rows.append([label, off, on, times(r), "–" if acc is None else f"{100 * acc:.0f} %",
+                     "yes" if same.get(w) else "**no**", f"≥ {SPEC_TARGETS[w]}x", verdict(r, SPEC_TARGETS[w]),
+                     lo, lon, times(ratio(lon, lo)), times(ratio(on, lon))])
+        if r is not None and r < SPEC_TARGETS[w]:
+            lose.append(f"{label}: {r:.2f}x with speculation, target {SPEC_TARGETS[w]}x.")
+        if same and not same.get(w):
+            lose.append(f"{label}: the greedy outputs with and without speculation differ.")
+    head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, up to {cfg['tokens']} tokens per request, greedy, "
+            f"medians; every server started fresh per round in rotated order; opencoti weights "
+            f"`{(cfg.get('opencoti_weights') or ['auto'])[0]}` (auto's choice at the first start, pinned); "
+            "llama-server with and without `--spec-type ngram-simple`.")
+    return "\n".join([head, "", table(["workload", "opencoti off tok/s", "ngram tok/s", "ngram / off", "accepted",
+                                       "same output", "target", "", "llama.cpp tok/s", "llama.cpp ngram tok/s",
+                                       "their ngram / off", "ours / theirs (ngram)"], rows)] + losses(lose))
+
+
 RENDER = {"peer_llamacpp": render_peer_llamacpp, "quant": render_quant, "pools": render_pools,
           "cascade": render_cascade, "fanout": render_fanout, "admission_sim": render_admission_sim,
-          "admission_sim_loaded": render_admission_sim, "cluster": render_cluster}
+          "admission_sim_loaded": render_admission_sim, "cluster": render_cluster,
+          "speculative": render_speculative}

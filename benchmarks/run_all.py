@@ -28,6 +28,7 @@ HEADLINE = [
     ("fanout", "bench_fanout.py", [], ["--quick"]),
     ("admission_sim", "bench_admission_sim.py", [], ["--quick"]),
     ("cluster", "bench_cluster.py", [], ["--quick"]),
+    ("speculative", "bench_speculative.py", [], ["--quick"]),
 ]
 
 

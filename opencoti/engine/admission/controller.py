@@ -343,6 +343,8 @@ class AdmissionController:
                 self._on_token(data["job"])
             elif event == "step":
                 st = data["stats"]
+                if getattr(st, "num_draft", 0):
+                    return  # a speculative step is not a plain decode step: the forecast stays plain (a lower bound)
                 self.forecast.observe(st.num_seqs if st.num_decode == st.num_seqs else 0, st.num_prefill_tokens,
                                       st.total_s, getattr(st, "ctx_tokens", None))
             elif event == "finish":
