@@ -164,6 +164,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         for j, t in enumerate(tokens):
             self._on_token(job, t, lps[j] if lps else None, tops[j] if tops else None)
             if job.finish_reason is not None:
+                self.tables.trim(seq, seq.num_cached)  # ended inside the draft: its later rows' pages go
                 break
             if j < accepted:
                 self.tables.advance(seq, 1)  # its KV was computed by the next row
