@@ -106,7 +106,7 @@ def _parse(value: str, kind):
 
 _ENGINE_KEYS = {"model": str, "dtype": str, "page_size": int, "kv_budget_tokens": int, "kv_budget_mib": float,
                 "max_batch_tokens": int, "max_running": int, "max_pools": int, "max_context": int,
-                "num_threads": int, "pool_grace_ttl_s": float}
+                "num_threads": int, "pool_grace_ttl_s": float, "kv_dtype": str}
 
 
 def build(args: dict):

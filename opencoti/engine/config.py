@@ -11,6 +11,7 @@ from .errors import InvalidRequestError
 
 _MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the same)
+KV_DTYPES = ("auto", "fp32", "fp16", "bf16")  # EngineConfig.kv_dtype
 
 
 def _check(cond: bool, message: str) -> None:
@@ -153,6 +154,9 @@ class EngineConfig:
     num_threads: torch CPU threads (None = adapted at run time to the cores the engine gets).
     weights: projection weight format "auto" | "fp32" | "bf16" | "int8" | "int4"; auto = the fastest
         format that passes the accuracy gate on this machine (see engine/model/weights.py).
+    kv_dtype: what the KV pages hold, "auto" | "fp32" | "fp16" | "bf16" (auto: the activations'
+        dtype). Attention reads 16-bit pages and computes in fp32; a 16-bit cache holds twice the
+        tokens of an fp32 one in the same ``kv_budget_mib``.
     pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
     seed: default RNG seed for requests without one.
     pool_id_base: pool ids are pool_id_base+1, +2, ... (0: ids 1, 2, ...). A cluster gives each
@@ -188,6 +192,7 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str | None = None
     weights: str = "auto"
+    kv_dtype: str = "auto"
     pool_id_base: int = 0
     debug_checks: bool = False
     state_dir: str | None = None
@@ -225,6 +230,8 @@ class EngineConfig:
                f"num_threads must be a positive integer, got {self.num_threads!r}")
         _check(self.weights in ("auto", "fp32", "bf16", "int8", "int4"),
                f"weights must be auto|fp32|bf16|int8|int4, got {self.weights!r}")
+        _check(isinstance(self.kv_dtype, str) and self.kv_dtype in KV_DTYPES,
+               f"kv_dtype must be {'|'.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         _check(isinstance(self.debug_checks, bool), "debug_checks must be a boolean")
         _check(_is_number(self.session_kv_budget_mib) and self.session_kv_budget_mib >= 0,
                f"session_kv_budget_mib must be a number >= 0, got {self.session_kv_budget_mib!r}")

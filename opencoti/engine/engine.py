@@ -56,6 +56,14 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_kv_dtype(name: str, act_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV pages for ``EngineConfig.kv_dtype`` (auto: the activations')."""
+    return act_dtype if name == "auto" else _KV_DTYPES[name]
+
+
 class Engine(PoolAPIMixin):
     """In-process inference engine. See ``EngineConfig`` for options.
 
@@ -123,14 +131,15 @@ class Engine(PoolAPIMixin):
                                    adapt_threads=config.num_threads is None, saved_kv=saved_kv)
         self.loaded.state_dict = None  # the forward holds its own (fused) copies
         d = self.model.dims
-        bpt = PagePool.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, self.dtype)
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
+        bpt = PagePool.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, kv_dtype)
         if config.kv_budget_mib is not None:
             budget_tokens = int(config.kv_budget_mib * 2**20 // bpt)
         else:
             budget_tokens = config.kv_budget_tokens or min(_DEFAULT_KV_TOKENS, max_ctx * config.max_running)
         num_pages = max(budget_tokens // config.page_size, 1)
         self.kv = PagePool(num_layers=d.num_layers, num_pages=num_pages, page_size=config.page_size,
-                           num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=self.dtype, device=self.device)
+                           num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=kv_dtype, device=self.device)
         self.backend = select_backend(config.attention_backend, self.device, config.cascade)
         # on CUDA a backend other than torch must first match the torch backend on this model (else: torch)
         self.backend, self.attention_check = checked_backend(self.backend, self.model, self.device,

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: adapted at run time to the cores the engine gets)")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
                    help="projection weight format (default auto: the fastest that passes the accuracy gate)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                   help="what the KV pages hold (16-bit: twice the tokens in the same --kv-budget-mib; attention "
+                        "computes in fp32; default auto: the activations' dtype)")
     p.add_argument("--pool-grace-ttl", type=float, default=30.0, help="seconds an interior pool stays pinned after "
                                                                       "its last descendant leaves (default 30)")
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
@@ -135,7 +138,7 @@ def run(args) -> int:
             num_threads=args.threads, pool_grace_ttl_s=args.pool_grace_ttl,
             prefix_cache=args.prefix_cache == "on", session_ttl_s=args.session_ttl,
             state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights,
-            session_kv_budget_mib=args.session_kv_budget_mib, speculative=args.speculative,
+            kv_dtype=args.kv_dtype, session_kv_budget_mib=args.session_kv_budget_mib, speculative=args.speculative,
             speculative_max=args.draft_max, seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),

@@ -186,7 +186,8 @@ def test_paged_decode_lse_and_empty_rows():
     out = torch.full((2, H, D), 7.0)
     lse = torch.zeros(2, H)
     LIB.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, H, HKV, D, k_cache.data_ptr(), v_cache.data_ptr(),
-                        page_idx.data_ptr(), 3, lens.data_ptr(), ps, 0.5, out.data_ptr(), lse.data_ptr(), 2)
+                        page_idx.data_ptr(), 3, lens.data_ptr(), ps, 0.5, out.data_ptr(), lse.data_ptr(),
+                        native.kv_type(torch.float32), 2)
     keys = k_cache[page_idx[0]].reshape(-1, HKV, D)[:n_keys]
     vals = v_cache[page_idx[0]].reshape(-1, HKV, D)[:n_keys]
     rep = keys.repeat_interleave(H // HKV, dim=1).transpose(0, 1)  # [H, n, D]
@@ -315,7 +316,8 @@ def test_scalar_build_computes_paged_decode_attention(scalar_lib):
     rows = torch.tensor([0, 1], dtype=torch.int64)
     out, lse = torch.empty(2, H, D), torch.empty(2, H)
     scalar_lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, H, Hkv, D, k_cache.data_ptr(), v_cache.data_ptr(),
-                               page_idx.data_ptr(), 3, lens.data_ptr(), S, 0.25, out.data_ptr(), lse.data_ptr(), 2)
+                               page_idx.data_ptr(), 3, lens.data_ptr(), S, 0.25, out.data_ptr(), lse.data_ptr(),
+                               native.kv_type(torch.float32), 2)
     for b in range(2):
         keys = torch.cat([k_cache[p] for p in page_idx[b]])[: lens[b]]  # [n, Hkv, D]
         vals = torch.cat([v_cache[p] for p in page_idx[b]])[: lens[b]]

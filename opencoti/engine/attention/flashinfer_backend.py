@@ -251,7 +251,7 @@ class FlashInferBackend:
     # ---------------------------------------------------------------------------- execution
     def forward(self, layer, q, k, v, k_cache, v_cache, meta, scale):
         state = meta.backend_state["flashinfer"]
-        if q.dtype not in self.kernels.supported_dtypes:
+        if q.dtype not in self.kernels.supported_dtypes or k_cache.dtype != q.dtype:
             return self._fallback(layer, q, k, v, k_cache, v_cache, meta, scale, state)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -287,14 +287,16 @@ class FlashInferBackend:
         return out
 
     def _fallback(self, layer, q, k, v, k_cache, v_cache, meta, scale, state):
-        """FlashInfer has no float32 kernels: run the step on the torch backend."""
+        """FlashInfer has no float32 kernels (and here none for a KV dtype other than the activations'):
+        run the step on the torch backend."""
         from .torch_backend import TorchAttentionBackend
 
         if self._torch is None:
             self._torch = TorchAttentionBackend(cascade=self.cascade, min_saved_tokens=self.min_saved_tokens)
         if not self._warned_fallback:
-            log.warning("flashinfer backend: %s is not supported by FlashInfer's kernels; "
-                        "using the torch backend (use dtype bfloat16 or float16 on CUDA)", q.dtype)
+            log.warning("flashinfer backend: %s activations over a %s KV cache are not supported by FlashInfer's "
+                        "kernels; using the torch backend (use dtype bfloat16 or float16 on CUDA, kv_dtype auto)",
+                        q.dtype, k_cache.dtype)
             self._warned_fallback = True
         if state["planned"] != "torch":
             self._torch.cascade = self.cascade

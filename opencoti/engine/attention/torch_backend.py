@@ -11,10 +11,15 @@ its private pages; partial outputs are merged exactly with their log-sum-exp.
 GQA never repeats K/V: the ``G = H / Hkv`` query heads of a KV head are folded into the
 query-length axis.
 
-Decode rows on CPU with an fp32 cache use the native kernel (``engine/native``) when it is built:
-it reads K/V straight from the pages (no gather) in one call per layer; profiled on the bundled
-model (2-core AVX2 EPYC, one session, ~60-260 tokens of context), the gather + SDPA path took
-about 80 % of a decode step's time outside the projections.
+Decode rows on CPU use the native kernel (``engine/native``) when it is built: it reads K/V
+straight from the pages (no gather) in one call per layer; profiled on the bundled model (2-core
+AVX2 EPYC, one session, ~60-260 tokens of context), the gather + SDPA path took about 80 % of a
+decode step's time outside the projections.
+
+The cache may hold another dtype than the activations (``EngineConfig.kv_dtype``: fp16 or bf16
+pages under fp32 activations): new K/V are rounded to the cache dtype as they are written, and
+gathered pages are converted back to the activations' dtype before attention, so scores, softmax
+and the weighted sum are computed in that dtype (the native kernel converts as it loads).
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ def _pages_ref(pages: list[int], device) -> torch.Tensor | slice:
     if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
         return slice(pages[0], pages[-1] + 1)
     return torch.tensor(pages, dtype=torch.int64, device=device)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K/V in the activations' dtype (a copy when the cache holds another dtype)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _merge(o_acc, lse_acc, o, lse):
@@ -146,8 +156,8 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k.index_copy_(0, meta.slot_mapping, _as(k, flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, _as(v, flat_v.dtype))
         if plan["cascade"] is None:
             return self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=False)[0]
         o_acc, lse_acc = self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=True)
@@ -156,8 +166,8 @@ class TorchAttentionBackend:
             m = rows.shape[0]
             qg = q.index_select(0, rows).view(m, num_kv_heads, group, head_dim)
             qg = qg.permute(1, 0, 2, 3).reshape(1, num_kv_heads, m * group, head_dim)  # [1, Hkv, M*G, D]
-            kg = k_cache[pages].view(-1, num_kv_heads, head_dim).transpose(0, 1)[None]  # [1, Hkv, N, D]
-            vg = v_cache[pages].view(-1, num_kv_heads, head_dim).transpose(0, 1)[None]
+            kg = _as(k_cache[pages], q.dtype).view(-1, num_kv_heads, head_dim).transpose(0, 1)[None]  # [1, Hkv, N, D]
+            vg = _as(v_cache[pages], q.dtype).view(-1, num_kv_heads, head_dim).transpose(0, 1)[None]
             og, lg = _attend_lse(qg, kg, vg, None, scale)
             og = og[0].view(num_kv_heads, m, group, head_dim).permute(1, 0, 2, 3).reshape(m, -1, head_dim)
             lg = lg[0].view(num_kv_heads, m, group).permute(1, 0, 2).reshape(m, -1)  # [M, H]
@@ -178,8 +188,8 @@ class TorchAttentionBackend:
             rows, page_idx, span, mask, _ = dec
             bd = rows.shape[0]
             qd = q.index_select(0, rows).view(bd, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
-            kd = k_cache[page_idx].view(bd, span, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, Hkv, S, D]
-            vd = v_cache[page_idx].view(bd, span, num_kv_heads, head_dim).transpose(1, 2)
+            kd = _as(k_cache[page_idx], q.dtype).view(bd, span, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, Hkv, S, D]
+            vd = _as(v_cache[page_idx], q.dtype).view(bd, span, num_kv_heads, head_dim).transpose(1, 2)
             if with_lse:
                 od, ld = _attend_lse(qd, kd, vd, mask, scale)
                 lse.index_copy_(0, rows, ld.reshape(bd, -1))
@@ -189,8 +199,8 @@ class TorchAttentionBackend:
         for start, q_len, n_keys, pages, mask in plan["prefill"]:
             qp = q[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
             qp = qp.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)  # [1, Hkv, G*q, D]
-            kp = k_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys].transpose(0, 1)[None]  # [1, Hkv, n, D]
-            vp = v_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys].transpose(0, 1)[None]
+            kp = _as(k_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys], q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vp = _as(v_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys], q.dtype).transpose(0, 1)[None]
             if with_lse:
                 op, lp = _attend_lse(qp, kp, vp, mask, scale)
                 lse[start:start + q_len] = lp[0].view(num_kv_heads, group, q_len).permute(2, 0, 1).reshape(q_len, -1)
@@ -203,10 +213,12 @@ class TorchAttentionBackend:
 
     def _native_decode(self, q, k_cache, v_cache, dec, scale, out, lse) -> bool:
         """Decode rows through the native kernel; False when it does not apply here."""
-        if not self.native or q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32 \
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            return False
         from .. import native
+
+        kv_type = native.kv_type(k_cache.dtype)
+        if not self.native or q.device.type != "cpu" or q.dtype != torch.float32 or kv_type is None \
+                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return False
 
         lib = native.lib()
         if lib is None:
@@ -218,5 +230,5 @@ class TorchAttentionBackend:
         lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
                             k_cache.data_ptr(), v_cache.data_ptr(), page_idx.data_ptr(), page_idx.shape[1],
                             lens.data_ptr(), k_cache.shape[1], float(scale), out.data_ptr(),
-                            native.ptr(lse), native.threads())
+                            native.ptr(lse), kv_type, native.threads())
         return True

@@ -1,8 +1,9 @@
 """Decode steps in one native call per layer (``oc_decode_layer`` in ``engine/native/kernels.cpp``).
 
 A decode-only step (every sequence computes one new token) of a model whose projections all run
-native kernels (``native_q4`` / ``native_q8``), with fp32 activations and cache on CPU and the
-torch attention backend's plain (non-cascade) plan, runs each decoder layer as one call: norms,
+native kernels (``native_q4`` / ``native_q8``), with fp32 activations on CPU, an fp32, fp16 or bf16
+KV cache (read and written in its dtype, attention computed in fp32) and the torch attention
+backend's plain (non-cascade) plan, runs each decoder layer as one call: norms,
 projections, RoPE, the K/V cache write, paged attention, SiLU and residuals, without returning to
 Python in between. Any other step takes the layer-by-layer path in ``llama.py``; both compute the
 same function (tests compare them). Profiled on the bundled model (2-core AVX2 EPYC, one session),
@@ -35,13 +36,14 @@ def prepare(model) -> list | None:
 def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 backend, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Run every layer on ``x`` [T, hidden] in place; False (nothing done) when this step does not
-    qualify (a prefill row, a cascade plan, another backend, a non-fp32 cache)."""
+    qualify (a prefill row, a cascade plan, another backend, a cache the kernels cannot read)."""
     from .. import native
 
     plan = meta.backend_state.get("torch")
+    kv_type = native.kv_type(k_cache.dtype)
     if (plan is None or not getattr(backend, "native", False) or plan["cascade"] is not None or plan["prefill"]
-            or plan["decode"] is None or k_cache.dtype != torch.float32 or not k_cache.is_contiguous()
-            or not v_cache.is_contiguous()):
+            or plan["decode"] is None or kv_type is None or v_cache.dtype != k_cache.dtype
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
         return False
     rows, page_idx, _span, _mask, lens = plan["decode"]
     d = model.dims
@@ -57,5 +59,5 @@ def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tenso
                             d.rms_norm_eps, layers[i], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                             k_cache[i].data_ptr(), v_cache[i].data_ptr(), rows.data_ptr(), page_idx.data_ptr(),
                             max_pages, lens.data_ptr(), page_size, d.num_heads, d.num_kv_heads, d.head_dim,
-                            model.scale, nt)
+                            model.scale, kv_type, nt)
     return True

@@ -11,7 +11,8 @@
 //                Q4_0/Q4_1 do), then nb fp16 scales d, then nb fp16 offsets m; W[n, k] = d * q + m.
 //                (GGUF Q4_1's blocks hold the same numbers, interleaved per block.)
 //   int8 ("q8"): int8 [N, K] and one fp32 scale per output row: W[n, k] = q * scale[n].
-//   KV cache  : fp32 [pages, page_size, Hkv, D] per layer; page tables int64 [B, max_pages].
+//   KV cache  : fp32, fp16 or bf16 [pages, page_size, Hkv, D] per layer (the caller says which); page
+//               tables int64 [B, max_pages].
 // Activations and outputs are fp32; accumulation is fp32 (weights are never rounded further).
 
 #include <cmath>
@@ -483,38 +484,125 @@ void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row) {
     }
 }
 
+// KV cache elements: fp32, fp16 (IEEE binary16) or bf16 (the upper 16 bits of an fp32). Attention
+// converts each element to fp32 as it loads it and accumulates in fp32.
+enum KvType : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(f16 x) { return half_to_float(x.bits); }
+inline float to_float(bf16 x) {
+    const uint32_t b = (uint32_t)x.bits << 16;
+    float f; std::memcpy(&f, &b, 4); return f;
+}
+
+// Round to nearest even, as torch converts (NaN stays NaN, overflow goes to inf).
+inline uint16_t float_to_half(float f) {
 #if OC_AVX2
-inline float dot(const float* a, const float* b, int64_t D) {
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    // FP16 library (Maratyszcza) fp16_ieee_from_fp32_value: the fp32 unit does the rounding
+    uint32_t w; std::memcpy(&w, &f, 4);
+    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
+    float base = (std::fabs(f) * to_inf) * to_zero;
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bb = (bias >> 1) + 0x07800000u;
+    float bf; std::memcpy(&bf, &bb, 4);
+    base = bf + base;
+    uint32_t bits; std::memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+inline uint16_t float_to_bf16(float f) {
+    uint32_t b; std::memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN (torch's)
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// n fp32 values into cache elements of type kv
+inline void store_kv(int kv, void* dst, const float* src, int64_t n) {
+    if (kv == kKvF32) { std::memcpy(dst, src, n * sizeof(float)); return; }
+    uint16_t* d = (uint16_t*)dst;
+    int64_t i = 0;
+    if (kv == kKvF16) {
+#if OC_AVX2
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i*)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; ++i) d[i] = float_to_half(src[i]);
+        return;
+    }
+    for (; i < n; ++i) d[i] = float_to_bf16(src[i]);
+}
+
+inline int64_t kv_size(int kv) { return kv == kKvF32 ? 4 : 2; }
+
+#if OC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 load8(const bf16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
     float s = hsum(acc);
-    for (; i < D; ++i) s += a[i] * b[i];
+    for (; i < D; ++i) s += a[i] * to_float(b[i]);
     return s;
 }
-inline void axpy(float a, const float* x, float* y, int64_t D) {
+// dot() of a with 4 vectors at once (4 independent FMA chains; each result is bit-identical to dot's)
+template <typename T>
+inline void dot4(const float* a, const T* const* b, int64_t D, float* out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        const __m256 av = _mm256_loadu_ps(a + i);
+        acc0 = _mm256_fmadd_ps(av, load8(b[0] + i), acc0);
+        acc1 = _mm256_fmadd_ps(av, load8(b[1] + i), acc1);
+        acc2 = _mm256_fmadd_ps(av, load8(b[2] + i), acc2);
+        acc3 = _mm256_fmadd_ps(av, load8(b[3] + i), acc3);
+    }
+    out[0] = hsum(acc0), out[1] = hsum(acc1), out[2] = hsum(acc2), out[3] = hsum(acc3);
+    for (int r = 0; r < 4; ++r)
+        for (int64_t t = i; t < D; ++t) out[r] += a[t] * to_float(b[r][t]);
+}
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t D) {
     const __m256 av = _mm256_set1_ps(a);
     int64_t i = 0;
-    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < D; ++i) y[i] += a * x[i];
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < D; ++i) y[i] += a * to_float(x[i]);
 }
 #else
-inline float dot(const float* a, const float* b, int64_t D) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
     float s = 0.f;
-    for (int64_t i = 0; i < D; ++i) s += a[i] * b[i];
+    for (int64_t i = 0; i < D; ++i) s += a[i] * to_float(b[i]);
     return s;
 }
-inline void axpy(float a, const float* x, float* y, int64_t D) {
-    for (int64_t i = 0; i < D; ++i) y[i] += a * x[i];
+template <typename T>
+inline void dot4(const float* a, const T* const* b, int64_t D, float* out) {
+    for (int r = 0; r < 4; ++r) out[r] = dot(a, b[r], D);
+}
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t D) {
+    for (int64_t i = 0; i < D; ++i) y[i] += a * to_float(x[i]);
 }
 #endif
 
 // Decode attention (one query token per sequence) straight from the paged cache, no gather.
 // q [*, H, D] (row q_rows[b] for sequence b); out rows likewise; lse [*, H] (natural log) or null.
 // Sequence b attends to its first kv_lens[b] tokens in pages page_idx[b, :].
+template <typename T>
 void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     const float* k_cache, const float* v_cache, const int64_t* page_idx, int64_t max_pages,
-                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
+                  const T* k_cache, const T* v_cache, const int64_t* page_idx, int64_t max_pages,
+                  const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
     const int64_t group = H / Hkv;
     const int64_t tok_stride = Hkv * D, page_stride = page_size * tok_stride;
 #pragma omp parallel num_threads(nt)
@@ -528,10 +616,23 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
             float* ov = out + (q_rows[b] * H + h) * D;
             scores.resize(n > 0 ? n : 1);
             float mx = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) {
+            auto key = [&](int64_t j) {
                 const int64_t page = page_idx[b * max_pages + j / page_size];
-                const float* kv = k_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
-                const float s = dot(qv, kv, D) * scale;
+                return k_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
+            };
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) {  // four keys at a time: independent FMA chains, the same sums
+                const T* keys[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
+                float s4[4];
+                dot4(qv, keys, D, s4);
+                for (int r = 0; r < 4; ++r) {
+                    const float s = s4[r] * scale;
+                    scores[j + r] = s;
+                    mx = std::max(mx, s);
+                }
+            }
+            for (; j < n; ++j) {
+                const float s = dot(qv, key(j), D) * scale;
                 scores[j] = s;
                 mx = std::max(mx, s);
             }
@@ -543,7 +644,7 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
             std::fill(ov, ov + D, 0.f);
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t page = page_idx[b * max_pages + j / page_size];
-                const float* vv = v_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
+                const T* vv = v_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
                 axpy(scores[j], vv, ov, D);
             }
             const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -551,6 +652,21 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
             if (lse) lse[q_rows[b] * H + h] = n > 0 ? mx + std::log(sum) : -INFINITY;
         }
     }
+}
+
+// paged_decode over a cache of element type kv (KvType)
+void paged_decode_kv(int kv, const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     const void* k_cache, const void* v_cache, const int64_t* page_idx, int64_t max_pages,
+                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
+    if (kv == kKvF16)
+        paged_decode(q, q_rows, B, H, Hkv, D, (const f16*)k_cache, (const f16*)v_cache, page_idx, max_pages, kv_lens,
+                     page_size, scale, out, lse, nt);
+    else if (kv == kKvBF16)
+        paged_decode(q, q_rows, B, H, Hkv, D, (const bf16*)k_cache, (const bf16*)v_cache, page_idx, max_pages,
+                     kv_lens, page_size, scale, out, lse, nt);
+    else
+        paged_decode(q, q_rows, B, H, Hkv, D, (const float*)k_cache, (const float*)v_cache, page_idx, max_pages,
+                     kv_lens, page_size, scale, out, lse, nt);
 }
 
 // The projection of one weight, as described by the caller (see OcProj in engine/native/__init__.py).
@@ -578,7 +694,7 @@ inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float
 
 extern "C" {
 
-int oc_abi_version() { return 5; }
+int oc_abi_version() { return 6; }
 
 // The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
 // the ones before the call go to *old_q4, *old_q8 when given.
@@ -747,11 +863,16 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
     });
 }
 
+// n fp32 values rounded into KV cache elements of kv_type, as the fused decode layer writes them.
+void oc_kv_store(int kv_type, void* dst, const float* src, int64_t n) { store_kv(kv_type, dst, src, n); }
+
+// kv_type: the cache's element type (0 fp32, 1 fp16, 2 bf16).
 void oc_paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     const float* k_cache, const float* v_cache, const int64_t* page_idx, int64_t max_pages,
-                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
-    paged_decode(q, q_rows, B, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size, scale, out, lse,
-                 nt);
+                     const void* k_cache, const void* v_cache, const int64_t* page_idx, int64_t max_pages,
+                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int kv_type,
+                     int nt) {
+    paged_decode_kv(kv_type, q, q_rows, B, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size, scale,
+                    out, lse, nt);
 }
 
 // One decoder layer for T decode rows (one new token per sequence), in place on the residual stream
@@ -760,9 +881,9 @@ void oc_paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H
 // RMSNorm, fused gate/up, SiLU(gate) * up, down projection + residual. ``proj``: qkv, o, gate_up, down.
 void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, const float* post_norm, float eps,
                      const OcProj* proj, const float* cos, const float* sin_signed, const int64_t* slots,
-                     float* k_cache, float* v_cache, const int64_t* q_rows, const int64_t* page_idx,
+                     void* k_cache, void* v_cache, const int64_t* q_rows, const int64_t* page_idx,
                      int64_t max_pages, const int64_t* kv_lens, int64_t page_size, int64_t H, int64_t Hkv,
-                     int64_t D, float scale, int nt) {
+                     int64_t D, float scale, int kv_type, int nt) {
     const int64_t qn = H * D, kvn = Hkv * D, qkv_n = qn + 2 * kvn, inter = proj[2].n / 2;
     std::vector<float> hs(T * std::max(hidden, inter)), qkv(T * qkv_n), attn(T * qn), big(T * proj[2].n);
     rms_norm(x, in_norm, T, hidden, eps, hs.data());
@@ -777,14 +898,15 @@ void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, 
             for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
             std::memcpy(v, tmp.data(), D * sizeof(float));
         }
-        std::memcpy(k_cache + slots[t] * kvn, qkv.data() + t * qkv_n + qn, kvn * sizeof(float));
-        std::memcpy(v_cache + slots[t] * kvn, qkv.data() + t * qkv_n + qn + kvn, kvn * sizeof(float));
+        const int64_t at = slots[t] * kvn * kv_size(kv_type);  // bytes
+        store_kv(kv_type, (char*)k_cache + at, qkv.data() + t * qkv_n + qn, kvn);
+        store_kv(kv_type, (char*)v_cache + at, qkv.data() + t * qkv_n + qn + kvn, kvn);
     }
     // q rows live inside qkv (row stride qkv_n): copy them dense for the attention kernel
     std::vector<float> q(T * qn);
     for (int64_t t = 0; t < T; ++t) std::memcpy(q.data() + t * qn, qkv.data() + t * qkv_n, qn * sizeof(float));
-    paged_decode(q.data(), q_rows, T, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size, scale,
-                 attn.data(), nullptr, nt);
+    paged_decode_kv(kv_type, q.data(), q_rows, T, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size,
+                    scale, attn.data(), nullptr, nt);
     project(proj[1], attn.data(), T, hs.data(), nt);
     for (int64_t i = 0; i < T * hidden; ++i) x[i] += hs[i];
     rms_norm(x, post_norm, T, hidden, eps, hs.data());
