@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="projection weight format (default auto: the fastest that passes the accuracy gate)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                    help="what the KV pages hold (16-bit: twice the tokens in the same --kv-budget-mib; attention "
-                        "computes in fp32; default auto: the activations' dtype)")
+                        "computes in fp32; default auto: fp16 under fp32 activations, else the activations' dtype)")
     p.add_argument("--pool-grace-ttl", type=float, default=30.0, help="seconds an interior pool stays pinned after "
                                                                       "its last descendant leaves (default 30)")
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],

@@ -31,6 +31,15 @@ def test_bad_kv_dtype_is_a_clear_error():
     assert EngineConfig(kv_dtype="fp16").kv_dtype == "fp16"
 
 
+def test_auto_is_fp16_under_fp32_activations(make_engine):
+    from opencoti.engine.engine import resolve_kv_dtype
+
+    eng = make_engine()
+    assert eng.dtype == torch.float32 and eng.kv.k_cache.dtype == eng.kv.v_cache.dtype == torch.float16
+    assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16  # CUDA's default activations
+    assert resolve_kv_dtype("fp32", torch.float32) == torch.float32
+
+
 def test_serve_flag():
     from opencoti.server.serve import add_arguments
 

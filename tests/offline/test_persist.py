@@ -290,8 +290,10 @@ def test_kv_files_are_keyed_by_the_weight_format(make_engine, tmp_path):
     q.shutdown()
     path = state / "kv" / f"{p.pool_id}.kv"
     head = kvfile.read_header(path)
-    assert head["kv"]["weights"] == "int4" and head["kv"]["kv_dtype"] == "float32"
-    int4_kv = np.fromfile(path, dtype="<f4", offset=kvfile.HEADER)
+    kv_dtype = str(q.kv.dtype).removeprefix("torch.")  # the default's
+    assert head["kv"]["weights"] == "int4" and head["kv"]["kv_dtype"] == head["dtype"] == kv_dtype
+    word = np.dtype(kv_dtype).newbyteorder("<")
+    int4_kv = np.fromfile(path, dtype=word, offset=kvfile.HEADER)
 
     ref = make_engine(weights="fp32")  # what an fp32 engine computes for the pool
     want = ref.generate(prompt, params=SamplingParams.greedy(6)).token_ids
@@ -306,7 +308,7 @@ def test_kv_files_are_keyed_by_the_weight_format(make_engine, tmp_path):
     assert r.info.rematerialized_pools == [p.pool_id] and r.token_ids == want  # recomputed with fp32
     eng._persist.kv_writer.flush()
     assert kvfile.read_header(path)["kv"]["weights"] == "fp32"  # saved again, for fp32
-    fp32_kv = np.fromfile(path, dtype="<f4", offset=kvfile.HEADER)
+    fp32_kv = np.fromfile(path, dtype=word, offset=kvfile.HEADER)
     assert fp32_kv.shape == int4_kv.shape and not np.allclose(fp32_kv, int4_kv, atol=1e-3)  # it would be wrong
     eng.shutdown()
 
