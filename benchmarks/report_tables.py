@@ -352,6 +352,9 @@ def render_speculative(d: dict) -> str:
             lose.append(f"{label}: {r:.2f}x with speculation, target {SPEC_TARGETS[w]}x.")
         if same and not same.get(w):
             lose.append(f"{label}: the greedy outputs with and without speculation differ.")
+        theirs = ratio(on, lon)
+        if theirs is not None and theirs < 1:
+            lose.append(f"{label}: llama.cpp with its own n-gram speculation is faster (ours {theirs:.2f}x).")
     head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, up to {cfg['tokens']} tokens per request, greedy, "
             f"medians; every server started fresh per round in rotated order; opencoti weights "
             f"`{(cfg.get('opencoti_weights') or ['auto'])[0]}` (auto's choice at the first start, pinned); "
