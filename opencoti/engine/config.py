@@ -172,8 +172,9 @@ class EngineConfig:
         seconds; its pages fall into the prefix cache.
     debug_checks: check the KV invariants each time the step loop goes idle (also on with the
         environment variable OPENCOTI_DEBUG_CHECKS=1).
-    speculative: "ngram" (prompt-lookup drafts verified in one step, see engine/speculative.py) or
-        "off"; speculative_max: draft tokens per step at most.
+    speculative: "ngram" (the default: prompt-lookup drafts verified in one step where the step
+        cost model says they pay; outputs unchanged; see engine/speculative.py) or "off";
+        speculative_max: draft tokens per step at most.
     """
 
     model: str | None = None
@@ -200,7 +201,7 @@ class EngineConfig:
     session_kv_budget_mib: float = 1024.0
     prefix_cache: bool = True
     session_ttl_s: float = 300.0
-    speculative: str = "off"
+    speculative: str = "ngram"
     speculative_max: int = 8
 
     def __post_init__(self) -> None:
