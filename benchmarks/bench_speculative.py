@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from peer_llamacpp import build_llama_server, parallel, props, start  # noqa: E402
+from peer_llamacpp import build_llama_server, parallel, props, sse_events, start  # noqa: E402
 
 SERVERS = {  # name -> (server, extra flags)
     "opencoti-off": ("opencoti", ["--speculative", "off"]),
@@ -96,25 +96,17 @@ STORIES = ["a lighthouse keeper", "a clockmaker's apprentice", "a lost cat in To
 
 def chat(url: str, messages: list, tokens: int, nonce: str) -> dict:
     """One streamed greedy chat request: its text, timings and client-side times."""
-    import httpx
-
     messages = [{**messages[0], "content": f"[{nonce}] {messages[0]['content']}"}] + messages[1:]
     body = {"model": "m", "messages": messages, "stream": True,
             "max_tokens": tokens, "temperature": 0}
     t_send, first, last, text, timings = time.perf_counter(), None, None, [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"chat -> {r.status_code}: {r.read()[:500]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            delta = ((ev.get("choices") or [{}])[0].get("delta") or {}).get("content")
-            if delta:
-                now = time.perf_counter()
-                first, last = first or now, now
-                text.append(delta)
-            timings = ev.get("timings") or timings
+    for ev in sse_events(url, "/v1/chat/completions", body):
+        delta = ((ev.get("choices") or [{}])[0].get("delta") or {}).get("content")
+        if delta:
+            now = time.perf_counter()
+            first, last = first or now, now
+            text.append(delta)
+        timings = ev.get("timings") or timings
     return {"text": "".join(text), "timings": timings or {}, "sent": t_send, "first": first, "last": last}
 
 

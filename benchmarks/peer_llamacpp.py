@@ -160,31 +160,35 @@ def start(name: str, gguf: str, threads: int, llama_bin: Path | None, extra: lis
 
 
 # ============================================================================ workloads
-def stream(url: str, path: str, body: dict) -> dict:
-    """Send one streaming request; times of the first and last content chunk and the token count."""
+def sse_events(url: str, path: str, body: dict):
+    """The JSON events of one streaming request (its SSE ``data:`` lines; ``[DONE]`` left out)."""
     import httpx
 
-    t_send = time.perf_counter()
-    first = last = None
-    n_chunks = 0
-    final = None
     with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{path} -> {r.status_code}: {r.read()[:500]!r}")
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            text = ev.get("content")
-            if text is None and ev.get("choices"):
-                text = (ev["choices"][0].get("delta") or {}).get("content")
-            if text:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                n_chunks += 1
-            if ev.get("timings") or ev.get("stop"):
-                final = ev
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def stream(url: str, path: str, body: dict) -> dict:
+    """Send one streaming request; times of the first and last content chunk and the token count."""
+    t_send = time.perf_counter()
+    first = last = None
+    n_chunks = 0
+    final = None
+    for ev in sse_events(url, path, body):
+        text = ev.get("content")
+        if text is None and ev.get("choices"):
+            text = (ev["choices"][0].get("delta") or {}).get("content")
+        if text:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n_chunks += 1
+        if ev.get("timings") or ev.get("stop"):
+            final = ev
     tokens = None
     if final and final.get("timings"):
         tokens = final["timings"].get("predicted_n")
