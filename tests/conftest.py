@@ -43,3 +43,14 @@ def make_engine():
 def engine(make_engine):
     """A tiny random-weight Llama engine (page size 4, 4096-token KV budget)."""
     return make_engine()
+
+
+@pytest.fixture(scope="session")
+def scalar_lib(tmp_path_factory):
+    """The native library built without AVX2/FMA/F16C: the portable code a user on another CPU runs."""
+    from opencoti.engine import native
+
+    path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), tmp_path_factory.mktemp("scalar"))
+    lib = native.load(path)
+    assert lib.oc_simd() == 0
+    return lib

@@ -106,15 +106,6 @@ def test_native_paged_decode_reads_16_bit_pages(name, which, request):
         assert torch.allclose(out[b].double(), o, atol=1e-5) and torch.allclose(lse[b].double(), ls, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def scalar_lib(tmp_path_factory):
-    """The library built without AVX2/FMA/F16C (the portable code)."""
-    path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), tmp_path_factory.mktemp("scalar"))
-    lib = native.load(path)
-    assert lib.oc_simd() == 0
-    return lib
-
-
 def _hard_values() -> torch.Tensor:
     """Values whose rounding to 16 bits is easy to get wrong: ties, subnormals, overflow, inf, NaN."""
     special = [0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 65519.99, 1e6, -1e6, 6.1e-5, 6.0e-8, 2.9e-8, 3.0e-8,

@@ -276,15 +276,6 @@ def test_fused_path_not_taken_where_it_does_not_apply(make_engine, monkeypatch, 
     assert eng.model.fused_layers is None
 
 
-@pytest.fixture(scope="module")
-def scalar_lib(tmp_path_factory):
-    """The library built without AVX2/FMA/F16C: the portable code a user on another CPU runs."""
-    path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), tmp_path_factory.mktemp("scalar"))
-    lib = native.load(path)
-    assert lib.oc_simd() == 0
-    return lib
-
-
 @pytest.mark.parametrize("T", [1, 2, 5, 33, 50])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_scalar_build_computes_the_projections(scalar_lib, fmt, T):
