@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from .checks import is_int as _is_int, is_number as _is_number
 from .errors import InvalidRequestError
+from .speculative import MODES as SPECULATIVE_MODES
 
 _MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the same)
@@ -242,7 +243,7 @@ class EngineConfig:
         _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,
                f"pool_id_base must be an integer in [0, 2**53 - 2**32), got {self.pool_id_base!r}")
         _check(isinstance(self.prefix_cache, bool), "prefix_cache must be a boolean")
-        _check(self.speculative in ("ngram", "off"), f"speculative must be ngram|off, got {self.speculative!r}")
+        _check(self.speculative in SPECULATIVE_MODES, f"speculative must be ngram|off, got {self.speculative!r}")
         _check(_is_int(self.speculative_max) and 1 <= self.speculative_max <= 64,
                f"speculative_max must be an integer in [1, 64], got {self.speculative_max!r}")
         _check(_is_number(self.session_ttl_s) and self.session_ttl_s >= 0,

@@ -158,8 +158,6 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         self.tables.trim(seq, base + 1 + accepted)
         self.tables.advance(seq, 1)
         job.draft_state.update(len(draft), accepted)
-        job.timings.draft_n += len(draft)
-        job.timings.draft_n_accepted += accepted
         job.state = SessionState.DECODE
         for j, t in enumerate(tokens):
             self._on_token(job, t, lps[j] if lps else None, tops[j] if tops else None)
@@ -421,6 +419,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         job.finish_reason = reason
         t = job.timings
         t.predicted_n = len(job.generated)  # = tokens_predicted (llama.cpp)
+        if job.draft_state is not None:
+            t.draft_n, t.draft_n_accepted = job.draft_state.drafted, job.draft_state.accepted
         t.predicted_ms = (job.t_last_token - job.t_first_token) * 1e3 if job.generated else 0.0
         session = job.session
         if session is not None:

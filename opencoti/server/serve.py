@@ -49,10 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                    help="reuse any cached prompt prefix automatically, for requests without a pool or a session "
                         "id too (default on)")
-    from ..engine.config import EngineConfig
+    from ..engine.config import SPECULATIVE_MODES, EngineConfig
 
     spec_default = EngineConfig.__dataclass_fields__["speculative"].default
-    p.add_argument("--speculative", "--spec-type", default=spec_default, choices=["ngram", "off"],
+    p.add_argument("--speculative", "--spec-type", default=spec_default, choices=list(SPECULATIVE_MODES),
                    help="speculative decoding: ngram = drafts looked up in each session's own context, verified "
                         f"in one step (outputs unchanged); a request's speculative.n_max overrides (default {spec_default})")
     p.add_argument("--draft-max", "--draft", "--draft-n", type=int,
