@@ -40,7 +40,7 @@ _MAX_SPAN = 8192  # ids of an earlier request looked at per span
 
 
 class PrefixCacheMixin:
-    """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, counters, page_size,
+    """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, counters, page_size, recent_outputs,
     and _drop_session_kv, _evict_pool, _auto_pinned, _session_pool."""
 
     def _init_prefix_cache(self) -> None:
@@ -249,6 +249,8 @@ class PrefixCacheMixin:
                     del self._inflight[k]
             if job.generated and job.seq is session.seq:
                 self._recent.append((job.seq.salt_root, np.asarray(job.seq.tokens, dtype=np.int64)))
+                if job.draft_state is not None and self.tables.index is not None:
+                    self.recent_outputs.add(job.seq.salt_root, job.generated)  # drafts for later requests
         if not session.anonymous:
             return
         pool = self._session_pool(session)

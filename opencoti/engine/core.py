@@ -7,6 +7,7 @@ its input before it mutates anything, so a rejected call leaves the state untouc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
@@ -27,7 +28,7 @@ from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_g
 from .sampling_state import SamplerState
 from .scheduler import Scheduler, StepStats
 from .session import Job, MaterializeJob, Sequence, Session, SessionState
-from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, StepCosts, draft_limit
+from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, RecentOutputs, StepCosts, draft_limit
 
 Emit = Callable[[tuple], None]
 _MAX_SESSION_ID = 128
@@ -70,6 +71,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
         self.last_step = StepStats()
         self.step_costs = StepCosts()  # decode step seconds by row count (speculative drafts' cost)
+        self.recent_outputs = RecentOutputs()  # finished answers later requests of their salt draft from
         self._init_prefix_cache()
         self._request_ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
@@ -121,11 +123,13 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             return batch
         budget = min(MAX_DRAFT_ROWS, MAX_STEP_ROWS - len(batch), self.config.max_batch_tokens - len(batch))
         drafts = []
+        shared = self.tables.index is not None  # other requests' answers: only where caching shares across requests
         for job in cand:
             st = job.draft_state
             st.idle += 1
             k = draft_limit(job, min(st.k_max, budget))
-            drafts.append(st.propose(job.seq.tokens, k) if k > 0 else [])
+            recent = functools.partial(self.recent_outputs.lookup, job.seq.salt_root) if shared else None
+            drafts.append(st.propose(job.seq.tokens, k, recent) if k > 0 else [])
         ks = self.step_costs.plan([j.draft_state for j in cand], len(batch), [len(d) for d in drafts])
         chosen = {}
         for job, draft, k in zip(cand, drafts, ks):

@@ -4,7 +4,11 @@ Agents repeat themselves: tool results quoted back, JSON keys and argument names
 lines of the shared brief. For a decoding job the drafter finds the latest earlier occurrence of
 its last ``n`` tokens (``n`` from :data:`NGRAM_MAX` down to :data:`NGRAM_MIN`) in its context --
 the prompt, its pool's prefix included, and what it generated -- and proposes the tokens that
-followed it there. No second model.
+followed it there. No second model. Where its own context has no match for an ``n``, the answers
+of recently finished requests of the same cache salt are looked up too (:class:`RecentOutputs`:
+agents of a team answer in the same shapes -- the same JSON keys, a restated plan, a quoted brief),
+within the same namespace as the prefix cache: requests with different salts never draft from each
+other, and an engine without the prefix cache drafts from each request's own context only.
 
 Verification: the job's last token and its ``k`` draft tokens run in one step as ``k + 1`` decode
 rows over the session's page table (row ``i`` attends to the positions before it and itself, so
@@ -32,6 +36,9 @@ recover.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 NGRAM_MAX = 4  # longest context suffix matched
@@ -44,6 +51,44 @@ PROBE_EVERY = 64  # a probe row costs ~1 % of the steps between probes (one job 
 PRIOR = (1.2, 2.0)  # acceptance prior: 1.2 matches of 2 positions
 DECAY = 0.8
 MODES = ("ngram", "off")
+SAMPLES = 9  # step times kept per row count
+RECENT_OUTPUTS = 64  # finished answers (per engine, all salts) other requests may draft from
+
+
+def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
+    """Record in ``last`` the n-grams ending at positions ``start .. stop`` (each maps to where it ends)."""
+    for end in range(max(start, 1), stop + 1):
+        for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+            if end - n < 0:
+                break
+            last[tuple(tokens[end - n:end])] = end
+
+
+class RecentOutputs:
+    """The answers of recently finished requests with their n-gram indexes, by cache salt root."""
+
+    def __init__(self, size: int = RECENT_OUTPUTS):
+        self._items: deque[tuple[bytes, list[int], dict]] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, root: bytes, answer: list[int]) -> None:
+        if len(answer) <= NGRAM_MIN:
+            return
+        tokens = list(answer)
+        last: dict = {}
+        _ngram_ends(tokens, NGRAM_MIN, len(tokens) - 1, last)  # n-grams with a token after them
+        self._items.append((root, tokens, last))
+
+    def lookup(self, root: bytes, key: tuple, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed ``key`` in the latest answer of salt ``root`` holding it."""
+        for r, tokens, last in reversed(self._items):
+            if r == root:
+                pos = last.get(key)
+                if pos is not None:
+                    return tokens[pos:pos + k]
+        return []
 
 
 @dataclass
@@ -64,26 +109,28 @@ class DraftState:
         return self.hits / self.tried
 
     def _index(self, tokens: list[int], upto: int) -> None:
-        """Record the n-grams ending at positions up to ``upto`` (each maps to where it ends)."""
-        last = self.last
-        for end in range(max(self.indexed, 1), upto + 1):
-            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
-                if end - n < 0:
-                    break
-                last[tuple(tokens[end - n:end])] = end
+        """Record the n-grams ending at positions up to ``upto``."""
+        _ngram_ends(tokens, self.indexed, upto, self.last)
         self.indexed = max(self.indexed, upto + 1)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int,
+                recent: Callable[[tuple, int], list[int]] | None = None) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last
-        n-gram (the longest that occurred before); [] when none did."""
+        n-gram (the longest that occurred before: in the context first, then through ``recent``,
+        e.g. :meth:`RecentOutputs.lookup` bound to the job's salt); [] when none did."""
         if k <= 0 or len(tokens) < NGRAM_MIN + 1:
             return []
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram ending before the last token (whose followers are known)
         for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
-            pos = self.last.get(tuple(tokens[end - n:]))
+            key = tuple(tokens[end - n:])
+            pos = self.last.get(key)
             if pos is not None and pos < end:
                 return tokens[pos:pos + k]
+            if recent is not None:
+                draft = recent(key, k)
+                if draft:
+                    return draft
         return []
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -101,31 +148,54 @@ def expected_tokens(p: float, k: int) -> float:
     return sum(p ** i for i in range(k + 1))
 
 
+def _weighted_median(pairs: list[tuple[float, float]]) -> float:
+    """The value at half of the total weight of ``(value, weight)`` pairs."""
+    pairs = sorted(pairs)
+    half, acc = sum(w for _, w in pairs) / 2, 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= half:
+            return v
+    return pairs[-1][0]
+
+
 class StepCosts:
-    """Seconds of the engine's decode steps by row count (decayed means), and a line through them."""
+    """Seconds of the engine's decode steps by row count (the median of the last :data:`SAMPLES`
+    at each count), and a robust line through them: the per-row cost is the weighted median of
+    the slopes between row counts (Theil-Sen, each pair weighted by its samples), the fixed cost
+    the weighted median of what is left. One stalled step (a page fault, a neighbour's burst) does
+    not tilt it: a single 107 ms six-row step among 16 ms one-row steps fitted a least-squares line
+    through the origin, which said no draft ever pays, and drafting stopped."""
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, deque[float]] = {}
         self.steps = 0
+        self._line: tuple[float, float] | None = None
+        self._dirty = False
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows < 1 or seconds <= 0:
             return
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self.samples.setdefault(rows, deque(maxlen=SAMPLES)).append(seconds)
+        self._dirty = True
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        return {r: statistics.median(v) for r, v in self.samples.items()}
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed, per row) seconds of a step, fitted by least squares; None before two row counts."""
-        pts = list(self.seconds.items())
-        if len(pts) < 2:
-            return None
-        n = len(pts)
-        mx = sum(r for r, _ in pts) / n
-        my = sum(t for _, t in pts) / n
-        var = sum((r - mx) ** 2 for r, _ in pts)
-        b = max(sum((r - mx) * (t - my) for r, t in pts) / var, 0.0)
-        a = max(my - b * mx, 1e-6)
-        return a, b
+        """(fixed, per row) seconds of a step; None before two row counts."""
+        if self._dirty:
+            self._dirty = False
+            pts = [(r, statistics.median(v), len(v)) for r, v in sorted(self.samples.items())]
+            if len(pts) < 2:
+                return None
+            slopes = [((t2 - t1) / (r2 - r1), n1 * n2)
+                      for i, (r1, t1, n1) in enumerate(pts) for r2, t2, n2 in pts[i + 1:]]
+            b = max(_weighted_median(slopes), 0.0)
+            a = max(_weighted_median([(t - b * r, n) for r, t, n in pts]), 1e-6)
+            self._line = (a, b)
+        return self._line
 
     def plan(self, jobs: list, rows: int, limits: list[int]) -> list[int]:
         """Draft lengths for ``jobs`` (their ``DraftState`` rates) in a step of ``rows`` decode rows:

@@ -53,6 +53,76 @@ def test_step_cost_plan_drafts_only_where_tokens_per_second_grow():
     assert gain >= speculative.MIN_GAIN
 
 
+def test_one_stalled_step_does_not_stop_drafting():
+    """Step times of a CPU (16 ms a row alone, ~8 ms more per row) with one 107 ms six-row step
+    (a stall): the line stays near the typical steps, so a job whose drafts are always accepted
+    still drafts. (The earlier fit of decayed means, one point per row count, went through the
+    origin and planned no drafts at all.)"""
+    costs = StepCosts()
+    for rows, t, n in ((1, 0.0163, 30), (2, 0.0232, 3), (3, 0.0338, 2), (4, 0.0395, 1), (5, 0.0501, 1),
+                       (6, 0.1069, 1)):
+        for _ in range(n):
+            costs.observe(rows, t)
+    a, b = costs.line()
+    assert 0.005 < a < 0.012 and 0.005 < b < 0.012
+    sure = DraftState(8)
+    sure.hits, sure.tried = 9.9, 10.0
+    assert costs.plan([sure], 1, [8]) == [8]
+    assert costs.seconds[6] == pytest.approx(0.1069)
+
+
+def test_step_costs_keep_the_median_of_recent_samples():
+    costs = StepCosts()
+    for t in (0.010, 0.011, 0.5, 0.012, 0.010):
+        costs.observe(2, t)
+    assert costs.seconds[2] == pytest.approx(0.011)
+    for _ in range(speculative.SAMPLES):
+        costs.observe(2, 0.020)
+    assert costs.seconds[2] == pytest.approx(0.020)  # old samples leave the window
+
+
+def test_recent_outputs_draft_by_salt_and_longest_match():
+    rec = speculative.RecentOutputs(size=2)
+    rec.add(b"a", [5, 6, 7, 8, 9])
+    rec.add(b"b", [5, 6, 1, 2])
+    assert rec.lookup(b"a", (6, 7), 2) == [8, 9] and rec.lookup(b"b", (5, 6), 4) == [1, 2]
+    assert rec.lookup(b"c", (5, 6), 4) == [] and rec.lookup(b"a", (8, 9), 4) == []  # nothing after (8, 9)
+    st = DraftState(4)
+    # the context's own bigram match loses to a longer match in a recent answer
+    toks = [1, 6, 7, 3, 5, 6, 7]
+    assert st.propose(toks, 3) == [3, 5, 6]
+    assert st.propose(toks, 3, lambda key, k: rec.lookup(b"a", key, k)) == [8, 9]
+    rec.add(b"a", [0, 0, 0])
+    assert len(rec) == 2 and rec.lookup(b"b", (5, 6), 4) == [1, 2] and rec.lookup(b"a", (6, 7), 2) == []
+    rec.add(b"a", [4])  # too short to hold an n-gram with a follower: not kept
+    assert len(rec) == 2
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_request_drafts_from_an_earlier_answer_of_its_salt(make_engine, monkeypatch, prefix_cache):
+    """The same request twice: the second drafts the first's answer (all accepted) and emits the
+    same tokens; a request of another salt, or any request of an engine without the prefix
+    cache, drafts only from its own context, exactly as the first did."""
+    monkeypatch.setattr(StepCosts, "plan", lambda self, jobs, rows, limits: list(limits))  # every draft runs
+    engine = make_engine(prefix_cache=prefix_cache)
+    prompt = [7, 3, 91, 45, 18, 2, 77, 150, 33, 61]
+
+    def run(salt):
+        return engine.generate(prompt, params=SamplingParams(temperature=0.0, max_tokens=40, speculative_max=8),
+                               cache_salt=salt)
+
+    first = run("team-1")
+    again, other = run("team-1"), run("team-2")
+    assert again.token_ids == first.token_ids == other.token_ids
+    own = first.timings.get("draft_n", 0)
+    assert other.timings.get("draft_n", 0) == own
+    if prefix_cache:
+        assert again.timings["draft_n_accepted"] >= len(first.token_ids) // 2
+        assert again.timings["draft_n_accepted"] == again.timings["draft_n"]
+    else:
+        assert again.timings.get("draft_n", 0) == own
+
+
 def _gen(engine, prompt, spec, **kw):
     kw.setdefault("temperature", 0.0)
     kw.setdefault("max_tokens", 40)
@@ -67,7 +137,7 @@ def oracle(monkeypatch):
     futures: dict = {}
     calls = {"n": 0, "wrong_every": 2, "wrong_at": 2}
 
-    def propose(self, tokens, k):
+    def propose(self, tokens, k, recent=None):
         for prompt, future in futures.items():
             if tokens[:len(prompt)] == list(prompt):
                 done = len(tokens) - len(prompt)
