@@ -18,7 +18,10 @@ Workloads (OpenAI chat requests, greedy, ``--tokens`` tokens at most, one at a t
 
 Single-session decode tok/s is the server's ``timings.predicted_per_second`` (both servers report
 llama.cpp's timings), the median of :data:`REPEATS` requests per round (each with its own nonce in
-its first message, so none reuses another's KV), accepted draft tokens from
+its first message, so none reuses another's KV; opencoti may draft from the answers of the requests
+before it, as it does for any request of the same cache salt: the ``first request`` ratio is of
+each workload's first request in a round, which has no earlier answer of its own workload to draft
+from), accepted draft tokens from
 ``timings.draft_n_accepted`` / ``draft_n``. A round's prompts are the same on every server, so the
 two opencoti modes' outputs are compared request by request.
 Targets: repetitive workloads >= 1.5x off, ``novel`` >= 0.97x, ``sessions_8`` >= 0.97x, outputs
@@ -116,7 +119,8 @@ def run_round(url: str, tokens: int, nonce: str) -> dict:
     for w in SINGLE:
         runs = [chat(url, PROMPTS[w], tokens, f"{nonce}-{w}-{i}") for i in range(REPEATS)]  # new prompts: no cache
         t = [r["timings"] for r in runs]
-        out[w] = {"tps": statistics.median(x.get("predicted_per_second") or 0.0 for x in t),
+        each = [x.get("predicted_per_second") or 0.0 for x in t]
+        out[w] = {"tps": statistics.median(each), "tps_each": each,
                   "n": t[0].get("predicted_n"), "draft_n": sum(x.get("draft_n") or 0 for x in t),
                   "draft_n_accepted": sum(x.get("draft_n_accepted") or 0 for x in t),
                   "texts": [r["text"] for r in runs]}
@@ -171,6 +175,8 @@ def main() -> int:
             finally:
                 srv.stop()
     med = {n: {w: statistics.median(r[w]["tps"] for r in raw[n]) for w in SINGLE + ("sessions_8",)} for n in names}
+    # the first request of each workload in a round: no earlier answer of its own workload to draft from
+    first = {n: {w: statistics.median(r[w]["tps_each"][0] for r in raw[n]) for w in SINGLE} for n in names}
     acc = {n: {w: [(r[w]["draft_n_accepted"], r[w]["draft_n"]) for r in raw[n]] for w in SINGLE} for n in names}
     same = None
     if {"opencoti-off", "opencoti-ngram"} <= set(names):
@@ -186,10 +192,13 @@ def main() -> int:
             ratios.setdefault(kind, {})[w] = r
             a = [x for x in acc[on].get(w, []) if x[1]]
             rate = sum(x[0] for x in a) / sum(x[1] for x in a) if a else None
-            rows.append([kind, w, med[off][w], med[on][w], r, rate,
+            r1 = common.ratio(first[on][w], first[off][w]) if w in first[on] else None
+            if r1 is not None:
+                ratios.setdefault(kind + "_first", {})[w] = r1
+            rows.append([kind, w, med[off][w], med[on][w], r, r1, rate,
                          common.check_mark(r, TARGET[w]) if kind == "opencoti" else "-"])
-    common.print_table(["server", "workload", "tok/s off", "tok/s ngram", "ngram/off", "draft acceptance",
-                        "target"], rows, title=f"prompt-lookup speculative decoding, {args.rounds} round(s), "
+    common.print_table(["server", "workload", "tok/s off", "tok/s ngram", "ngram/off", "first request ngram/off",
+                        "draft acceptance", "target"], rows, title=f"prompt-lookup speculative decoding, {args.rounds} round(s), "
                                                f"{threads} threads, medians")
     if "opencoti-ngram" in med and "llama.cpp-ngram" in med:
         peer = {w: common.ratio(med["opencoti-ngram"][w], med["llama.cpp-ngram"][w]) for w in med["opencoti-ngram"]}
@@ -202,7 +211,7 @@ def main() -> int:
     path = common.write_json("speculative", {
         "config": {"rounds": args.rounds, "tokens": args.tokens, "threads": threads, "gguf": Path(gguf).name,
                    "servers": {n: SERVERS[n] for n in names}, "opencoti_weights": weights[:1], "quick": args.quick},
-        "servers": info, "raw": raw, "median": med, "ratio": ratios, "identical_outputs": same,
+        "servers": info, "raw": raw, "median": med, "first_request": first, "ratio": ratios, "identical_outputs": same,
         "machine": machine, "load_before": before}, args.out)
     print(f"wrote {path}")
     return 0
