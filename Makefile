@@ -22,9 +22,9 @@ test:
 	@rc=0; \
 	$(PY) -m ruff check . || rc=1; \
 	$(PY) -m mypy || rc=1; \
-	$(PY) -m pytest -q -n auto --maxprocesses 4 tests/offline || rc=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile tests/live tests/browser || rc=1; \
-	OPENCOTI_REQUIRE_CLUSTER=1 $(PY) -m pytest -q tests/cluster || rc=1; \
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=15 tests/offline || rc=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests/live tests/browser || rc=1; \
+	OPENCOTI_REQUIRE_CLUSTER=1 $(PY) -m pytest -q --durations=10 tests/cluster || rc=1; \
 	exit $$rc
 
 test-offline: setup
