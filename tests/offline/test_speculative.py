@@ -292,6 +292,28 @@ def test_http_speculative_n_max_per_request(client, oracle):
         assert "speculative" in r.json()["error"]["message"], r.text
 
 
+def test_http_n_choices_with_drafts_equal_plain_choices(client, oracle, monkeypatch):
+    """OpenAI ``n = 2`` (two sessions on one temporary pool, seeds 5 and 6), seeded sampling: the
+    choices with drafts are the choices without them."""
+    drafts = []
+    update = DraftState.update
+    monkeypatch.setattr(DraftState, "update", lambda self, p, a: (drafts.append((p, a)), update(self, p, a))[1])
+    sampling = {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    one = client.post("/completion", json={"prompt": LOOP, "n_predict": 24, "seed": 5, "return_tokens": True,
+                                           "speculative.n_max": 0, **sampling}).json()
+    oracle[tuple(LOOP)] = one["tokens"]  # choice 0's future when both routes sample alike; choice 1 drafts wrong
+    body = {"model": "m", "prompt": LOOP, "n": 2, "max_tokens": 24, "seed": 5, **sampling}
+    plain = client.post("/v1/completions", json={**body, "speculative.n_max": 0})
+    spec = client.post("/v1/completions", json={**body, "speculative.n_max": 6})
+    assert plain.status_code == spec.status_code == 200, (plain.text, spec.text)
+
+    def texts(r):
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    assert texts(spec) == texts(plain) and len(set(texts(plain))) == 2
+    assert any(a for _, a in drafts) and any(a < p for p, a in drafts)  # choice 0 accepted, choice 1 rolled back
+
+
 def test_serve_flags_set_the_engine_default():
     import argparse
 
