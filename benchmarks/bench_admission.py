@@ -30,7 +30,8 @@ calibration's steps (and the earlier rounds'), as an engine that has been servin
 * ``ours``: spawn when ``engine.capacity(pool)["can_admit"]`` (advisory policy with the floor:
   projected mean after the admit, settle window, warming exclusion, idle estimate, guarantee).
 * ``naive``: spawn when nothing is measured yet (no active session) or the raw ``mean_active_tps``
-  >= floor (no projection, no settle) — the courier's original rule (spec §14.1 root causes 1, 4).
+  >= floor (no projection, no settle): the rule docs/polykv.md#admission improves on (a raw mean of
+  the running sessions admits into a floor that the newcomer then breaks).
 * ``oracle``: spawn while fewer than ``fit`` sessions are in flight (it knows the answer from the
   calibration): what a policy that holds the floor without learning gets on this machine, now.
 
