@@ -57,6 +57,7 @@ class Session:
         self.session_id = session_id
         self.anonymous = anonymous  # nobody named it: it expires when idle for session_ttl_s
         self.pool_id: int | None = None
+        self.tenant: str | None = None  # the owning tenant's name, kept with the session's saved record
         self.seq = Sequence()
         self.job: "Job | None" = None
         self.last_access = time.monotonic()

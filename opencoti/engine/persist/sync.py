@@ -32,11 +32,6 @@ log = logging.getLogger("opencoti.engine.persist")
 AUTO_SESSION_ID = re.compile(r"(?:.*:)?s-[0-9a-f]{12}")  # ids the engine made up (optionally tenant-prefixed)
 
 
-def owner_of(session) -> str | None:
-    """A session's tenant (set on sessions brought back from the store; Session does not declare it)."""
-    return getattr(session, "tenant", None)
-
-
 class Persister:
     enabled = True
 
@@ -258,7 +253,7 @@ class Persister:
             s = op[1]
             pool_id = s.pool_id if s.pool_id in stored else None  # a released pool is not stored
             st.put_session(SessionRecord(session_id=s.session_id, tokens=list(s.seq.tokens), pool_id=pool_id,
-                                         tenant=owner_of(s)))
+                                         tenant=s.tenant))
 
     # ================================================================== KV files of pinned pools
     def _kv_path(self, pool_id: int) -> Path:
@@ -409,11 +404,12 @@ def kv_identity_of(engine) -> dict:
         return cached
     model = engine.model
     h = hashlib.sha256(engine.loaded.hf_config.to_json_string(use_diff=False).encode())
-    emb = model.embed.reshape(-1)[:4096].float().contiguous().cpu()  # a sample of this model's weights
+    rows = -(-4096 // model.embed.shape[1])  # the table's first 4096 values (a sample of this model's weights)
+    emb = model.embed[:rows].reshape(-1)[:4096].float().contiguous().cpu()
     h.update(emb.numpy().tobytes())
     ident = {**identity_of(engine), "fingerprint": h.hexdigest()[:16], "weights": str(model.weights),
              "source": "gguf" if getattr(engine.loaded, "source_gguf", None) else "hf",
-             "kv_dtype": str(engine.kv.dtype).replace("torch.", "")}
+             "kv_dtype": engine.kv.dtype_name}
     _KV_IDENTITIES[engine] = ident
     return ident
 
