@@ -139,13 +139,16 @@ class LlamaForward:
 
     def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: torch.device | str, max_positions: int, weights: str = "fp32",
-                 quantized: dict | None = None, choose_kernel=None, threads=None, head_format: str | None = None):
+                 quantized: dict | None = None, choose_kernel=None, threads=None, head_format: str | None = None,
+                 embedding=None):
         """``weights``: fp32 | bf16 | int8 | int4 (the projections; embeddings and norms stay in
         ``dtype``). ``quantized``: HF weight name -> an ``Int4Weight``/``Int8Weight``/float tensor
         used instead of the state dict entry for projections (e.g. GGUF blocks). ``choose_kernel``:
         ``(fmt, n, k) -> kernel name`` (default: the first kernel that builds). ``threads``: a
         ``ThreadAdapter`` run around each forward (None = leave torch's thread count alone).
-        ``head_format``: the output projection's format (default: :func:`default_head_format`)."""
+        ``head_format``: the output projection's format (default: :func:`default_head_format`).
+        ``embedding``: the input embedding table to look tokens up in instead of a ``dtype`` copy of
+        the state dict's (e.g. a GGUF's Q8_0 rows, ``embedding.Q8Embedding``: the same rows)."""
         self.config = hf_config
         self.dims = d = ModelDims.from_hf_config(hf_config)
         self.dtype = dtype
@@ -191,7 +194,7 @@ class LlamaForward:
             self.kernel_names[f"{n}x{k}"] = f"{fmt}:{kern.name}"
             return kern
 
-        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
+        self.embed = embedding if embedding is not None else w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")
         head_fmt = head_format or default_head_format(weights)
         if "lm_head.weight" in state_dict and not d.tie_word_embeddings:
@@ -217,9 +220,9 @@ class LlamaForward:
             self.layers.append(layer)
         cos, sin = _rotary_cos_sin(hf_config, max_positions, self.device)
         self.cos = cos.to(dtype)  # [max_pos, D]
-        self.sin = sin.to(dtype)
+        sin = sin.to(dtype)
         half = d.head_dim // 2
-        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1).contiguous()
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).contiguous()  # the only sin table kept
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(d.head_dim)
         self.fused_layers = _fused.prepare(self)  # None: every step takes the layer-by-layer path
@@ -235,6 +238,34 @@ class LlamaForward:
                 if t is not None:
                     n += t.numel() * elem
         return n
+
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes the model's tensors hold, by item (each storage counted once): the input embedding,
+        the output head, the layers' projections, the norms, the RoPE tables."""
+        seen: set[int] = set()
+
+        def held(*objs) -> int:
+            n = 0
+            for obj in objs:
+                if obj is None:
+                    continue
+                ts = [obj] if isinstance(obj, torch.Tensor) else \
+                    [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+                if not ts:  # a kernel holding an opaque packed weight (FBGEMM fp16): what it reads
+                    n += getattr(obj, "nbytes", 0)
+                for t in ts:
+                    key = t.data_ptr() if t.layout == torch.strided else id(t)
+                    if key not in seen:
+                        seen.add(key)
+                        n += (t.untyped_storage().nbytes() if t.layout == torch.strided and not t.is_mkldnn
+                              else t.numel() * t.element_size())
+            return n
+
+        return {"embedding": held(self.embed), "output head": held(self.lm_head),
+                "projections": held(*(k for L in self.layers for k in (L.qkv, L.o, L.gate_up, L.down))),
+                "norms": held(self.final_norm, *(t for L in self.layers
+                                                 for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm))),
+                "rope tables": held(self.cos, self.sin_signed)}
 
     @property
     def weights_info(self) -> dict:

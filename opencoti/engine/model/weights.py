@@ -17,7 +17,9 @@ The output projection (the largest GEMM of a step) of a quantized format takes 1
 when they are measured faster for its shape than 8-bit ones (:func:`head_format`), else int8.
 
 GGUF sources: Q4_0 / Q4_1 / Q4_K tensors become int4 directly from their blocks (exact, no
-float round trip); other types and HF checkpoints are quantized from the float weights at load.
+float round trip); other types and HF checkpoints are quantized from the float weights at load. A
+Q8_0 input embedding is looked up in its own blocks (``embedding.py``: the same rows as the float
+table, a quarter of its bytes), shared by every format built.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from . import kernels
 from .autotune import Autotuner
+from .embedding import gguf_q8_embedding
 from .gate_text import GATE_TEXT
 from .gguf_index import GGUFIndex
 from .llama import LlamaForward, ModelDims, default_head_format
@@ -145,6 +148,9 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     hf, state = loaded.hf_config, loaded.state_dict
     gguf_path = getattr(loaded, "source_gguf", None)
     int4_src: dict | None = None
+    # a GGUF's Q8_0 embedding rows (a quarter of the fp32 table, the same rows), shared by every format built
+    embedding = None if gguf_path is None else gguf_q8_embedding(
+        gguf_path, state["model.embed_tokens.weight"].to(dtype), device)
 
     def make(fmt: str) -> LlamaForward:
         nonlocal int4_src
@@ -155,7 +161,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
             quantized = int4_src
         return LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
                             quantized=quantized, choose_kernel=tuner.choose, threads=threads,
-                            head_format=head_format(tuner, fmt, hf))
+                            head_format=head_format(tuner, fmt, hf), embedding=embedding)
 
     choice: dict = {"requested": weights}
     if weights != "auto":
