@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""KV pages in fp32 vs 16 bits on the bundled model: decode speed at long contexts and accuracy.
+"""KV pages in fp32 vs 16 and 8 bits on the bundled model: decode speed at long contexts and accuracy.
 
 Speed: one engine per KV dtype in ONE process (same weights format, same threads), each with the
 same prompt of about ``--contexts`` tokens (the gate text repeated) prefilled once; then
@@ -9,7 +9,8 @@ Per run: the request's decode tok/s (``timings.predicted_per_second``). The load
 recorded before and after each round: the machine is shared.
 
 Accuracy: ``engine/kv/gate.py`` (teacher forcing over the gate text through the paged cache: half
-the tokens in one prefill step, the rest one decode step each) per 16-bit dtype against fp32 pages.
+the tokens in one prefill step, the rest one decode step each) per 16-bit / 8-bit (q8) dtype
+against fp32 pages, with the weights' gate bounds (``passed``).
 
 Results: ``benchmarks/results/<machine-id>/bench_kv_dtype.json``.
 """
@@ -25,9 +26,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 
 
+def _block_quantize(x):
+    """llama.cpp q8_0's rule: an fp16 scale per block of 32 values (D + 4 bytes for D = 64, as q8)."""
+    import torch
+
+    x = x.float()
+    xb = x.reshape(*x.shape[:-1], -1, 32)
+    s = (xb.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = (xb / torch.where(s > 0, s, torch.ones_like(s))).round().clamp(-127, 127).to(torch.int8).reshape(x.shape)
+    return torch.cat([q, s.half().reshape(*x.shape[:-1], -1).view(torch.int8)], -1)
+
+
+def _block_dequantize(t, dtype=None):
+    import torch
+
+    d = t.shape[-1] - 4
+    s = t[..., d:].contiguous().view(torch.float16).float()
+    x = (t[..., :d].float().reshape(*t.shape[:-1], -1, 32) * s[..., None]).reshape(*t.shape[:-1], d)
+    return x.to(dtype or torch.float32)
+
+
+def q8_layouts(model, ids) -> dict:
+    """q8 as kv_dtype q8 holds it (one fp32 scale per vector) vs q8_0's layout (an fp16 scale per
+    block of 32 values, the same bytes for 64 dimensions), both through the torch attention path
+    (the native kernels read only the first), against fp32 pages: the choice of the layout."""
+    from unittest import mock
+
+    import torch
+
+    from opencoti.engine.attention.torch_backend import TorchAttentionBackend
+    from opencoti.engine.kv import q8
+    from opencoti.engine.kv.gate import paged_logits
+    from opencoti.engine.model.weights import gate_metrics
+
+    fused, model.fused_layers = model.fused_layers, None
+    try:
+        be = TorchAttentionBackend(cascade="off", native=False)
+        t = torch.tensor(ids)
+        ref = paged_logits(model, ids, torch.float32, backend=be)
+        out = {"per_vector_fp32_scale": gate_metrics(ref, paged_logits(model, ids, torch.int8, backend=be), t, len(ids))}
+        with mock.patch.object(q8, "quantize", _block_quantize), mock.patch.object(q8, "dequantize", _block_dequantize):
+            got = paged_logits(model, ids, torch.int8, backend=be)
+        out["per_32_block_fp16_scales"] = gate_metrics(ref, got, t, len(ids))
+    finally:
+        model.fused_layers = fused
+    return out
+
+
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[1])
-    p.add_argument("--kv-dtypes", default="fp32,fp16,bf16", help="KV dtypes compared (the first is the reference)")
+    p.add_argument("--kv-dtypes", default="fp32,fp16,bf16,q8", help="KV dtypes compared (the first is the reference)")
     p.add_argument("--contexts", default="512,3500", help="prompt lengths in tokens")
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per run")
     p.add_argument("--repeats", type=int, default=5, help="rounds per context")
@@ -56,9 +104,13 @@ def main() -> None:
     for n in names[1:]:
         m = kv_gate(engines[n].model, gate_ids, engines[n].kv.dtype)
         accuracy[n] = {k: m[k] for k in ("ppl_fp32", "ppl", "ppl_ratio", "top1_agreement", "tokens",
-                                         "max_abs_logit_diff")}
+                                         "max_abs_logit_diff", "passed")}
         common.log(f"accuracy {n}: ppl {m['ppl']:.4f} vs {m['ppl_fp32']:.4f} (x{m['ppl_ratio']:.5f}), "
                    f"top-1 {m['top1_agreement']:.4f} over {m['tokens']} tokens")
+    if "q8" in names and ref.model.dims.head_dim % 32 == 0:
+        accuracy["q8_layouts_torch_path"] = layouts = q8_layouts(ref.model, gate_ids)
+        common.log("q8 layouts: " + ", ".join(f"{k} ppl x{v['ppl_ratio']:.5f} top-1 {v['top1_agreement']:.4f}"
+                                               for k, v in layouts.items()))
 
     params = SamplingParams.greedy(args.tokens, ignore_eos=True)
     speed: dict = {}
@@ -85,7 +137,7 @@ def main() -> None:
         common.log(f"context {ctx}: " + ", ".join(f"{n} {row[n]['decode_tps_median']:.1f} tok/s" for n in names))
     load["end"] = common.load_snapshot()
 
-    kv = {n: {"dtype": str(e.kv.dtype).removeprefix("torch."), "bytes_per_token": e.kv.page_bytes // e.kv.page_size}
+    kv = {n: {"dtype": e.kv.dtype_name, "bytes_per_token": e.kv.page_bytes // e.kv.page_size}
           for n, e in engines.items()}
     weights = {n: e.weights_info()["format"] for n, e in engines.items()}
     for e in engines.values():

@@ -12,7 +12,7 @@ from .speculative import MODES as SPECULATIVE_MODES
 
 _MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the same)
-KV_DTYPES = ("auto", "fp32", "fp16", "bf16")  # EngineConfig.kv_dtype
+KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "q8")  # EngineConfig.kv_dtype
 
 
 def _check(cond: bool, message: str) -> None:
@@ -155,10 +155,11 @@ class EngineConfig:
     num_threads: torch CPU threads (None = adapted at run time to the cores the engine gets).
     weights: projection weight format "auto" | "fp32" | "bf16" | "int8" | "int4"; auto = the fastest
         format that passes the accuracy gate on this machine (see engine/model/weights.py).
-    kv_dtype: what the KV pages hold, "auto" | "fp32" | "fp16" | "bf16" (auto: fp16 under fp32
+    kv_dtype: what the KV pages hold, "auto" | "fp32" | "fp16" | "bf16" | "q8" (auto: fp16 under fp32
         activations, else the activations' dtype; see ``engine.resolve_kv_dtype``). Attention reads
-        16-bit pages and computes in fp32; a 16-bit cache holds twice the tokens of an fp32 one in
-        the same ``kv_budget_mib``.
+        16-bit and 8-bit pages and computes in fp32; a 16-bit cache holds twice the tokens of an fp32
+        one in the same ``kv_budget_mib``, q8 (int8 values and an fp32 scale per head vector,
+        ``kv/q8.py``) 3.76x for 64-dimension heads.
     pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
     seed: default RNG seed for requests without one.
     pool_id_base: pool ids are pool_id_base+1, +2, ... (0: ids 1, 2, ...). A cluster gives each

@@ -108,7 +108,7 @@ def _props(ctx: Context) -> dict:
         "opencoti": {"version": __version__, "weights": eng.weights_info(), "polykv": {
             "max_pools": cfg.max_pools, "page_size": eng.kv.page_size, "kv_pages_total": eng.kv.num_pages,
             "kv_budget_tokens": eng.kv.num_pages * eng.kv.page_size, "max_context": eng.max_context,
-            "kv_dtype": str(eng.kv.dtype).removeprefix("torch."), "kv_bytes_per_token": eng.kv.page_bytes // eng.kv.page_size,
+            "kv_dtype": eng.kv.dtype_name, "kv_bytes_per_token": eng.kv.page_bytes // eng.kv.page_size,
             "max_running": cfg.max_running,
             "floor_default": {"target_tps_per_session": defaults.target_tps_per_session},
             "admission_defaults": defaults.as_dict(),

@@ -41,9 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: adapted at run time to the cores the engine gets)")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
                    help="projection weight format (default auto: the fastest that passes the accuracy gate)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                   help="what the KV pages hold (16-bit: twice the tokens in the same --kv-budget-mib; attention "
-                        "computes in fp32; default auto: fp16 under fp32 activations, else the activations' dtype)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "q8"],
+                   help="what the KV pages hold (16-bit: twice the tokens in the same --kv-budget-mib; q8: int8 "
+                        "values and a scale per head vector, about 3.8x; attention computes in fp32; default auto: "
+                        "fp16 under fp32 activations, else the activations' dtype)")
     p.add_argument("--pool-grace-ttl", type=float, default=30.0, help="seconds an interior pool stays pinned after "
                                                                       "its last descendant leaves (default 30)")
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],

@@ -1,4 +1,4 @@
-"""KV pages in 16 bits on the bundled SmolLM2 (int4 weights: the native kernels and the fused decode
+"""KV pages in 16 and 8 bits on the bundled SmolLM2 (int4 weights: the native kernels and the fused decode
 layers): the KV accuracy check against fp32 pages over the gate text, and greedy generations that
 agree with fp32 pages."""
 
@@ -17,8 +17,11 @@ pytestmark = pytest.mark.bundled
 
 GATE_TOKENS = 512  # 256 in one prefill step, then 256 decode steps
 # Bounds of the check. Measured (benchmarks/bench_kv_dtype.py): fp16 perplexity x0.99992, top-1 100 %;
-# bf16 x0.99988, top-1 99.4 % (fp16 keeps 11 bits of mantissa, bf16 8).
-BOUNDS = {"fp16": {"ppl_ratio": 0.002, "top1": 0.99}, "bf16": {"ppl_ratio": 0.01, "top1": 0.97}}
+# bf16 x0.99988, top-1 99.4 % (fp16 keeps 11 bits of mantissa, bf16 8); q8 x1.003, top-1 98.6 % (the
+# weights' gate allows x1.03 and 95 %).
+BOUNDS = {"fp16": {"ppl_ratio": 0.002, "top1": 0.99}, "bf16": {"ppl_ratio": 0.01, "top1": 0.97},
+          "q8": {"ppl_ratio": 0.01, "top1": 0.97}}
+KV = {"fp16": torch.float16, "bf16": torch.bfloat16, "q8": torch.int8}
 
 
 def _engine(bundled_model, kv_dtype: str) -> Engine:
@@ -37,15 +40,15 @@ def engines(bundled_model):
         e.shutdown()
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "q8"])
 def test_kv_accuracy_check(engines, name):
     model = engines["fp32"].model
     assert model.fused_layers is not None  # the decode steps run the fused native layers
     ids = engines["fp32"].tokenizer.encode(GATE_TEXT)[:GATE_TOKENS]
-    m = kv_gate(model, ids, {"fp16": torch.float16, "bf16": torch.bfloat16}[name])
+    m = kv_gate(model, ids, KV[name])
     print(f"\nKV {name}: {m}")
     assert abs(m["ppl_ratio"] - 1) <= BOUNDS[name]["ppl_ratio"], m
-    assert m["top1_agreement"] >= BOUNDS[name]["top1"], m
+    assert m["top1_agreement"] >= BOUNDS[name]["top1"] and m["passed"], m
 
 
 def test_greedy_generations_agree_with_fp32_pages(engines):

@@ -16,10 +16,11 @@ straight from the pages (no gather) in one call per layer; profiled on the bundl
 AVX2 EPYC, one session, ~60-260 tokens of context), the gather + SDPA path took about 80 % of a
 decode step's time outside the projections.
 
-The cache may hold another dtype than the activations (``EngineConfig.kv_dtype``: fp16 or bf16
-pages under fp32 activations): new K/V are rounded to the cache dtype as they are written, and
-gathered pages are converted back to the activations' dtype before attention, so scores, softmax
-and the weighted sum are computed in that dtype (the native kernel converts as it loads).
+The cache may hold another dtype than the activations (``EngineConfig.kv_dtype``: fp16, bf16 or q8
+pages under fp32 activations): new K/V are rounded to the cache dtype (q8: quantized, ``kv/q8.py``)
+as they are written, and gathered pages are converted back to the activations' dtype before
+attention, so scores, softmax and the weighted sum are computed in that dtype (the native kernel
+converts as it loads).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv import q8
 from .base import AttentionMetadata
 from .cascade import build_cascade_plan
 
@@ -60,8 +62,17 @@ def _pages_ref(pages: list[int], device) -> torch.Tensor | slice:
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered K/V in the activations' dtype (a copy when the cache holds another dtype)."""
-    return t if t.dtype == dtype else t.to(dtype)
+    """Gathered K/V in the activations' dtype (a copy when the cache holds another dtype; q8
+    vectors ``[..., D + 4]`` become ``[..., D]``)."""
+    if t.dtype == dtype:
+        return t
+    return q8.dequantize(t, dtype) if t.dtype == q8.DTYPE else t.to(dtype)
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write new K or V ``x [T, Hkv, D]`` into the slots of a layer's cache, in the cache's dtype."""
+    flat = cache.view(-1, x.shape[1], cache.shape[-1])
+    flat.index_copy_(0, slots, q8.quantize(x) if cache.dtype == q8.DTYPE else _as(x, flat.dtype))
 
 
 def _merge(o_acc, lse_acc, o, lse):
@@ -154,10 +165,8 @@ class TorchAttentionBackend:
     def forward(self, layer, q, k, v, k_cache, v_cache, meta, scale):
         plan = meta.backend_state["torch"]
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, _as(k, flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, _as(v, flat_v.dtype))
+        _store(k_cache, meta.slot_mapping, k)
+        _store(v_cache, meta.slot_mapping, v)
         if plan["cascade"] is None:
             return self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=False)[0]
         o_acc, lse_acc = self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=True)
@@ -199,8 +208,9 @@ class TorchAttentionBackend:
         for start, q_len, n_keys, pages, mask in plan["prefill"]:
             qp = q[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
             qp = qp.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)  # [1, Hkv, G*q, D]
-            kp = _as(k_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys], q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
-            vp = _as(v_cache[pages].view(-1, num_kv_heads, head_dim)[:n_keys], q.dtype).transpose(0, 1)[None]
+            row = k_cache.shape[-1]  # head_dim (q8: + its scale)
+            kp = _as(k_cache[pages].view(-1, num_kv_heads, row)[:n_keys], q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vp = _as(v_cache[pages].view(-1, num_kv_heads, row)[:n_keys], q.dtype).transpose(0, 1)[None]
             if with_lse:
                 op, lp = _attend_lse(qp, kp, vp, mask, scale)
                 lse[start:start + q_len] = lp[0].view(num_kv_heads, group, q_len).permute(2, 0, 1).reshape(q_len, -1)

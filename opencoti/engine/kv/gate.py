@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..attention.base import SeqBatchEntry, build_metadata
+from . import q8
 from .pages import PagePool
 
 
@@ -54,6 +55,6 @@ def kv_gate(model, ids: Sequence[int], kv_dtype: torch.dtype, **kw) -> dict:
     ref = paged_logits(model, ids, torch.float32, **kw)
     got = paged_logits(model, ids, kv_dtype, **kw)
     m = gate_metrics(ref, got, t, len(ids))
-    m["kv_dtype"] = str(kv_dtype).replace("torch.", "")
+    m["kv_dtype"] = q8.name(kv_dtype)
     m["max_abs_logit_diff"] = float((ref - got).abs().max())
     return m

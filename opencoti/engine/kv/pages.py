@@ -1,7 +1,8 @@
 """PagePool: preallocated per-layer K/V storage addressed by page id, with a refcounted allocator.
 
 Layout: ``k_cache`` / ``v_cache`` are ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``
-(FlashInfer's NHD paged layout per layer). A page is referenced by every page table that holds it
+(FlashInfer's NHD paged layout per layer); 8-bit (q8) pages are int8 with ``head_dim + 4`` bytes per
+vector, the last 4 its scale (``kv/q8.py``). A page is referenced by every page table that holds it
 (pools, sessions); it returns to the free list when its refcount drops to 0. Allocation is
 check-then-commit: ``can_allocate(n)`` then ``allocate(n)``, which never partially succeeds.
 """
@@ -15,6 +16,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import CapacityError
+from . import q8
 
 
 def zeros_on_demand(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -43,11 +45,11 @@ class PagePool:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # torch.int8: q8 pages
         self.device = torch.device(device)
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache = zeros_on_demand(shape, dtype, self.device)  # [L, P, S, Hkv, D]
-        self.v_cache = zeros_on_demand(shape, dtype, self.device)  # [L, P, S, Hkv, D]
+        shape = (num_layers, num_pages, page_size, num_kv_heads, q8.row_width(head_dim, dtype))
+        self.k_cache = zeros_on_demand(shape, dtype, self.device)  # [L, P, S, Hkv, D] (q8: D + 4)
+        self.v_cache = zeros_on_demand(shape, dtype, self.device)  # [L, P, S, Hkv, D] (q8: D + 4)
         self.refcount = [0] * num_pages
         # Kept sorted descending while clean and popped from the end, so a multi-page allocation
         # gets an ascending run of ids when one is free: attention then reads a pool's pages as
@@ -59,7 +61,12 @@ class PagePool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+        return 2 * num_layers * num_kv_heads * q8.row_width(head_dim, dtype) * elem
+
+    @property
+    def dtype_name(self) -> str:
+        """``q8``, ``float16``, ... (as /props and KV files name it)."""
+        return q8.name(self.dtype)
 
     @property
     def page_bytes(self) -> int:

@@ -11,8 +11,9 @@
 //                Q4_0/Q4_1 do), then nb fp16 scales d, then nb fp16 offsets m; W[n, k] = d * q + m.
 //                (GGUF Q4_1's blocks hold the same numbers, interleaved per block.)
 //   int8 ("q8"): int8 [N, K] and one fp32 scale per output row: W[n, k] = q * scale[n].
-//   KV cache  : fp32, fp16 or bf16 [pages, page_size, Hkv, D] per layer (the caller says which); page
-//               tables int64 [B, max_pages].
+//   KV cache  : fp32, fp16 or bf16 [pages, page_size, Hkv, D] per layer (the caller says which), or q8:
+//               int8 [pages, page_size, Hkv, D + 4], each vector's D values q then its fp32 scale s
+//               (value = q * s; engine/kv/q8.py); page tables int64 [B, max_pages].
 // Activations and outputs are fp32; accumulation is fp32 (weights are never rounded further).
 
 #include <cmath>
@@ -484,13 +485,16 @@ void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row) {
     }
 }
 
-// KV cache elements: fp32, fp16 (IEEE binary16) or bf16 (the upper 16 bits of an fp32). Attention
-// converts each element to fp32 as it loads it and accumulates in fp32.
-enum KvType : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+// KV cache elements: fp32, fp16 (IEEE binary16), bf16 (the upper 16 bits of an fp32) or q8 (int8 with
+// an fp32 scale per vector). Attention converts each element to fp32 as it loads it (q8: the integer,
+// the vector's scale applied to the dot product / the softmax weight) and accumulates in fp32.
+enum KvType : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvQ8 = 3 };
+constexpr int64_t kQ8Scale = 4;  // bytes of a q8 vector's scale, after its values
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
 
 inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return (float)x; }
 inline float to_float(f16 x) { return half_to_float(x.bits); }
 inline float to_float(bf16 x) {
     const uint32_t b = (uint32_t)x.bits << 16;
@@ -523,8 +527,29 @@ inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-// n fp32 values into cache elements of type kv
-inline void store_kv(int kv, void* dst, const float* src, int64_t n) {
+// One vector of D fp32 values as q8 (D int8 values, then the fp32 scale): s = max|x| / 127,
+// q = round-half-even(x / s), as engine/kv/q8.py computes it (fp32 division, no reciprocal).
+inline void store_q8(int8_t* dst, const float* src, int64_t D) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
+    for (int64_t i = 0; i < D; ++i) {
+        const float r = std::nearbyint(src[i] / div);
+        dst[i] = (int8_t)std::min(127.f, std::max(-127.f, r));
+    }
+    std::memcpy(dst + D, &s, sizeof(float));
+}
+
+// Bytes of one vector of D values in a cache of type kv
+inline int64_t kv_row_bytes(int kv, int64_t D) { return kv == kKvQ8 ? D + kQ8Scale : D * (kv == kKvF32 ? 4 : 2); }
+
+// rows vectors of D fp32 values into cache elements of type kv (rows x kv_row_bytes bytes)
+inline void store_kv(int kv, void* dst, const float* src, int64_t rows, int64_t D) {
+    const int64_t n = rows * D;
+    if (kv == kKvQ8) {
+        for (int64_t r = 0; r < rows; ++r) store_q8((int8_t*)dst + r * (D + kQ8Scale), src + r * D, D);
+        return;
+    }
     if (kv == kKvF32) { std::memcpy(dst, src, n * sizeof(float)); return; }
     uint16_t* d = (uint16_t*)dst;
     int64_t i = 0;
@@ -539,10 +564,12 @@ inline void store_kv(int kv, void* dst, const float* src, int64_t n) {
     for (; i < n; ++i) d[i] = float_to_bf16(src[i]);
 }
 
-inline int64_t kv_size(int kv) { return kv == kKvF32 ? 4 : 2; }
 
 #if OC_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline __m256 load8(const bf16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -603,8 +630,14 @@ template <typename T>
 void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                   const T* k_cache, const T* v_cache, const int64_t* page_idx, int64_t max_pages,
                   const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
-    const int64_t group = H / Hkv;
-    const int64_t tok_stride = Hkv * D, page_stride = page_size * tok_stride;
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    const int64_t group = H / Hkv, row = kQ8 ? D + kQ8Scale : D;  // elements per vector
+    const int64_t tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    auto vec_scale = [&](const T* v) {  // a q8 vector's scale (after its D values)
+        float s = 1.f;
+        if constexpr (kQ8) std::memcpy(&s, v + D, sizeof(float));
+        return s;
+    };
 #pragma omp parallel num_threads(nt)
     {
         std::vector<float> scores;
@@ -618,7 +651,7 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
             float mx = -INFINITY;
             auto key = [&](int64_t j) {
                 const int64_t page = page_idx[b * max_pages + j / page_size];
-                return k_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
+                return k_cache + page * page_stride + (j % page_size) * tok_stride + kvh * row;
             };
             int64_t j = 0;
             for (; j + 4 <= n; j += 4) {  // four keys at a time: independent FMA chains, the same sums
@@ -626,13 +659,16 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
                 float s4[4];
                 dot4(qv, keys, D, s4);
                 for (int r = 0; r < 4; ++r) {
+                    if constexpr (kQ8) s4[r] *= vec_scale(keys[r]);
                     const float s = s4[r] * scale;
                     scores[j + r] = s;
                     mx = std::max(mx, s);
                 }
             }
             for (; j < n; ++j) {
-                const float s = dot(qv, key(j), D) * scale;
+                float s = dot(qv, key(j), D);
+                if constexpr (kQ8) s *= vec_scale(key(j));
+                s *= scale;
                 scores[j] = s;
                 mx = std::max(mx, s);
             }
@@ -644,8 +680,8 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
             std::fill(ov, ov + D, 0.f);
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t page = page_idx[b * max_pages + j / page_size];
-                const T* vv = v_cache + page * page_stride + (j % page_size) * tok_stride + kvh * D;
-                axpy(scores[j], vv, ov, D);
+                const T* vv = v_cache + page * page_stride + (j % page_size) * tok_stride + kvh * row;
+                axpy(kQ8 ? scores[j] * vec_scale(vv) : scores[j], vv, ov, D);
             }
             const float inv = sum > 0.f ? 1.f / sum : 0.f;
             for (int64_t i = 0; i < D; ++i) ov[i] *= inv;
@@ -658,7 +694,10 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
 void paged_decode_kv(int kv, const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                      const void* k_cache, const void* v_cache, const int64_t* page_idx, int64_t max_pages,
                      const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
-    if (kv == kKvF16)
+    if (kv == kKvQ8)
+        paged_decode(q, q_rows, B, H, Hkv, D, (const int8_t*)k_cache, (const int8_t*)v_cache, page_idx, max_pages,
+                     kv_lens, page_size, scale, out, lse, nt);
+    else if (kv == kKvF16)
         paged_decode(q, q_rows, B, H, Hkv, D, (const f16*)k_cache, (const f16*)v_cache, page_idx, max_pages, kv_lens,
                      page_size, scale, out, lse, nt);
     else if (kv == kKvBF16)
@@ -694,7 +733,7 @@ inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float
 
 extern "C" {
 
-int oc_abi_version() { return 6; }
+int oc_abi_version() { return 7; }
 
 // The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
 // the ones before the call go to *old_q4, *old_q8 when given.
@@ -863,10 +902,13 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
     });
 }
 
-// n fp32 values rounded into KV cache elements of kv_type, as the fused decode layer writes them.
-void oc_kv_store(int kv_type, void* dst, const float* src, int64_t n) { store_kv(kv_type, dst, src, n); }
+// rows vectors of D fp32 values rounded (q8: quantized) into KV cache elements of kv_type, as the fused
+// decode layer writes them.
+void oc_kv_store(int kv_type, void* dst, const float* src, int64_t rows, int64_t D) {
+    store_kv(kv_type, dst, src, rows, D);
+}
 
-// kv_type: the cache's element type (0 fp32, 1 fp16, 2 bf16).
+// kv_type: the cache's element type (0 fp32, 1 fp16, 2 bf16, 3 q8).
 void oc_paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                      const void* k_cache, const void* v_cache, const int64_t* page_idx, int64_t max_pages,
                      const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int kv_type,
@@ -898,9 +940,9 @@ void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, 
             for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
             std::memcpy(v, tmp.data(), D * sizeof(float));
         }
-        const int64_t at = slots[t] * kvn * kv_size(kv_type);  // bytes
-        store_kv(kv_type, (char*)k_cache + at, qkv.data() + t * qkv_n + qn, kvn);
-        store_kv(kv_type, (char*)v_cache + at, qkv.data() + t * qkv_n + qn + kvn, kvn);
+        const int64_t at = slots[t] * Hkv * kv_row_bytes(kv_type, D);  // bytes
+        store_kv(kv_type, (char*)k_cache + at, qkv.data() + t * qkv_n + qn, Hkv, D);
+        store_kv(kv_type, (char*)v_cache + at, qkv.data() + t * qkv_n + qn + kvn, Hkv, D);
     }
     // q rows live inside qkv (row stride qkv_n): copy them dense for the attention kernel
     std::vector<float> q(T * qn);

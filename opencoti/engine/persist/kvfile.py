@@ -4,7 +4,8 @@ File format (``<pool_id>.kv``): a 4 KiB-aligned header (magic, JSON: dtype, shap
 pool's tokens, so a file never loads into another prefix, and the identity of what computed the KV:
 model, weight format, KV dtype, so KV saved under ``--weights int4`` never loads into an fp32
 engine) followed by K then V as
-``[num_layers, n_tokens, num_kv_heads, head_dim]`` raw little-endian arrays. Written to a
+``[num_layers, n_tokens, num_kv_heads, head_dim]`` raw little-endian arrays (q8 pages: int8 with
+``head_dim + 4`` bytes per vector, see ``kv/q8.py``). Written to a
 temporary file, fsync'ed, then renamed: a reader sees a complete file or none. The header carries
 a checksum (CRC-32, about 1 GB/s: a 90 MiB file adds ~0.1 s to its load) of everything after it;
 loading reads the file, checks the checksum, and only then copies token rows into the pages: a file
@@ -34,7 +35,8 @@ MAGIC = b"OPENCOTI-KV1\n"
 HEADER = 4096
 CHECKSUM = "crc32"  # of the bytes after the header (K, V, the stored tokens)
 
-_NP = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}  # bf16 travels as raw 16-bit words
+# bf16 travels as raw 16-bit words; int8 is q8 pages (kv/q8.py: head_dim + 4 bytes per vector, its scale included)
+_NP = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int8: "|i1"}
 
 
 def tokens_digest(tokens: Sequence[int]) -> str:
@@ -89,7 +91,7 @@ def read_tokens(path: str | os.PathLike, head: dict) -> list[int] | None:
     n = head.get("n_tokens_stored")
     if not isinstance(n, int) or n < 0:
         return None
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(head.get("dtype"), 0)
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}.get(head.get("dtype"), 0)
     shape = head.get("shape")
     if not itemsize or not isinstance(shape, list):
         return None
@@ -156,7 +158,7 @@ def load_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, 
     ``identity`` is given - another model, weight format or KV dtype)."""
     head = read_header(path)
     dtype = _NP.get(kv.dtype)
-    shape = [kv.num_layers, end - start, kv.num_kv_heads, kv.head_dim]
+    shape = [kv.num_layers, end - start, kv.num_kv_heads, kv.k_cache.shape[-1]]
     if (not header_matches(head, start, tokens, identity) or dtype is None or head.get("shape") != shape
             or head.get("dtype") != str(kv.dtype).replace("torch.", "")):
         return False

@@ -75,7 +75,7 @@ class SessionKv:
         if n <= 0 or self._written.get(s.session_id) == key:
             return
         kv = self.core.kv
-        size = kvfile.HEADER + 2 * n * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.k_cache.element_size()
+        size = kvfile.HEADER + 2 * n * kv.num_layers * kv.num_kv_heads * kv.k_cache.shape[-1] * kv.k_cache.element_size()
         name = file_name(s.session_id)
         if size > self.budget:
             self.stats["skipped_over_budget"] += 1
