@@ -71,6 +71,20 @@ def test_native_q8_writes_are_torch_bit_for_bit(which, d, request):
 
 
 @pytest.mark.parametrize("which", ["native", "scalar"])
+@pytest.mark.parametrize("d", [16, 20, 64])
+def test_native_dequantize_is_torch_bit_for_bit(which, d, request):
+    """The one-pass native dequantization (``q8.dequantize`` on CPU) gives torch's q * s exactly."""
+    lib = LIB if which == "native" else request.getfixturevalue("scalar_lib")
+    t = q8.quantize(torch.randn(300, 3, d) * torch.logspace(-6, 5, 300)[:, None, None])
+    want = t[..., :d].float() * t[..., d:].contiguous().view(torch.float32)
+    got = torch.empty(300, 3, d)
+    lib.oc_q8_dequant(t.data_ptr(), 900, d, got.data_ptr(), 2)
+    assert torch.equal(got, want)
+    assert torch.equal(q8.dequantize(t), want) and q8.dequantize(t, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(q8.dequantize(t[::2]), want[::2])  # not contiguous: torch's ops
+
+
+@pytest.mark.parametrize("which", ["native", "scalar"])
 def test_native_decode_over_q8_pages_with_a_tail(which, request):
     """A head dimension that is not a multiple of 8 (the kernels' scalar tail) against float64."""
     lib = LIB if which == "native" else request.getfixturevalue("scalar_lib")
@@ -121,6 +135,10 @@ def test_the_budget_counts_q8_bytes(make_engine):
         polykv = c.get("/props").json()["opencoti"]["polykv"]
     assert polykv["kv_dtype"] == "q8" and polykv["kv_bytes_per_token"] == bpt
     assert polykv["kv_budget_tokens"] == e8.kv.num_pages * e8.kv.page_size
+    e8.create_pool(tokens=list(range(3, 40)))
+    st = e8.pools()  # what the dashboard draws
+    assert st["kv_pages_used"] >= e8.kv.pages_for(37)
+    assert st["kv_bytes_used"] == st["kv_pages_used"] * e8.kv.page_size * bpt
 
 
 def test_bundled_shape_is_at_most_llama_cpp_q8_0():

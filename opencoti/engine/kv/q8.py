@@ -42,6 +42,17 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q8 vectors ``[..., D + 4]`` as ``[..., D]`` values of ``dtype`` (computed in fp32)."""
+    """q8 vectors ``[..., D + 4]`` as ``[..., D]`` values of ``dtype`` (computed in fp32; on CPU in one
+    pass by the native kernels when they are built: the same values, about 2x faster than torch's
+    three passes)."""
+    d = t.shape[-1] - SCALE_BYTES
+    if t.device.type == "cpu" and t.is_contiguous() and t.numel() and d > 0:
+        from .. import native
+
+        lib = native.lib()
+        if lib is not None:
+            out = torch.empty((*t.shape[:-1], d), dtype=torch.float32)
+            lib.oc_q8_dequant(t.data_ptr(), t.numel() // t.shape[-1], d, out.data_ptr(), native.threads())
+            return out if dtype == torch.float32 else out.to(dtype)
     scale = t[..., -SCALE_BYTES:].contiguous().view(torch.float32)  # [..., 1]
     return (t[..., :-SCALE_BYTES].float() * scale).to(dtype)

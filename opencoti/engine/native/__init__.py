@@ -31,7 +31,7 @@ log = logging.getLogger("opencoti.engine")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
@@ -56,6 +56,7 @@ _SIGNATURES = {
     "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
     "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT, _INT], None),
     "oc_kv_store": ([_INT, _P, _P, _I64, _I64], None),
+    "oc_q8_dequant": ([_P, _I64, _I64, _P, _INT], None),
     "oc_decode_layer": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
                          _I64, _F, _INT, _INT], None),
 }

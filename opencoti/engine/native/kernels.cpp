@@ -733,7 +733,7 @@ inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float
 
 extern "C" {
 
-int oc_abi_version() { return 7; }
+int oc_abi_version() { return 8; }
 
 // The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
 // the ones before the call go to *old_q4, *old_q8 when given.
@@ -906,6 +906,24 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
 // decode layer writes them.
 void oc_kv_store(int kv_type, void* dst, const float* src, int64_t rows, int64_t D) {
     store_kv(kv_type, dst, src, rows, D);
+}
+
+// rows q8 vectors of D values (D + 4 bytes each, contiguous) as fp32 [rows, D]: q * s, one rounding, as
+// engine/kv/q8.py computes it (the torch attention path reads q8 pages through this).
+void oc_q8_dequant(const int8_t* src, int64_t rows, int64_t D, float* dst, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * D >= (1 << 16))
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* v = src + r * (D + kQ8Scale);
+        float s;
+        std::memcpy(&s, v + D, sizeof(float));
+        float* o = dst + r * D;
+        int64_t i = 0;
+#if OC_AVX2
+        const __m256 sv = _mm256_set1_ps(s);
+        for (; i + 8 <= D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(load8(v + i), sv));
+#endif
+        for (; i < D; ++i) o[i] = (float)v[i] * s;
+    }
 }
 
 // kv_type: the cache's element type (0 fp32, 1 fp16, 2 bf16, 3 q8).
