@@ -13,12 +13,22 @@ heads x head dim). The KV budget of each (ours: ``kv_budget_tokens``; theirs: ``
 too: opencoti's KV pages lie in an anonymous memory map and become resident as they are first
 written, llama.cpp clears its whole KV buffer at start.
 
+Where the memory goes (``profile``): a fresh process with ``tracemalloc`` on builds the engine as
+``opencoti serve`` does by default (``EngineConfig()``: the bundled model, ``weights=auto``, no state
+directory) and imports the HTTP server's modules, then records its RSS and largest mappings, the
+bytes of the model's tensors by item (``LlamaForward.tensor_bytes``), the KV pages (reserved and
+resident), every torch tensor still referenced from Python by size (any state dict, gate reference
+or candidate format kept alive would show up there) and the Python heap tracemalloc saw, by module.
+
 Results: ``benchmarks/results/<machine-id>/bench_memory.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import subprocess
 import sys
 import time
 import uuid
@@ -82,6 +92,82 @@ def memory(pid: int) -> dict:
             "file_mib": round((tot["Rss"] - tot["Anonymous"]) / 1024, 1),  # file-backed (and shared) pages
             "processes": len(pids),
             "top_mappings": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in top}}
+
+
+# ============================================================================ where it goes
+def _resident_mib(t) -> float:
+    """Resident MiB of a tensor's storage (``mincore`` on its pages; KV pages are resident once written)."""
+    import ctypes
+    import mmap
+
+    size, addr = t.untyped_storage().nbytes(), t.untyped_storage().data_ptr()
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    n = (addr + size - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+        return float("nan")
+    return sum(b & 1 for b in vec) * page / 2**20
+
+
+def _profile_child(gguf: str, threads: int, weights: str = "auto") -> dict:
+    """Runs in a fresh process (``--profile-child``): see the module docstring."""
+    import gc
+    import tracemalloc
+
+    tracemalloc.start()
+    import torch
+
+    import opencoti.server.app  # noqa: F401 - the HTTP server's modules are part of a served process
+    from opencoti.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model=gguf, num_threads=threads, weights=weights))  # as serve --model <gguf>
+    try:
+        time.sleep(SETTLE_S)
+        gc.collect()
+        mem = memory(__import__("os").getpid())
+        model = eng.model
+        items = {k: round(v / 2**20, 1) for k, v in model.tensor_bytes().items()}
+        kv = {"reserved_mib": round((eng.kv.k_cache.untyped_storage().nbytes() +
+                                     eng.kv.v_cache.untyped_storage().nbytes()) / 2**20, 1),
+              "resident_mib": round(_resident_mib(eng.kv.k_cache) + _resident_mib(eng.kv.v_cache), 1),
+              "dtype": str(eng.kv.k_cache.dtype).replace("torch.", "")}
+        seen, tensors = set(), []
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and o.layout == torch.strided and not o.is_mkldnn:
+                st = o.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    tensors.append((st.nbytes(), o.dtype, tuple(o.shape)))
+        tensors.sort(key=lambda x: -x[0])
+        snap = tracemalloc.take_snapshot()
+        by_file: dict[str, int] = {}
+        for stat in snap.statistics("filename"):
+            name = re.sub(r".*/(site-packages|lib/python3[.0-9]*)/", "", stat.traceback[0].filename).split("/")[0]
+            by_file[name] = by_file.get(name, 0) + stat.size
+        top_py = sorted(by_file.items(), key=lambda kv: -kv[1])[:8]
+        return {"rss_mib": mem["rss_mib"], "anon_mib": mem["anon_mib"], "file_mib": mem["file_mib"],
+                "top_mappings": mem["top_mappings"], "weights": model.weights, "model_tensors_mib": items,
+                "model_tensors_total_mib": round(sum(items.values()), 1), "kv_pages": kv,
+                "torch_tensors_from_python": {"count": len(tensors),
+                                              "total_mib": round(sum(t[0] for t in tensors) / 2**20, 1),
+                                              "largest": [f"{t[0] / 2**20:.1f} MiB {str(t[1]).replace('torch.', '')} "
+                                                          f"{list(t[2])}" for t in tensors[:8]]},
+                "python_heap_mib": round(sum(by_file.values()) / 2**20, 1),
+                "tracemalloc_own_mib": round(tracemalloc.get_tracemalloc_memory() / 2**20, 1),
+                "python_heap_by_package_mib": {k: round(v / 2**20, 1) for k, v in top_py}}
+    finally:
+        eng.close()
+
+
+def profile(gguf: str, threads: int, weights: str = "auto") -> dict:
+    out = subprocess.run([sys.executable, __file__, "--profile-child", "--model", gguf, "--threads", str(threads),
+                          "--weights", weights],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"the profile process failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ============================================================================ workload
@@ -159,11 +245,26 @@ def main() -> int:
                    help="opencoti also started with --weights <format> for each (comma-separated; '' for none)")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: peer_llamacpp's cached build)")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    p.add_argument("--profile-only", action="store_true",
+                   help="only the profile (of an engine with --weights), written to bench_memory_profile.json")
+    p.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     from opencoti.engine.model.loader import bundled_gguf_path
 
     gguf = args.model or str(bundled_gguf_path())
     threads = args.threads or 2
+    if args.profile_child:
+        print(json.dumps(_profile_child(gguf, threads, args.weights)))
+        return 0
+    if args.profile_only:
+        before = common.load_snapshot()
+        where = profile(gguf, threads, args.weights)
+        print(json.dumps({k: v for k, v in where.items() if k != "top_mappings"}, indent=1))
+        path = common.write_json("bench_memory_profile", {
+            "config": {"threads": threads, "gguf": Path(gguf).name, "weights": args.weights}, "profile": where,
+            "machine": common.machine_info(), "load_before": before}, args.out)
+        print(f"wrote {path}")
+        return 0
     llama_bin = Path(args.llama_server) if args.llama_server else peer.build_llama_server()
     before = common.load_snapshot()
     runs = [("opencoti", [])] + [("opencoti", ["--weights", f]) for f in args.weights_variants.split(",") if f]
@@ -171,6 +272,9 @@ def main() -> int:
     results = {}
     for name, extra in runs:
         results[" ".join([name, *extra])] = measure(name, gguf, threads, llama_bin, extra)
+    where = profile(gguf, threads)
+    common.log(f"profile: RSS {where['rss_mib']} MiB; model tensors {where['model_tensors_mib']}; "
+               f"KV {where['kv_pages']}; python heap {where['python_heap_mib']} MiB")
     ours, theirs = results["opencoti"], results["llama.cpp"]
     ratios = {"rss_after_load": common.ratio(ours["after_load"]["rss_mib"], theirs["after_load"]["rss_mib"]),
               "rss_after_prefill": common.ratio(ours["after_prefill"]["rss_mib"], theirs["after_prefill"]["rss_mib"]),
@@ -186,7 +290,8 @@ def main() -> int:
     path = common.write_json("bench_memory", {
         "config": {"threads": threads, "gguf": Path(gguf).name, "llama_server_flags": peer.LLAMA_FLAGS,
                    "prompts": PROMPTS, "llama_cpp_source": f"{peer.SDIST}=={peer.SDIST_VERSION} (vendored)"},
-        "servers": results, "ratio_ours_to_llamacpp": ratios, "machine": machine, "load_before": before}, args.out)
+        "servers": results, "profile": where, "ratio_ours_to_llamacpp": ratios, "machine": machine,
+        "load_before": before}, args.out)
     print(f"wrote {path}")
     return 0
 
