@@ -62,8 +62,9 @@ _KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 def resolve_kv_dtype(name: str, act_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the KV pages for ``EngineConfig.kv_dtype``. auto: fp16 under fp32 activations
     (measured on the bundled model, benchmarks/bench_kv_dtype.py: perplexity x0.99992 and the same
-    greedy tokens as fp32 pages; decode as fast at 512 tokens of context, 1.47x at 3,500, where
-    attention reads the pages), else the activations' dtype."""
+    greedy tokens as fp32 pages; decode as fast at 512 tokens of context and faster at 3,500, where
+    attention reads the pages; q8 pages are half fp16's bytes but less accurate and, converted on
+    the torch path, slower there), else the activations' dtype."""
     if name == "auto":
         return torch.float16 if act_dtype == torch.float32 else act_dtype
     return _KV_DTYPES[name]
