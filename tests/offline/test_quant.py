@@ -22,9 +22,9 @@ from opencoti.engine.model import autotune, choose, kernels, qformats, threads, 
 from opencoti.engine.model.loader import tiny_model
 from opencoti.engine.model.qformats import Int4Weight
 
-gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as GT  # noqa: E402
-from gguf import quants  # noqa: E402
+import gguf
+from gguf import GGMLQuantizationType as GT
+from gguf import quants
 
 
 def _w(n=48, k=64, seed=0) -> torch.Tensor:
