@@ -20,6 +20,8 @@ SWITCH_INTERVAL_S = 0.001  # sys.setswitchinterval for the server process (see r
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..engine.config import KV_DTYPES, SPECULATIVE_MODES, EngineConfig
+
     p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf path or tiny:<arch> "
                                                      "(default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -41,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: adapted at run time to the cores the engine gets)")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
                    help="projection weight format (default auto: the fastest that passes the accuracy gate)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "q8"],
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
                    help="what the KV pages hold (16-bit: twice the tokens in the same --kv-budget-mib; q8: int8 "
                         "values and a scale per head vector, about 3.8x; attention computes in fp32; default auto: "
                         "fp16 under fp32 activations, else the activations' dtype)")
@@ -50,7 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"],
                    help="reuse any cached prompt prefix automatically, for requests without a pool or a session "
                         "id too (default on)")
-    from ..engine.config import SPECULATIVE_MODES, EngineConfig
 
     spec_default = EngineConfig.__dataclass_fields__["speculative"].default
     p.add_argument("--speculative", "--spec-type", default=spec_default, choices=list(SPECULATIVE_MODES),
