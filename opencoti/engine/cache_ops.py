@@ -46,7 +46,6 @@ class PrefixCacheMixin:
     def _init_prefix_cache(self) -> None:
         self._inflight: dict[bytes, Job] = {}  # page key -> the job computing (or queued to compute) that page
         self._next_expiry_check = 0.0
-        self.scheduler.blocked = self._waits_for_prefix
         # (salt root, ids) of recent finished requests, prompt + answer: what prompts are realigned to
         self._recent: deque[tuple[bytes, np.ndarray]] = deque(maxlen=RECENT_REQUESTS)
         self._pieces = None  # token id -> its piece of text (the tokenizer's own spelling), made on first use
@@ -198,13 +197,6 @@ class PrefixCacheMixin:
         self._mark_inflight(job, len(m.pages))
         return True
 
-    def _started(self, job: Job, ok: bool) -> bool:
-        """After a start attempt: the first time it succeeds, tell the caller (``"started"``) — the
-        prompt tokens it reuses are counted now (``_auto_start``)."""
-        if ok and not job.num_preemptions:
-            job.emit(("started", job.info))
-        return ok
-
     def _recount_cache_n(self, job: Job, p: int) -> None:
         delta = p - job.timings.cache_n
         if delta:
@@ -230,8 +222,8 @@ class PrefixCacheMixin:
         j = self._owner(key)
         return j if j is not None and j.started else None
 
-    def _waits_for_prefix(self, job) -> bool:
-        """A waiting request whose next uncached prompt page a running request is computing."""
+    def waits_for_prefix(self, job) -> bool:
+        """SchedulerHooks (scheduler.py): a waiting request whose next uncached prompt page a running request is computing."""
         if not self._inflight or not getattr(job, "prompt_keys", None):
             return False
         k = self.tables.index.pending_key(job.prompt_keys, 0)

@@ -66,8 +66,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         self.tables = KVTables(kv, prefix_cache=config.prefix_cache)
         self.tables.reclaim = self.reclaim
         self.sampler = Sampler()
-        self.scheduler = Scheduler(tables=self.tables, max_batch_tokens=config.max_batch_tokens,
-                                   max_running=config.max_running, on_stuck=self._on_stuck)
+        self.scheduler = Scheduler(tables=self.tables, hooks=self, max_batch_tokens=config.max_batch_tokens,
+                                   max_running=config.max_running)  # self: its SchedulerHooks
         self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
         self.last_step = StepStats()
         self.step_costs = StepCosts()  # decode step seconds by row count (speculative drafts' cost)
@@ -91,6 +91,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         t0 = time.perf_counter()
         stats = StepStats()
         batch = self.scheduler.schedule()
+        if self.scheduler.stuck is not None:
+            self._on_stuck(self.scheduler.stuck)
         if batch:
             batch = self._with_drafts(batch)
             try:
@@ -172,6 +174,9 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 self.tables.advance(seq, 1)  # its KV was computed by the next row
 
     def _apply(self, batch: list, out) -> None:
+        for job, _ in batch:
+            if isinstance(job, Job):
+                self._announce(job)
         for job, n in batch:
             if isinstance(job, Job) and job.draft:
                 continue  # applied with its verification below
@@ -318,8 +323,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         cache_n = max(pool_p, own_p)
         auto_p = self._plan_auto(job, session.pool_id is not None, req.cache_salt)
         job.timings.cache_n = max(cache_n, auto_p)
-        use_own = own_p >= pool_p and own_p > 0
-        job.start_plan = lambda: self._started(job, self._start_session_job(job, use_own, cache_n))
+        job.start_from_own, job.start_prefix = own_p >= pool_p and own_p > 0, cache_n  # for try_start
         session.job = job
         session.last_access = time.monotonic()
         info = RequestInfo(request_id=f"req-{next(self._request_ids)}", session_id=session.session_id,
@@ -340,7 +344,24 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             return None
         return self.tree.pools.get(session.pool_id) or self.tree.released.get(session.pool_id)
 
-    def _start_session_job(self, job: Job, use_own: bool, cache_n: int) -> bool:
+    # ---- SchedulerHooks (scheduler.py): what the scheduler asks while it plans
+    def try_start(self, job: Job | MaterializeJob) -> bool:
+        """Set up a waiting job's page table from the KV it reuses. False: not enough pages yet."""
+        if isinstance(job, MaterializeJob):
+            return self._start_materialization(job)
+        return self._start_session_job(job)
+
+    # waits_for_prefix: the prefix cache's (cache_ops.py)
+
+    def _announce(self, job: Job) -> None:
+        """Tell the client once that its request started (its reuse of cached KV is counted by
+        then): when the results of its first step are applied, or when it ends having started."""
+        if not job.announced:
+            job.announced = True
+            job.emit(("started", job.info))
+
+    def _start_session_job(self, job: Job) -> bool:
+        use_own, cache_n = job.start_from_own, job.start_prefix
         session = job.session
         old = session.seq
         pool = self._session_pool(session)
@@ -419,6 +440,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             self._finish(job, finish)
 
     def _finish(self, job: Job, reason: str, error: Exception | None = None) -> None:
+        if job.t_start:  # started, maybe before a preemption, but no step's results applied yet
+            self._announce(job)
         self.scheduler.remove(job)
         job.finish_reason = reason
         t = job.timings

@@ -36,15 +36,15 @@ class PoolOpsMixin:
 
     def _enqueue_materialization(self, pool: Pool, waits: list[Pool], done: Callable) -> MaterializeJob:
         job = MaterializeJob(seq=pool.seq, pool=pool, on_done=done, wait_for=list(waits))
-
-        def start() -> bool:
-            parent = pool.parent
-            d = pool.branch_pos if parent is not None else 0
-            return not d or self.tables.share_into(pool.seq, parent.seq.page_table, d, d // self.page_size)
-
-        job.start_plan = start
         self.scheduler.add(job)
         return job
+
+    def _start_materialization(self, job: MaterializeJob) -> bool:
+        """Share the parent's first ``branch_pos`` tokens into the pool (EngineCore.try_start)."""
+        pool = job.pool
+        parent = pool.parent
+        d = pool.branch_pos if parent is not None else 0
+        return not d or self.tables.share_into(pool.seq, parent.seq.page_table, d, d // self.page_size)
 
     def _on_prefilled(self, job: MaterializeJob) -> None:
         pool = job.pool

@@ -7,14 +7,20 @@ allocated check-then-commit through the KV tables; when they run out the engine 
 sessions, then idle pools, LRU), then new work waits, and as a last resort the newest running
 job is preempted (its pages dropped, recomputed later — results unchanged).
 
-The model runner (runner.py) executes the plan; the core (core.py) applies its results.
+The scheduler only plans: it moves jobs between its queues and sizes their page tables through
+the KV tables. What it needs of its owner is one declared object, ``SchedulerHooks``, given at
+construction: ``try_start`` sets up a waiting job's shared prefix (its page table), and
+``waits_for_prefix`` says whether a waiting job waits for a page another job computes. A job that
+cannot get pages even alone is left in ``stuck`` for the owner to end. It sends no event: the model
+runner (runner.py) executes the plan, and the core (core.py) applies its results (and tells the
+client a request started when its first step's results are applied).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from typing import Protocol
 
 from .kv.tables import KVTables
 from .session import SessionState, _Work
@@ -32,14 +38,26 @@ class StepStats:
         self.model_s = self.total_s = 0.0
 
 
+class SchedulerHooks(Protocol):
+    """What the scheduler asks of its owner (the core) while it plans; nothing else is called."""
+
+    def try_start(self, job: _Work) -> bool:
+        """Set up a waiting job's page table from the KV it reuses (its session's cache, its pool,
+        the prefix index, a pool's parent). False: not enough pages yet, the job keeps waiting."""
+        ...
+
+    def waits_for_prefix(self, job: _Work) -> bool:
+        """True while a waiting job's next uncached page is being computed by another job."""
+        ...
+
+
 class Scheduler:
-    def __init__(self, *, tables: KVTables, max_batch_tokens: int, max_running: int,
-                 on_stuck: Callable[[_Work], None]):
+    def __init__(self, *, tables: KVTables, hooks: SchedulerHooks, max_batch_tokens: int, max_running: int):
         self.tables = tables
+        self.hooks = hooks
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.on_stuck = on_stuck  # a job that cannot get pages even alone
-        self.blocked: Callable[[_Work], bool] = lambda job: False  # waits for a prefix another job computes
+        self.stuck: _Work | None = None  # after ``schedule``: a job that cannot get pages even alone (the owner ends it)
         self.waiting: deque[_Work] = deque()
         self.running: list[_Work] = []
         self._admit_counter = 0
@@ -81,11 +99,13 @@ class Scheduler:
         job.num_preemptions += 1
 
     def _deps_ready(self, job: _Work) -> bool:
-        return all(p.residency == "resident" for p in job.wait_for) and not self.blocked(job)
+        return all(p.residency == "resident" for p in job.wait_for) and not self.hooks.waits_for_prefix(job)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, retry: bool = True) -> Batch:
-        """The jobs to compute this step and how many tokens each (their pages are allocated)."""
+        """The jobs to compute this step and how many tokens each (their pages are allocated).
+        An empty plan may leave a job in ``stuck``: it cannot get pages even alone."""
+        self.stuck = None
         batch: Batch = []
         budget = self.max_batch_tokens
         # 1. decode: every running job with one token left
@@ -119,7 +139,7 @@ class Scheduler:
             if job is None:
                 break
             if not job.started:
-                if job.start_plan is not None and not job.start_plan():
+                if not self.hooks.try_start(job):
                     break  # not enough pages to set up its shared prefix: wait (FIFO)
                 job.started = True
                 job.t_start = time.perf_counter()
@@ -139,9 +159,9 @@ class Scheduler:
             if len(self.running) > 1:
                 self.preempt(max(self.running, key=lambda j: j.admit_seq))
                 return self.schedule()
-            self.on_stuck(self.running[0])
+            self.stuck = self.running[0]
         elif not batch and not self.running:
             job = next((j for j in self.waiting if self._deps_ready(j)), None)
             if job is not None:
-                self.on_stuck(job)
+                self.stuck = job
         return batch

@@ -114,8 +114,7 @@ class _Work:
     started: bool = False
     admit_seq: int = 0  # order of admission into the running set (preemption picks the newest)
     num_preemptions: int = 0
-    t_start: float = 0.0
-    start_plan: Callable[[], bool] | None = None  # sets up the page table; False = not enough pages yet
+    t_start: float = 0.0  # when it last started (0: never)
 
     @property
     def num_remaining(self) -> int:
@@ -129,6 +128,11 @@ class Job(_Work):
     params: SamplingParams
     emit: Callable[[Any], None]
     session: Session | None = None
+    # how it starts (EngineCore.try_start): from its session's own cache (else its pool), reusing
+    # ``start_prefix`` tokens of it as planned at commit
+    start_from_own: bool = False
+    start_prefix: int = 0
+    announced: bool = False  # the client was told it started ("started")
     prompt_len: int = 0
     max_context: int = 0
     generated: list[int] = field(default_factory=list)
