@@ -626,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                    "points": {s: points_for(s) for s in args.systems}, "quick": args.quick,
                    "cascade": engine.backend.cascade, "max_batch_tokens": engine.config.max_batch_tokens,
                    "torch_threads": torch.get_num_threads(),
-                   "weights": weights, "hf_dtype": args.dtype,
+                   "weights": weights, "weights_choice": {k: (getattr(engine.model, "weights_choice", None) or {}).get(k) for k in
+                                                          ("reason", "measured", "disturbed", "cached")},
+                   "hf_dtype": args.dtype,
                    "openmp_env_ours": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
                    "openmp_env_transformers": {k: hf_env.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
                    "transformers_processes": "each transformers measurement in a process of its own "

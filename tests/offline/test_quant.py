@@ -376,6 +376,22 @@ def test_auto_keeps_a_quiet_choice_and_measures_a_disturbed_one_again(monkeypatc
     assert third.weights_choice["measured"] == second.weights_choice["measured"]
 
 
+def test_auto_choice_follows_the_weights_not_the_name(monkeypatch, tmp_path):
+    """The same weights loaded under two names (``--model file.gguf`` and the bundled default) share
+    one measured choice; other weights (another seed) are measured on their own."""
+    calls, kw = _counting_auto(monkeypatch, tmp_path)
+    monkeypatch.setattr(choose, "others_load", lambda *a: 0.0)
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0,
+                                                                   "top1_agreement": 1.0})
+    a, b, other = tiny_model("llama"), tiny_model("llama"), tiny_model("llama", seed=1)
+    a.name, b.name = "model.Q4_1", "model"
+    assert weights.build_forward(a, **kw).weights == "int4" and len(calls) == 1
+    second = weights.build_forward(b, **kw)
+    assert len(calls) == 1 and second.weights_choice["cached"]
+    weights.build_forward(other, **kw)
+    assert len(calls) == 2
+
+
 def _counting_auto(monkeypatch, tmp_path) -> tuple[list, dict]:
     """Stand-in step times that count the measurements, and ``build_forward``'s auto arguments."""
     monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
