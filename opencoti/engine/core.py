@@ -63,8 +63,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.sessions: dict[str, Session] = {}
         self.tree = PoolTree(config.max_pools, id_base=config.pool_id_base)
-        self.tables = KVTables(kv, prefix_cache=config.prefix_cache)
-        self.tables.reclaim = self.reclaim
+        self.tables = KVTables(kv, reclaim=self.reclaim, prefix_cache=config.prefix_cache)  # cache_ops.reclaim
         self.sampler = Sampler()
         self.scheduler = Scheduler(tables=self.tables, hooks=self, max_batch_tokens=config.max_batch_tokens,
                                    max_running=config.max_running)  # self: its SchedulerHooks

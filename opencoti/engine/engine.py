@@ -155,7 +155,7 @@ class Engine(PoolAPIMixin):
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)
         self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
-        self._admission = AdmissionController(self.core, self._submit, self._metrics)  # prepare -> decide -> commit
+        self._admission = AdmissionController(self.core, self.post_to_step_thread, self._metrics)  # prepare -> decide -> commit
         self.model_name = self.loaded.name
         self._persist = open_state(self)  # config.state_dir: restore the stored pools and sessions, keep in sync
         release_memory()  # what start-up built and dropped (candidate formats, the gate's reference, buffers)
@@ -261,15 +261,22 @@ class Engine(PoolAPIMixin):
             if cmd is not _STOP:
                 cmd[3].set_exception(EngineClosedError("engine shut down"))
 
-    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+    def post_to_step_thread(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the step thread, between steps (the only thread that may
+        touch the core); a Future of its result, failed with EngineClosedError once shut down."""
         if self._closed:
             raise EngineClosedError("engine shut down")
         fut: Future = Future()
         self._cmds.put((fn, args, kwargs, fut))
         return fut
 
-    def _call(self, fn: Callable, *args, **kwargs) -> Any:
-        return self._submit(fn, *args, **kwargs).result()
+    def run_on_step_thread(self, fn: Callable, *args, **kwargs) -> Any:
+        """``post_to_step_thread`` and wait for the result (raises what ``fn`` raised)."""
+        return self.post_to_step_thread(fn, *args, **kwargs).result()
+
+    # the earlier private names, still used by tenancy.py and tests (switch them, then drop these)
+    _submit = post_to_step_thread
+    _call = run_on_step_thread
 
     def shutdown(self) -> None:
         """Stop the step loop; pending requests fail with EngineClosedError."""
@@ -382,7 +389,7 @@ class Engine(PoolAPIMixin):
 
     def cancel(self, job) -> None:
         if not self._closed:
-            self._submit(self.core.cancel, job)
+            self.post_to_step_thread(self.core.cancel, job)
 
     def check_integrity(self) -> None:
         """Assert the KV refcount and ownership invariants (runs on the step thread). In debug mode
@@ -390,60 +397,60 @@ class Engine(PoolAPIMixin):
         time it goes idle; the first failure found there is raised here."""
         if self._integrity_error is not None:
             raise self._integrity_error
-        self._call(self.core.check_integrity)
+        self.run_on_step_thread(self.core.check_integrity)
 
     def check_kv_files(self, pool_ids: set[int] | None = None) -> dict:
         """Verify the checksums of the state directory's KV files (see ``Persister.check_kv_files``)."""
-        return self._persist.check_kv_files(self._call, pool_ids)
+        return self._persist.check_kv_files(self.run_on_step_thread, pool_ids)
 
     def stats(self) -> dict:
         """Counters, KV pages, sessions, queue lengths and the prefix cache (pages, bytes, hit rate)."""
-        return self._call(self.core.stats)
+        return self.run_on_step_thread(self.core.stats)
 
     def weights_info(self) -> dict:
         """The projection weight format, the kernel per shape, weight bytes read per decode step, why
         the format was chosen (``auto``: estimates and accuracy-gate numbers) and, on CPU, the thread
         adapter's state."""
-        return self._call(lambda: {**self.model.weights_info, "choice": getattr(self.model, "weights_choice", None)})
+        return self.run_on_step_thread(lambda: {**self.model.weights_info, "choice": getattr(self.model, "weights_choice", None)})
 
     # ======================================================================== tps & admission
     def tps_snapshot(self) -> dict:
         """Live tps: ``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [{session_id,
         pool_id, tps_ewma, ctx_used, ctx_total, ctx_headroom_tokens, compaction_pressure, state}]}``."""
-        return self._call(self._metrics.snapshot)
+        return self.run_on_step_thread(self._metrics.snapshot)
 
     def tps_history(self, session_id: str | None = None, since: float | None = None) -> dict:
         """The sampled tps time series (engine-wide and per session; bounded), points with ts >= since."""
-        return self._call(self._metrics.history_view, session_id, since)
+        return self.run_on_step_thread(self._metrics.history_view, session_id, since)
 
     def configure_tps(self, **settings) -> dict:
         """Change the tps windows (``metrics.TpsConfig`` fields, e.g. window_tokens=128, window_s=2.0)."""
-        return self._call(self._metrics.configure, **settings)
+        return self.run_on_step_thread(self._metrics.configure, **settings)
 
     def metrics_counters(self) -> dict:
         """Lifetime counters: engine totals and per pool (queries, prefix cache hits, tokens)."""
-        return self._call(self._metrics.counters)
+        return self.run_on_step_thread(self._metrics.counters)
 
     def prometheus_metrics(self) -> str:
         """Prometheus text exposition of the tps / pool gauges and counters (labels: pool only)."""
-        return self._call(self._metrics.prometheus)
+        return self.run_on_step_thread(self._metrics.prometheus)
 
     def set_admission(self, pool_id: int, **policy) -> dict:
         """Set (merge) the admission policy of a pool (docs/polykv.md): target_tps_per_session, mode,
         on_saturation, guarantee_min_sessions, settle_tokens, settle_max_ms, queue_timeout_ms."""
-        return self._call(self._admission.set_policy, pool_id, **policy)
+        return self.run_on_step_thread(self._admission.set_policy, pool_id, **policy)
 
     def admission(self, pool_id: int) -> dict:
         """The admission policy of a pool (defaults when none was set)."""
-        return self._call(self._admission.policy, pool_id)
+        return self.run_on_step_thread(self._admission.policy, pool_id)
 
     def capacity(self, pool_id: int, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
         """Whether one more (new) session fits the pool now, and why (docs/polykv.md)."""
-        return self._call(self._admission.capacity, pool_id, expected_tokens, session_id)
+        return self.run_on_step_thread(self._admission.capacity, pool_id, expected_tokens, session_id)
 
     def admission_events(self, pool_id: int | None = None, since: float | None = None) -> list[dict]:
         """Recent admission events (admit, settle_end, hold, rejected, warned, overcommit, guaranteed, policy)."""
-        return self._call(self._admission.events_view, pool_id, since)
+        return self.run_on_step_thread(self._admission.events_view, pool_id, since)
 
 
 _STOP = object()

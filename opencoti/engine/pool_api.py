@@ -11,10 +11,10 @@ from .results import PoolInfo
 
 
 class PoolAPIMixin:
-    """Needs from Engine: core, kv, _call, tokenize, apply_chat_template."""
+    """Needs from Engine: core, kv, run_on_step_thread, tokenize, apply_chat_template."""
 
     def release_session(self, session_id: str) -> None:
-        self._call(self.core.release_session, session_id)
+        self.run_on_step_thread(self.core.release_session, session_id)
 
     def _pool_tokens(self, tokens, text, messages, tools, add_generation_prompt) -> list[int] | None:
         given = sum(x is not None for x in (tokens, text, messages))
@@ -43,9 +43,9 @@ class PoolAPIMixin:
             set_owner(pool, tenant)  # the owning tenant (tenancy.py): given, else the parent's
             return pool
 
-        self._call(run)
+        self.run_on_step_thread(run)
         pool = done.result()
-        return self._call(self._pool_info, pool)
+        return self.run_on_step_thread(self._pool_info, pool)
 
     def _live(self, sessions: list[dict]) -> list[dict]:
         """Session rows with their live ``tps_ewma`` and ``ttft_ms`` (step thread): one shape in every
@@ -98,11 +98,11 @@ class PoolAPIMixin:
                                pinned=pinned, label=label, tenant=tenant)
 
     def pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self._pool_info(self.core.tree.get(pool_id)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.tree.get(pool_id)))
 
     def pool_tokens(self, pool_id: int) -> list[int]:
         """A pool's whole token prefix ``[0, L)`` (PoolNotFoundError for an unknown id)."""
-        return self._call(lambda: list(self.core.tree.get(pool_id).tokens))
+        return self.run_on_step_thread(lambda: list(self.core.tree.get(pool_id).tokens))
 
     def pools(self) -> dict:
         """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
@@ -111,25 +111,25 @@ class PoolAPIMixin:
             for p in st["pools"]:
                 self._live(p["sessions"])
             return st
-        return self._call(run)
+        return self.run_on_step_thread(run)
 
     def pin_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self._pool_info(self.core.pin_pool(pool_id, True)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.pin_pool(pool_id, True)))
 
     def unpin_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self._pool_info(self.core.pin_pool(pool_id, False)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.pin_pool(pool_id, False)))
 
     def evict_pool(self, pool_id: int) -> PoolInfo:
-        return self._call(lambda: self._pool_info(self.core.evict_pool(pool_id)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.evict_pool(pool_id)))
 
     def flush_pool(self, pool_id: int) -> int:
         """End the idle sessions attached to the pool; returns how many."""
-        return self._call(self.core.flush_pool, pool_id)
+        return self.run_on_step_thread(self.core.flush_pool, pool_id)
 
     def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
         """Release a pool (leaves first). Within its grace TTL the release is deferred until the
         grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now."""
-        self._call(self.core.release_pool, pool_id, immediate)
+        self.run_on_step_thread(self.core.release_pool, pool_id, immediate)
 
     def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
                         text: str | None = None, messages: list[dict] | None = None,
@@ -148,17 +148,17 @@ class PoolAPIMixin:
                 raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
             return self.core.kv_accounting(), s.pool_id
 
-        before, old_pool_id = self._call(check)
+        before, old_pool_id = self.run_on_step_thread(check)
         if branch_pos is None:
             branch_pos = self.pool(ancestor_pool_id).prefix_len
         info = self.fork_pool(ancestor_pool_id, branch_pos=branch_pos, tokens=toks, label="compacted")
         try:
-            released = self._call(self.core.move_session, session_id, info.pool_id,
+            released = self.run_on_step_thread(self.core.move_session, session_id, info.pool_id,
                                   old_pool_id if release_old else None, ancestor_pool_id)
         except Exception:
-            self._call(self.core.release_pool, info.pool_id, True)  # nothing half-done
+            self.run_on_step_thread(self.core.release_pool, info.pool_id, True)  # nothing half-done
             raise
-        after = self._call(self.core.kv_accounting)
+        after = self.run_on_step_thread(self.core.kv_accounting)
         return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before[0],
                 "kv_pages_after": after[0], "kv_pages_cache_before": before[1], "kv_pages_cache_after": after[1],
                 "page_bytes": self.kv.page_bytes}

@@ -8,6 +8,10 @@ effect), measures the pool (``GateInputs``), asks the pure ``decide`` and then e
 Deadlines are driven by the step loop: ``tick(now)`` runs every loop iteration (it closes settle
 windows that ran out, refreshes settled means, re-tries held requests when something changed or
 a deadline passed) and ``next_deadline()`` tells the loop how long it may sleep. No other thread.
+
+Its dependencies are given at construction, never found: the core (prepare / commit / cancel and
+the state it reads), a ``PostToStepThread`` function (the Engine's ``post_to_step_thread``, or the
+simulator's) and the metrics. It holds no reference to the Engine.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import math
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from ..checks import is_int
 from ..errors import InvalidRequestError, PoolSaturatedError
@@ -29,6 +33,13 @@ from .state import Held, PoolState
 
 log = logging.getLogger("opencoti.admission")
 
+
+class PostToStepThread(Protocol):
+    """Runs ``fn(*args)`` on the step thread: a Future of its result, failed without running once
+    the engine shuts down (``Engine.post_to_step_thread``)."""
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> Future: ...
+
 _COUNT = {"admitted": "admitted", "guaranteed": "guaranteed", "overcommit": "overcommit", "warned": "warned"}
 
 
@@ -38,9 +49,9 @@ class AdmissionController:
     poll_s = 0.5  # while requests are held: re-check at least this often (releases raise no event)
     refresh_s = 0.25  # period of the settled-mean refresh
 
-    def __init__(self, core, post: Callable[..., Future], metrics, *, clock: Callable[[], float] | None = None):
-        """``core``: the engine's EngineCore; ``post(fn, *args)``: run ``fn(*args)`` on the step thread
-        (a Future of its result, failed without running once the engine shuts down)."""
+    def __init__(self, core, post: PostToStepThread, metrics, *, clock: Callable[[], float] | None = None):
+        """``core``: the engine's EngineCore; ``post``: how a request from another thread reaches the
+        step thread (see ``PostToStepThread``)."""
         self.core = core
         self._post = post
         self.metrics = metrics

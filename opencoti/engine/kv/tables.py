@@ -14,29 +14,46 @@ attributed to the prefix cache.
 With the prefix cache on, full pages are listed in a ``PrefixIndex`` as soon as they are
 computed (the index holds a reference of its own), so a later request with the same prefix
 shares them copy-free, and pages nobody holds any more stay resident as evictable cache.
+
+When no page is free, the tables ask the one dependency they are given at construction, a
+``Reclaimer`` (the engine's memory policy: which idle caches and pools to evict), to free some;
+they call nothing else outside this package.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence as Seq
+from typing import Iterable, Protocol, Sequence as Seq
 
-from ..session import Sequence
+from ..session import Sequence, Session
 from .pages import PagePool
 from .prefix_index import Match, PrefixIndex, Tail
 
-Reclaim = Callable[..., int]  # reclaim(num_pages, keep=None) -> pages freed
+
+class Reclaimer(Protocol):
+    """Frees pages when the tables run short (EngineCore.reclaim: cache pages, then idle sessions'
+    KV, then idle pools). It may call back into the tables (evict cache, drop tables)."""
+
+    def __call__(self, num_pages: int, keep: Session | None = None) -> int:
+        """Free at least ``num_pages`` pages if it can, never those of ``keep``; the pages freed."""
+        ...
+
+
+def no_reclaim(num_pages: int, keep: Session | None = None) -> int:
+    """The ``Reclaimer`` of tables with no memory policy: frees nothing (only free pages are used)."""
+    return 0
 
 
 class KVTables:
-    def __init__(self, kv: PagePool, prefix_cache: bool = False):
+    def __init__(self, kv: PagePool, *, reclaim: Reclaimer = no_reclaim, prefix_cache: bool = False):
+        """``reclaim``: asked to free pages when an allocation finds too few free (see ``Reclaimer``)."""
         self.kv = kv
         self.page_size = kv.page_size
-        self.reclaim: Reclaim = lambda n, keep=None: 0  # installed by the core (memory policy)
+        self.reclaim = reclaim
         self.index: PrefixIndex | None = PrefixIndex(kv.page_size) if prefix_cache else None
         self.evicted_pages = 0  # cache pages evicted (lifetime)
 
     # ---- capacity ----------------------------------------------------------------------
-    def _reserve(self, n: int, keep=None) -> bool:
+    def _reserve(self, n: int, keep: Session | None = None) -> bool:
         """True when ``n`` pages can be allocated now (after reclaiming if needed)."""
         if self.kv.can_allocate(n):
             return True

@@ -126,7 +126,7 @@ def save_session(engine, session_id: str, filename: str) -> dict:
         k, v = kvfile.snapshot_kv(eng.kv, s.seq.page_table, 0, n)
         return toks, k, v
 
-    toks, k, v = _mapped(engine, eng._call, snap)
+    toks, k, v = _mapped(engine, eng.run_on_step_thread, snap)
     nbytes = kvfile.write_kv(path, k, v, 0, toks, extra={"identity": identity_of(eng), "kv": kv_identity_of(eng)},
                              store_tokens=True)
     return {"filename": filename, "n_saved": len(toks), "n_written": nbytes,
@@ -179,7 +179,7 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
         s.last_access = time.monotonic()
         return len(toks)
 
-    n = _mapped(engine, eng._call, restore)
+    n = _mapped(engine, eng.run_on_step_thread, restore)
     return {"filename": filename, "n_restored": n, "n_read": path.stat().st_size,
             "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
 
@@ -197,7 +197,7 @@ def erase_session(engine, session_id: str) -> dict:
         core._drop_session_kv(s, detach=False)
         return n
 
-    return {"n_erased": _mapped(engine, eng._call, erase)}
+    return {"n_erased": _mapped(engine, eng.run_on_step_thread, erase)}
 
 
 def _kv_desc(ident) -> str:
