@@ -41,7 +41,7 @@ _MAX_SPAN = 8192  # ids of an earlier request looked at per span
 
 class PrefixCacheMixin:
     """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, counters, page_size, recent_outputs,
-    and _drop_session_kv, _evict_pool, _auto_pinned, _session_pool."""
+    and drop_session_kv, _evict_pool, _auto_pinned, _session_pool."""
 
     def _init_prefix_cache(self) -> None:
         self._inflight: dict[bytes, Job] = {}  # page key -> the job computing (or queued to compute) that page
@@ -104,7 +104,7 @@ class PrefixCacheMixin:
 
     def _fits(self, n: int, max_tokens: int | None) -> bool:
         try:
-            self._check_fits(n, max_tokens)
+            self.check_fits(n, max_tokens)
         except ContextLengthError:
             return False
         return True
@@ -249,10 +249,10 @@ class PrefixCacheMixin:
         if self.config.session_ttl_s == 0:
             self._expire(session)
         elif pool is not None and pool.residency == Residency.RELEASED:
-            self._drop_session_kv(session)  # its pages fall into the cache: the released pool's KV is not pinned
+            self.drop_session_kv(session)  # its pages fall into the cache: the released pool's KV is not pinned
 
     def _expire(self, s: Session) -> None:
-        self._drop_session_kv(s)
+        self.drop_session_kv(s)
         self.sessions.pop(s.session_id, None)
         self.counters["expired_sessions"] += 1
 
@@ -278,7 +278,7 @@ class PrefixCacheMixin:
         for sid in list(pool.sessions):
             s = self.sessions.get(sid)
             if s is not None and s.anonymous and s.is_idle:
-                self._drop_session_kv(s)
+                self.drop_session_kv(s)
 
     # ---- memory ------------------------------------------------------------------------
     def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
@@ -298,7 +298,7 @@ class PrefixCacheMixin:
         for s in idle:
             if short() <= 0:
                 break
-            self._drop_session_kv(s, detach=False)
+            self.drop_session_kv(s, detach=False)
             self.tables.evict_cache(short())
             self.counters["evicted_sessions"] += 1
         now = time.monotonic()

@@ -192,7 +192,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             self._apply_verified(job, tokens, lps, tops)
 
     # ======================================================================== validation
-    def _check_tokens(self, tokens, what: str = "prompt") -> list[int]:
+    def check_tokens(self, tokens, what: str = "prompt") -> list[int]:
+        """The token ids as a list; InvalidRequestError when empty or outside the vocabulary."""
         if not isinstance(tokens, (list, tuple)) or not tokens:
             raise InvalidRequestError(f"{what} is empty")
         out = []
@@ -205,7 +206,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
     def _capacity_tokens(self) -> int:
         return self.kv.num_pages * self.page_size
 
-    def _check_fits(self, n_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
+    def check_fits(self, n_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
+        """ContextLengthError unless ``n_tokens`` + ``max_tokens`` fit the context and the KV cache."""
         total = n_tokens + (max_tokens or 0)
         if total > self.max_context:
             raise ContextLengthError(
@@ -224,7 +226,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         return s
 
     @staticmethod
-    def _check_session_id(session_id) -> None:
+    def check_session_id(session_id) -> None:
+        """InvalidRequestError unless ``session_id`` is a usable session id."""
         if not isinstance(session_id, str) or not session_id or len(session_id) > _MAX_SESSION_ID:
             raise InvalidRequestError(f"session_id must be a non-empty string of at most {_MAX_SESSION_ID} characters")
 
@@ -239,17 +242,17 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 overcommit: bool = False, cache_salt: str | None = None) -> PreparedRequest:
         """Validate a generation request and plan its admission. No side effect: nothing changes
         until ``commit`` (called on the same step-thread turn, so the checks still hold)."""
-        prompt = self._check_tokens(prompt)
+        prompt = self.check_tokens(prompt)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids contains an id outside the vocabulary")
-        self._check_fits(len(prompt), params.max_tokens)
+        self.check_fits(len(prompt), params.max_tokens)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
         session = None
         if session_id is not None:
-            self._check_session_id(session_id)
+            self.check_session_id(session_id)
             session = self.sessions.get(session_id)
             if session is not None and session.job is not None:
                 raise SessionBusyError(f"session {session_id!r} is serving another request")
@@ -290,7 +293,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         limit = len(prompt) - 1  # the last prompt token is always computed (its logits are needed)
         cur = self._session_pool(session)
         if pool is not None and cur is not pool and (cur is not None or session.seq.num_borrowed_pages):
-            self._drop_session_kv(session)  # moving to a pool: its cache borrows another pool's (or the cache's) pages
+            self.drop_session_kv(session)  # moving to a pool: its cache borrows another pool's (or the cache's) pages
             cur = None
         if pool is None and cur is not None and cur.residency != Residency.RELEASED:
             pool = cur  # a later turn stays on its pool
@@ -476,6 +479,15 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             return  # materializations run to completion
         self._finish(job, "cancelled")
 
+    def fail_all(self, error: Exception) -> None:
+        """End every queued and running job with ``error`` (a failed step, or shutdown)."""
+        for job in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if isinstance(job, MaterializeJob):
+                self.scheduler.remove(job)
+                self._fail_materialization(job, error)
+            else:
+                self._finish(job, "error", error)
+
     def _on_stuck(self, job: Job) -> None:
         """The scheduler cannot give this job a page even alone: end it cleanly."""
         if isinstance(job, MaterializeJob):
@@ -507,7 +519,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
     def _auto_pinned(self, pool: Pool, now: float) -> bool:
         return pool.is_auto_pinned(now, self._sessions_in_use(pool))
 
-    def _drop_session_kv(self, s: Session, detach: bool = True) -> None:
+    def drop_session_kv(self, s: Session, detach: bool = True) -> None:
+        """Drop a session's cached KV (its pages fall into the prefix cache); ``detach``: and its pool."""
         self.tables.drop(s.seq)
         s.seq = Sequence()
         if detach:
@@ -527,5 +540,5 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         s = self.get_session(session_id)
         if s.job is not None:
             self.cancel(s.job)
-        self._drop_session_kv(s)
+        self.drop_session_kv(s)
         del self.sessions[session_id]

@@ -30,7 +30,6 @@ from .metrics import Metrics
 from .pool_api import PoolAPIMixin
 from .persist.sync import open_state
 from .results import GenerationResult
-from .session import MaterializeJob
 from .streams import AsyncTokenStream, TokenStream
 from .tokenizer import first_bad_id
 
@@ -157,7 +156,8 @@ class Engine(PoolAPIMixin):
         self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
         self._admission = AdmissionController(self.core, self.post_to_step_thread, self._metrics)  # prepare -> decide -> commit
         self.model_name = self.loaded.name
-        self._persist = open_state(self)  # config.state_dir: restore the stored pools and sessions, keep in sync
+        # config.state_dir: restore the stored pools and sessions, keep in sync
+        self._persist = open_state(self, admission=self._admission)
         release_memory()  # what start-up built and dropped (candidate formats, the gate's reference, buffers)
         self.load_seconds = time.perf_counter() - t0
 
@@ -217,7 +217,7 @@ class Engine(PoolAPIMixin):
                         fn("step", {"stats": stats})
                 except Exception as e:  # a bug or OOM in a step: fail the batch, keep serving
                     log.exception("engine step failed")
-                    self._fail_all(e)
+                    self.core.fail_all(e)
 
     def _trim_when_idle(self) -> None:
         """The loop went idle: give what the steps freed (prefill temporaries stay in the C heap:
@@ -240,17 +240,8 @@ class Engine(PoolAPIMixin):
             log.exception("KV integrity check failed")
             self._integrity_error = e
 
-    def _fail_all(self, error: Exception) -> None:
-        core = self.core
-        for job in list(core.scheduler.running) + list(core.scheduler.waiting):
-            if isinstance(job, MaterializeJob):
-                core.scheduler.remove(job)
-                core._fail_materialization(job, error)
-            else:
-                core._finish(job, "error", error)
-
     def _drain_on_close(self) -> None:
-        self._fail_all(EngineClosedError("engine shut down"))
+        self.core.fail_all(EngineClosedError("engine shut down"))
         self._admission.close(EngineClosedError("engine shut down"))  # requests held by admission
         self._persist.close()
         while True:
@@ -307,7 +298,7 @@ class Engine(PoolAPIMixin):
     def detokenize(self, token_ids: Seq[int]) -> str:
         ids = token_ids if type(token_ids) is list else list(token_ids)  # a long list is not copied
         if ids and first_bad_id(ids, self.core.vocab_size) is not None:
-            self.core._check_tokens(ids, "tokens")  # the exact check and its error
+            self.core.check_tokens(ids, "tokens")  # the exact check and its error
         return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
@@ -332,7 +323,7 @@ class Engine(PoolAPIMixin):
     def _start(self, prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens,
                sink: Callable[[tuple], None], overcommit: bool = False, cache_salt: str | None = None):
         if isinstance(prompt, (list, tuple)) and len(prompt) > self.max_context:  # refused before any copy
-            self.core._check_fits(len(prompt), getattr(params, "max_tokens", None))  # or check of its ids
+            self.core.check_fits(len(prompt), getattr(params, "max_tokens", None))  # or check of its ids
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
         return self._admission.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,

@@ -19,7 +19,7 @@ from .session import MaterializeJob, Session
 
 class PoolOpsMixin:
     """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, page_size, max_context,
-    listeners, and its helpers (_check_tokens, _check_fits, reclaim, _detach,
+    listeners, and its helpers (check_tokens, check_fits, reclaim, _detach,
     _session_pool, _auto_pinned, _sessions_in_use, get_session, release_session)."""
 
     def _ensure_resident(self, pool: Pool) -> list[Pool]:
@@ -88,7 +88,7 @@ class PoolOpsMixin:
                 return self.fork_pool(done, parent.pool_id, d, from_session=from_session, pinned=pinned,
                                       label=label, allow_empty=False)
             self.tree.check_budget()
-            self._check_fits(len(toks), 0, "pool prefix")
+            self.check_fits(len(toks), 0, "pool prefix")
             if s.seq.num_borrowed_pages == 0:
                 self._reserve_partial_page(len(toks), s)
             pool = self.tree.add(None, 0, list(toks), label)
@@ -99,8 +99,8 @@ class PoolOpsMixin:
             else:  # its cache borrows a released pool's pages: compute the copy instead
                 self._enqueue_materialization(pool, [], done)
             return pool
-        toks = self._check_tokens(list(tokens), "pool tokens")
-        self._check_fits(len(toks), 0, "pool prefix")
+        toks = self.check_tokens(list(tokens), "pool tokens")
+        self.check_fits(len(toks), 0, "pool prefix")
         self.tree.check_budget()
         pool = self.tree.add(None, 0, toks, label)
         pool.pinned = bool(pinned)
@@ -124,7 +124,7 @@ class PoolOpsMixin:
             session, toks = self._tokens_from_session(from_session)
             toks = list(toks)
         else:
-            toks = self._check_tokens(list(tokens), "pool tokens")
+            toks = self.check_tokens(list(tokens), "pool tokens")
         if len(toks) <= d and not allow_empty:
             raise InvalidRequestError(
                 f"the fork's own range is empty: tokens cover [0, {len(toks)}) but branch_pos is {d}; "
@@ -133,7 +133,7 @@ class PoolOpsMixin:
             at = common_prefix_len(toks[:d], parent.tokens[:d])
             raise PoolContractError(
                 f"prefix contract violated: tokens[0:{d}] differ from pool {parent_id}'s tokens at position {at}")
-        self._check_fits(len(toks), 0, "pool prefix")
+        self.check_fits(len(toks), 0, "pool prefix")
         self.tree.check_budget()
         # ---- commit
         # Zero-copy only when the session borrows exactly the parent's pages below D and owns the
@@ -284,7 +284,7 @@ class PoolOpsMixin:
         # from the pool the session leaves (released already, e.g. a snapshot of it, or live) up to
         # ``keep``: every pool nothing else uses goes now (compaction frees the old subtree)
         p = None if release_from is None else self.tree.pools.get(release_from) or self.tree.released.get(release_from)
-        self._drop_session_kv(s)
+        self.drop_session_kv(s)
         s.pool_id = pool.pool_id
         pool.sessions.add(s.session_id)
         released = []

@@ -101,10 +101,10 @@ class Choices:
                 await s.aclose()
         if self.n > 1:
             for s in self.streams:
-                await asyncio.to_thread(_quietly, self.engine.release_session, s.info.session_id)
+                await asyncio.to_thread(quietly, self.engine.release_session, s.info.session_id)
         if self.temp_pool is not None:
             pool, self.temp_pool = self.temp_pool, None
-            await asyncio.to_thread(_quietly, self.engine.release_pool, pool, immediate=True)
+            await asyncio.to_thread(quietly, self.engine.release_pool, pool, immediate=True)
 
 
 async def merge_streams(streams: list) -> AsyncIterator[tuple[int, Any]]:
@@ -141,7 +141,8 @@ async def merge_streams(streams: list) -> AsyncIterator[tuple[int, Any]]:
             t.cancel()
 
 
-def _quietly(fn, *args, **kw) -> None:
+def quietly(fn, *args, **kw) -> None:
+    """Best-effort cleanup: ``fn(*args, **kw)``, its error ignored (the session or pool may be gone)."""
     try:
         fn(*args, **kw)
     except Exception:  # noqa: BLE001 - best-effort cleanup (already gone)

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Protocol
 
 from .kv.tables import KVTables
-from .session import SessionState, _Work
+from .session import SessionState, Work
 
 Batch = list  # [(job, number of tokens to compute this step)]
 
@@ -41,12 +41,12 @@ class StepStats:
 class SchedulerHooks(Protocol):
     """What the scheduler asks of its owner (the core) while it plans; nothing else is called."""
 
-    def try_start(self, job: _Work) -> bool:
+    def try_start(self, job: Work) -> bool:
         """Set up a waiting job's page table from the KV it reuses (its session's cache, its pool,
         the prefix index, a pool's parent). False: not enough pages yet, the job keeps waiting."""
         ...
 
-    def waits_for_prefix(self, job: _Work) -> bool:
+    def waits_for_prefix(self, job: Work) -> bool:
         """True while a waiting job's next uncached page is being computed by another job."""
         ...
 
@@ -57,28 +57,28 @@ class Scheduler:
         self.hooks = hooks
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.stuck: _Work | None = None  # after ``schedule``: a job that cannot get pages even alone (the owner ends it)
-        self.waiting: deque[_Work] = deque()
-        self.running: list[_Work] = []
+        self.stuck: Work | None = None  # after ``schedule``: a job that cannot get pages even alone (the owner ends it)
+        self.waiting: deque[Work] = deque()
+        self.running: list[Work] = []
         self._admit_counter = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.running) or any(self._deps_ready(j) for j in self.waiting)
 
-    def add(self, job: _Work) -> None:
+    def add(self, job: Work) -> None:
         self.waiting.append(job)
 
-    def remove(self, job: _Work) -> None:
+    def remove(self, job: Work) -> None:
         if job in self.running:
             self.running.remove(job)
         elif job in self.waiting:
             self.waiting.remove(job)
 
-    def _ensure_pages(self, job: _Work, num_tokens: int) -> bool:
+    def _ensure_pages(self, job: Work, num_tokens: int) -> bool:
         return self.tables.extend(job.seq, num_tokens)
 
-    def preempt(self, job: _Work) -> None:
+    def preempt(self, job: Work) -> None:
         """Drop a running job's KV and requeue it at the front; it recomputes from its tokens."""
         self.running.remove(job)
         self._unstart(job)
@@ -92,13 +92,13 @@ class Scheduler:
             self._unstart(job)
         return bool(held)
 
-    def _unstart(self, job: _Work) -> None:
+    def _unstart(self, job: Work) -> None:
         self.tables.drop(job.seq)
         job.started = False
         job.state = SessionState.WAITING
         job.num_preemptions += 1
 
-    def _deps_ready(self, job: _Work) -> bool:
+    def _deps_ready(self, job: Work) -> bool:
         return all(p.residency == "resident" for p in job.wait_for) and not self.hooks.waits_for_prefix(job)
 
     # ---- one step ------------------------------------------------------------------------

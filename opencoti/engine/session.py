@@ -105,7 +105,7 @@ class Timings:
 
 
 @dataclass(kw_only=True)
-class _Work:
+class Work:
     """What the scheduler needs of any job: compute ``seq.tokens[num_cached:]`` into the cache."""
 
     seq: Sequence
@@ -122,7 +122,7 @@ class _Work:
 
 
 @dataclass(kw_only=True)
-class Job(_Work):
+class Job(Work):
     """A generation request: prefill its prompt, then sample and decode until it finishes."""
 
     params: SamplingParams
@@ -155,7 +155,7 @@ class Job(_Work):
 
 
 @dataclass(kw_only=True)
-class MaterializeJob(_Work):
+class MaterializeJob(Work):
     """Computes a pool's prefix into its own pages (prefill only, no sampling), then ``on_done``
     is called with the Pool, or with an exception when it fails."""
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..engine.sampling_choices import Choices, _quietly, merge_streams
+from ..engine.sampling_choices import Choices, quietly, merge_streams
 from ..ops.generation import FINISH_OPENAI, ChatTurn, Prepared, opencoti_block
 from .errors import SafeJSONResponse, error_event
 from .state import ServerState
@@ -71,7 +71,7 @@ class Runs:
         for c in self.runs:
             await c.aclose()
             if self.temporary and c.n == 1 and c.streams:
-                await asyncio.to_thread(_quietly, c.engine.release_session, c.streams[0].info.session_id)
+                await asyncio.to_thread(quietly, c.engine.release_session, c.streams[0].info.session_id)
 
 
 async def start_runs(request: Request, state: ServerState, prepared: list[Prepared], n: int,

@@ -1,6 +1,7 @@
 """The scheduler only plans: it asks its owner through one declared hooks object (``SchedulerHooks``),
 sends no event and ends no job; the core tells the client a request started when the results of its
-first step are applied (docs/architecture.md, "One step")."""
+first step are applied (docs/architecture.md, "No call back up: declared dependencies, and private
+names")."""
 
 from __future__ import annotations
 

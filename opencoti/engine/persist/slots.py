@@ -154,13 +154,13 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
 
     def restore():
         if toks:
-            core._check_tokens(toks, "the saved tokens")
-            core._check_fits(len(toks), 0, "the saved context")
+            core.check_tokens(toks, "the saved tokens")
+            core.check_fits(len(toks), 0, "the saved context")
         s = core.sessions.get(sid)
         if s is not None and s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; restore it when idle")
         if s is None:
-            core._check_session_id(sid)
+            core.check_session_id(sid)
         seq = Sequence(toks)
         if toks and not core.tables.extend(seq, len(toks)):  # reclaims idle caches when needed
             raise CapacityError(f"no room for {eng.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
@@ -173,7 +173,7 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
             s = Session(sid)
             core.sessions[sid] = s
         else:
-            core._drop_session_kv(s)  # its old cache (and pool attachment) is replaced
+            core.drop_session_kv(s)  # its old cache (and pool attachment) is replaced
         core.tables.advance(seq, len(toks))
         s.seq = seq
         s.last_access = time.monotonic()
@@ -194,7 +194,7 @@ def erase_session(engine, session_id: str) -> dict:
         if s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; erase it when idle")
         n = len(s.seq.tokens)
-        core._drop_session_kv(s, detach=False)
+        core.drop_session_kv(s, detach=False)
         return n
 
     return {"n_erased": _mapped(engine, eng.run_on_step_thread, erase)}

@@ -414,11 +414,12 @@ def kv_identity_of(engine) -> dict:
     return ident
 
 
-def attach(engine, state_dir, *, kv_files: bool = True) -> Persister:
-    """Open ``state_dir`` for ``engine`` (on its step thread), restore what it holds, keep it in sync."""
+def attach(engine, state_dir, *, admission=None, kv_files: bool = True) -> Persister:
+    """Open ``state_dir`` for ``engine`` (on its step thread), restore what it holds, keep it in sync.
+    ``admission``: the engine's AdmissionController (its pool policies are kept too)."""
     store = StateStore(state_dir, identity=identity_of(engine))
     try:
-        p = Persister(store, engine.core, admission=getattr(engine, "_admission", None), kv_files=kv_files,
+        p = Persister(store, engine.core, admission=admission, kv_files=kv_files,
                       kv_identity=kv_identity_of(engine),
                       session_kv_budget_mib=getattr(engine.config, "session_kv_budget_mib", DEFAULT_BUDGET_MIB))
         p.restore()
@@ -452,7 +453,8 @@ class Ephemeral:
         pass
 
 
-def open_state(engine) -> Persister | Ephemeral:
-    """The engine's persistence: its ``config.state_dir`` restored and kept in sync, or nothing."""
+def open_state(engine, *, admission=None) -> Persister | Ephemeral:
+    """The engine's persistence: its ``config.state_dir`` restored and kept in sync, or nothing.
+    ``admission``: the engine's AdmissionController (its pool policies are kept too)."""
     state_dir = engine.config.state_dir
-    return attach(engine, state_dir) if state_dir is not None else Ephemeral()
+    return attach(engine, state_dir, admission=admission) if state_dir is not None else Ephemeral()
