@@ -65,13 +65,23 @@ def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
 
 
 class RecentOutputs:
-    """The answers of recently finished requests with their n-gram indexes, by cache salt root."""
+    """The answers of recently finished requests, with one n-gram index over all of them: a lookup
+    is one dict read, however many answers are kept."""
 
     def __init__(self, size: int = RECENT_OUTPUTS):
-        self._items: deque[tuple[bytes, list[int], dict]] = deque(maxlen=size)
+        self.size = size
+        self._answers: deque[tuple[int, bytes, dict]] = deque()  # (serial, salt root, its n-gram ends)
+        # (salt root, n-gram) -> (serial, tokens, end) of the latest kept answer holding it
+        self._index: dict[tuple[bytes, tuple], tuple[int, list[int], int]] = {}
+        self._serial = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._answers)
+
+    @property
+    def ngrams(self) -> int:
+        """N-grams indexed (each of a kept answer; an answer that left took its own with it)."""
+        return len(self._index)
 
     def add(self, root: bytes, answer: list[int]) -> None:
         if len(answer) <= NGRAM_MIN:
@@ -79,16 +89,24 @@ class RecentOutputs:
         tokens = list(answer)
         last: dict = {}
         _ngram_ends(tokens, NGRAM_MIN, len(tokens) - 1, last)  # n-grams with a token after them
-        self._items.append((root, tokens, last))
+        self._serial += 1
+        for key, end in last.items():
+            self._index[(root, key)] = (self._serial, tokens, end)
+        self._answers.append((self._serial, root, last))
+        while len(self._answers) > self.size:  # the oldest answer leaves: its entries no later answer took
+            serial, old_root, old = self._answers.popleft()
+            for key in old:
+                entry = self._index.get((old_root, key))
+                if entry is not None and entry[0] == serial:
+                    del self._index[(old_root, key)]
 
     def lookup(self, root: bytes, key: tuple, k: int) -> list[int]:
         """Up to ``k`` tokens that followed ``key`` in the latest answer of salt ``root`` holding it."""
-        for r, tokens, last in reversed(self._items):
-            if r == root:
-                pos = last.get(key)
-                if pos is not None:
-                    return tokens[pos:pos + k]
-        return []
+        entry = self._index.get((root, key))
+        if entry is None:
+            return []
+        _serial, tokens, end = entry
+        return tokens[end:end + k]
 
 
 @dataclass

@@ -98,6 +98,20 @@ def test_recent_outputs_draft_by_salt_and_longest_match():
     assert len(rec) == 2
 
 
+def test_recent_outputs_index_forgets_only_what_left():
+    """One index over every kept answer: an n-gram two answers share stays findable (in the later
+    one) when the earlier leaves; the later answer's own entries leave with it."""
+    rec = speculative.RecentOutputs(size=2)
+    rec.add(b"a", [1, 2, 3, 4])
+    rec.add(b"a", [1, 2, 9, 9])
+    assert rec.lookup(b"a", (1, 2), 2) == [9, 9]  # the latest answer holding it
+    rec.add(b"b", [7, 7, 7])  # [1, 2, 3, 4] leaves
+    assert rec.lookup(b"a", (1, 2), 2) == [9, 9] and rec.lookup(b"a", (2, 3), 1) == []
+    rec.add(b"b", [8, 8, 8])  # [1, 2, 9, 9] leaves
+    assert rec.lookup(b"a", (1, 2), 2) == [] and rec.lookup(b"b", (7, 7), 1) == [7]
+    assert len(rec) == 2 and rec.ngrams == 2  # nothing of the answers that left is kept
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_a_request_drafts_from_an_earlier_answer_of_its_salt(make_engine, monkeypatch, prefix_cache):
     """The same request twice: the second drafts the first's answer (all accepted) and emits the
