@@ -6,7 +6,10 @@ time with a causal mask offset by the cached prefix.
 
 Cascade path (shared-prefix attention, see cascade.py): each shared page run is gathered once
 and attended by all the query rows that share it in one call; every sequence then attends to
-its private pages; partial outputs are merged exactly with their log-sum-exp.
+its private pages; partial outputs are merged exactly with their log-sum-exp. On CPU with the
+native library, the shared runs of all groups go through one native call per layer
+(``oc_cascade_groups``: each page read and converted once for its whole group, no gather, an online
+softmax per query vector, merged into the private partials), else through torch as above.
 
 GQA never repeats K/V: the ``G = H / Hkv`` query heads of a KV head are folded into the
 query-length axis.
@@ -119,10 +122,17 @@ class TorchAttentionBackend:
         device = meta.positions.device
         qo_start = meta.qo_indptr.tolist()
         groups = []
+        page_ptr, row_ptr, all_pages, all_rows = [0], [0], [], []
         for g in cplan.groups:
             rows = [r for s in g.seqs for r in range(qo_start[s], qo_start[s] + meta.qo_lens[s])]
             groups.append((torch.tensor(rows, dtype=torch.int64, device=device), _pages_ref(g.pages, device)))
-        meta.backend_state["torch"] = {"group": group, "cascade": groups,
+            all_pages += g.pages
+            all_rows += rows
+            page_ptr.append(len(all_pages))
+            row_ptr.append(len(all_rows))
+        # the same groups flattened for the native kernel (oc_cascade_groups): per group its pages and query rows
+        flat = tuple(torch.tensor(x, dtype=torch.int64) for x in (page_ptr, all_pages, row_ptr, all_rows))
+        meta.backend_state["torch"] = {"group": group, "cascade": groups, "cascade_flat": flat,
                                        **self._plan_rows(meta, cplan.private_start, group)}
 
     def _plan_rows(self, meta: AttentionMetadata, page_start: list[int], group: int) -> dict:
@@ -170,6 +180,8 @@ class TorchAttentionBackend:
         if plan["cascade"] is None:
             return self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=False)[0]
         o_acc, lse_acc = self._private(q, k_cache, v_cache, plan, scale, num_kv_heads, head_dim, with_lse=True)
+        if self._native_groups(q, k_cache, v_cache, plan["cascade_flat"], scale, o_acc, lse_acc):
+            return o_acc.to(q.dtype)
         group = plan["group"]
         for rows, pages in plan["cascade"]:
             m = rows.shape[0]
@@ -221,18 +233,43 @@ class TorchAttentionBackend:
         del T
         return out, lse
 
-    def _native_decode(self, q, k_cache, v_cache, dec, scale, out, lse) -> bool:
-        """Decode rows through the native kernel; False when it does not apply here."""
+    def _native_lib(self, q, k_cache, v_cache):
+        """The native library and the cache's KV type code when its attention kernels apply here, else None."""
         from .. import native
 
         kv_type = native.kv_type(k_cache.dtype)
         if not self.native or q.device.type != "cpu" or q.dtype != torch.float32 or kv_type is None \
                 or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            return False
-
+            return None
         lib = native.lib()
-        if lib is None:
+        return None if lib is None else (lib, kv_type)
+
+    def _native_groups(self, q, k_cache, v_cache, flat, scale, out, lse) -> bool:
+        """The shared page runs of a cascade plan through the native kernel (each page read once for all
+        the query rows of its group), merged into ``out`` / ``lse``; False when it does not apply here."""
+        from .. import native
+
+        found = self._native_lib(q, k_cache, v_cache)
+        if found is None:
             return False
+        lib, kv_type = found
+        page_ptr, pages, row_ptr, rows = flat
+        q = q.contiguous()
+        _, num_heads, head_dim = q.shape
+        lib.oc_cascade_groups(q.data_ptr(), num_heads, k_cache.shape[-2], head_dim, k_cache.data_ptr(),
+                              v_cache.data_ptr(), k_cache.shape[1], page_ptr.shape[0] - 1, page_ptr.data_ptr(),
+                              pages.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(), float(scale), out.data_ptr(),
+                              lse.data_ptr(), kv_type, native.threads())
+        return True
+
+    def _native_decode(self, q, k_cache, v_cache, dec, scale, out, lse) -> bool:
+        """Decode rows through the native kernel; False when it does not apply here."""
+        from .. import native
+
+        found = self._native_lib(q, k_cache, v_cache)
+        if found is None:
+            return False
+        lib, kv_type = found
         rows, page_idx, _span, _mask, lens = dec
         q = q.contiguous()
         _, num_heads, head_dim = q.shape

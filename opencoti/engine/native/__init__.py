@@ -1,5 +1,6 @@
-"""Native CPU kernels (``kernels.cpp``): int4 / int8 weight-only projections and paged decode attention
-over fp32, fp16, bf16 or q8 (int8 + a scale per vector) KV pages.
+"""Native CPU kernels (``kernels.cpp``): int4 / int8 weight-only projections, paged decode attention and
+the shared part of cascade (shared-prefix) attention over fp32, fp16, bf16 or q8 (int8 + a scale per
+vector) KV pages.
 
 The C++ source ships with the package and is compiled on first use by the machine's C++ compiler
 (``g++``/``c++``, ``-O3 -march=native -fopenmp``: the build is specific to this CPU) into the cache
@@ -31,7 +32,7 @@ log = logging.getLogger("opencoti.engine")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
@@ -55,6 +56,7 @@ _SIGNATURES = {
     "oc_q4_matmul": ([_P, _I64, _I64, _P, _I64, _P, _P, _INT], None),
     "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
     "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT, _INT], None),
+    "oc_cascade_groups": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P, _F, _P, _P, _INT, _INT], None),
     "oc_kv_store": ([_INT, _P, _P, _I64, _I64], None),
     "oc_q8_dequant": ([_P, _I64, _I64, _P, _INT], None),
     "oc_decode_layer": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,

@@ -1,4 +1,5 @@
-// opencoti native CPU kernels: weight-only int4 / int8 projections and paged decode attention.
+// opencoti native CPU kernels: weight-only int4 / int8 projections, paged decode attention and the
+// shared part of cascade (shared-prefix) attention.
 //
 // Plain C ABI (called through ctypes, which releases the GIL for the call); no torch headers, so the
 // library compiles in seconds on the machine that runs it (``-march=native``). Threads: OpenMP with
@@ -708,6 +709,302 @@ void paged_decode_kv(int kv, const float* q, const int64_t* q_rows, int64_t B, i
                      kv_lens, page_size, scale, out, lse, nt);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Shared-prefix ("cascade") attention, the shared part: for each group of sequences that share a
+// run of full KV pages (engine/attention/cascade.py), every query row of its members attends to
+// those pages, each page read (and converted to fp32) once for the whole group: pages outer, the
+// group's query vectors inner, an online softmax (running max / sum / accumulator) per vector.
+// The group's result is merged exactly with the partial already in out / lse (the sequence's own
+// pages, or an outer group) through their log-sum-exp. Shared pages lie strictly before every
+// query position of their group, so there is no mask.
+
+#if OC_AVX2
+// e^x for 8 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~2 ulp); -inf -> 0
+inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365447504f), hi = _mm256_set1_ps(88.3762626647949f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// S [R, kp] = Q [R, D] @ Kt [D, kp] (kp a multiple of 8): J blocks of 8 keys at a time, R x J
+// independent FMA chains.
+template <int R, int J>
+inline void cascade_scores_blk(const float* Q, int64_t D, const float* Kt, int64_t kp, int64_t jb, float* S) {
+    __m256 a[R][J];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < J; ++j) a[r][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+        __m256 kv[J];
+        for (int j = 0; j < J; ++j) kv[j] = _mm256_loadu_ps(Kt + d * kp + jb + 8 * j);
+        for (int r = 0; r < R; ++r) {
+            const __m256 qv = _mm256_broadcast_ss(Q + r * D + d);
+            for (int j = 0; j < J; ++j) a[r][j] = _mm256_fmadd_ps(qv, kv[j], a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < J; ++j) _mm256_storeu_ps(S + r * kp + jb + 8 * j, a[r][j]);
+}
+template <int R>
+inline void cascade_scores(const float* Q, int64_t D, const float* Kt, int64_t kp, float* S) {
+    int64_t jb = 0;
+    for (; jb + 16 <= kp; jb += 16) cascade_scores_blk<R, 2>(Q, D, Kt, kp, jb, S);
+    if (jb < kp) cascade_scores_blk<R, 1>(Q, D, Kt, kp, jb, S);
+}
+
+// acc_r [D] = acc_r * alpha_r + sum_j p_r[j] V[j, :] for R query vectors (D % 8 == 0), 32 columns
+// at a time: R x 4 independent FMA chains, each V row loaded once for the R vectors.
+template <int R>
+inline void cascade_pv(const float* p, int64_t kp, const float* alpha, const float* Vb, int64_t n, int64_t D,
+                       float* const* acc) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        const int nv = (int)std::min<int64_t>(4, (D - d0) / 8);
+        __m256 a[R][4];
+        for (int r = 0; r < R; ++r) {
+            const __m256 al = _mm256_set1_ps(alpha[r]);
+            for (int k = 0; k < 4; ++k)
+                a[r][k] = k < nv ? _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d0 + 8 * k), al) : _mm256_setzero_ps();
+        }
+        if (nv == 4) {
+            for (int64_t j = 0; j < n; ++j) {
+                const float* vr = Vb + j * D + d0;
+                const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+                const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+                for (int r = 0; r < R; ++r) {
+                    const __m256 pj = _mm256_broadcast_ss(p + r * kp + j);
+                    a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
+                    a[r][2] = _mm256_fmadd_ps(pj, v2, a[r][2]);
+                    a[r][3] = _mm256_fmadd_ps(pj, v3, a[r][3]);
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < n; ++j)
+                for (int r = 0; r < R; ++r) {
+                    const __m256 pj = _mm256_broadcast_ss(p + r * kp + j);
+                    for (int k = 0; k < nv; ++k)
+                        a[r][k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(Vb + j * D + d0 + 8 * k), a[r][k]);
+                }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int k = 0; k < nv; ++k) _mm256_storeu_ps(acc[r] + d0 + 8 * k, a[r][k]);
+    }
+}
+#endif
+
+// D cache elements as fp32 (q8: the int8 values times the vector's scale s, as kv/q8.py dequantizes)
+template <typename T>
+inline void to_f32_row(const T* src, int64_t D, float s, float* dst) {
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    int64_t i = 0;
+#if OC_AVX2
+    const __m256 sv = _mm256_set1_ps(s);
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(dst + i, kQ8 ? _mm256_mul_ps(load8(src + i), sv) : load8(src + i));
+#endif
+    for (; i < D; ++i) dst[i] = kQ8 ? to_float(src[i]) * s : to_float(src[i]);
+}
+
+// One group's query vectors Q [nq, D] (scale folded in) against a block of ps keys (Kt [D, kp]
+// transposed, Vb [kp, D], kp >= ps a multiple of 8): the online softmax update of
+// (m, l, acc) of every vector. S: scratch of 4 x kp floats.
+inline void cascade_page(const float* Q, int64_t nq, int64_t D, const float* Kt, const float* Vb, int64_t ps,
+                         int64_t kp, float* m, float* l, float* acc, float* S) {
+#if OC_AVX2
+    if (D % 8 == 0) {
+        for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+            const int R = (int)std::min<int64_t>(4, nq - i0);
+            const float* Qi = Q + i0 * D;
+            if (R == 4) cascade_scores<4>(Qi, D, Kt, kp, S);
+            else if (R == 3) cascade_scores<3>(Qi, D, Kt, kp, S);
+            else if (R == 2) cascade_scores<2>(Qi, D, Kt, kp, S);
+            else cascade_scores<1>(Qi, D, Kt, kp, S);
+            float alpha[4];
+            for (int r = 0; r < R; ++r) {
+                float* s = S + r * kp;
+                for (int64_t j = ps; j < kp; ++j) s[j] = -INFINITY;
+                __m256 mv = _mm256_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < kp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+                const float mold = m[i0 + r], mnew = std::max(mold, _mm_cvtss_f32(m4));
+                alpha[r] = mold == -INFINITY ? 0.f : std::exp(mold - mnew);
+                const __m256 mb = _mm256_set1_ps(mnew);
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t j = 0; j < kp; j += 8) {
+                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+                    _mm256_storeu_ps(s + j, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                l[i0 + r] = l[i0 + r] * alpha[r] + hsum(sum);
+                m[i0 + r] = mnew;
+            }
+            float* accs[4] = {acc + i0 * D, acc + (i0 + 1) * D, acc + (i0 + 2) * D, acc + (i0 + 3) * D};
+            int r = 0;
+            for (; r + 2 <= R; r += 2) cascade_pv<2>(S + r * kp, kp, alpha + r, Vb, ps, D, accs + r);
+            if (r < R) cascade_pv<1>(S + r * kp, kp, alpha + r, Vb, ps, D, accs + r);
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < nq; ++i) {
+        const float* qv = Q + i * D;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < ps; ++j) {
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qv[d] * Kt[d * kp + j];
+            S[j] = s;
+            mx = std::max(mx, s);
+        }
+        const float mnew = std::max(m[i], mx);
+        const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
+        float sum = 0.f;
+        for (int64_t j = 0; j < ps; ++j) {
+            S[j] = std::exp(S[j] - mnew);
+            sum += S[j];
+        }
+        l[i] = l[i] * alpha + sum;
+        m[i] = mnew;
+        float* a = acc + i * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        for (int64_t j = 0; j < ps; ++j)
+            for (int64_t d = 0; d < D; ++d) a[d] += S[j] * Vb[j * D + d];
+    }
+}
+
+// The shared part of cascade attention over a cache of element type T, merged into out [*, H, D]
+// (fp32) and lse [*, H] (natural log) in place. Group g: pages group_pages[group_page_ptr[g] ..
+// group_page_ptr[g + 1]), query rows group_rows[group_row_ptr[g] .. group_row_ptr[g + 1]) (rows of q,
+// out and lse). Groups run one after another (a row is in one group per level: nested groups share
+// rows); within a group the work is split by KV head and run of pages, each a partial state merged
+// at the end.
+template <typename T>
+void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* k_cache, const T* v_cache,
+                    int64_t page_size, int64_t n_groups, const int64_t* group_page_ptr, const int64_t* group_pages,
+                    const int64_t* group_row_ptr, const int64_t* group_rows, float scale, float* out, float* lse,
+                    int nt) {
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    const int64_t G = H / Hkv, row = kQ8 ? D + kQ8Scale : D;
+    const int64_t tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    // keys are taken a block of whole pages at a time (about 64 keys: the running state of each query
+    // vector is rescaled, loaded and stored once per block)
+    const int64_t ppb = std::max<int64_t>(1, 64 / page_size), kp = (ppb * page_size + 7) / 8 * 8;
+    std::vector<float> Qs, pm, pl, pacc;
+    for (int64_t g = 0; g < n_groups; ++g) {
+        const int64_t* pages = group_pages + group_page_ptr[g];
+        const int64_t np = group_page_ptr[g + 1] - group_page_ptr[g];
+        const int64_t* rows = group_rows + group_row_ptr[g];
+        const int64_t M = group_row_ptr[g + 1] - group_row_ptr[g], nq = M * G;
+        if (np <= 0 || M <= 0) continue;
+        // runs of blocks: enough tasks (x KV heads) to keep nt threads busy, at least one block each
+        const int64_t nblocks = (np + ppb - 1) / ppb;
+        const int64_t want = std::min(nblocks, std::max<int64_t>(1, (8 * (int64_t)nt + Hkv - 1) / Hkv));
+        const int64_t chunk = (nblocks + want - 1) / want * ppb;  // pages per run
+        const int64_t nc = (np + chunk - 1) / chunk;
+        Qs.resize(Hkv * nq * D);
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh)  // [Hkv, M x G, D]: the vectors of a KV head, rows outer
+            for (int64_t mi = 0; mi < M; ++mi)
+                for (int64_t gi = 0; gi < G; ++gi) {
+                    const float* src = q + (rows[mi] * H + kvh * G + gi) * D;
+                    float* dst = Qs.data() + ((kvh * nq) + mi * G + gi) * D;
+                    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+                }
+        pm.assign(nc * Hkv * nq, -INFINITY);
+        pl.assign(nc * Hkv * nq, 0.f);
+        pacc.assign(nc * Hkv * nq * D, 0.f);
+#pragma omp parallel num_threads(nt)
+        {
+            std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(4 * kp), Kr(D);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < nc * Hkv; ++task) {
+                const int64_t c = task / Hkv, kvh = task % Hkv;
+                const int64_t st = (c * Hkv + kvh) * nq, end = std::min(np, (c + 1) * chunk);
+                for (int64_t p0 = c * chunk; p0 < end; p0 += ppb) {
+                    const int64_t n = std::min(ppb, end - p0) * page_size;  // keys in this block
+                    for (int64_t j = 0; j < n; ++j) {
+                        const int64_t at = pages[p0 + j / page_size] * page_stride + (j % page_size) * tok_stride
+                                           + kvh * row;
+                        const T* kv = k_cache + at;
+                        const T* vv = v_cache + at;
+                        float ks = 1.f, vs = 1.f;
+                        if constexpr (kQ8) {
+                            std::memcpy(&ks, kv + D, sizeof(float));
+                            std::memcpy(&vs, vv + D, sizeof(float));
+                        }
+                        to_f32_row(kv, D, ks, Kr.data());
+                        to_f32_row(vv, D, vs, Vb.data() + j * D);
+                        for (int64_t d = 0; d < D; ++d) Kt[d * kp + j] = Kr[d];
+                    }
+                    cascade_page(Qs.data() + kvh * nq * D, nq, D, Kt.data(), Vb.data(), n, kp, pm.data() + st,
+                                 pl.data() + st, pacc.data() + st * D, S.data());
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M * H; ++t) {  // merge the runs, then into out / lse
+                const int64_t mi = t / H, h = t % H, kvh = h / G, i = mi * G + h % G;
+                float mx = -INFINITY;
+                for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, pm[(c * Hkv + kvh) * nq + i]);
+                if (mx == -INFINITY) continue;
+                float* o = out + (rows[mi] * H + h) * D;
+                float* la = lse + rows[mi] * H + h;
+                float L = 0.f, w[64];
+                std::vector<float> wv;
+                float* wc = w;
+                if (nc > 64) { wv.resize(nc); wc = wv.data(); }
+                for (int64_t c = 0; c < nc; ++c) {
+                    const int64_t s = (c * Hkv + kvh) * nq + i;
+                    wc[c] = pm[s] == -INFINITY ? 0.f : std::exp(pm[s] - mx);
+                    L += pl[s] * wc[c];
+                }
+                const float lg = mx + std::log(L);
+                float wa = 0.f, wg = 1.f, nl = lg;
+                if (*la != -INFINITY) {
+                    const float top = std::max(*la, lg);
+                    nl = top + std::log(std::exp(*la - top) + std::exp(lg - top));
+                    wa = std::exp(*la - nl);
+                    wg = std::exp(lg - nl);
+                }
+                const float f = wg / L;
+                for (int64_t d = 0; d < D; ++d) {
+                    float v = 0.f;
+                    for (int64_t c = 0; c < nc; ++c) v += pacc[((c * Hkv + kvh) * nq + i) * D + d] * wc[c];
+                    o[d] = (wa == 0.f ? 0.f : o[d] * wa) + v * f;
+                }
+                *la = nl;
+            }
+        }
+    }
+}
+
+void cascade_groups_kv(int kv, const float* q, int64_t H, int64_t Hkv, int64_t D, const void* k_cache,
+                       const void* v_cache, int64_t page_size, int64_t n_groups, const int64_t* gp_ptr,
+                       const int64_t* gp, const int64_t* gr_ptr, const int64_t* gr, float scale, float* out,
+                       float* lse, int nt) {
+    if (kv == kKvQ8)
+        cascade_groups(q, H, Hkv, D, (const int8_t*)k_cache, (const int8_t*)v_cache, page_size, n_groups, gp_ptr, gp,
+                       gr_ptr, gr, scale, out, lse, nt);
+    else if (kv == kKvF16)
+        cascade_groups(q, H, Hkv, D, (const f16*)k_cache, (const f16*)v_cache, page_size, n_groups, gp_ptr, gp, gr_ptr,
+                       gr, scale, out, lse, nt);
+    else if (kv == kKvBF16)
+        cascade_groups(q, H, Hkv, D, (const bf16*)k_cache, (const bf16*)v_cache, page_size, n_groups, gp_ptr, gp,
+                       gr_ptr, gr, scale, out, lse, nt);
+    else
+        cascade_groups(q, H, Hkv, D, (const float*)k_cache, (const float*)v_cache, page_size, n_groups, gp_ptr, gp,
+                       gr_ptr, gr, scale, out, lse, nt);
+}
+
 // The projection of one weight, as described by the caller (see OcProj in engine/native/__init__.py).
 struct OcProj {
     int64_t kind;  // 4 = int4 blocks, 8 = int8 rows
@@ -733,7 +1030,7 @@ inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float
 
 extern "C" {
 
-int oc_abi_version() { return 8; }
+int oc_abi_version() { return 9; }
 
 // The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
 // the ones before the call go to *old_q4, *old_q8 when given.
@@ -933,6 +1230,17 @@ void oc_paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H
                      int nt) {
     paged_decode_kv(kv_type, q, q_rows, B, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size, scale,
                     out, lse, nt);
+}
+
+// Shared-prefix (cascade) attention, the shared part, merged into out / lse in place (see
+// cascade_groups): q [*, H, D] fp32; out [*, H, D] fp32 and lse [*, H] hold each row's partial over its
+// other keys (-inf: none yet). kv_type as oc_paged_decode.
+void oc_cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const void* k_cache, const void* v_cache,
+                       int64_t page_size, int64_t n_groups, const int64_t* group_page_ptr, const int64_t* group_pages,
+                       const int64_t* group_row_ptr, const int64_t* group_rows, float scale, float* out, float* lse,
+                       int kv_type, int nt) {
+    cascade_groups_kv(kv_type, q, H, Hkv, D, k_cache, v_cache, page_size, n_groups, group_page_ptr, group_pages,
+                      group_row_ptr, group_rows, scale, out, lse, nt);
 }
 
 // One decoder layer for T decode rows (one new token per sequence), in place on the residual stream
