@@ -442,7 +442,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             self._finish(job, finish)
 
     def _finish(self, job: Job, reason: str, error: Exception | None = None) -> None:
-        if job.t_start:  # started, maybe before a preemption, but no step's results applied yet
+        if job.t_start:  # it started (set up its prefix) at some point: "started" comes before its end
             self._announce(job)
         self.scheduler.remove(job)
         job.finish_reason = reason
