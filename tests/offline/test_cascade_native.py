@@ -208,3 +208,65 @@ def test_engine_greedy_cascade_on_equals_off_with_the_native_kernel(make_engine,
         assert (eng.backend.num_cascade_steps > 0) == (mode == "on")
     assert calls and all(calls)  # every cascade step ran the native group kernel
     assert outs["on"] == outs["off"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "q8"])
+def test_fused_decode_layer_with_cascade_groups_equals_plain(make_engine, monkeypatch, tmp_path, kv_dtype):
+    """``oc_decode_layer_cascade`` (each row's private pages plus nested shared groups) computes the layer
+    ``oc_decode_layer`` computes over the whole page tables: same residual stream, same K/V written."""
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")  # the native int8 kernels: the fused layer applies
+    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
+    eng = make_engine(weights="int8")
+    model, d = eng.model, eng.model.dims
+    assert model.fused_layers is not None
+    torch.manual_seed(7)
+    ps, T = 4, 5
+    shared, inner = list(range(0, 6)), list(range(6, 9))  # rows 0-3 share 6 pages, rows 0-1 three more
+    kv = PagePool(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                  dtype=KV_DTYPES[kv_dtype])
+    _fill(kv, d.head_dim)
+    tables, lens, private = [], [], []
+    for t in range(T):
+        base = shared + inner if t < 2 else shared if t < 4 else []
+        own = [20 + 3 * t, 21 + 3 * t, 22 + 3 * t]
+        tables.append(base + own)
+        lens.append(len(base) * ps + 2 * ps + 1 + t % 3)
+        private.append(own)
+    slots = torch.tensor([tables[t][(lens[t] - 1) // ps] * ps + (lens[t] - 1) % ps for t in range(T)])
+    angles = torch.rand(T, d.head_dim // 2) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).contiguous()
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).contiguous()
+    rows = torch.arange(T, dtype=torch.int64)
+    x0 = torch.randn(T, d.hidden_size)
+    L = model.layers[0]
+
+    def run(page_tables, kv_lens, groups):
+        width = max(len(p) for p in page_tables)
+        idx = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.int64)
+        kl = torch.tensor(kv_lens, dtype=torch.int64)
+        kc, vc = kv.k_cache[0].clone(), kv.v_cache[0].clone()
+        x = x0.clone()
+        args = [x.data_ptr(), T, d.hidden_size, L.in_norm.data_ptr(), L.post_norm.data_ptr(), d.rms_norm_eps,
+                model.fused_layers[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                rows.data_ptr(), idx.data_ptr(), width, kl.data_ptr(), ps, d.num_heads, d.num_kv_heads, d.head_dim,
+                model.scale, native.kv_type(kc.dtype), 2]
+        if groups is None:
+            LIB.oc_decode_layer(*args)
+        else:
+            page_ptr, pages, row_ptr, grows = [0], [], [0], []
+            for g_pages, g_rows in groups:
+                pages += g_pages
+                grows += g_rows
+                page_ptr.append(len(pages))
+                row_ptr.append(len(grows))
+            flat = [torch.tensor(v, dtype=torch.int64) for v in (page_ptr, pages, row_ptr, grows)]
+            LIB.oc_decode_layer_cascade(*args, len(groups), *(f.data_ptr() for f in flat))
+        return x, kc, vc
+
+    plain = run(tables, lens, None)
+    priv_lens = [lens[t] - (len(tables[t]) - 3) * ps for t in range(T)]
+    cascade = run(private, priv_lens, [(shared, [0, 1, 2, 3]), (inner, [0, 1])])
+    assert (cascade[0] - plain[0]).abs().max().item() < 1e-4 * plain[0].abs().max().item()
+    assert torch.equal(cascade[1], plain[1]) and torch.equal(cascade[2], plain[2])
+    no_groups = run(tables, lens, [])  # n_groups 0: the plain layer, bit for bit
+    assert torch.equal(no_groups[0], plain[0])

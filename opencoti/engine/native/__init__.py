@@ -61,6 +61,8 @@ _SIGNATURES = {
     "oc_q8_dequant": ([_P, _I64, _I64, _P, _INT], None),
     "oc_decode_layer": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
                          _I64, _F, _INT, _INT], None),
+    "oc_decode_layer_cascade": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64,
+                                 _I64, _I64, _F, _INT, _INT, _I64, _P, _P, _P, _P], None),
 }
 
 

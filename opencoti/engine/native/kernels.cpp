@@ -1247,11 +1247,16 @@ void oc_cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const 
 // x [T, hidden]: RMSNorm, fused q/k/v projection, RoPE (HF halves convention: x * cos + roll(x, D/2) *
 // sin_signed), K/V written to their cache slots, paged attention, output projection + residual,
 // RMSNorm, fused gate/up, SiLU(gate) * up, down projection + residual. ``proj``: qkv, o, gate_up, down.
-void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, const float* post_norm, float eps,
-                     const OcProj* proj, const float* cos, const float* sin_signed, const int64_t* slots,
-                     void* k_cache, void* v_cache, const int64_t* q_rows, const int64_t* page_idx,
-                     int64_t max_pages, const int64_t* kv_lens, int64_t page_size, int64_t H, int64_t Hkv,
-                     int64_t D, float scale, int kv_type, int nt) {
+// oc_decode_layer_cascade: the same layer with shared-prefix (cascade) attention: page_idx / kv_lens hold
+// each row's own (private) pages, and the n_groups groups (as oc_cascade_groups) the shared page runs,
+// merged in through the log-sum-exp. n_groups 0: plain paged attention (oc_decode_layer).
+void oc_decode_layer_cascade(float* x, int64_t T, int64_t hidden, const float* in_norm, const float* post_norm,
+                             float eps, const OcProj* proj, const float* cos, const float* sin_signed,
+                             const int64_t* slots, void* k_cache, void* v_cache, const int64_t* q_rows,
+                             const int64_t* page_idx, int64_t max_pages, const int64_t* kv_lens, int64_t page_size,
+                             int64_t H, int64_t Hkv, int64_t D, float scale, int kv_type, int nt, int64_t n_groups,
+                             const int64_t* group_page_ptr, const int64_t* group_pages, const int64_t* group_row_ptr,
+                             const int64_t* group_rows) {
     const int64_t qn = H * D, kvn = Hkv * D, qkv_n = qn + 2 * kvn, inter = proj[2].n / 2;
     std::vector<float> hs(T * std::max(hidden, inter)), qkv(T * qkv_n), attn(T * qn), big(T * proj[2].n);
     rms_norm(x, in_norm, T, hidden, eps, hs.data());
@@ -1273,8 +1278,12 @@ void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, 
     // q rows live inside qkv (row stride qkv_n): copy them dense for the attention kernel
     std::vector<float> q(T * qn);
     for (int64_t t = 0; t < T; ++t) std::memcpy(q.data() + t * qn, qkv.data() + t * qkv_n, qn * sizeof(float));
+    std::vector<float> lse(n_groups > 0 ? T * H : 0);
     paged_decode_kv(kv_type, q.data(), q_rows, T, H, Hkv, D, k_cache, v_cache, page_idx, max_pages, kv_lens, page_size,
-                    scale, attn.data(), nullptr, nt);
+                    scale, attn.data(), n_groups > 0 ? lse.data() : nullptr, nt);
+    if (n_groups > 0)
+        cascade_groups_kv(kv_type, q.data(), H, Hkv, D, k_cache, v_cache, page_size, n_groups, group_page_ptr,
+                          group_pages, group_row_ptr, group_rows, scale, attn.data(), lse.data(), nt);
     project(proj[1], attn.data(), T, hs.data(), nt);
     for (int64_t i = 0; i < T * hidden; ++i) x[i] += hs[i];
     rms_norm(x, post_norm, T, hidden, eps, hs.data());
@@ -1286,6 +1295,16 @@ void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, 
     }
     project(proj[3], hs.data(), T, attn.data(), nt);
     for (int64_t i = 0; i < T * hidden; ++i) x[i] += attn[i];
+}
+
+void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, const float* post_norm, float eps,
+                     const OcProj* proj, const float* cos, const float* sin_signed, const int64_t* slots,
+                     void* k_cache, void* v_cache, const int64_t* q_rows, const int64_t* page_idx,
+                     int64_t max_pages, const int64_t* kv_lens, int64_t page_size, int64_t H, int64_t Hkv,
+                     int64_t D, float scale, int kv_type, int nt) {
+    oc_decode_layer_cascade(x, T, hidden, in_norm, post_norm, eps, proj, cos, sin_signed, slots, k_cache, v_cache,
+                            q_rows, page_idx, max_pages, kv_lens, page_size, H, Hkv, D, scale, kv_type, nt, 0, nullptr,
+                            nullptr, nullptr, nullptr);
 }
 
 }  // extern "C"
