@@ -188,7 +188,7 @@ def bench_overhead(args, N: int, P: int, G: int, rounds: int) -> dict:
     core._plan_auto = timer.wrap(core._plan_auto)
     core._auto_start = timer.wrap(core._auto_start)
     core._realign = timer.wrap(core._realign)  # at prepare: prompts against recent finished requests
-    core.scheduler.blocked = timer.wrap(core.scheduler.blocked)
+    core.waits_for_prefix = timer.wrap(core.waits_for_prefix)  # the scheduler asks it (SchedulerHooks)
     try:
         for key, eng in engines.items():
             eng.generate([1, 2, 3, 4], params=greedy(2))
