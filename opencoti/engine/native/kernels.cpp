@@ -815,6 +815,37 @@ inline void to_f32_row(const T* src, int64_t D, float s, float* dst) {
     for (; i < D; ++i) dst[i] = kQ8 ? to_float(src[i]) * s : to_float(src[i]);
 }
 
+// Kt [D, kp] = Kr [n, D] transposed (n <= kp), 8 x 8 tiles where the sizes allow
+inline void transpose_keys(const float* Kr, int64_t n, int64_t D, float* Kt, int64_t kp) {
+    int64_t j0 = 0;
+#if OC_AVX2
+    if (D % 8 == 0)
+        for (; j0 + 8 <= n; j0 += 8)
+            for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                const float* src = Kr + j0 * D + d0;
+                __m256 r[8], t[8];
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * D);
+                for (int i = 0; i < 8; i += 2) {
+                    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+                }
+                for (int i = 0; i < 8; i += 4) {
+                    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+                    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+                }
+                float* dst = Kt + d0 * kp + j0;
+                for (int i = 0; i < 4; ++i) {
+                    _mm256_storeu_ps(dst + i * kp, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+                    _mm256_storeu_ps(dst + (i + 4) * kp, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+                }
+            }
+#endif
+    for (int64_t j = j0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) Kt[d * kp + j] = Kr[j * D + d];
+}
+
 // One group's query vectors Q [nq, D] (scale folded in) against a block of ps keys (Kt [D, kp]
 // transposed, Vb [kp, D], kp >= ps a multiple of 8): the online softmax update of
 // (m, l, acc) of every vector. S: scratch of 4 x kp floats.
@@ -925,7 +956,7 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
         pacc.assign(nc * Hkv * nq * D, 0.f);
 #pragma omp parallel num_threads(nt)
         {
-            std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(4 * kp), Kr(D);
+            std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(4 * kp), Kr(kp * D);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < nc * Hkv; ++task) {
                 const int64_t c = task / Hkv, kvh = task % Hkv;
@@ -942,10 +973,10 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
                             std::memcpy(&ks, kv + D, sizeof(float));
                             std::memcpy(&vs, vv + D, sizeof(float));
                         }
-                        to_f32_row(kv, D, ks, Kr.data());
+                        to_f32_row(kv, D, ks, Kr.data() + j * D);
                         to_f32_row(vv, D, vs, Vb.data() + j * D);
-                        for (int64_t d = 0; d < D; ++d) Kt[d * kp + j] = Kr[d];
                     }
+                    transpose_keys(Kr.data(), n, D, Kt.data(), kp);
                     cascade_page(Qs.data() + kvh * nq * D, nq, D, Kt.data(), Vb.data(), n, kp, pm.data() + st,
                                  pl.data() + st, pacc.data() + st * D, S.data());
                 }
