@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers runs on the engine's step thread (the engine is idle meanwhile): one OpenMP team
     # serves both, as in two separate processes. Run on the main thread instead, its OpenMP team
     # and the step thread's compete for the 2 cores and slow the engine's decode ~1.5x (measured).
-    hf = engine._call(load_transformers, model_dir, args.dtype)
+    hf = engine.run_on_step_thread(load_transformers, model_dir, args.dtype)
     hf_bytes = hf_param_bytes(hf)
     log(f"torch threads: {torch.get_num_threads()}")
 
@@ -208,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     n = args.tokens
 
     log("warm-up")
-    engine._call(run_transformers, hf, single, 8)
+    engine.run_on_step_thread(run_transformers, hf, single, 8)
     run_engine_single(engine, single, 8, "warmup")
     run_engine_concurrent(engine, prompts, 8, "warmup-c")
 
     hf_runs, eng_runs, conc_runs = [], [], []
     for r in range(args.repeats):
         log(f"round {r + 1}/{args.repeats}: transformers")
-        hf_runs.append(engine._call(run_transformers, hf, single, n))
+        hf_runs.append(engine.run_on_step_thread(run_transformers, hf, single, n))
         log(f"round {r + 1}/{args.repeats}: opencoti single session")
         eng_runs.append(run_engine_single(engine, single, n, f"single-{r}"))
         log(f"round {r + 1}/{args.repeats}: opencoti {args.concurrency} concurrent sessions")

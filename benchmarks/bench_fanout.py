@@ -267,9 +267,9 @@ def profile_step_breakdown(engine, prefix, suffixes, G: int) -> dict:
     runner_mod.build_metadata = wrap("fanout::metadata", orig_meta)
     prof = profile(activities=[ProfilerActivity.CPU])
     try:
-        engine._call(prof.start)  # the profiler only sees the thread it was started on
+        engine.run_on_step_thread(prof.start)  # the profiler only sees the thread it was started on
         run = run_opencoti(engine, prefix, suffixes, G, True, "prof")
-        engine._call(prof.stop)
+        engine.run_on_step_thread(prof.stop)
     finally:
         for obj, name, orig in originals:
             if orig is None:

@@ -57,13 +57,13 @@ def main() -> int:
             info = eng.create_pool(tokens=toks)
             pid = info.pool_id
             path = tmp / f"{pid}.kv"
-            pool = eng._call(core.tree.get, pid)
-            ref_k = eng._call(lambda: kv.k_cache[:, pool.seq.page_table].clone())
+            pool = eng.run_on_step_thread(core.tree.get, pid)
+            ref_k = eng.run_on_step_thread(lambda: kv.k_cache[:, pool.seq.page_table].clone())
             save_s, nbytes = [], 0
             rec_s, warm_s, cold_s = [], [], []
             for _ in range(args.repeats):
                 t0 = now()
-                nbytes = eng._call(kvfile.save_kv, path, kv, pool.seq.page_table, 0, n, toks)
+                nbytes = eng.run_on_step_thread(kvfile.save_kv, path, kv, pool.seq.page_table, 0, n, toks)
                 save_s.append(now() - t0)
                 # recompute: evict, then re-materialize through an attach (what first use does)
                 eng.evict_pool(pid)
@@ -92,7 +92,7 @@ def main() -> int:
                         kv.decref(table)
                         return dt, same
 
-                    dt, same = eng._call(load)
+                    dt, same = eng.run_on_step_thread(load)
                     if not same:
                         raise SystemExit(f"loaded KV differs from the computed KV (n={n})")
                     bucket.append(dt)

@@ -152,7 +152,7 @@ def gate_numbers(formats: list[str]) -> dict:
 
     ref_eng = build_engine("fp32", {"weights": "fp32"}, 1)
     ids = torch.tensor(ref_eng.loaded.tokenizer.encode(GATE_TEXT), dtype=torch.long)
-    ref = ref_eng._call(ref_eng.model.dense_logits, ids)
+    ref = ref_eng.run_on_step_thread(ref_eng.model.dense_logits, ids)
     ref_eng.shutdown()
     out = {}
     for name in formats:  # auto's row is the gate of the format it chose
@@ -160,7 +160,7 @@ def gate_numbers(formats: list[str]) -> dict:
             continue
         eng = build_engine(name, {"weights": name}, 1)
         if eng.model.weights != "fp32":
-            out[name] = {"format": eng.model.weights, **gate_metrics(ref, eng._call(eng.model.dense_logits, ids),
+            out[name] = {"format": eng.model.weights, **gate_metrics(ref, eng.run_on_step_thread(eng.model.dense_logits, ids),
                                                                       ids, 256)}
         eng.shutdown()
     return out

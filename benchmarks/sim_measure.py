@@ -68,7 +68,7 @@ def main() -> None:
                         "ctx_sum": sum(len(j.seq.tokens) for j in running), "total_s": st.total_s})
 
     pool = eng.create_pool(messages=[{"role": "system", "content": SYSTEM}])
-    eng._call(lambda: core.listeners.append(on_event))
+    eng.run_on_step_thread(lambda: core.listeners.append(on_event))
     load0 = os.getloadavg()
     # batch sizes interleaved round by round, so a load that drifts over the run (a shared
     # machine) spreads over every batch size instead of masquerading as a batch-size effect

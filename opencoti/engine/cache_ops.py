@@ -41,7 +41,7 @@ _MAX_SPAN = 8192  # ids of an earlier request looked at per span
 
 class PrefixCacheMixin:
     """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, counters, page_size, recent_outputs,
-    and drop_session_kv, _evict_pool, _auto_pinned, _session_pool."""
+    and drop_session_kv, _evict_pool, auto_pinned, _session_pool."""
 
     def _init_prefix_cache(self) -> None:
         self._inflight: dict[bytes, Job] = {}  # page key -> the job computing (or queued to compute) that page
@@ -304,7 +304,7 @@ class PrefixCacheMixin:
         now = time.monotonic()
         while short() > 0:
             cands = [p for p in self.tree.pools.values()
-                     if p.residency == Residency.RESIDENT and not p.pinned and not self._auto_pinned(p, now)]
+                     if p.residency == Residency.RESIDENT and not p.pinned and not self.auto_pinned(p, now)]
             if not cands:
                 break
             self._evict_pool(min(cands, key=lambda p: p.last_access))

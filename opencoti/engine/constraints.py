@@ -43,14 +43,14 @@ _KINDS = ("json_schema", "json_object", "grammar", "regex", "tool_calls")
 _MAX_SOURCE_CHARS = 1 << 20
 
 
-def _llg():
+def load_llguidance():
     import llguidance  # imported on first use: unconstrained engines never load it
 
     return llguidance
 
 
-def _validate(grammar: str, what: str) -> None:
-    llg = _llg()
+def validate_grammar(grammar: str, what: str) -> None:
+    llg = load_llguidance()
     try:
         msg = llg.LLMatcher.validate_grammar(grammar)
     except (ValueError, TypeError, RuntimeError) as exc:  # API-level rejection of the input
@@ -59,7 +59,7 @@ def _validate(grammar: str, what: str) -> None:
         raise InvalidRequestError(f"invalid {what}: {msg.strip()}")
 
 
-def _schema_dict(schema: Any, what: str) -> dict | bool:
+def schema_dict(schema: Any, what: str) -> dict | bool:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -76,7 +76,7 @@ def _schema_dict(schema: Any, what: str) -> dict | bool:
     return schema
 
 
-def _with_options(schema: dict | bool) -> dict:
+def with_json_options(schema: dict | bool) -> dict:
     """The schema with our JSON layout options (the schema's own x-guidance options win)."""
     if schema is True:
         schema = {}
@@ -111,13 +111,13 @@ def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
         if name is not None and fn["name"] != name:
             continue
         params = fn.get("parameters")
-        params = {"type": "object"} if params is None else _schema_dict(params, f"tool {fn['name']!r} parameters")
+        params = {"type": "object"} if params is None else schema_dict(params, f"tool {fn['name']!r} parameters")
         # arguments follow the schema: an object that lists its properties and says nothing about
         # others gets no invented keys (an explicit additionalProperties is kept)
         params = _closed_objects(params, explicit=False)
         what = f"JSON schema for the parameters of tool {fn['name']!r}"
         check_satisfiable(params, what)
-        _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(params)), what)
+        validate_grammar(load_llguidance().LLMatcher.grammar_from_json_schema(with_json_options(params)), what)
         chosen.append((fn["name"], params))
     if not chosen:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools")
@@ -132,7 +132,7 @@ def _tool_call_schema(tools: Sequence[dict], name: str | None) -> dict:
 def tool_calls_lark(tools: Sequence[dict], name: str | None = None, parallel: bool = True) -> str:
     """Lark grammar of one (or, with ``parallel``, several) Hermes-style tool calls:
     ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
-    schema = _with_options(_tool_call_schema(tools, name))
+    schema = with_json_options(_tool_call_schema(tools, name))
     block = "block: " + json.dumps(TOOL_CALL_OPEN + "\n") + " call " + json.dumps("\n" + TOOL_CALL_CLOSE)
     start = 'start: block ("\\n" block)*' if parallel else "start: block"
     return "\n".join([start, block, "call: %json " + json.dumps(schema)])
@@ -164,14 +164,14 @@ class ConstraintSpec:
             raise InvalidRequestError("constraint prefix must be a string and trigger a non-empty string")
         if self.grammar:
             return  # copied from a validated spec
-        llg = _llg()
+        llg = load_llguidance()
         if self.kind == "json_schema":
-            schema = _schema_dict(self.source, "JSON schema")
+            schema = schema_dict(self.source, "JSON schema")
             check_satisfiable(schema, "JSON schema")
-            grammar = llg.LLMatcher.grammar_from_json_schema(_with_options(schema))
+            grammar = llg.LLMatcher.grammar_from_json_schema(with_json_options(schema))
             what = "JSON schema"
         elif self.kind == "json_object":
-            grammar = llg.LLMatcher.grammar_from_json_schema(_with_options({"type": "object"}))
+            grammar = llg.LLMatcher.grammar_from_json_schema(with_json_options({"type": "object"}))
             what = "JSON object constraint"
         elif self.kind == "regex":
             if not isinstance(self.source, str) or not self.source:
@@ -186,7 +186,7 @@ class ConstraintSpec:
                 raise InvalidRequestError("a tool-call constraint needs a non-empty list of tools")
             lark = tool_calls_lark(tools, src.get("name"), bool(src.get("parallel", True)))
             grammar, what = llg.LLMatcher.grammar_from_lark(lark), "tool-call grammar"
-        _validate(grammar, what)
+        validate_grammar(grammar, what)
         object.__setattr__(self, "grammar", grammar)
 
     # ---- constructors
@@ -245,15 +245,15 @@ def closing_grammar(spec: ConstraintSpec) -> str | None:
     grammar = None
     try:
         if spec.kind == "json_schema":
-            schema = _closed_objects(_schema_dict(spec.source, "JSON schema"))
-            grammar = _llg().LLMatcher.grammar_from_json_schema(_with_options(schema))
+            schema = _closed_objects(schema_dict(spec.source, "JSON schema"))
+            grammar = load_llguidance().LLMatcher.grammar_from_json_schema(with_json_options(schema))
         elif spec.kind == "tool_calls":
             src = spec.source
             tools = [{**t, "function": {**t["function"], "parameters": _closed_objects(
                 t["function"].get("parameters") or {"type": "object"})}} for t in src["tools"]]
-            grammar = _llg().LLMatcher.grammar_from_lark(
+            grammar = load_llguidance().LLMatcher.grammar_from_lark(
                 tool_calls_lark(tools, src.get("name"), bool(src.get("parallel", True))))
-        if grammar is not None and _llg().LLMatcher.validate_grammar(grammar):
+        if grammar is not None and load_llguidance().LLMatcher.validate_grammar(grammar):
             grammar = None  # the closed variant does not compile: search with the request's own grammar
     except (InvalidRequestError, ValueError, TypeError, KeyError, RuntimeError):
         grammar = None
@@ -272,7 +272,7 @@ def _grammar_text(source: Any) -> str:
         lark = any_to_lark(source)  # GBNF (llama.cpp) is converted; Lark passes through
     except Exception as exc:  # noqa: BLE001 - the converter raises plain Exception on bad GBNF
         raise InvalidRequestError(f"invalid grammar: {exc}") from None
-    return _llg().LLMatcher.grammar_from_lark(lark)
+    return load_llguidance().LLMatcher.grammar_from_lark(lark)
 
 
 # ============================================================================ tokenizer bridge
@@ -294,7 +294,7 @@ def llg_tokenizer(tokenizer) -> Any:
 
 
 def _build_llg_tokenizer(tokenizer) -> Any:
-    llg = _llg()
+    llg = load_llguidance()
     eos = list(tokenizer.eos_token_ids)
     hf = getattr(tokenizer, "hf_tokenizer", None)
     if hf is not None:
@@ -345,7 +345,7 @@ class Constraint:
                 raise InvalidRequestError(f"the forced output prefix {spec.prefix!r} does not match the constraint")
 
     def _start(self, text: bytes) -> bool:
-        m = _llg().LLMatcher(self.lt, self.spec.grammar, log_level=0)
+        m = load_llguidance().LLMatcher(self.lt, self.spec.grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"invalid constraint: {m.get_error()}")
         if text and not m.consume_tokens(self.lt.tokenize_bytes(text)):
@@ -417,7 +417,7 @@ class Constraint:
             self._shadow = False
             grammar = closing_grammar(self.spec)
             if grammar is not None:
-                m = _llg().LLMatcher(self.lt, grammar, log_level=0)
+                m = load_llguidance().LLMatcher(self.lt, grammar, log_level=0)
                 if not m.is_error() and m.consume_tokens(self.lt.tokenize_bytes(bytes(self._out))):
                     self._shadow = m
         return self._shadow or self.matcher
@@ -462,7 +462,7 @@ def _mask_executor():
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = _llg().LLExecutor(num_threads=2)
+            _executor = load_llguidance().LLExecutor(num_threads=2)
         return _executor
 
 

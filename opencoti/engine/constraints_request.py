@@ -22,7 +22,8 @@ import json
 import math
 from typing import Any, Callable, Sequence
 
-from .constraints import ConstraintSpec, _llg, _schema_dict, _validate, _with_options, tool_calls_lark
+from .constraints import (ConstraintSpec, load_llguidance, schema_dict, tool_calls_lark, validate_grammar,
+                          with_json_options)
 from .constraints_sat import check_satisfiable
 from .constraints_strict import check_strict_schema
 from .errors import InvalidRequestError
@@ -53,7 +54,7 @@ def _response_format_schema(rf: Any) -> tuple[str, Any]:
                 if "schema" not in js:
                     raise InvalidRequestError("response_format.json_schema.strict needs a schema")
                 name = js.get("name") if isinstance(js.get("name"), str) else "json_schema"
-                check_strict_schema(_schema_dict(js["schema"], "JSON schema"), f"response_format {name!r}")
+                check_strict_schema(schema_dict(js["schema"], "JSON schema"), f"response_format {name!r}")
         if isinstance(js, dict) and "schema" in js:
             return "json_schema", js["schema"]
         if isinstance(rf.get("schema"), (dict, bool)):  # llama.cpp's flat form
@@ -125,17 +126,17 @@ def check_strict_tools(tools: Sequence[dict] | None) -> None:
         if fn["strict"]:
             params = fn.get("parameters")
             params = {"type": "object", "properties": {}, "required": [], "additionalProperties": False} \
-                if params is None else _schema_dict(params, f"tool {fn.get('name')!r} parameters")
+                if params is None else schema_dict(params, f"tool {fn.get('name')!r} parameters")
             check_strict_schema(params, f"function {fn.get('name')!r}")
 
 
 def _calls_or_json(tools: Sequence[dict], parallel: bool, schema: Any) -> ConstraintSpec:
     """tool_choice=auto with a JSON response format: one or more tool calls, or the JSON answer."""
-    schema = _schema_dict(schema, "JSON schema")
+    schema = schema_dict(schema, "JSON schema")
     check_satisfiable(schema, "JSON schema")
-    _validate(_llg().LLMatcher.grammar_from_json_schema(_with_options(schema)), "JSON schema")
+    validate_grammar(load_llguidance().LLMatcher.grammar_from_json_schema(with_json_options(schema)), "JSON schema")
     calls = tool_calls_lark(tools, None, parallel).replace("start:", "calls:", 1)
-    lark = "start: calls | answer\n" + calls + "\nanswer: %json " + json.dumps(_with_options(schema))
+    lark = "start: calls | answer\n" + calls + "\nanswer: %json " + json.dumps(with_json_options(schema))
     return ConstraintSpec.gbnf(lark)
 
 

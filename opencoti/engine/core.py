@@ -516,7 +516,9 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 return True
         return False
 
-    def _auto_pinned(self, pool: Pool, now: float) -> bool:
+    def auto_pinned(self, pool: Pool, now: float) -> bool:
+        """Whether ``pool`` stays resident (not evictable) at ``now``: it has live children, a busy
+        attached session or one holding its pages, or is inside its grace TTL."""
         return pool.is_auto_pinned(now, self._sessions_in_use(pool))
 
     def drop_session_kv(self, s: Session, detach: bool = True) -> None:

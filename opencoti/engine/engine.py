@@ -265,10 +265,6 @@ class Engine(PoolAPIMixin):
         """``post_to_step_thread`` and wait for the result (raises what ``fn`` raised)."""
         return self.post_to_step_thread(fn, *args, **kwargs).result()
 
-    # the earlier private names, still used by tenancy.py and tests (switch them, then drop these)
-    _submit = post_to_step_thread
-    _call = run_on_step_thread
-
     def shutdown(self) -> None:
         """Stop the step loop; pending requests fail with EngineClosedError."""
         if self._closed:

@@ -33,7 +33,7 @@ Definitions (what every number means):
   ``max(KV occupancy, ctx_used / ctx_total)``: it approaches 1 when either the shared cache or this
   session's own context is about to run out, so an orchestrator compacts before the wall.
 
-Everything here runs on the engine's step thread (listener callbacks, and the facade's ``_call``).
+Everything here runs on the engine's step thread (listener callbacks, and the facade's ``run_on_step_thread``).
 The estimators (``tps``) take explicit timestamps, so tests drive them with a scripted clock.
 """
 
@@ -44,11 +44,12 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from .session import Job, SessionState
 from .tps import RateWindow, SessionTps, TpsConfig
 from .speculative import acceptance
+from .view import PolyKVView
 
 __all__ = ["Activity", "Metrics", "RateWindow", "SessionTps", "TpsConfig"]
 
@@ -71,10 +72,11 @@ class Activity:
 class Metrics:
     """Listens to the engine core and answers tps / context / counter questions.
 
-    Installed by ``Engine.__init__``; all methods run on the step thread.
+    Installed by ``Engine.__init__``; all methods run on the step thread. It reads the core only
+    through ``PolyKVView`` (view.py).
     """
 
-    def __init__(self, core, config: TpsConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, core: PolyKVView, config: TpsConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
                  wall_clock: Callable[[], float] = time.time):
         self.core = core
         self.cfg = config or TpsConfig()
@@ -177,7 +179,8 @@ class Metrics:
             self._sample_history(now)
 
     # ---------------------------------------------------------------- queries (step thread)
-    def _generation_jobs(self):
+    def generation_jobs(self) -> Iterator[Any]:  # Jobs whose session is set (typed Any: not narrowed)
+        """The unfinished requests of sessions in flight: running, then waiting (admission reads them)."""
         sch = self.core.scheduler
         for job in list(sch.running) + list(sch.waiting):
             if isinstance(job, Job) and job.session is not None and job.finish_reason is None:
@@ -195,7 +198,7 @@ class Metrics:
     def activity(self) -> Activity:
         tps: dict[str, float] = {}
         n_warming = n_decoding = n_inflight = 0
-        for job in self._generation_jobs():
+        for job in self.generation_jobs():
             n_inflight += 1
             sid = job.session.session_id
             m = self.meters.get(sid)
@@ -203,7 +206,7 @@ class Metrics:
             decoding = job.state == SessionState.DECODE and job.started
             if decoding:
                 n_decoding += 1
-            if decoding and fresh:
+            if decoding and fresh and m is not None:  # (fresh: m is not None)
                 tps[sid] = m.value()
             elif not fresh:
                 n_warming += 1
@@ -225,10 +228,10 @@ class Metrics:
         reclaimable = sum(len(s.seq.owned_pages) for s in core.sessions.values() if s.is_idle and s.seq.page_table)
         reclaimable += sum(len(p.seq.owned_pages) for p in core.tree.pools.values()
                            if p.residency == "resident" and not p.pinned and p.pool_id not in keep
-                           and not core._auto_pinned(p, now))
+                           and not core.auto_pinned(p, now))
         reclaimable += core.tables.num_cache_only()  # pages only the prefix cache holds
         reserved = 0
-        for job in self._generation_jobs():
+        for job in self.generation_jobs():
             if job.params.max_tokens is None:
                 continue
             final = min(job.prompt_len + job.params.max_tokens, core.max_context)
@@ -290,7 +293,7 @@ class Metrics:
                              "mean_active_tps": act.mean_active_tps, "n_active": act.n_active,
                              "n_warming": act.n_warming, "n_decoding": act.n_decoding,
                              "prefill_tps": self.prefill.rate(now)})
-        for job in self._generation_jobs():
+        for job in self.generation_jobs():
             s = job.session
             h = self.session_history.get(s.session_id)
             if h is None:
@@ -342,7 +345,7 @@ class Metrics:
 
         per_pool: dict[int, float] = {}
         per_pool_sessions: dict[int, int] = {}
-        for job in self._generation_jobs():
+        for job in self.generation_jobs():
             pid = job.session.pool_id
             if pid is not None and job.session.session_id in act.tps_by_session:
                 per_pool[pid] = per_pool.get(pid, 0.0) + act.tps_by_session[job.session.session_id]

@@ -20,7 +20,7 @@ from .session import MaterializeJob, Session
 class PoolOpsMixin:
     """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, page_size, max_context,
     listeners, and its helpers (check_tokens, check_fits, reclaim, _detach,
-    _session_pool, _auto_pinned, _sessions_in_use, get_session, release_session)."""
+    _session_pool, auto_pinned, _sessions_in_use, get_session, release_session)."""
 
     def _ensure_resident(self, pool: Pool) -> list[Pool]:
         """Pools to wait for before using ``pool``; starts re-materialization of evicted ones."""
@@ -321,7 +321,7 @@ class PoolOpsMixin:
         return PoolInfo(
             pool_id=pool.pool_id, parent=pool.parent.pool_id if pool.parent else None, branch_pos=pool.branch_pos,
             prefix_len=pool.prefix_len, own_len=pool.own_len, own_kv_bytes=own, subtree_kv_bytes=subtree,
-            residency=pool.residency.value, pinned=pool.pinned, auto_pinned=self._auto_pinned(pool, now),
+            residency=pool.residency.value, pinned=pool.pinned, auto_pinned=self.auto_pinned(pool, now),
             orphaned_pin=pool.pinned and not pool.sessions and not kids,
             last_access_ts=pool.last_access, children=[c.pool_id for c in kids], sessions=sessions,
             rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label,

@@ -115,7 +115,8 @@ class TenantEngine:
             changes["session_id"] = self._out(info.session_id)
         return dataclasses.replace(info, **changes)
 
-    def _errors(self, e: OpencotiError) -> OpencotiError:
+    def rewrite_error(self, e: OpencotiError) -> OpencotiError:
+        """``e`` with this tenant's session-id prefix taken out of its message (the client's ids)."""
         if e.args and isinstance(e.args[0], str) and self._prefix in e.args[0]:
             e.args = (e.args[0].replace(self._prefix, ""), *e.args[1:])
         return e
@@ -124,13 +125,13 @@ class TenantEngine:
         try:
             return fn(*args, **kwargs)
         except OpencotiError as e:
-            raise self._errors(e) from None
+            raise self.rewrite_error(e) from None
 
     # ================================================================== ownership (step thread reads)
     def _owned(self) -> set[int]:
         t = self.tenant
-        return self._eng._call(lambda: {pid for pid, p in self._eng.core.tree.pools.items()
-                                        if p.tenant == t})
+        return self._eng.run_on_step_thread(lambda: {pid for pid, p in self._eng.core.tree.pools.items()
+                                                      if p.tenant == t})
 
     def _check_pool(self, pool_id) -> None:
         t = self.tenant
@@ -140,7 +141,7 @@ class TenantEngine:
             if pool.tenant != t:
                 raise PoolNotFoundError(f"pool {pool_id!r} not found")
 
-        self._eng._call(check)
+        self._eng.run_on_step_thread(check)
 
     # ================================================================== pools
     def create_pool(self, *, from_session: str | None = None, **kw):
@@ -250,7 +251,7 @@ class TenantEngine:
                 s = self._eng.core.sessions.get(sid)
                 if s is not None:
                     s.anonymous = True
-            self._eng._submit(mark)
+            self._eng.post_to_step_thread(mark)
 
     def stream(self, prompt=None, **kw) -> "TenantStream":
         gen = self._gen_kwargs(kw)
@@ -263,7 +264,7 @@ class TenantEngine:
         try:
             inner = await self._eng.astream(prompt, **gen)
         except OpencotiError as e:
-            raise self._errors(e) from None
+            raise self.rewrite_error(e) from None
         self._anonymous(kw, gen)
         return TenantStream(inner, self)
 
@@ -294,7 +295,7 @@ class TenantStream:
         return None if r is None else dataclasses.replace(r, info=self._view._info(r.info))
 
     def _wrap_error(self, e: OpencotiError) -> OpencotiError:
-        return self._view._errors(e)
+        return self._view.rewrite_error(e)
 
     def __iter__(self):
         return self

@@ -25,7 +25,7 @@ from pydantic import Field
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.tool_calls import ToolCall
-from .schemas import ChatCompletionRequest, PolyKVFields, _range
+from .schemas import ChatCompletionRequest, PolyKVFields, field_range
 
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "cancelled": "end_turn"}
 _POLYKV = tuple(PolyKVFields.model_fields)
@@ -37,13 +37,13 @@ class MessagesRequest(PolyKVFields):
     model: str | None = None
     messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each")
     max_tokens: int | None = Field(None, description="tokens to generate at most (default: the server's)",
-                                   json_schema_extra=_range(1))
+                                   json_schema_extra=field_range(1))
     system: Union[str, list[Any], None] = Field(None, description="a string or text blocks")
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, json_schema_extra=_range(0, 100))
+    temperature: float | None = Field(None, json_schema_extra=field_range(0, 100))
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
-    top_k: int | None = Field(None, json_schema_extra=_range(-1))
+    top_k: int | None = Field(None, json_schema_extra=field_range(-1))
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None

@@ -25,7 +25,7 @@ from pydantic import Field
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.tool_calls import ToolCall
-from .schemas import ChatCompletionRequest, PolyKVFields, _range
+from .schemas import ChatCompletionRequest, PolyKVFields, field_range
 
 _POLYKV = tuple(PolyKVFields.model_fields)
 MAX_STORED = 1024  # responses kept for previous_response_id (least recently used dropped first)
@@ -44,8 +44,8 @@ class ResponsesRequest(PolyKVFields):
     tools: list[Any] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, json_schema_extra=_range(1))
-    temperature: float | None = Field(None, json_schema_extra=_range(0, 100))
+    max_output_tokens: int | None = Field(None, json_schema_extra=field_range(1))
+    temperature: float | None = Field(None, json_schema_extra=field_range(0, 100))
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     text: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"text\" | \"json_object\" | "
                                                           "\"json_schema\", ...}}")

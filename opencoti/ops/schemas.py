@@ -54,7 +54,7 @@ MESSAGES = {"minItems": 1, "items": MESSAGE_SCHEMA}  # what the chat template re
 MAX_TOP_LOGPROBS = 20  # SamplingParams' limit
 
 
-def _range(minimum: float, maximum: float | None = None) -> dict:
+def field_range(minimum: float, maximum: float | None = None) -> dict:
     """The documented range of a number the engine checks (SamplingParams keeps the runtime check)."""
     return {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
@@ -124,11 +124,11 @@ class PolyKVFields(_Lenient):
 
 
 class SamplingFields(_Lenient):
-    temperature: float | None = Field(None, description="0 = greedy (default 0.8)", json_schema_extra=_range(0, 100))
-    top_k: int | None = Field(None, description="0 or -1 = off (default 40)", json_schema_extra=_range(-1))
+    temperature: float | None = Field(None, description="0 = greedy (default 0.8)", json_schema_extra=field_range(0, 100))
+    top_k: int | None = Field(None, description="0 or -1 = off (default 40)", json_schema_extra=field_range(-1))
     top_p: float | None = Field(None, description="nucleus sampling (default 0.95)",
                                 json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
-    min_p: float | None = Field(None, description="min-p sampling (default 0.05)", json_schema_extra=_range(0, 1))
+    min_p: float | None = Field(None, description="min-p sampling (default 0.05)", json_schema_extra=field_range(0, 1))
     seed: int | None = Field(None, description="per-request seed (-1 or null = random)")
     stop: StopField = Field(None, description="strings that end generation")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
@@ -149,7 +149,7 @@ class SamplingFields(_Lenient):
                                           description="prompt-lookup draft tokens verified per step at most "
                                                       "(llama.cpp's speculative.n_max; 0 = no speculative decoding; "
                                                       "default: the server's --speculative / --draft-max)",
-                                          json_schema_extra=_range(0, 64))
+                                          json_schema_extra=field_range(0, 64))
 
 
 class CompletionRequest(SamplingFields, PolyKVFields):
@@ -163,7 +163,7 @@ class CompletionRequest(SamplingFields, PolyKVFields):
     max_tokens: int | None = Field(None, description="alias of n_predict")
     stream: bool = False
     n_probs: int = Field(0, description="top alternatives to report per token (completion_probabilities)",
-                         json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
+                         json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
     cache_prompt: bool = Field(True, description="accepted for compatibility; sessions always cache")
     return_tokens: bool = Field(False, description="include the generated token ids")
     response_fields: Strings | None = Field(None, description="only these fields of the answer ('a/b' takes b "
@@ -190,7 +190,7 @@ class OpenAICompletionRequest(SamplingFields, PolyKVFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, description="top alternatives per token (0..20)",
-                                 json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
+                                 json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
     echo: bool = False
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
@@ -211,7 +211,7 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, json_schema_extra=_range(0, MAX_TOP_LOGPROBS))
+    top_logprobs: int | None = Field(None, json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
     response_format: dict[str, Any] | None = None
     user: str | None = None
     add_generation_prompt: bool | None = Field(None, description="open the assistant turn (default true; false "

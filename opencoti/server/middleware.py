@@ -21,8 +21,9 @@ METRICS_PATH = "/metrics"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
 
-async def _send_error(send, status: int, message: str, etype: str, headers: list | None = None,
-                      path: str = "") -> None:
+async def send_error(send, status: int, message: str, etype: str, headers: list | None = None,
+                     path: str = "") -> None:
+    """Answer an ASGI request with the error body of ``path``'s API (before any app code ran)."""
     body = json.dumps(shaped(path, error_body(status, message, etype))).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -52,7 +53,7 @@ class ApiKeyMiddleware:
         if not metrics_ok and (given is None or not secrets.compare_digest(given, self.key)):
             msg = "Invalid API Key" if given is not None else \
                 "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'"
-            return await _send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")],
+            return await send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")],
                                      path=scope["path"])
         return await self.app(scope, receive, send)
 
@@ -82,9 +83,9 @@ class BodyLimitMiddleware:
                 try:
                     n = length = int(v)
                 except ValueError:
-                    return await _send_error(send, 400, "invalid Content-Length", "invalid_request_error")
+                    return await send_error(send, 400, "invalid Content-Length", "invalid_request_error")
                 if n > self.limit:
-                    return await _send_error(send, 413, f"request body of {n} bytes exceeds the limit of "
+                    return await send_error(send, 413, f"request body of {n} bytes exceeds the limit of "
                                                         f"{self.limit} bytes", "invalid_request_error")
         seen = 0
         limit = self.limit
@@ -123,7 +124,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, limited_receive, tracked_send)
         except BodyTimeout:
             if not started:
-                await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
+                await send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
                                   "invalid_request_error", [(b"connection", b"close")])
         finally:
             if large:
@@ -150,19 +151,19 @@ class RequestGuardMiddleware:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
         if self.allowed_hosts is not None and not self._host_ok(host_name(host)):
-            return await _send_error(send, 400, f"Host {host!r} is not allowed: the server answers only "
+            return await send_error(send, 400, f"Host {host!r} is not allowed: the server answers only "
                                                 "loopback names (start it with --allowed-host NAME to add one)",
                                      "invalid_request_error")
         method = scope["method"]
         origin = headers.get("origin")
         if method in self.UNSAFE and origin is not None and not self._origin_ok(origin, host):
-            return await _send_error(send, 403, f"cross-site request refused: Origin {origin!r} is not this "
+            return await send_error(send, 403, f"cross-site request refused: Origin {origin!r} is not this "
                                                 "server (allow it with --cors-origin)", "permission_error")
         if method in self.UNSAFE and _has_body(headers):
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
             if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
                 got = f"got {ctype!r}" if ctype else "got no Content-Type"
-                return await _send_error(send, 415, "request bodies must be JSON, sent with 'Content-Type: "
+                return await send_error(send, 415, "request bodies must be JSON, sent with 'Content-Type: "
                                                     f"application/json' ({got})", "invalid_request_error")
         return await self.app(scope, receive, send)
 

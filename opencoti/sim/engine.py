@@ -11,16 +11,17 @@ time, whose duration a ``StepClock`` draws from a profile. Requests go through
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
 
 from ..engine.admission import AdmissionController, AdmissionPlan
 from ..engine.config import SamplingParams
 from ..engine.errors import SessionBusyError
-from ..engine.kv.pools import PoolTree, Residency
+from ..engine.kv.pools import Pool, PoolTree, Residency
 from ..engine.metrics import Metrics
 from ..engine.session import Job, Sequence, Session, SessionState
+from ..engine.view import Listener
 from .profile import StepClock, StepProfile
 
 
@@ -43,22 +44,48 @@ class _Stats:
         self.num_tokens, self.total_s, self.model_s = decode + prefill, total_s, total_s
 
 
+@dataclass
+class SimPages:
+    """KV page counts (``PageCounts``): no pages behind them."""
+
+    num_pages: int
+    num_free: int
+    page_bytes: int = 1024
+
+
+class NoPrefixCache:
+    """KV tables without prefix-cache-only pages (``CacheCounts``)."""
+
+    @staticmethod
+    def num_cache_only() -> int:
+        return 0
+
+
+@dataclass
+class SimQueues:
+    """The scheduler's job lists (``JobQueues``)."""
+
+    running: list[Job] = field(default_factory=list)
+    waiting: list[Job] = field(default_factory=list)
+
+
 class SimCore:
-    """Enough of EngineCore for Metrics and the AdmissionController (no tensors anywhere)."""
+    """Enough of EngineCore for Metrics and the AdmissionController (no tensors anywhere): the
+    ``PolyKVView`` they read (checked by mypy, tests/offline/test_view.py) and the request path."""
 
     def __init__(self, *, num_pages: int = 4096, page_size: int = 16, max_context: int = 8192):
-        self.listeners: list = []
+        self.listeners: list[Listener] = []
         self.sessions: dict[str, Session] = {}
         self.tree = PoolTree(16)
         self.page_size = page_size
         self.max_context = max_context
-        self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=1024)
-        self.tables = SimpleNamespace(num_cache_only=lambda: 0)  # no prefix-cache-only pages
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.kv = SimPages(num_pages=num_pages, num_free=num_pages)
+        self.tables = NoPrefixCache()
+        self.scheduler = SimQueues()
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
 
     @staticmethod
-    def _auto_pinned(pool, now):
+    def auto_pinned(pool: Pool, now: float) -> bool:
         return True
 
     def add_pool(self, n_tokens: int):

@@ -31,7 +31,7 @@ def test_conversation_without_ids_computes_only_new_tokens(bundled_engine):
         if ev == "submit":
             seen.append(list(d["job"].seq.tokens[:d["job"].prompt_len]))
 
-    eng._call(lambda: eng.core.listeners.append(on))
+    eng.run_on_step_thread(lambda: eng.core.listeners.append(on))
     salt = uuid.uuid4().hex  # nothing cached by other tests counts here
     try:
         http = TestClient(create_app(eng), raise_server_exceptions=False)
@@ -51,7 +51,7 @@ def test_conversation_without_ids_computes_only_new_tokens(bundled_engine):
                 prev_total = u.prompt_tokens + u.completion_tokens
                 messages.append({"role": "assistant", "content": answer})
     finally:
-        eng._call(lambda: eng.core.listeners.remove(on))
+        eng.run_on_step_thread(lambda: eng.core.listeners.remove(on))
     for computed, new in rows:  # + the last answer token, whose KV is never computed
         assert computed == new + 1, rows
     # every prompt spells the rendered conversation exactly

@@ -1,32 +1,33 @@
 """A scripted stand-in for EngineCore: just enough for Metrics and the AdmissionController.
 
-Sessions, a scheduler's job lists, KV page counts and a pool tree; every event is emitted by the
-test (``emit``), with the test's own clock, so nothing depends on timing.
+Sessions, a scheduler's job lists, KV page counts and a pool tree: the ``PolyKVView`` they read
+(mypy checks that FakeCore has it, tests/offline/test_view.py); every event is emitted by the test
+(``emit``), with the test's own clock, so nothing depends on timing.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from opencoti.engine.config import SamplingParams
-from opencoti.engine.kv.pools import PoolTree
+from opencoti.engine.kv.pools import Pool, PoolTree
 from opencoti.engine.session import Job, Sequence, Session, SessionState
+from opencoti.engine.view import Listener
+from opencoti.sim.engine import NoPrefixCache, SimPages, SimQueues
 
 
 class FakeCore:
-    def __init__(self, num_pages=100, page_size=4, max_context=200):
-        self.listeners = []
-        self.sessions = {}
+    def __init__(self, num_pages: int = 100, page_size: int = 4, max_context: int = 200) -> None:
+        self.listeners: list[Listener] = []
+        self.sessions: dict[str, Session] = {}
         self.tree = PoolTree(8)
         self.page_size = page_size
         self.max_context = max_context
-        self.kv = SimpleNamespace(num_pages=num_pages, num_free=num_pages, page_bytes=64 * page_size)
-        self.tables = SimpleNamespace(num_cache_only=lambda: 0)  # no prefix-cache-only pages
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.kv = SimPages(num_pages=num_pages, num_free=num_pages, page_bytes=64 * page_size)
+        self.tables = NoPrefixCache()  # no prefix-cache-only pages
+        self.scheduler = SimQueues()
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
 
     @staticmethod
-    def _auto_pinned(pool, now):
+    def auto_pinned(pool: Pool, now: float) -> bool:
         return pool.is_auto_pinned(now, bool(pool.sessions))
 
     def emit(self, event, **data):

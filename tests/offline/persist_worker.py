@@ -37,8 +37,9 @@ def main() -> None:
     rng = random.Random(seed)
     eng = make_engine(state_dir)
     tree = {p["pool_id"]: p for p in eng.pools()["pools"]}
-    restored = eng._call(lambda: {pid: [p.parent.pool_id if p.parent else None, p.branch_pos, list(p.tokens), p.pinned]
-                                  for pid, p in eng.core.tree.pools.items()})
+    restored = eng.run_on_step_thread(
+        lambda: {pid: [p.parent.pool_id if p.parent else None, p.branch_pos, list(p.tokens), p.pinned]
+                 for pid, p in eng.core.tree.pools.items()})
     tokens = {pid: v[2] for pid, v in restored.items()}
     out(ready={str(k): v for k, v in restored.items()})
 

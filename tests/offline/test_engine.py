@@ -319,10 +319,10 @@ def test_idle_integrity_check_reports_corruption(make_engine):
     eng = make_engine(debug_checks=True)
     eng.generate(_prompt(1, 9), params=SamplingParams.greedy(2), session_id="a")
     eng.check_integrity()
-    page = eng._call(lambda: eng.core.sessions["a"].seq.page_table[0])
-    eng._call(lambda: eng.kv.refcount.__setitem__(page, eng.kv.refcount[page] + 1))  # a leaked reference
+    page = eng.run_on_step_thread(lambda: eng.core.sessions["a"].seq.page_table[0])
+    eng.run_on_step_thread(lambda: eng.kv.refcount.__setitem__(page, eng.kv.refcount[page] + 1))  # a leaked reference
     eng.generate(_prompt(2, 9), params=SamplingParams.greedy(2))  # the loop goes idle after it: checked there
-    eng._call(lambda: None)  # the loop has gone idle since
+    eng.run_on_step_thread(lambda: None)  # the loop has gone idle since
     assert eng._integrity_error is not None
     with pytest.raises(AssertionError, match="refcount"):
         eng.check_integrity()

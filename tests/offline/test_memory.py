@@ -143,11 +143,11 @@ def test_the_step_loop_gives_memory_back_when_it_goes_idle(monkeypatch):
     try:
         assert calls == [True]  # start-up: gc and trim
         eng.generate([5, 6, 7, 8], params=SamplingParams.greedy(4, ignore_eos=True))
-        eng._submit(lambda: None).result(timeout=30)  # the loop has passed its idle point
+        eng.post_to_step_thread(lambda: None).result(timeout=30)  # the loop has passed its idle point
         assert calls == [True, False]  # idle: trim only (no gc pass on the step thread)
         monkeypatch.setattr(engine_mod, "_TRIM_EVERY_S", 3600.0)
         eng.generate([5, 6, 7], params=SamplingParams.greedy(4, ignore_eos=True))
-        eng._submit(lambda: None).result(timeout=30)
+        eng.post_to_step_thread(lambda: None).result(timeout=30)
         assert calls == [True, False]  # not again within _TRIM_EVERY_S
     finally:
         eng.close()

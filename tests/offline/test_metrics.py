@@ -233,7 +233,7 @@ def test_warming_counted_for_a_queued_request(engine):
         engine.core.submit(prompt(4, 30), greedy(4), lambda ev: None, session_id="new")
         return engine._metrics.activity(), engine._metrics.snapshot()
 
-    act, snap = engine._call(submit_and_look)
+    act, snap = engine.run_on_step_thread(submit_and_look)
     assert act.n_warming == 1 and act.n_active == 0 and act.mean_active_tps is None
     row = next(s for s in snap["sessions"] if s["session_id"] == "new")
     assert row["warming"] and row["tps_ewma"] == 0.0 and row["state"] == "waiting"

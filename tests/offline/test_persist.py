@@ -20,7 +20,7 @@ def pools_by_id(eng) -> dict:
 
 
 def tokens_of(eng, pid) -> list[int]:
-    return eng._call(lambda: list(eng.core.tree.pools[pid].tokens))
+    return eng.run_on_step_thread(lambda: list(eng.core.tree.pools[pid].tokens))
 
 
 # ============================================================================ the store alone

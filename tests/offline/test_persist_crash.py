@@ -93,7 +93,7 @@ def check_tree(pools: dict[int, tuple], history: list[dict]) -> None:
 
 def check_restored(eng, history: list[dict]) -> None:
     core = eng.core
-    pools = eng._call(lambda: {pid: (p.parent.pool_id if p.parent else None, p.branch_pos, list(p.tokens), p.pinned)
+    pools = eng.run_on_step_thread(lambda: {pid: (p.parent.pool_id if p.parent else None, p.branch_pos, list(p.tokens), p.pinned)
                                for pid, p in core.tree.pools.items()})
     check_tree(pools, history)
     eng.check_integrity()

@@ -26,10 +26,10 @@ def owned_and_cache(eng) -> tuple[int, int, int]:
     st = eng.pools()
     pb = eng.kv.page_bytes
     own = sum(p["own_kv_bytes"] for p in st["pools"]) // pb
-    sess = eng._call(lambda: sum(len(s.seq.owned_pages) for s in eng.core.sessions.values()))
-    released = eng._call(lambda: sum(len(p.seq.owned_pages) for p in eng.core.tree.released.values()))
+    sess = eng.run_on_step_thread(lambda: sum(len(s.seq.owned_pages) for s in eng.core.sessions.values()))
+    released = eng.run_on_step_thread(lambda: sum(len(p.seq.owned_pages) for p in eng.core.tree.released.values()))
     total = st["kv_pages_used"] + st["kv_pages_cache"]
-    assert total == eng._call(lambda: eng.kv.num_used)
+    assert total == eng.run_on_step_thread(lambda: eng.kv.num_used)
     assert total == own + sess + released + st["prefix_cache"]["owned_pages"]
     assert st["cache_kv_bytes"] == st["kv_pages_cache"] * pb == st["prefix_cache"]["cache_kv_bytes"]
     assert st["prefix_cache"]["owned_pages"] >= st["kv_pages_cache"]
@@ -68,7 +68,7 @@ def test_greedy_equal_with_cache_on_and_off(make_engine, page_size):
 def test_forced_hash_collisions_never_share(make_engine):
     eng = make_engine(page_size=4)
     ref = make_engine(page_size=4, prefix_cache=False)
-    eng._call(lambda: setattr(eng.core.tables.index, "key_fn", lambda parent, tokens: b"same"))
+    eng.run_on_step_thread(lambda: setattr(eng.core.tables.index, "key_fn", lambda parent, tokens: b"same"))
     a, b = toks(1, 30), toks(2, 30)
     ra = eng.generate(a, params=greedy(8))
     rb = eng.generate(b, params=greedy(8))  # every key equals a's: only the token comparison protects it
@@ -119,7 +119,7 @@ def test_requests_arriving_together_compute_the_prefix_once(make_engine):
         res[i] = eng.generate(prompts[i], params=greedy(5))
 
     ts = [threading.Thread(target=run, args=(i,)) for i in range(5)]
-    busy = eng._submit(time.sleep, 0.5)  # hold the step loop so that all five are queued before a step
+    busy = eng.post_to_step_thread(time.sleep, 0.5)  # hold the step loop so that all five are queued before a step
     [t.start() for t in ts]
     busy.result()
     [t.join() for t in ts]
@@ -204,6 +204,6 @@ def test_pools_with_the_cache_on(make_engine):
     eng.release_session("s1")
     eng.release_pool(child.pool_id)
     used, owned, cache = owned_and_cache(eng)
-    anon = eng._call(lambda: sum(len(s.seq.owned_pages) for s in eng.core.sessions.values()))  # r2's session
+    anon = eng.run_on_step_thread(lambda: sum(len(s.seq.owned_pages) for s in eng.core.sessions.values()))  # r2's session
     assert owned == eng.pool(root.pool_id).own_kv_bytes // eng.kv.page_bytes + anon and cache >= 9 // 4
     assert eng.generate(q, params=greedy(6)).cache_n == len(q) - 1  # still cached after the release

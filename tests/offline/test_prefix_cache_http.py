@@ -117,7 +117,7 @@ def test_cached_count_of_requests_that_arrive_together(make_engine, stream, alig
 
     with TestClient(create_app(eng), raise_server_exceptions=False) as http:
         gate = threading.Event()
-        held = eng._submit(gate.wait)  # the step thread waits: every request is accepted in one turn
+        held = eng.post_to_step_thread(gate.wait)  # the step thread waits: every request is accepted in one turn
         ts = [threading.Thread(target=post, args=(i,)) for i in range(len(prompts))]
         [t.start() for t in ts]
         deadline = time.monotonic() + 30

@@ -33,7 +33,7 @@ def record(eng) -> tuple[list[list[int]], list[list[int]]]:
             prompts.append(list(d["job"].seq.tokens[:d["job"].prompt_len]))
         elif ev == "finish":
             answers.append(list(d["job"].generated))
-    eng._call(lambda: eng.core.listeners.append(on))
+    eng.run_on_step_thread(lambda: eng.core.listeners.append(on))
     return prompts, answers
 
 
@@ -169,7 +169,7 @@ def realign(eng, prompt: list[int], recent: list[list[int]], salt: str | None = 
         finally:
             core._recent.clear()
             core._recent.extend(saved)
-    return eng._call(run)
+    return eng.run_on_step_thread(run)
 
 
 def test_splice_takes_the_earlier_ids_for_the_same_text_only(make_merge_engine):

@@ -71,7 +71,7 @@ class StepBlocker:
             self.started.set()
             self.release.wait(30)
 
-        engine._submit(block)
+        engine.post_to_step_thread(block)
         assert self.started.wait(30)
 
 

@@ -17,7 +17,7 @@ TURN1 = SYSTEM + [40 + i for i in range(30)]
 def settle(eng) -> None:
     """Until the state directory has caught up: one command through the step thread (the sync
     runs after it), then the background writer's queue."""
-    eng._call(lambda: None)
+    eng.run_on_step_thread(lambda: None)
     eng._persist.kv_writer.flush()
 
 

@@ -239,7 +239,7 @@ def test_constrained_output_is_unchanged(make_engine, oracle):
 def test_a_session_on_a_pool_never_writes_the_pools_pages(make_engine, oracle):
     engine = make_engine(prefix_cache=False)
     pool = engine.create_pool(tokens=LOOP[:32]).pool_id
-    pages = engine._call(lambda: list(engine.core.tree.pools[pool].seq.page_table))
+    pages = engine.run_on_step_thread(lambda: list(engine.core.tree.pools[pool].seq.page_table))
     before = engine.kv.k_cache[:, pages].clone(), engine.kv.v_cache[:, pages].clone()
     plain = _gen(engine, LOOP, 0)
     oracle[tuple(LOOP)] = plain.token_ids
@@ -267,8 +267,8 @@ def test_drafts_use_free_pages_only(make_engine, oracle):
     spec = engine.generate(prompt, params=SamplingParams(temperature=0.0, max_tokens=12, speculative_max=8),
                            session_id="s")
     assert spec.token_ids == plain.token_ids and spec.timings["draft_n"] > 0
-    assert engine._call(lambda: engine.core.sessions["keep"].seq.num_cached) == 10
-    assert engine._call(lambda: engine.core.counters["evicted_sessions"]) == 0
+    assert engine.run_on_step_thread(lambda: engine.core.sessions["keep"].seq.num_cached) == 10
+    assert engine.run_on_step_thread(lambda: engine.core.counters["evicted_sessions"]) == 0
 
 
 def test_bad_speculative_settings_are_clear_errors():

@@ -25,7 +25,7 @@ def test_prune_removes_stale_unpinned_pools(make_engine, tmp_path, capsys):
     stale_child = eng.fork_pool(stale.pool_id, tokens=ROOT + [7, 8, 9, 9, 9])
     lone = eng.create_pool(tokens=[3, 3, 3, 3])
     eng.generate(ROOT + [4, 5, 6, 1], pool_id=used.pool_id, session_id="agent", params=SamplingParams.greedy(2))
-    eng._call(lambda: None)
+    eng.run_on_step_thread(lambda: None)
     with pytest.raises(StateDirError, match="in use"):  # not while the engine holds the directory
         prune(state, older_than_s=0)
     eng.shutdown()

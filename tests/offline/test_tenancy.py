@@ -54,7 +54,7 @@ def test_sessions_are_per_tenant(views):
     assert ra.info.session_id == "agent-1" and rb.session_id == "agent-1"
     assert ra.info.cached_prefix_tokens == len(SYS)
     assert rb.info.cached_prefix_tokens == 0  # bob's agent-1 is another session
-    assert sorted(eng._call(lambda: list(eng.core.sessions))) == ["alice:agent-1", "bob:agent-1"]
+    assert sorted(eng.run_on_step_thread(lambda: list(eng.core.sessions))) == ["alice:agent-1", "bob:agent-1"]
     assert alice.engine_and_session_id("agent-1") == (eng, "alice:agent-1")
     assert [s["session_id"] for s in alice.tps_snapshot()["sessions"]] == ["agent-1"]
     assert [s["pool_id"] for s in bob.tps_snapshot()["sessions"]] == [None]
@@ -67,8 +67,8 @@ def test_sessions_are_per_tenant(views):
     assert s.result.info.session_id == "agent-2"
     anon = bob.generate([1, 2, 3], params=SamplingParams.greedy(1))  # a made-up id, in bob's namespace ...
     assert anon.session_id.startswith("s-")
-    s = eng._call(lambda: eng.core.sessions.get(f"bob:{anon.session_id}"))
-    assert s is not None and s.anonymous and not eng._call(lambda: eng.core.sessions["bob:agent-1"].anonymous)
+    s = eng.run_on_step_thread(lambda: eng.core.sessions.get(f"bob:{anon.session_id}"))
+    assert s is not None and s.anonymous and not eng.run_on_step_thread(lambda: eng.core.sessions["bob:agent-1"].anonymous)
     # ... that expires like the engine's own anonymous sessions (session_ttl_s)
     with pytest.raises(SessionNotFoundError) as e:
         bob.release_session("agent-2")
@@ -76,7 +76,7 @@ def test_sessions_are_per_tenant(views):
     with pytest.raises(SessionNotFoundError):  # alice's session as bob's snapshot source
         bob.create_pool(from_session="agent-2")
     bob.release_session("agent-1")
-    assert eng._call(lambda: "alice:agent-1" in eng.core.sessions)
+    assert eng.run_on_step_thread(lambda: "alice:agent-1" in eng.core.sessions)
     with pytest.raises(InvalidRequestError, match="at most"):
         alice.generate([1, 2], session_id="x" * 128, params=SamplingParams.greedy(1))
 
@@ -89,7 +89,7 @@ def test_a_pool_declares_its_owner(views):
     own = eng.create_pool(tokens=SYS)
     pa = alice.create_pool(tokens=SYS)
     fork = eng.fork_pool(pa.pool_id, tokens=SYS + [1])  # forked by the engine itself: stays with its tree
-    owners = eng._call(lambda: {pid: p.tenant for pid, p in eng.core.tree.pools.items()})
+    owners = eng.run_on_step_thread(lambda: {pid: p.tenant for pid, p in eng.core.tree.pools.items()})
     assert owners == {own.pool_id: None, pa.pool_id: "alice", fork.pool_id: "alice"}
 
 

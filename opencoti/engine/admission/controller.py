@@ -9,9 +9,10 @@ Deadlines are driven by the step loop: ``tick(now)`` runs every loop iteration (
 windows that ran out, refreshes settled means, re-tries held requests when something changed or
 a deadline passed) and ``next_deadline()`` tells the loop how long it may sleep. No other thread.
 
-Its dependencies are given at construction, never found: the core (prepare / commit / cancel and
-the state it reads), a ``PostToStepThread`` function (the Engine's ``post_to_step_thread``, or the
-simulator's) and the metrics. It holds no reference to the Engine.
+Its dependencies are given at construction, never found: the core (an ``AdmissionCore``: the
+``PolyKVView`` it reads, plus prepare / commit / cancel), a ``PostToStepThread`` function (the
+Engine's ``post_to_step_thread``, or the simulator's) and the metrics. It holds no reference to
+the Engine.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, Callable, Protocol
 
 from ..checks import is_int
 from ..errors import InvalidRequestError, PoolSaturatedError
+from ..session import Job
+from ..view import PolyKVView
 from .capacity import CapacityInputs, compute_capacity
 from .decide import ADMIT, HOLD, REJECT, AdmissionPlan, Decision, GateInputs, decide
 from .forecast import StepForecast
@@ -40,6 +43,24 @@ class PostToStepThread(Protocol):
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> Future: ...
 
+
+class Prepared(Protocol):
+    """A request ``AdmissionCore.prepare`` validated: its plan, for ``decide``."""
+
+    @property
+    def plan(self) -> AdmissionPlan: ...
+
+
+class AdmissionCore(PolyKVView, Protocol):
+    """What the controller needs of the core: the read-only view, and the request path it drives
+    (``EngineCore.prepare`` -> ``commit``, ``cancel``; the simulator's ``SimCore`` has the same)."""
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Prepared: ...
+
+    def commit(self, req: Any, admission: dict | None = None) -> Job: ...
+
+    def cancel(self, job: Job) -> None: ...
+
 _COUNT = {"admitted": "admitted", "guaranteed": "guaranteed", "overcommit": "overcommit", "warned": "warned"}
 
 
@@ -49,7 +70,7 @@ class AdmissionController:
     poll_s = 0.5  # while requests are held: re-check at least this often (releases raise no event)
     refresh_s = 0.25  # period of the settled-mean refresh
 
-    def __init__(self, core, post: PostToStepThread, metrics, *, clock: Callable[[], float] | None = None):
+    def __init__(self, core: AdmissionCore, post: PostToStepThread, metrics, *, clock: Callable[[], float] | None = None):
         """``core``: the engine's EngineCore; ``post``: how a request from another thread reaches the
         step thread (see ``PostToStepThread``)."""
         self.core = core
@@ -264,7 +285,7 @@ class AdmissionController:
         if b == 0 and n_pool_sessions and st.last_settled_t is not None and now - st.last_settled_t < IDLE_FRESH_S:
             b = n_pool_sessions  # between turns: they come back (the idle estimate)
         else:
-            ctx_now = float(sum(len(j.seq.tokens) for j in self.metrics._generation_jobs()))
+            ctx_now = float(sum(len(j.seq.tokens) for j in self.metrics.generation_jobs()))
         fc = self.forecast
         c = fc.calibration
         pr = fc.project(b, 1, ctx_now, ctx_new)
@@ -291,7 +312,7 @@ class AdmissionController:
         """Soonest expected end of a running request: remaining max_tokens / its tps."""
         best = None
         mean = None
-        for job in self.metrics._generation_jobs():
+        for job in self.metrics.generation_jobs():
             mt = job.params.max_tokens
             tps = self.metrics.session_tps(job.session.session_id, job)
             if not tps:

@@ -212,5 +212,5 @@ def _mapped(engine, fn, *args):
     try:
         return fn(*args)
     except OpencotiError as e:
-        fix = getattr(engine, "_errors", None)
+        fix = getattr(engine, "rewrite_error", None)
         raise (fix(e) if fix is not None else e) from None

@@ -19,23 +19,49 @@ import re
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from ..kv.pools import Pool, Residency, prefix_hashes
 from ..session import Sequence, Session
 from ..tenancy import set_owner  # noqa: F401 - re-exported for the engine (pool owners are persisted)
+from ..view import PolyKVView
 from . import kvfile
 from .session_kv import DEFAULT_BUDGET_MIB, SessionKv
 from .store import PoolRecord, SessionRecord, StateStore
+
+if TYPE_CHECKING:
+    from ..kv.pages import PagePool
+    from ..kv.tables import KVTables
 
 log = logging.getLogger("opencoti.engine.persist")
 
 AUTO_SESSION_ID = re.compile(r"(?:.*:)?s-[0-9a-f]{12}")  # ids the engine made up (optionally tenant-prefixed)
 
 
+class PersistCore(PolyKVView, Protocol):
+    """What the persister needs of the core: the read-only view (what it writes to the store),
+    plus what restoring and loading KV files take: the vocabulary size, the KV pages themselves
+    (``kvfile`` copies their rows), the KV tables, and the sessions as a dict: ``restore`` adds the
+    stored sessions and builds the stored pool tree in ``tree`` itself (writes that belong to one
+    owner of the pool state, which the engine does not have yet)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def sessions(self) -> dict[str, Session]: ...
+
+    @property
+    def kv(self) -> PagePool: ...
+
+    @property
+    def tables(self) -> KVTables: ...
+
+
 class Persister:
     enabled = True
 
-    def __init__(self, store: StateStore, core, *, admission=None, kv_files: bool = True,
+    def __init__(self, store: StateStore, core: PersistCore, *, admission=None, kv_files: bool = True,
                  kv_identity: dict | None = None, session_kv_budget_mib: float = DEFAULT_BUDGET_MIB):
         self.store = store
         self.core = core
