@@ -6,7 +6,8 @@ every member of the protocol ``P`` with a compatible type. The core implements t
 admission and the persister need beyond it; the simulator's ``SimCore`` the view and admission's
 request path; the tests' ``FakeCore`` the view. ``Metrics`` is type-checked against the view it is
 given, so a read outside it fails too. And at run time, Metrics and the admission controller driven
-by the simulator read nothing of the core beyond what they declare.
+by the simulator, and the persister writing and restoring a state directory, read nothing of the
+core beyond what they declare.
 """
 
 from __future__ import annotations
@@ -125,3 +126,37 @@ def test_metrics_and_admission_read_only_what_they_declare():
     assert for_admission.read <= admission, for_admission.read - admission
     assert view <= for_metrics.read | for_admission.read, view - for_metrics.read - for_admission.read
     assert {"prepare", "commit"} <= for_admission.read
+
+
+def test_the_persister_reads_only_what_it_declares(make_engine, tmp_path):
+    """A Persister given a recording core writes an engine's pools and session and restores them
+    into another engine (KV file of a pinned pool included): it reads nothing of the core beyond
+    ``PersistCore``, and uses what ``PersistCore`` adds to the view."""
+    from opencoti.engine import SamplingParams
+    from opencoti.engine.persist.store import StateStore
+    from opencoti.engine.persist.sync import Persister, identity_of, kv_identity_of
+
+    def persist(eng, restore_only: bool) -> set[str]:
+        core = Recording(eng.core)
+        p = Persister(StateStore(tmp_path, identity=identity_of(eng)), core, kv_identity=kv_identity_of(eng))
+        try:
+            stats = p.restore()
+            p.sync()
+            assert (stats["pools"], stats["sessions"], stats["kv_loaded_pools"]) == ((1, 1, 1) if restore_only
+                                                                                     else (0, 0, 0))
+        finally:
+            eng.core.listeners.remove(p.on_event)
+            p.close()
+        return core.read
+
+    first = make_engine()
+    pool = first.create_pool(tokens=list(range(10, 42)), pinned=True)
+    first.generate(list(range(10, 42)) + [5, 6], pool_id=pool.pool_id, session_id="agent",
+                   params=SamplingParams.greedy(3))
+    read = first.run_on_step_thread(persist, first, False)
+    second = make_engine()
+    read |= second.run_on_step_thread(persist, second, True)
+    assert second.pool(pool.pool_id).residency == "resident"  # its KV came back from the file
+    declared = _members(PersistCore)
+    assert read <= declared, read - declared
+    assert {"vocab_size", "kv", "tables", "sessions", "tree", "listeners", "max_context"} <= read, read
