@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 NGRAM_MAX = 4  # longest context suffix matched
@@ -166,7 +166,7 @@ def expected_tokens(p: float, k: int) -> float:
     return sum(p ** i for i in range(k + 1))
 
 
-def _weighted_median(pairs: list[tuple[float, float]]) -> float:
+def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
     """The value at half of the total weight of ``(value, weight)`` pairs."""
     pairs = sorted(pairs)
     half, acc = sum(w for _, w in pairs) / 2, 0.0
