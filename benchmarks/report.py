@@ -93,10 +93,24 @@ def block(name: str) -> str:
     if not found:
         return f"*Not measured yet: run `opencoti bench {name}`.*\n"
     fn = RENDER.get(name, render_generic)
-    out = []
-    for mid, d in found:
-        out.append("\n\n".join(p for p in (fn(d), conditions(name, d), machine_line(mid, d, name)) if p))
+    # the newest full run is the table (a reduced --quick run only where no full one exists); the
+    # others, from other machines or earlier, are one line each with their raw data
+    found.sort(key=lambda r: (not quick_of(r[1]), r[1].get("time", "")), reverse=True)
+    (mid, d), rest = found[0], found[1:]
+    out = ["\n\n".join(p for p in (fn(d), conditions(name, d), machine_line(mid, d, name)) if p)]
+    if rest:
+        out.append("Earlier or other runs of this benchmark, with their raw data:\n\n"
+                   + "\n".join(f"- {earlier_line(m, e, name)}" for m, e in rest))
     return "\n\n".join(out) + "\n"
+
+
+def earlier_line(machine_id: str, payload: dict, name: str) -> str:
+    m = payload.get("machine") or {}
+    git = m.get("git") or {}
+    simd = "/".join(m.get("cpu_flags_of_interest") or []) or "?"
+    how = "reduced run (`--quick`)" if quick_of(payload) else "full run"
+    return (f"`{machine_id}` ({m.get('cpu', '?')} [{simd}]), {payload.get('time', '?')}, commit "
+            f"`{(git.get('commit') or '?')[:10]}`, {how}: `benchmarks/results/{machine_id}/{name}.json`")
 
 
 def regenerate(text: str) -> str:

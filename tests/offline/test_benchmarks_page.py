@@ -88,6 +88,24 @@ def test_a_hand_edited_table_is_caught(tmp_path, monkeypatch):
     assert "| one session | 91.00 |" in page.read_text()
 
 
+def test_the_newest_full_run_is_the_table_and_the_others_are_listed(tmp_path, monkeypatch):
+    def put(machine, time, rows, quick=False):
+        (tmp_path / "results" / machine).mkdir(parents=True, exist_ok=True)
+        payload = {"benchmark": "demo", "time": time, "config": {"quick": quick},
+                   "machine": {"cpu": "CPU", "loadavg": [0.5]}, "report": {"headers": ["case", "tok/s"], "rows": rows}}
+        (tmp_path / "results" / machine / "demo.json").write_text(json.dumps(payload))
+
+    put("old-box", "2026-12-03T10:00:00+0000", [["one", 11.5]])
+    put("new-box", "2026-12-04T10:00:00+0000", [["one", 22.5]])
+    put("quick-box", "2026-12-05T10:00:00+0000", [["one", 33.5]], quick=True)
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    text = report.block("demo")
+    assert "| one | 22.5 |" in text and "11.5" not in text and "33.5" not in text
+    for box in ("old-box", "new-box", "quick-box"):
+        assert f"benchmarks/results/{box}/demo.json" in text
+    assert "reduced run (`--quick`)" in text.split("Earlier or other runs")[1]
+
+
 def test_number_extraction_skips_names_and_code():
     assert numbers_of("SmolLM2-135M ran 93.5 tok/s on 2 cores, 1,024 tokens") == {"93.5", "2", "1024"}
     assert numbers_of(prose("run `--rounds 3` and\n```\nx 7\n```\n then 4")) == {"4"}
