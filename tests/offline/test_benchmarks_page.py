@@ -100,7 +100,7 @@ def test_the_newest_full_run_is_the_table_and_the_others_are_listed(tmp_path, mo
     put("quick-box", "2026-12-05T10:00:00+0000", [["one", 33.5]], quick=True)
     monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
     text = report.block("demo")
-    assert "| one | 22.5 |" in text and "11.5" not in text and "33.5" not in text
+    assert "| one | 22.50 |" in text and "11.5" not in text and "33.5" not in text
     for box in ("old-box", "new-box", "quick-box"):
         assert f"benchmarks/results/{box}/demo.json" in text
     assert "reduced run (`--quick`)" in text.split("Earlier or other runs")[1]
