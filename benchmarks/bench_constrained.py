@@ -207,7 +207,7 @@ def sampler_cost(tokenizer, vocab: int, spec, rows: int = 8, reps: int = 60) -> 
 
     from opencoti.engine import SamplingParams
     from opencoti.engine.sampling import Sampler, make_generator
-    from opencoti.engine.sampling_state import SamplerState, process_logits
+    from opencoti.engine.sampling.state import SamplerState, process_logits
 
     doc = _json.dumps({"orders": [{"customer": "Ada", "quantity": 3, "express": True, "tags": ["a", "b"]}] * 6})
     ids = tokenizer.encode(doc)

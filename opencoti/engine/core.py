@@ -25,7 +25,7 @@ from .pool_ops import PoolOpsMixin
 from .results import GenerationResult, RequestInfo, TokenDelta
 from .runner import ModelRunner
 from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
-from .sampling_state import SamplerState
+from .sampling.state import SamplerState
 from .scheduler import Scheduler, StepStats
 from .session import Job, MaterializeJob, Sequence, Session, SessionState
 from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, RecentOutputs, StepCosts, draft_limit
@@ -46,7 +46,7 @@ class PreparedRequest:
     session: Session | None
     pool: Pool | None
     shared_prefix_n_tokens: int | None
-    sampler_state: SamplerState | None = None  # constraint / penalties / bias (sampling_state.py)
+    sampler_state: SamplerState | None = None  # constraint / penalties / bias (sampling/state.py)
     cache_salt: str | None = None  # prefix-cache namespace (requests share cached KV only within one)
 
 
@@ -412,7 +412,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         finish = None
         text = ""
         if token in self.eos_ids and not p.ignore_eos:
-            # a constrained output the budget closed (sampling_state.budget_closed) ended by length
+            # a constrained output the budget closed (sampling.state.budget_closed) ended by length
             st = job.sampler_state
             finish = "length" if st is not None and st.budget_closed else "eos"
         elif token in p.stop_token_ids:

@@ -14,7 +14,7 @@ from opencoti.engine.config import SamplingParams
 from opencoti.engine.constraints import ConstraintSpec
 from opencoti.engine.errors import InvalidRequestError
 from opencoti.engine.sampling import Sampler, make_generator
-from opencoti.engine.sampling_state import SamplerState
+from opencoti.engine.sampling.state import SamplerState
 from opencoti.engine.tokenizer import Tokenizer
 from opencoti.engine.tool_calls import parse_tool_calls
 
@@ -249,7 +249,7 @@ def test_penalties_follow_the_llama_cpp_formula_over_the_window(scope):
     logits = torch.randn(1, V)
     logits[0, 11] = 5.0
     logits[0, 13] = -2.0
-    from opencoti.engine.sampling_state import process_logits
+    from opencoti.engine.sampling.state import process_logits
     got = logits.clone()
     process_logits(got, [p], [state])
     want = _penalized(logits[0], counts, 1.3, 0.4, 0.25)

@@ -14,7 +14,7 @@ from opencoti.engine.config import SamplingParams
 from opencoti.engine.constraints import Constraint, ConstraintSpec, llg_tokenizer
 from opencoti.engine.constraints_close import CLOSE_MARGIN, closing_path
 from opencoti.engine.sampling import Sampler, make_generator
-from opencoti.engine.sampling_state import SamplerState
+from opencoti.engine.sampling.state import SamplerState
 from opencoti.engine.tokenizer import Tokenizer
 
 TOK = Tokenizer.byte_level(320)

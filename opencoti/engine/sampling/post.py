@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 __all__ = ["post_sampling_logprobs", "post_sampling_distribution"]
 

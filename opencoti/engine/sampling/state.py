@@ -22,9 +22,9 @@ from typing import Sequence
 
 import torch
 
-from .config import SamplingParams
-from .constraints import Constraint, apply_masks, compute_masks, llg_tokenizer
-from .errors import InvalidRequestError
+from ..config import SamplingParams
+from ..constraints import Constraint, apply_masks, compute_masks, llg_tokenizer
+from ..errors import InvalidRequestError
 
 __all__ = ["SamplerState", "process_logits"]
 

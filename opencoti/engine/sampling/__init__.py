@@ -22,11 +22,11 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from .config import SamplingParams
-from .constraints import compute_masks
-from .sampling_post import post_sampling_logprobs
-from .sampling_state import SamplerState, process_logits
-from .sampling_text import IncrementalDetokenizer, StopStringMatcher
+from ..config import SamplingParams
+from ..constraints import compute_masks
+from .post import post_sampling_logprobs
+from .state import SamplerState, process_logits
+from .text import IncrementalDetokenizer, StopStringMatcher
 
 __all__ = [
     "SampleOutput",
