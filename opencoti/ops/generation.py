@@ -14,12 +14,12 @@ from ..engine import SamplingParams
 from ..engine.chat import ChatPrompt, normalize_tools
 from ..engine.constraints import ConstraintSpec
 from ..engine.sampling_choices import MAX_CHOICES
-from ..engine.constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from ..engine.errors import InvalidRequestError
 from ..engine.persist.slots import generation_session_id, slot_number
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.tool_calls import ToolCall, ToolStreamFilter, distinct_calls, resolve_tool_output
 from .chat_continue import chat_prompt
+from .constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from .context import Context
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest, PolyKVFields, SamplingFields
 

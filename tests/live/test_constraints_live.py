@@ -11,7 +11,7 @@ import pytest
 
 from opencoti.engine import SamplingParams
 from opencoti.engine.constraints import ConstraintSpec
-from opencoti.engine.constraints_request import constraint_from_request
+from opencoti.ops.constraints_request import constraint_from_request
 from opencoti.engine.tool_calls import parse_tool_calls, tool_choice_prefill, ToolChoice
 
 pytestmark = pytest.mark.bundled

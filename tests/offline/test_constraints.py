@@ -285,7 +285,7 @@ def test_post_sampling_probs_are_the_filtered_tempered_distribution():
 
 
 # ============================================================================ request fields
-from opencoti.engine.constraints_request import (  # noqa: E402
+from opencoti.ops.constraints_request import (  # noqa: E402
     constraint_from_request, logit_bias_from_request, penalty_kwargs)
 
 

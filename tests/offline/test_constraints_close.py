@@ -1,4 +1,4 @@
-"""A constrained output closes within its token budget (constraints_close.py): when max_tokens is
+"""A constrained output closes within its token budget (constraints/close.py): when max_tokens is
 about to cut a JSON document, the output takes the shortest way to a complete, valid document
 and reports finish "length". Byte-level test tokenizer, logits that loop inside a string (what a
 small model does under greedy decoding) or random ones."""
@@ -12,7 +12,7 @@ import torch
 
 from opencoti.engine.config import SamplingParams
 from opencoti.engine.constraints import Constraint, ConstraintSpec, llg_tokenizer
-from opencoti.engine.constraints_close import CLOSE_MARGIN, closing_path
+from opencoti.engine.constraints.close import CLOSE_MARGIN, closing_path
 from opencoti.engine.sampling import Sampler, make_generator
 from opencoti.engine.sampling.state import SamplerState
 from opencoti.engine.tokenizer import Tokenizer
@@ -136,7 +136,7 @@ def test_engine_reports_a_budget_closed_answer_as_length(engine):
 def test_a_budget_that_cannot_close_searches_rarely(monkeypatch):
     """A way out that does not fit the budget (minItems beyond it) costs a search of the whole
     budget: the search runs again only when half of what is left is spent."""
-    import opencoti.engine.constraints_close as cc
+    import opencoti.engine.constraints.close as cc
 
     calls = []
     real = cc.closing_path

@@ -7,7 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from opencoti.engine.constraints import ConstraintSpec
-from opencoti.engine.constraints_sat import satisfiable
+from opencoti.engine.constraints.sat import satisfiable
 from opencoti.engine.errors import InvalidRequestError
 from opencoti.server import create_app
 

@@ -99,7 +99,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab = logits.shape[1]
     device = logits.device
     cons_rows = [i for i, s in enumerate(states) if s is not None and s.constrained]
-    for i in cons_rows:  # end or close the document within the budget (constraints_close.py)
+    for i in cons_rows:  # end or close the document within the budget (constraints/close.py)
         left = None if params[i].max_tokens is None else params[i].max_tokens - states[i].num_accepted
         states[i].constraint.budget(left)
     if cons_rows:

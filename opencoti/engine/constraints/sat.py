@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 _MAX_PASSES = 64
 

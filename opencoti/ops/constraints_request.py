@@ -4,8 +4,8 @@ sampling, turned into ``ConstraintSpec`` / ``logit_bias`` / penalty keyword argu
 Used by the generation operations (HTTP routes and the in-process client alike):
 
 * ``constraint_from_request``: OpenAI ``response_format`` (``json_object``, ``json_schema``; with
-  ``strict: true`` the schema must follow OpenAI's strict mode, ``constraints_strict``, as must the
-  parameters of a tool function with ``strict: true``),
+  ``strict: true`` the schema must follow OpenAI's strict mode, ``engine.constraints.strict``, as
+  must the parameters of a tool function with ``strict: true``),
   llama.cpp ``json_schema`` / ``grammar`` / ``response_format`` (``{"type": "json_object",
   "schema": ...}``), and the tool-call constraint of ``tool_choice``. At most one output
   constraint per request; tools in ``auto`` mode combine with a JSON response format (the answer
@@ -22,11 +22,11 @@ import json
 import math
 from typing import Any, Callable, Sequence
 
-from .constraints import (ConstraintSpec, load_llguidance, schema_dict, tool_calls_lark, validate_grammar,
-                          with_json_options)
-from .constraints_sat import check_satisfiable
-from .constraints_strict import check_strict_schema
-from .errors import InvalidRequestError
+from ..engine.constraints import (ConstraintSpec, load_llguidance, schema_dict, tool_calls_lark, validate_grammar,
+                                 with_json_options)
+from ..engine.constraints.sat import check_satisfiable
+from ..engine.constraints.strict import check_strict_schema
+from ..engine.errors import InvalidRequestError
 
 __all__ = ["check_strict_tools", "constraint_from_request", "logit_bias_from_request", "penalty_kwargs",
            "tool_constraint"]

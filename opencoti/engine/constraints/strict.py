@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 __all__ = ["check_strict_schema", "NOT_PERMITTED"]
 

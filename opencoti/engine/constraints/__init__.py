@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .constraints_close import CLOSE_HORIZON, CloseWatch
-from .constraints_sat import check_satisfiable
-from .errors import InvalidRequestError
+from .close import CLOSE_HORIZON, CloseWatch
+from .sat import check_satisfiable
+from ..errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
-from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
+from ..tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
 
 __all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]
 
@@ -237,7 +237,7 @@ def _closed_objects(schema: Any, explicit: bool = True) -> Any:
 
 def closing_grammar(spec: ConstraintSpec) -> str | None:
     """The grammar of ``spec`` with every object closed (a subset of its language: what the
-    closing search of constraints_close.py follows), or None when there is none (grammars,
+    closing search of constraints/close.py follows), or None when there is none (grammars,
     regexes, any JSON object). Cached on the spec."""
     cached = spec.__dict__.get("_closing", ())
     if cached != ():
@@ -336,7 +336,7 @@ class Constraint:
         self._tail = bytearray()
         self.mask = torch.empty((lt.vocab_size + 31) // 32, dtype=torch.int32)
         self.mask_ready = False
-        self.close = CloseWatch()  # the closing way within the token budget (constraints_close.py)
+        self.close = CloseWatch()  # the closing way within the token budget (constraints/close.py)
         self._out = bytearray()  # what the matcher has consumed (replayed by the closing search)
         self._shadow: Any = None  # the closed-objects matcher of the closing search (None: not built)
         self._calls_seen = 0  # tool-call blocks of the output already compared with the earlier ones
@@ -365,7 +365,7 @@ class Constraint:
         its last call took (another call would be cut and finished by the closing way with
         invented values); either ends it as the model would, its calls whole. Any constraint:
         force the next token of the closing way when it is time to finish the document (see
-        constraints_close.py)."""
+        constraints/close.py)."""
         if not self.active:
             return
         if self.spec.kind == "tool_calls" and self.matcher.is_accepting():
