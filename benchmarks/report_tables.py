@@ -172,7 +172,8 @@ def render_pools(d: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- cascade
-CASCADE_TARGETS = {(2048, 16): 2.0, (512, 4): 0.95}
+# the shared-prefix decode's targets (cascade on / off): >= 3x at P=2048 N=16, >= 1.3x at P=512 N=4
+CASCADE_TARGETS = {(2048, 16): 3.0, (512, 4): 1.3}
 
 
 def render_cascade(d: dict) -> str:
