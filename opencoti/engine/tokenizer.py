@@ -38,7 +38,7 @@ END_OF_GENERATION_TOKENS = (
 
 # ChatML with Hermes/Qwen-style tools, for the byte-level test tokenizer. Tool
 # calls render as <tool_call>{json}</tool_call> so the output parser
-# (tool_calls.py) has one well-known format to recognise.
+# (chat/tool_calls.py) has one well-known format to recognise.
 BYTE_LEVEL_CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"

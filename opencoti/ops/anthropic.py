@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
-from ..engine.tool_calls import ToolCall
+from ..engine.chat.tool_calls import ToolCall
 from .schemas import ChatCompletionRequest, PolyKVFields, field_range
 
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "cancelled": "end_turn"}

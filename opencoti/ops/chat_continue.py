@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.chat import ChatPrompt, normalize_messages, normalize_tools, prepare_chat, render_chat
 from ..engine.errors import InvalidRequestError
-from ..engine.tool_calls import parse_tool_choice, tool_choice_prefill, tool_names
+from ..engine.chat.tool_calls import parse_tool_choice, tool_choice_prefill, tool_names
 
 __all__ = ["chat_prompt"]
 

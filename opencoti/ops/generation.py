@@ -17,7 +17,7 @@ from ..engine.sampling_choices import MAX_CHOICES
 from ..engine.errors import InvalidRequestError
 from ..engine.persist.slots import generation_session_id, slot_number
 from ..engine.results import GenerationResult, RequestInfo
-from ..engine.tool_calls import ToolCall, ToolStreamFilter, distinct_calls, resolve_tool_output
+from ..engine.chat.tool_calls import ToolCall, ToolStreamFilter, distinct_calls, resolve_tool_output
 from .chat_continue import chat_prompt
 from .constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from .context import Context

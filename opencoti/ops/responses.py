@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
-from ..engine.tool_calls import ToolCall
+from ..engine.chat.tool_calls import ToolCall
 from .schemas import ChatCompletionRequest, PolyKVFields, field_range
 
 _POLYKV = tuple(PolyKVFields.model_fields)

@@ -12,7 +12,7 @@ import pytest
 from opencoti.engine import SamplingParams
 from opencoti.engine.constraints import ConstraintSpec
 from opencoti.ops.constraints_request import constraint_from_request
-from opencoti.engine.tool_calls import parse_tool_calls, tool_choice_prefill, ToolChoice
+from opencoti.engine.chat.tool_calls import parse_tool_calls, tool_choice_prefill, ToolChoice
 
 pytestmark = pytest.mark.bundled
 

@@ -16,7 +16,7 @@ from opencoti.engine.errors import InvalidRequestError
 from opencoti.engine.sampling import Sampler, make_generator
 from opencoti.engine.sampling.state import SamplerState
 from opencoti.engine.tokenizer import Tokenizer
-from opencoti.engine.tool_calls import parse_tool_calls
+from opencoti.engine.chat.tool_calls import parse_tool_calls
 
 TOK = Tokenizer.byte_level(320)
 V = TOK.vocab_size

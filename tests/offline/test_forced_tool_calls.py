@@ -11,7 +11,7 @@ from test_constraints import run, sp, TOK  # the random-logit decoder over the b
 from test_server import CHAT, script, sse_events
 
 from opencoti.engine.constraints import ConstraintSpec
-from opencoti.engine.tool_calls import ToolCall, distinct_calls, parse_tool_calls
+from opencoti.engine.chat.tool_calls import ToolCall, distinct_calls, parse_tool_calls
 from opencoti.server import create_app
 
 # no "additionalProperties": what convert_to_openai_tool makes of a plain function without strict

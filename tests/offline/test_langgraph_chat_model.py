@@ -21,7 +21,7 @@ from opencoti.client import ToolCall as ClientToolCall
 from opencoti.engine import SamplingParams
 from opencoti.langgraph import OpencotiChatModel, convert_messages, format_tool_choice
 from opencoti.server import create_app
-from opencoti.engine.tool_calls import ToolStreamFilter, parse_tool_choice, tool_choice_prefill, tool_names
+from opencoti.engine.chat.tool_calls import ToolStreamFilter, parse_tool_choice, tool_choice_prefill, tool_names
 
 
 # ============================================================================ the standard suite

@@ -1,6 +1,6 @@
 """Tool calling (pure functions): the template capability probe and tool injection of the chat
-chain (engine/chat.py) for templates that ignore tools, tool_choice, and the tool-call parser
-(engine/tool_calls.py: whole output and streaming)."""
+chain (engine/chat/) for templates that ignore tools, tool_choice, and the tool-call parser
+(engine/chat/tool_calls.py: whole output and streaming)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from opencoti.engine.errors import InvalidRequestError
 from opencoti.engine.chat import (TemplateCaps, inject_tools, normalize_messages, normalize_tools,
                                   probe_template_caps, render_chat, template_caps)
 from opencoti.engine.tokenizer import Tokenizer
-from opencoti.engine.tool_calls import (ToolChoice, ToolStreamFilter, forced_call_fallback, parse_tool_calls,
+from opencoti.engine.chat.tool_calls import (ToolChoice, ToolStreamFilter, forced_call_fallback, parse_tool_calls,
                                         parse_tool_choice, resolve_tool_output, tool_choice_prefill)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",

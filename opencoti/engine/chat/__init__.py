@@ -16,7 +16,7 @@ client all go through it), so the same messages + tools always give the same tok
    a sandbox configured like transformers' renders the built-in byte-level one).
 
 ``prepare_chat`` adds what a chat *request* needs on top: ``tool_choice`` and its prefill.
-Tool-call parsing of the output is in :mod:`opencoti.engine.tool_calls`.
+Tool-call parsing of the output is in :mod:`opencoti.engine.chat.tool_calls`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 from .tool_calls import ToolChoice, format_tool_call_text, parse_tool_choice, tool_choice_prefill, tool_names, \
     tools_system_text
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 _PROBE_NAME = "opencoti_probe_fn_7f3a"

@@ -31,7 +31,7 @@ from ..errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
-from ..tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
+from ..chat.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
 
 __all__ = ["ConstraintSpec", "Constraint", "compute_masks", "apply_masks", "JSON_OPTIONS", "llg_tokenizer"]
 
