@@ -26,7 +26,7 @@ from .config import EngineConfig, SamplingParams
 from .core import EngineCore
 from .errors import EngineClosedError, InvalidRequestError
 from .kv.pages import PagePool
-from .metrics import Metrics
+from .observe.metrics import Metrics
 from .pool_api import PoolAPIMixin
 from .persist.sync import open_state
 from .results import GenerationResult

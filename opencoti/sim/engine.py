@@ -19,7 +19,7 @@ from ..engine.admission import AdmissionController, AdmissionPlan
 from ..engine.config import SamplingParams
 from ..engine.errors import SessionBusyError
 from ..engine.kv.pools import Pool, PoolTree, Residency
-from ..engine.metrics import Metrics
+from ..engine.observe.metrics import Metrics
 from ..engine.session import Job, Sequence, Session, SessionState
 from ..engine.view import Listener
 from .profile import StepClock, StepProfile

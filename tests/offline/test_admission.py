@@ -25,7 +25,7 @@ from opencoti.engine.admission import (ADMIT, HOLD, REASON_CONTEXT, REASON_FLOOR
 from opencoti.engine.config import SamplingParams as SP
 from opencoti.engine.errors import PoolSaturatedError
 from opencoti.engine.kv.pools import Residency
-from opencoti.engine.metrics import Metrics
+from opencoti.engine.observe.metrics import Metrics
 from opencoti.engine.session import Job, Sequence, Session, SessionState
 
 from fake_core import FakeCore

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams
-from opencoti.engine.metrics import Metrics, RateWindow, SessionTps, TpsConfig
+from opencoti.engine.observe.metrics import Metrics, RateWindow, SessionTps, TpsConfig
 from opencoti.engine.session import SessionState
 
 from fake_core import FakeCore

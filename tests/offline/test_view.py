@@ -34,7 +34,7 @@ _sim_view: type[PolyKVView] = SimCore
 _sim_admission: type[AdmissionCore] = SimCore
 _fake_view: type[PolyKVView] = FakeCore
 
-CHECKED = ["opencoti/engine/view.py", "opencoti/engine/metrics.py", "tests/offline/fake_core.py",
+CHECKED = ["opencoti/engine/view.py", "opencoti/engine/observe/metrics.py", "tests/offline/fake_core.py",
            "tests/offline/test_view.py"]
 
 
@@ -101,7 +101,7 @@ def test_metrics_and_admission_read_only_what_they_declare():
     surfaces declared are all used."""
     from opencoti.engine.admission import AdmissionController
     from opencoti.engine.config import SamplingParams
-    from opencoti.engine.metrics import Metrics
+    from opencoti.engine.observe.metrics import Metrics
     from opencoti.sim.engine import SimEngine
     from opencoti.sim.profile import StepProfile
 

@@ -46,10 +46,10 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from .session import Job, SessionState
+from ..session import Job, SessionState
 from .tps import RateWindow, SessionTps, TpsConfig
-from .speculative import acceptance
-from .view import PolyKVView
+from ..speculative import acceptance
+from ..view import PolyKVView
 
 __all__ = ["Activity", "Metrics", "RateWindow", "SessionTps", "TpsConfig"]
 

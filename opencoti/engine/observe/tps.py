@@ -10,8 +10,8 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 
-from .checks import is_int as _is_int, is_number as _is_number
-from .errors import InvalidRequestError
+from ..checks import is_int as _is_int, is_number as _is_number
+from ..errors import InvalidRequestError
 
 
 # ============================================================================ configuration
