@@ -109,14 +109,21 @@ def test_a_release_waits_out_the_grace_whatever_happened_before(make_engine):
     eng.check_integrity()
 
 
-def test_a_release_waits_for_the_request_in_flight_then_the_grace(make_engine):
-    eng = make_engine(pool_grace_ttl_s=0.5)
+def test_a_release_waits_for_the_request_in_flight_then_the_grace(make_engine, monkeypatch):
+    eng = make_engine(pool_grace_ttl_s=0.5, speculative="off")
+    forward = eng.model.forward
+
+    def slow_forward(*a, **k):  # >= 5 ms a step: the 300 tokens below outlast the grace on any machine
+        time.sleep(0.005)
+        return forward(*a, **k)
+
+    monkeypatch.setattr(eng.model, "forward", slow_forward)
     pool = eng.create_pool(tokens=toks(23, 12))
     stream = eng.stream(toks(23, 12) + [4], params=_greedy(300), pool_id=pool.pool_id, session_id="busy")
     it = iter(stream)
     next(it)  # decoding
     eng.release_pool(pool.pool_id)
-    time.sleep(0.6)  # longer than the grace, while it decodes (300 tokens take seconds here)
+    time.sleep(0.6)  # longer than the grace, while it decodes (300 steps of >= 5 ms)
     assert eng.pool(pool.pool_id).sessions[0]["state"] != "idle"
     for _ in it:
         pass
