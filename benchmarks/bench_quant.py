@@ -85,15 +85,22 @@ def engine_specs(formats: list[str]) -> dict:
     return {k: specs[k] for k in ["auto", *formats, "fp32-fixed"]}
 
 
-def auto_vs_fastest(med: dict, formats: list[str]) -> dict:
-    """auto's median single-session decode against the fastest explicit format's (target: within 5 %)."""
+def auto_vs_fastest(med: dict, formats: list[str], chose: str | None = None) -> dict:
+    """Did ``auto`` choose the fastest format? The chosen format's own row (its own processes) against
+    the fastest explicit format's median single-session decode (target: within 5 %); the auto
+    process's own median beside it (the same weights and kernels: the two differ by the spread
+    between processes of one configuration)."""
     cands = {f: med[f]["single"] for f in formats if med.get(f, {}).get("single")}
     if not cands or not med.get("auto", {}).get("single"):
         return {"fastest": None, "ratio": None, "within_5pct": None}
     fastest = max(cands, key=cands.get)
     r = med["auto"]["single"] / cands[fastest]
-    return {"fastest": fastest, "fastest_single_tps": cands[fastest], "auto_single_tps": med["auto"]["single"],
-            "ratio": r, "within_5pct": r >= 0.95}
+    out = {"fastest": fastest, "fastest_single_tps": cands[fastest], "auto_single_tps": med["auto"]["single"],
+           "ratio": r, "chose": chose}
+    if chose in cands:
+        out.update(chosen_single_tps=cands[chose], chosen_ratio=cands[chose] / cands[fastest])
+    out["within_5pct"] = out.get("chosen_ratio", r) >= 0.95
+    return out
 
 
 def build_engine(name: str, spec: dict, cores: int):
@@ -245,10 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     loads = [x for rr in runs.values() for x in rr["load"]]
     print(f"  load average (1 min) during the rounds: {fmt(min(loads))}-{fmt(max(loads))}; with the burner "
           f"{fmt(busy_load)}")
-    avf = auto_vs_fastest(med, formats)
+    avf = auto_vs_fastest(med, formats, info["auto"]["weights"])
     print(f"  auto chose {info['auto']['weights']}: {(info['auto']['choice'] or {}).get('reason')}")
-    print(f"  target auto within 5 % of the fastest format's single-session decode: auto {fmt(avf['ratio'])}x of "
-          f"{avf['fastest']} ({fmt(avf.get('fastest_single_tps'), 1)} tok/s)  "
+    print(f"  target auto's format within 5 % of the fastest format's single-session decode: "
+          f"{avf.get('chose')} {fmt(avf.get('chosen_ratio'))}x of {avf['fastest']} "
+          f"({fmt(avf.get('fastest_single_tps'), 1)} tok/s; the auto process itself {fmt(avf['ratio'])}x)  "
           f"{'n/a' if avf['within_5pct'] is None else ('PASS' if avf['within_5pct'] else 'FAIL')}")
     if gate:
         print("\n  accuracy gate (vs fp32; perplexity over the gate text, top-1 over 256 forced positions):")

@@ -86,6 +86,12 @@ def test_auto_is_judged_against_the_fastest_format():
     assert r["fastest"] == "int4" and r["ratio"] == pytest.approx(19.0 / 20.5) and r["within_5pct"] is False
     med["auto"]["single"] = 19.6
     assert bench_quant.auto_vs_fastest(med, ["fp32", "int8", "int4"])["within_5pct"] is True
+    # with the chosen format named, its own row is judged (the auto process beside it is the same engine)
+    r = bench_quant.auto_vs_fastest(med, ["fp32", "int8", "int4"], "fp32")
+    assert r["chosen_ratio"] == pytest.approx(12.0 / 20.5) and r["within_5pct"] is False
+    med["auto"]["single"] = 18.0
+    r = bench_quant.auto_vs_fastest(med, ["fp32", "int8", "int4"], "int4")
+    assert r["chosen_ratio"] == 1.0 and r["within_5pct"] is True and r["ratio"] == pytest.approx(18.0 / 20.5)
 
 
 def test_a_format_runs_in_a_process_of_its_own(monkeypatch):

@@ -116,14 +116,19 @@ def _reference(q, rows_keys, k_cache, v_cache, page_size, scale):
     return out, lse
 
 
-def _call_groups(lib, q, k_cache, v_cache, groups, scale, out, lse, nt=2):
+def _flat_groups(groups) -> list[torch.Tensor]:
+    """(page_ptr, pages, row_ptr, rows) int64 tensors of ``groups`` [(page ids, query rows)], as the kernels take them."""
     page_ptr, pages, row_ptr, rows = [0], [], [0], []
     for g_pages, g_rows in groups:
         pages += g_pages
         rows += g_rows
         page_ptr.append(len(pages))
         row_ptr.append(len(rows))
-    flat = [torch.tensor(x, dtype=torch.int64) for x in (page_ptr, pages, row_ptr, rows)]
+    return [torch.tensor(x, dtype=torch.int64) for x in (page_ptr, pages, row_ptr, rows)]
+
+
+def _call_groups(lib, q, k_cache, v_cache, groups, scale, out, lse, nt=2):
+    flat = _flat_groups(groups)
     T, H, D = q.shape
     lib.oc_cascade_groups(q.data_ptr(), H, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(),
                           k_cache.shape[1], len(groups), flat[0].data_ptr(), flat[1].data_ptr(), flat[2].data_ptr(),
@@ -253,13 +258,7 @@ def test_fused_decode_layer_with_cascade_groups_equals_plain(make_engine, monkey
         if groups is None:
             LIB.oc_decode_layer(*args)
         else:
-            page_ptr, pages, row_ptr, grows = [0], [], [0], []
-            for g_pages, g_rows in groups:
-                pages += g_pages
-                grows += g_rows
-                page_ptr.append(len(pages))
-                row_ptr.append(len(grows))
-            flat = [torch.tensor(v, dtype=torch.int64) for v in (page_ptr, pages, row_ptr, grows)]
+            flat = _flat_groups(groups)
             LIB.oc_decode_layer_cascade(*args, len(groups), *(f.data_ptr() for f in flat))
         return x, kc, vc
 
