@@ -115,15 +115,23 @@ def render_quant(d: dict) -> str:
         chosen = ((eng.get(chose) or {}).get("median") or {}).get("single") if chose != "auto" else None
         # did auto choose the fastest format: the chosen format's own row against the fastest's
         # (the auto process's own median beside it: same weights and kernels, another process)
-        r = chosen / avf["fastest_single_tps"] if chosen else avf["ratio"]
+        r = avf.get("chosen_ratio") or (chosen / avf["fastest_single_tps"] if chosen else avf["ratio"])
+
+        def spread(name: str) -> str:
+            each = ((eng.get(name) or {}).get("runs") or {}).get("single") or []
+            return f"{min(each):.0f}–{max(each):.0f}" if each else "?"
+
         s = (("Where we lose — " if r < 0.95 else "")
              + f"`auto` loaded {chose}; the fastest fixed format of this run was {fastest} "
-             f"({avf['fastest_single_tps']:.2f} tok/s); "
+             f"({avf['fastest_single_tps']:.2f} tok/s). Did auto choose the fastest format: "
              + (f"{chose}'s own row reached {times(r)} of it" if chosen else f"auto reached {times(r)} of it")
              + f" (target: within 5 %): {verdict(r, 0.95)}."
-             + (f" The auto process itself ran {avf['auto_single_tps']:.2f} tok/s ({times(avf['ratio'])}), the "
-                f"same weights and kernels as the {chose} row: the spread between two processes of one "
-                "configuration." if chosen else ""))
+             + (f" The auto process's own median, {avf['auto_single_tps']:.2f} tok/s, is {times(avf['ratio'])} of it"
+                + ("" if "chosen_ratio" in avf else
+                   f" (this run was made under the earlier rule, which judged that median: "
+                   f"{verdict(avf['ratio'], 0.95)})")
+                + f"; it runs the same weights and kernels as the {chose} row in other processes (its rounds "
+                f"{spread('auto')} tok/s, the {chose} row's {spread(chose)})." if chosen else ""))
         g = gate.get(fastest) or {}
         if r < 0.95 and g.get("passed") is False:
             dp = g.get("decode_path") or {}

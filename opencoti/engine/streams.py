@@ -60,7 +60,7 @@ class TokenStream(_Stream):
         return self
 
     def started(self) -> None:
-        """Wait until the request has started computing — ``info.cached_prefix_tokens`` is then the
+        """Wait until the request's first step has been computed — ``info.cached_prefix_tokens`` is then the
         prompt tokens it reuses, no longer the reuse expected at accept time — or has ended."""
         while self._waiting():
             self._notice(self._q.get())

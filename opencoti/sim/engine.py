@@ -158,12 +158,12 @@ class SimEngine:
         self.core = SimCore(**core_kw)
         clock = lambda: self.t  # noqa: E731
         self.metrics = Metrics(self.core, clock=clock, wall_clock=clock)
-        self.admission = AdmissionController(self.core, self._submit, self.metrics, clock=clock)
+        self.admission = AdmissionController(self.core, self.post_to_step_thread, self.metrics, clock=clock)
         self.on_token: Callable | None = None  # (job, t) after every generated token
         self.on_finish: Callable | None = None  # (job, t) when a request ends
         self.step_log: list[tuple] = []  # (t_end, b, prefill_tokens, duration)
 
-    def _submit(self, fn, *args, **kwargs) -> Future:
+    def post_to_step_thread(self, fn, *args, **kwargs) -> Future:
         fut: Future = Future()
         try:
             fut.set_result(fn(*args, **kwargs))

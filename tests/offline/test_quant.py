@@ -390,6 +390,11 @@ def test_auto_choice_follows_the_weights_not_the_name(monkeypatch, tmp_path):
     assert len(calls) == 1 and second.weights_choice["cached"]
     weights.build_forward(other, **kw)
     assert len(calls) == 2
+    requant = tiny_model("llama")  # another quantization of one model: same embeddings, other projections
+    name = "model.layers.0.self_attn.q_proj.weight"
+    requant.state_dict = {**requant.state_dict, name: requant.state_dict[name] + 0.01}
+    weights.build_forward(requant, **kw)
+    assert len(calls) == 3
 
 
 def _counting_auto(monkeypatch, tmp_path) -> tuple[list, dict]:

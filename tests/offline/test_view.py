@@ -110,7 +110,7 @@ def test_metrics_and_admission_read_only_what_they_declare():
     clock = lambda: sim.t  # noqa: E731
     for_metrics, for_admission = Recording(sim.core), Recording(sim.core)
     sim.metrics = Metrics(for_metrics, clock=clock, wall_clock=clock)
-    sim.admission = adm = AdmissionController(for_admission, sim._submit, sim.metrics, clock=clock)
+    sim.admission = adm = AdmissionController(for_admission, sim.post_to_step_thread, sim.metrics, clock=clock)
     adm.set_policy(pid, target_tps_per_session=1.0)
     params = SamplingParams.greedy(40, ignore_eos=True)
     for sid in ("a", "b"):

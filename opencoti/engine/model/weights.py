@@ -357,10 +357,16 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
 
 def _fingerprint(loaded) -> str:
     """Identifies a model's weights for cached gate results and choices: its config, a sample of its
-    embeddings and whether int4 comes from a GGUF's own blocks. Not its name: the same GGUF served as
-    ``--model file.gguf`` and as the bundled model (two names) is one model and gets one choice."""
+    embeddings and of every projection of its first layer (two quantizations of one model share
+    embeddings, not projections), and whether int4 comes from a GGUF's own blocks. Not its name: the
+    same GGUF served as ``--model file.gguf`` and as the bundled model (two names) is one model and
+    gets one choice."""
     h = hashlib.sha256(loaded.hf_config.to_json_string(use_diff=False).encode())
     h.update(b"gguf" if getattr(loaded, "source_gguf", None) is not None else b"dir")
-    emb = loaded.state_dict["model.embed_tokens.weight"].reshape(-1)[:4096].float().contiguous()
-    h.update(emb.numpy().tobytes())
+    state = loaded.state_dict
+    names = ["model.embed_tokens.weight"] + sorted(n for n in state if n.startswith("model.layers.0.")
+                                                     and n.endswith("proj.weight"))
+    for name in names:
+        h.update(name.encode())
+        h.update(state[name].reshape(-1)[:4096].float().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
