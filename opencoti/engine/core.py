@@ -173,12 +173,12 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 self.tables.advance(seq, 1)  # its KV was computed by the next row
 
     def _apply(self, batch: list, out) -> None:
-        for job, _ in batch:
+        for job, n in batch:  # (nothing below emits a token before this loop has announced every job)
             if isinstance(job, Job):
-                self._announce(job)
-        for job, n in batch:
-            if isinstance(job, Job) and job.draft:
-                continue  # applied with its verification below
+                if not job.announced:
+                    self._announce(job)
+                if job.draft:
+                    continue  # applied with its verification below
             self.tables.advance(job.seq, n)
             if isinstance(job, MaterializeJob) and job.num_remaining == 0:
                 self.scheduler.remove(job)
