@@ -10,7 +10,10 @@ greedy outputs of both opencoti modes are compared token for token).
 Workloads (OpenAI chat requests, greedy, ``--tokens`` tokens at most, one at a time):
 
 * ``react_echo``: a ReAct turn whose tool observation (a JSON record) is to be quoted back;
-* ``json_tools``: a list of people to be rewritten as a JSON array (keys and values recur);
+* ``json_tools``: a tool-calling agent whose earlier turn issued ``create_user`` calls (JSON objects
+  ``{"name": ..., "arguments": {...}}``, one a line) for three of eight listed people, asked for the
+  calls of the rest (these weights answer with 160 tokens of such calls; the earlier prompt, "rewrite
+  this list as a JSON array", was answered with one 34-token object and measured little);
 * ``summarize_quote``: a summarizer asked to quote its input's sentences;
 * ``novel``: a short story (nothing to copy);
 * ``sessions_8``: 8 sessions at once (the three repetitive prompts and five stories):
@@ -61,10 +64,20 @@ OBSERVATION = json.dumps({
         {"day": "Monday", "high_c": 19, "low_c": 11, "condition": "sunny"},
         {"day": "Tuesday", "high_c": 17, "low_c": 10, "condition": "rain"},
         {"day": "Wednesday", "high_c": 16, "low_c": 9, "condition": "cloudy"}]}, indent=1)
-PEOPLE = "\n".join(f"- {n}, {r}, {n.split()[0].lower()}.{n.split()[1].lower()}@example.com" for n, r in [
-    ("Alice Martin", "engineer"), ("Bruno Costa", "designer"), ("Chloe Dubois", "analyst"),
-    ("David Kim", "manager"), ("Emma Rossi", "engineer"), ("Felix Wagner", "writer"),
-    ("Grace Okafor", "researcher"), ("Hugo Silva", "engineer")])
+PEOPLE = [("Alice Martin", "engineer"), ("Bruno Costa", "designer"), ("Chloe Dubois", "analyst"),
+          ("David Kim", "manager"), ("Emma Rossi", "engineer"), ("Felix Wagner", "writer"),
+          ("Grace Okafor", "researcher"), ("Hugo Silva", "engineer")]
+
+
+def _email(name: str) -> str:
+    return ".".join(name.lower().split()) + "@example.com"
+
+
+def _create_user(name: str, role: str) -> str:
+    """One tool call, in the agent's own call format (an OpenAI-style name + arguments object)."""
+    return json.dumps({"name": "create_user", "arguments": {"name": name, "role": role, "email": _email(name)}})
+
+
 ARTICLE = ("The river town grew around a stone bridge built in 1642. Merchants crossed it every morning with "
            "carts of grain and wool. In 1790 a flood destroyed half of the old market, and the town rebuilt it "
            "on higher ground. The new market opened in 1795 with forty stalls and a clock tower. Today the "
@@ -82,9 +95,22 @@ PROMPTS = {
         {"role": "user", "content": "And in Paris this week?"},
         {"role": "assistant", "content": "Action: get_weather(city=\"Paris\")"},
         {"role": "user", "content": f"Observation:\n{OBSERVATION}"}],
+    # a tool-calling agent mid-task: its earlier turn issued three create_user calls (one JSON object a
+    # line); asked for the calls of the remaining people, the model writes more calls of the same shape.
+    # This replaced a "rewrite this list as a JSON array" prompt, which these weights answer with one
+    # 34-token object: not JSON-heavy, so it did not measure the workload the issue names. The prompt was
+    # chosen by its greedy output with speculation off only: for every nonce of three rounds, 160 tokens,
+    # four create_user calls, one a line (some of their roles and emails are wrong: these weights are
+    # small; this is a speed workload, and both modes must write the same calls).
     "json_tools": [
-        {"role": "user", "content": "Rewrite this list as a JSON array of objects with the keys \"name\", "
-                                    f"\"role\" and \"email\". Output only the JSON.\n\n{PEOPLE}"}],
+        {"role": "system", "content": "You are a tool-calling agent. To call a tool, write one JSON object per "
+                                      "line: {\"name\": <tool>, \"arguments\": {...}}. Tools: "
+                                      "create_user(name, role, email)."},
+        {"role": "user", "content": "Create an account for each of these people:\n" + "\n".join(
+            f"- {n}, {r}, {_email(n)}" for n, r in PEOPLE)},
+        {"role": "assistant", "content": "\n".join(_create_user(n, r) for n, r in PEOPLE[:3])},
+        {"role": "user", "content": "Tool results: 3 users created. Now issue the calls for the remaining "
+                                    "people, one per line."}],
     "summarize_quote": [
         {"role": "system", "content": "You are a careful editor. When asked to quote, copy sentences word for "
                                       "word."},
