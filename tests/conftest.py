@@ -47,10 +47,11 @@ def engine(make_engine):
 
 @pytest.fixture(scope="session")
 def scalar_lib(tmp_path_factory):
-    """The native library built without AVX2/FMA/F16C: the portable code a user on another CPU runs."""
+    """The native library built without AVX2/FMA/F16C: the portable code a user on another CPU runs. Its
+    typed operators (``torch.ops.opencoti_x<key>``, beside the default build's ``torch.ops.opencoti``)."""
     from opencoti.engine import native
 
     path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), tmp_path_factory.mktemp("scalar"))
-    lib = native.load(path)
-    assert lib.oc_simd() == 0
-    return lib
+    ops = native.load(path)
+    assert ops.simd() == 0
+    return ops

@@ -128,11 +128,13 @@ def _flat_groups(groups) -> list[torch.Tensor]:
 
 
 def _call_groups(lib, q, k_cache, v_cache, groups, scale, out, lse, nt=2):
-    flat = _flat_groups(groups)
-    T, H, D = q.shape
-    lib.oc_cascade_groups(q.data_ptr(), H, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(),
-                          k_cache.shape[1], len(groups), flat[0].data_ptr(), flat[1].data_ptr(), flat[2].data_ptr(),
-                          flat[3].data_ptr(), scale, out.data_ptr(), lse.data_ptr(), native.kv_type(k_cache.dtype), nt)
+    """The operator runs with torch's thread count at the call: ``nt`` for this call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(nt)
+    try:
+        lib.cascade_groups(q, k_cache, v_cache, *_flat_groups(groups), scale, out, lse)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(params=["native", "scalar"])
@@ -217,8 +219,8 @@ def test_engine_greedy_cascade_on_equals_off_with_the_native_kernel(make_engine,
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "q8"])
 def test_fused_decode_layer_with_cascade_groups_equals_plain(make_engine, monkeypatch, tmp_path, kv_dtype):
-    """``oc_decode_layer_cascade`` (each row's private pages plus nested shared groups) computes the layer
-    ``oc_decode_layer`` computes over the whole page tables: same residual stream, same K/V written."""
+    """``decode_layer_cascade`` (each row's private pages plus nested shared groups) computes the layer
+    ``decode_layer`` computes over the whole page tables: same residual stream, same K/V written."""
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")  # the native int8 kernels: the fused layer applies
     monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
     eng = make_engine(weights="int8")
@@ -251,15 +253,12 @@ def test_fused_decode_layer_with_cascade_groups_equals_plain(make_engine, monkey
         kl = torch.tensor(kv_lens, dtype=torch.int64)
         kc, vc = kv.k_cache[0].clone(), kv.v_cache[0].clone()
         x = x0.clone()
-        args = [x.data_ptr(), T, d.hidden_size, L.in_norm.data_ptr(), L.post_norm.data_ptr(), d.rms_norm_eps,
-                model.fused_layers[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-                rows.data_ptr(), idx.data_ptr(), width, kl.data_ptr(), ps, d.num_heads, d.num_kv_heads, d.head_dim,
-                model.scale, native.kv_type(kc.dtype), 2]
+        args = [x, L.in_norm, L.post_norm, d.rms_norm_eps, *model.fused_layers[0], cos, sin, slots, kc, vc, rows, idx,
+                kl, d.num_heads, model.scale]
         if groups is None:
-            LIB.oc_decode_layer(*args)
+            LIB.decode_layer(*args)
         else:
-            flat = _flat_groups(groups)
-            LIB.oc_decode_layer_cascade(*args, len(groups), *(f.data_ptr() for f in flat))
+            LIB.decode_layer_cascade(*args, *_flat_groups(groups))
         return x, kc, vc
 
     plain = run(tables, lens, None)

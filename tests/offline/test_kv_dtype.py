@@ -113,9 +113,7 @@ def test_native_paged_decode_reads_16_and_8_bit_pages(name, which, request):
     lens = torch.tensor([13, 6], dtype=torch.int64)
     q, rows = torch.randn(2, H, D), torch.tensor([0, 1], dtype=torch.int64)
     out, lse = torch.empty(2, H, D), torch.empty(2, H)
-    lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, H, HKV, D, kv.k_cache.data_ptr(), kv.v_cache.data_ptr(),
-                        page_idx.data_ptr(), 4, lens.data_ptr(), 4, 0.25, out.data_ptr(), lse.data_ptr(),
-                        native.kv_type(DTYPES[name]), 2)
+    lib.paged_decode(q, rows, kv.k_cache[0], kv.v_cache[0], page_idx, lens, 0.25, out, lse)
     for b, (o, ls) in enumerate(_decode_ref(q, kv.k_cache[0], kv.v_cache[0], page_idx, lens, 0.25)):
         assert torch.allclose(out[b].double(), o, atol=1e-5) and torch.allclose(lse[b].double(), ls, atol=1e-5)
 
@@ -136,7 +134,7 @@ def test_native_kv_writes_round_as_torch_does(name, which, request):
     lib = LIB if which == "native" else request.getfixturevalue("scalar_lib")
     x = _hard_values()
     got = torch.empty(x.shape, dtype=DTYPES[name])
-    lib.oc_kv_store(native.kv_type(DTYPES[name]), got.data_ptr(), x.data_ptr(), 1, x.numel())
+    lib.kv_store(got, x)
     want = x.to(DTYPES[name])
     nan = torch.isnan(want)
     assert bool(torch.isnan(got)[nan].all())

@@ -66,7 +66,7 @@ def test_native_q8_writes_are_torch_bit_for_bit(which, d, request):
     lib = LIB if which == "native" else request.getfixturevalue("scalar_lib")
     x = _hard_vectors(d) if d <= 16 else torch.randn(500, d) * torch.logspace(-6, 5, 500)[:, None]
     got = torch.full((x.shape[0], d + 4), 99, dtype=torch.int8)
-    lib.oc_kv_store(native.kv_type(torch.int8), got.data_ptr(), x.contiguous().data_ptr(), x.shape[0], d)
+    lib.kv_store(got, x.contiguous())
     assert torch.equal(got, q8.quantize(x))
 
 
@@ -77,8 +77,8 @@ def test_native_dequantize_is_torch_bit_for_bit(which, d, request):
     lib = LIB if which == "native" else request.getfixturevalue("scalar_lib")
     t = q8.quantize(torch.randn(300, 3, d) * torch.logspace(-6, 5, 300)[:, None, None])
     want = t[..., :d].float() * t[..., d:].contiguous().view(torch.float32)
-    got = torch.empty(300, 3, d)
-    lib.oc_q8_dequant(t.data_ptr(), 900, d, got.data_ptr(), 2)
+    got = lib.q8_dequant(t)
+    assert got.shape == (300, 3, d) and got.dtype == torch.float32
     assert torch.equal(got, want)
     assert torch.equal(q8.dequantize(t), want) and q8.dequantize(t, torch.bfloat16).dtype == torch.bfloat16
     assert torch.equal(q8.dequantize(t[::2]), want[::2])  # not contiguous: torch's ops
@@ -97,8 +97,7 @@ def test_native_decode_over_q8_pages_with_a_tail(which, request):
     lens = torch.tensor([19, 5], dtype=torch.int64)
     q, rows = torch.randn(2, h, d), torch.tensor([0, 1], dtype=torch.int64)
     out, lse = torch.empty(2, h, d), torch.empty(2, h)
-    lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, h, hkv, d, kc.data_ptr(), vc.data_ptr(), page_idx.data_ptr(),
-                        5, lens.data_ptr(), ps, 0.3, out.data_ptr(), lse.data_ptr(), native.kv_type(torch.int8), 2)
+    lib.paged_decode(q, rows, kc, vc, page_idx, lens, 0.3, out, lse)
     for b in range(2):
         keys = torch.cat([kf[p] for p in page_idx[b]])[: lens[b]].repeat_interleave(h // hkv, 1)
         vals = torch.cat([vf[p] for p in page_idx[b]])[: lens[b]].repeat_interleave(h // hkv, 1)

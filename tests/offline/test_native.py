@@ -26,7 +26,7 @@ LIB = native.lib()
 def test_library_builds_here():
     st = native.status()
     assert st["available"], st["reason"]
-    assert LIB.oc_abi_version() == native.ABI_VERSION
+    assert LIB.abi_version() == native.ABI_VERSION
 
 
 @pytest.fixture(params=["default", "rows", "panels"])
@@ -185,9 +185,7 @@ def test_paged_decode_lse_and_empty_rows():
     rows = torch.tensor([0, 1], dtype=torch.int64)
     out = torch.full((2, H, D), 7.0)
     lse = torch.zeros(2, H)
-    LIB.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, H, HKV, D, k_cache.data_ptr(), v_cache.data_ptr(),
-                        page_idx.data_ptr(), 3, lens.data_ptr(), ps, 0.5, out.data_ptr(), lse.data_ptr(),
-                        native.kv_type(torch.float32), 2)
+    LIB.paged_decode(q, rows, k_cache, v_cache, page_idx, lens, 0.5, out, lse)
     keys = k_cache[page_idx[0]].reshape(-1, HKV, D)[:n_keys]
     vals = v_cache[page_idx[0]].reshape(-1, HKV, D)[:n_keys]
     rep = keys.repeat_interleave(H // HKV, dim=1).transpose(0, 1)  # [H, n, D]
@@ -284,14 +282,13 @@ def test_scalar_build_computes_the_projections(scalar_lib, fmt, T):
     wq = kernels.to_format(torch.randn(n, k) * 0.05, fmt)
     x = torch.randn(T, k)
     b = torch.randn(n)
-    y = torch.empty(T, n)
     if fmt == "int4":
         blocks = kernels.build("native_q4", wq, None, act_dtype=torch.float32, device="cpu").blocks
-        scalar_lib.oc_q4_matmul(x.data_ptr(), T, k, blocks.data_ptr(), n, b.data_ptr(), y.data_ptr(), 2)
+        y = scalar_lib.q4_matmul(x, blocks, b)
     else:
         kern = kernels.build("native_q8", wq, None, act_dtype=torch.float32, device="cpu")
-        scalar_lib.oc_q8_matmul(x.data_ptr(), T, k, kern.q.data_ptr(), kern.scale.data_ptr(), n, b.data_ptr(),
-                                y.data_ptr(), 2)
+        y = scalar_lib.q8_matmul(x, kern.q, kern.scale, b)
+    assert y.shape == (T, n)
     ref = x.double() @ wq.dequantize().double().T + b.double()
     tol = 2e-3 if fmt == "int4" else 2e-4  # int4 scales and offsets stored as fp16 (relative 2^-11 per block)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
@@ -306,9 +303,7 @@ def test_scalar_build_computes_paged_decode_attention(scalar_lib):
     lens = torch.tensor([9, 5], dtype=torch.int64)
     rows = torch.tensor([0, 1], dtype=torch.int64)
     out, lse = torch.empty(2, H, D), torch.empty(2, H)
-    scalar_lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), 2, H, Hkv, D, k_cache.data_ptr(), v_cache.data_ptr(),
-                               page_idx.data_ptr(), 3, lens.data_ptr(), S, 0.25, out.data_ptr(), lse.data_ptr(),
-                               native.kv_type(torch.float32), 2)
+    scalar_lib.paged_decode(q, rows, k_cache, v_cache, page_idx, lens, 0.25, out, lse)
     for b in range(2):
         keys = torch.cat([k_cache[p] for p in page_idx[b]])[: lens[b]]  # [n, Hkv, D]
         vals = torch.cat([v_cache[p] for p in page_idx[b]])[: lens[b]]
@@ -337,3 +332,202 @@ def test_a_new_build_removes_the_builds_it_replaces(tmp_path):
         p.write_bytes(b"")
     native._remove_stale(current)
     assert not old.exists() and scalar.exists() and current.exists()
+
+
+def test_kernels_source_compiles_without_torch(tmp_path):
+    """kernels.cpp is plain C++ (ops.cpp adds the torch operators): it compiles alone, no torch headers."""
+    cxx = native._compiler()
+    assert cxx is not None
+    flags = [f for f in native.FLAGS if f != "-shared"]
+    out = subprocess.run([cxx, *flags, "-fsyntax-only", str(native.SOURCE)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------ the operators' checks
+def _q4_args(n=8, k=64, t=3):
+    w4 = quantize_int4(torch.randn(n, k) * 0.05)
+    return torch.randn(t, k), kernels.pack_q4_blocks(w4), torch.randn(n)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("x float64", "x must be float32, got float64"),
+    ("x not contiguous", "x must be contiguous"),
+    ("x 1-d", "x must have 2 dimensions"),
+    ("x wrong width", r"x dimension 1 must be the weights' input size \(64\)"),
+    ("blocks int32", "blocks must be uint8"),
+    ("blocks ragged rows", "multiple of 20 bytes per row"),
+    ("bias wrong length", r"bias dimension 0 must be the weights' rows \(8\)"),
+    ("bias float16", "bias must be float32, got float16"),
+])
+def test_q4_matmul_rejects_bad_inputs(case, match):
+    x, blocks, bias = _q4_args()
+    if case == "x float64":
+        x = x.double()
+    elif case == "x not contiguous":
+        x = torch.randn(64, 3).t()
+    elif case == "x 1-d":
+        x = x[0]
+    elif case == "x wrong width":
+        x = torch.randn(3, 96)
+    elif case == "blocks int32":
+        blocks = blocks.to(torch.int32)
+    elif case == "blocks ragged rows":
+        blocks = blocks[:, :-1].contiguous()
+    elif case == "bias wrong length":
+        bias = bias[:5]
+    elif case == "bias float16":
+        bias = bias.half()
+    with pytest.raises(RuntimeError, match=match):
+        LIB.q4_matmul(x, blocks, bias)
+
+
+def test_q8_matmul_rejects_bad_inputs():
+    w8 = quantize_int8(torch.randn(8, 64))
+    q, scale, x = w8.q.contiguous(), w8.scale.float().contiguous(), torch.randn(2, 64)
+    assert LIB.q8_matmul(x, q, scale, None).shape == (2, 8)
+    with pytest.raises(RuntimeError, match="q must be int8, got float32"):
+        LIB.q8_matmul(x, q.float(), scale, None)
+    with pytest.raises(RuntimeError, match=r"scale dimension 0 must be the weights' rows \(8\)"):
+        LIB.q8_matmul(x, q, scale[:4], None)
+    with pytest.raises(RuntimeError, match="scale must be float32, got float16"):
+        LIB.q8_matmul(x, q, scale.half(), None)
+    with pytest.raises(RuntimeError, match="q must be contiguous"):
+        LIB.q8_matmul(torch.randn(2, 8), torch.zeros(64, 8, dtype=torch.int8).t(), scale, None)
+
+
+def test_operators_check_the_device_and_have_meta_kernels():
+    x, blocks, bias = _q4_args()
+    with pytest.raises(RuntimeError, match="must be on the"):
+        LIB.q4_matmul(x.to("meta"), blocks, bias)  # one tensor on another device
+    y = LIB.q4_matmul(x.to("meta"), blocks.to("meta"), bias.to("meta"))  # shapes only
+    assert y.device.type == "meta" and y.shape == (3, 8) and y.dtype == torch.float32
+    with pytest.raises(RuntimeError, match=r"x dimension 1 must be the weights' input size"):
+        LIB.q4_matmul(torch.empty(3, 32, device="meta"), blocks.to("meta"), None)
+    t = torch.empty(5, 2, 20, dtype=torch.int8, device="meta")
+    assert LIB.q8_dequant(t).shape == (5, 2, 16)
+
+
+def _decode_args():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(8, 4, HKV, D), torch.randn(8, 4, HKV, D)
+    q = torch.randn(2, H, D)
+    return dict(q=q, q_rows=torch.tensor([0, 1]), k_cache=k_cache, v_cache=v_cache,
+                page_idx=torch.tensor([[5, 2, 7], [1, 0, 0]]), kv_lens=torch.tensor([11, 3]), scale=0.5,
+                out=torch.zeros(2, H, D), lse=torch.zeros(2, H))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"page_idx": torch.tensor([[5, 2, 8], [1, 0, 0]])}, r"page_idx\[0, 2\] = 8 is out of range"),
+    ({"page_idx": torch.tensor([[5, -1, 7], [1, 0, 0]])}, r"page_idx\[0, 1\] = -1 is out of range"),
+    ({"q_rows": torch.tensor([0, 2])}, r"q_rows\[1\] = 2 is out of range: a row of q"),
+    ({"kv_lens": torch.tensor([13, 3])}, r"kv_lens\[0\] = 13 is out of range"),
+    ({"kv_lens": torch.tensor([11])}, r"kv_lens dimension 0 must be q_rows' length \(2\)"),
+    ({"page_idx": torch.tensor([5, 2, 7])}, "page_idx must have 2 dimensions"),
+    ({"q_rows": torch.tensor([0, 1], dtype=torch.int32)}, "q_rows must be int64, got int32"),
+    ({"v_cache": torch.randn(8, 4, HKV, D).half()}, "v_cache must be float32, got float16"),
+    ({"v_cache": torch.randn(9, 4, HKV, D)}, "v_cache must have k_cache's shape"),
+    ({"k_cache": torch.randn(8, 4, HKV, D).double()}, "k_cache must be float32, float16, bfloat16 or int8"),
+    ({"q": torch.randn(2, H, D + 2)}, r"q dimension 2 must be the cache's head_dim \(16\)"),
+    ({"q": torch.randn(2, 5, D)}, r"q's heads \(5\) must be a multiple of the cache's KV heads \(2\)"),
+    ({"out": torch.zeros(2, H, D - 1)}, "out must have q's shape"),
+    ({"out": torch.zeros(2, H, D).bfloat16()}, "out must be float32, got bfloat16"),
+    ({"lse": torch.zeros(3, H)}, r"lse must have shape \[2, 6\]"),
+    ({"q": torch.randn(2, D, H).transpose(1, 2)}, "q must be contiguous"),
+])
+def test_paged_decode_rejects_bad_inputs(change, match):
+    args = _decode_args()
+    out_before = args["out"].clone()
+    args.update(change)
+    with pytest.raises(RuntimeError, match=match):
+        LIB.paged_decode(**args)
+    assert torch.equal(args["out"], out_before) or "out" in change  # checked before anything is written
+
+
+def test_paged_decode_q8_pages_hold_head_dim_plus_4():
+    args = _decode_args()
+    from opencoti.engine.kv import q8
+
+    args["k_cache"], args["v_cache"] = q8.quantize(args["k_cache"]), q8.quantize(args["v_cache"])
+    LIB.paged_decode(**args)  # [..., D + 4] int8: head_dim D
+    args["q"] = torch.randn(2, H, D + 4)
+    args["out"] = torch.zeros(2, H, D + 4)
+    with pytest.raises(RuntimeError, match=r"q dimension 2 must be the cache's head_dim \(16\)"):
+        LIB.paged_decode(**args)
+
+
+@pytest.mark.parametrize("flat, match", [
+    (([0, 2], [1, 2], [0, 1], [0]), None),
+    (([0, 3], [1, 2], [0, 1], [0]), r"group_page_ptr\[-1\] must be the length of group_pages \(2\)"),
+    (([1, 2], [1, 2], [0, 1], [0]), r"group_page_ptr\[0\] must be 0"),
+    (([0, 2, 1, 2], [1, 2], [0, 1, 1, 1], [0]), "group_page_ptr must not decrease"),
+    (([0, 2], [1, 9], [0, 1], [0]), r"group_pages\[1\] = 9 is out of range"),
+    (([0, 2], [1, 2], [0, 1], [4]), r"group_rows\[0\] = 4 is out of range: a row of q"),
+    (([0, 2], [1, 2], [0, 1, 1], [0]), r"group_row_ptr dimension 0 must be group_page_ptr's length \(2\)"),
+])
+def test_cascade_groups_rejects_bad_groups(flat, match):
+    args = _decode_args()
+    groups = [torch.tensor(f, dtype=torch.int64) for f in flat]
+    call = (args["q"], args["k_cache"], args["v_cache"], *groups, 0.5, args["out"], args["lse"])
+    if match is None:
+        LIB.cascade_groups(*call)
+    else:
+        with pytest.raises(RuntimeError, match=match):
+            LIB.cascade_groups(*call)
+
+
+def test_kv_store_and_q8_dequant_reject_bad_inputs():
+    src = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match=r"dst must have shape \[3, 20\] \(src's, last dimension D \+ 4 for q8\)"):
+        LIB.kv_store(torch.empty(3, 16, dtype=torch.int8), src)
+    with pytest.raises(RuntimeError, match="dst must be float32, float16, bfloat16 or int8"):
+        LIB.kv_store(torch.empty(3, 16, dtype=torch.float64), src)
+    with pytest.raises(RuntimeError, match="src must be float32, got float16"):
+        LIB.kv_store(torch.empty(3, 16), src.half())
+    with pytest.raises(RuntimeError, match="src must be int8, got float32"):
+        LIB.q8_dequant(src)
+    with pytest.raises(RuntimeError, match=r"src must be q8 vectors \[..., D \+ 4\] with D > 0"):
+        LIB.q8_dequant(torch.zeros(3, 4, dtype=torch.int8))
+
+
+def test_decode_layer_rejects_bad_inputs(make_engine, monkeypatch, tmp_path):
+    """The fused layer checks its weights against each other and the cache, and the slots it writes."""
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
+    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
+    eng = make_engine(weights="int8")
+    model, d = eng.model, eng.model.dims
+    weights, scales, biases = model.fused_layers[0]
+    L = model.layers[0]
+    T, ps = 2, 4
+    k_cache = torch.zeros(6, ps, d.num_kv_heads, d.head_dim)
+
+    def call(**change):
+        a = dict(x=torch.randn(T, d.hidden_size), in_norm=L.in_norm, post_norm=L.post_norm, eps=d.rms_norm_eps,
+                 weights=weights, scales=scales, biases=biases, cos=torch.ones(T, d.head_dim),
+                 sin_signed=torch.zeros(T, d.head_dim), slots=torch.tensor([5, 9]), k_cache=k_cache.clone(),
+                 v_cache=k_cache.clone(), q_rows=torch.arange(T), page_idx=torch.tensor([[1, 0], [2, 0]]),
+                 kv_lens=torch.tensor([2, 2]), num_heads=d.num_heads, scale=model.scale)
+        a.update(change)
+        LIB.decode_layer(**a)
+        return a
+
+    a = call()
+    assert a["k_cache"][1, 1].abs().sum() > 0  # slot 5: page 1, position 1
+    cases = [
+        (dict(weights=weights[:3]), "weights must hold 4 projections"),
+        (dict(weights=[weights[0], weights[3], weights[2], weights[1]]), r"weights\[1\] \(o\) must compute hidden"),
+        (dict(scales=[None, *scales[1:]]), r"scales\[0\] is required for int8 weights"),
+        (dict(biases=[torch.zeros(3), *biases[1:]]), r"biases\[0\] dimension 0 must be the weights' rows"),
+        (dict(weights=[weights[0].float(), *weights[1:]]), r"weights\[0\] \(qkv\) must be uint8 \(int4 blocks\) or int8"),
+        (dict(slots=torch.tensor([5, 24])), r"slots\[1\] = 24 is out of range: a slot of the cache"),
+        (dict(slots=torch.tensor([5])), r"slots dimension 0 must be x's rows \(2\)"),
+        (dict(cos=torch.ones(T, d.head_dim // 2)), r"cos must have shape \[2, "),
+        (dict(in_norm=torch.ones(d.hidden_size + 1)), "in_norm dimension 0 must be x's hidden size"),
+        (dict(num_heads=d.num_heads + 1), "num_heads"),
+        (dict(x=torch.randn(T, d.hidden_size).double()), "x must be float32, got float64"),
+        (dict(q_rows=torch.arange(T + 1), page_idx=torch.zeros(T + 1, 2, dtype=torch.int64),
+              kv_lens=torch.zeros(T + 1, dtype=torch.int64)), r"q_rows dimension 0 must be x's rows"),
+    ]
+    for change, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            call(**change)

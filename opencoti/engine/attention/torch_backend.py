@@ -233,49 +233,32 @@ class TorchAttentionBackend:
         del T
         return out, lse
 
-    def _native_lib(self, q, k_cache, v_cache):
-        """The native library and the cache's KV type code when its attention kernels apply here, else None."""
+    def _native_ops(self, q, k_cache, v_cache):
+        """The native operators (``torch.ops.opencoti``) when their attention kernels apply here, else None."""
         from .. import native
 
-        kv_type = native.kv_type(k_cache.dtype)
-        if not self.native or q.device.type != "cpu" or q.dtype != torch.float32 or kv_type is None \
-                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        if not self.native or q.device.type != "cpu" or q.dtype != torch.float32 \
+                or native.kv_type(k_cache.dtype) is None or v_cache.dtype != k_cache.dtype \
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
-        lib = native.lib()
-        return None if lib is None else (lib, kv_type)
+        return native.lib()
 
     def _native_groups(self, q, k_cache, v_cache, flat, scale, out, lse) -> bool:
         """The shared page runs of a cascade plan through the native kernel (each page read once for all
         the query rows of its group), merged into ``out`` / ``lse``; False when it does not apply here."""
-        from .. import native
-
-        found = self._native_lib(q, k_cache, v_cache)
-        if found is None:
+        ops = self._native_ops(q, k_cache, v_cache)
+        if ops is None:
             return False
-        lib, kv_type = found
         page_ptr, pages, row_ptr, rows = flat
-        q = q.contiguous()
-        _, num_heads, head_dim = q.shape
-        lib.oc_cascade_groups(q.data_ptr(), num_heads, k_cache.shape[-2], head_dim, k_cache.data_ptr(),
-                              v_cache.data_ptr(), k_cache.shape[1], page_ptr.shape[0] - 1, page_ptr.data_ptr(),
-                              pages.data_ptr(), row_ptr.data_ptr(), rows.data_ptr(), float(scale), out.data_ptr(),
-                              lse.data_ptr(), kv_type, native.threads())
+        ops.cascade_groups.default(q.contiguous(), k_cache, v_cache, page_ptr, pages, row_ptr, rows, float(scale),
+                                   out, lse)
         return True
 
     def _native_decode(self, q, k_cache, v_cache, dec, scale, out, lse) -> bool:
         """Decode rows through the native kernel; False when it does not apply here."""
-        from .. import native
-
-        found = self._native_lib(q, k_cache, v_cache)
-        if found is None:
+        ops = self._native_ops(q, k_cache, v_cache)
+        if ops is None:
             return False
-        lib, kv_type = found
         rows, page_idx, _span, _mask, lens = dec
-        q = q.contiguous()
-        _, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[-2]
-        lib.oc_paged_decode(q.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
-                            k_cache.data_ptr(), v_cache.data_ptr(), page_idx.data_ptr(), page_idx.shape[1],
-                            lens.data_ptr(), k_cache.shape[1], float(scale), out.data_ptr(),
-                            native.ptr(lse), kv_type, native.threads())
+        ops.paged_decode.default(q.contiguous(), rows, k_cache, v_cache, page_idx, lens, float(scale), out, lse)
         return True

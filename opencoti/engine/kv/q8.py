@@ -49,10 +49,9 @@ def dequantize(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     if t.device.type == "cpu" and t.is_contiguous() and t.numel() and d > 0:
         from .. import native
 
-        lib = native.lib()
-        if lib is not None:
-            out = torch.empty((*t.shape[:-1], d), dtype=torch.float32)
-            lib.oc_q8_dequant(t.data_ptr(), t.numel() // t.shape[-1], d, out.data_ptr(), native.threads())
+        ops = native.lib()
+        if ops is not None:
+            out = ops.q8_dequant.default(t)
             return out if dtype == torch.float32 else out.to(dtype)
     scale = t[..., -SCALE_BYTES:].contiguous().view(torch.float32)  # [..., 1]
     return (t[..., :-SCALE_BYTES].float() * scale).to(dtype)

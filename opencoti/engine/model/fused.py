@@ -1,7 +1,8 @@
-"""Decode steps in one native call per layer (``oc_decode_layer`` in ``engine/native/kernels.cpp``).
+"""Decode steps in one native call per layer (``torch.ops.opencoti.decode_layer``: ``oc_decode_layer`` in
+``engine/native/kernels.cpp``).
 
 A decode-only step (every sequence computes one new token) of a model whose projections all run
-native kernels (``native_q4`` / ``native_q8``), with fp32 activations on CPU, an fp32, fp16 or bf16
+native kernels (``native_q4`` / ``native_q8``), with fp32 activations on CPU, an fp32, fp16, bf16 or q8
 KV cache (read and written in its dtype, attention computed in fp32) and the torch attention
 backend's plain (non-cascade) plan, runs each decoder layer as one call: norms,
 projections, RoPE, the K/V cache write, paged attention, SiLU and residuals, without returning to
@@ -17,19 +18,19 @@ import torch
 
 
 def prepare(model) -> list | None:
-    """Per layer, a ctypes array of its four projections (qkv, o, gate_up, down); None when the
-    fused path does not apply to this model."""
+    """Per layer, its four projections (qkv, o, gate_up, down) as the fused operator takes them:
+    (weights, scales, biases) lists; None when the fused path does not apply to this model."""
     from .. import native
 
-    lib = native.lib()
-    if lib is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.dims.qk_norm:
+    if native.lib() is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.dims.qk_norm:
         return None
     layers = []
     for L in model.layers:
         kerns = (L.qkv, L.o, L.gate_up, L.down)
         if not all(hasattr(k, "proj") for k in kerns):
             return None
-        layers.append((native.OcProj * 4)(*(k.proj() for k in kerns)))
+        projs = [k.proj() for k in kerns]
+        layers.append(tuple([p[i] for p in projs] for i in range(3)))
     return layers
 
 
@@ -40,9 +41,8 @@ def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tenso
     from .. import native
 
     plan = meta.backend_state.get("torch")
-    kv_type = native.kv_type(k_cache.dtype)
     if (plan is None or not getattr(backend, "native", False) or plan["cascade"] is not None or plan["prefill"]
-            or plan["decode"] is None or kv_type is None or v_cache.dtype != k_cache.dtype
+            or plan["decode"] is None or native.kv_type(k_cache.dtype) is None or v_cache.dtype != k_cache.dtype
             or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
         return False
     rows, page_idx, _span, _mask, lens = plan["decode"]
@@ -52,12 +52,10 @@ def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tenso
         return False
     cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
     slots = meta.slot_mapping.contiguous()
-    lib, nt = native.lib(), native.threads()
-    page_size, max_pages = k_cache.shape[2], page_idx.shape[1]
+    layer = native.lib().decode_layer.default
+    eps, heads, scale = d.rms_norm_eps, d.num_heads, model.scale
     for i, L in enumerate(model.layers):
-        lib.oc_decode_layer(x.data_ptr(), T, d.hidden_size, L.in_norm.data_ptr(), L.post_norm.data_ptr(),
-                            d.rms_norm_eps, layers[i], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                            k_cache[i].data_ptr(), v_cache[i].data_ptr(), rows.data_ptr(), page_idx.data_ptr(),
-                            max_pages, lens.data_ptr(), page_size, d.num_heads, d.num_kv_heads, d.head_dim,
-                            model.scale, kv_type, nt)
+        weights, scales, biases = layers[i]
+        layer(x, L.in_norm, L.post_norm, eps, weights, scales, biases, cos, sin, slots, k_cache[i], v_cache[i], rows,
+              page_idx, lens, heads, scale)
     return True

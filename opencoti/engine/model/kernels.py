@@ -149,26 +149,16 @@ class Int4PackCPU(Kernel):
 
 
 class _NativeKernel(Kernel):
-    """What the native kernels share: the library, fp32 activations, the call convention
-    ``fn(x, T, K, *weights, N, bias, y, threads)``."""
+    """What the native kernels share: the typed operators (``torch.ops.opencoti``), fp32 activations."""
 
     def _attach(self, act_dtype: torch.dtype) -> None:
         from .. import native
 
-        self.lib = native.lib()
-        if self.lib is None:
+        self.ops = native.lib()
+        if self.ops is None:
             raise RuntimeError(f"native kernels {native.status()['reason']}")
         if act_dtype != torch.float32:
             raise RuntimeError(f"{self.name} takes fp32 activations")
-
-    def _launch(self, fn, x: torch.Tensor, *weights: int) -> torch.Tensor:
-        from ..native import ptr, threads
-
-        x = x.contiguous()
-        t = x.shape[0]
-        y = torch.empty(t, self.out_features, dtype=torch.float32)
-        fn(x.data_ptr(), t, self.in_features, *weights, self.out_features, ptr(self.bias), y.data_ptr(), threads())
-        return y
 
 
 class NativeQ4(_NativeKernel):
@@ -183,15 +173,14 @@ class NativeQ4(_NativeKernel):
             raise RuntimeError(f"native_q4 needs groups of 32 inputs, got {w4.group} (K={k})")
         self.blocks = pack_q4_blocks(w4)
         self._init(n, k, self.blocks.numel(), None if bias is None else bias.float().contiguous())
+        self._op = self.ops.q4_matmul.default
 
-    def proj(self):
-        """The weights as the fused decode layer takes them (``native.OcProj``)."""
-        from ..native import OcProj, ptr
-
-        return OcProj(4, self.blocks.data_ptr(), None, ptr(self.bias), self.out_features, self.in_features)
+    def proj(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The weights as the fused decode layer takes them: (weights, scale, bias)."""
+        return self.blocks, None, self.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._launch(self.lib.oc_q4_matmul, x, self.blocks.data_ptr())
+        return self._op(x.contiguous(), self.blocks, self.bias)
 
 
 def pack_q4_blocks(w4: Int4Weight) -> torch.Tensor:
@@ -222,15 +211,14 @@ class NativeQ8(_NativeKernel):
         self.scale = w8.scale.float().contiguous()
         n, k = w8.shape
         self._init(n, k, n * k + n * 4, None if bias is None else bias.float().contiguous())
+        self._op = self.ops.q8_matmul.default
 
-    def proj(self):
-        from ..native import OcProj, ptr
-
-        return OcProj(8, self.q.data_ptr(), self.scale.data_ptr(), ptr(self.bias), self.out_features,
-                      self.in_features)
+    def proj(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The weights as the fused decode layer takes them: (weights, scale, bias)."""
+        return self.q, self.scale, self.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._launch(self.lib.oc_q8_matmul, x, self.q.data_ptr(), self.scale.data_ptr())
+        return self._op(x.contiguous(), self.q, self.scale, self.bias)
 
 
 def _inner_k_tiles(k: int) -> int:

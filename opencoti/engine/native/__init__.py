@@ -1,13 +1,19 @@
 """Native CPU kernels (``kernels.cpp``): int4 / int8 weight-only projections, paged decode attention and
 the shared part of cascade (shared-prefix) attention over fp32, fp16, bf16 or q8 (int8 + a scale per
-vector) KV pages.
+vector) KV pages, and the fused decode layer.
 
-The C++ source ships with the package and is compiled on first use by the machine's C++ compiler
-(``g++``/``c++``, ``-O3 -march=native -fopenmp``: the build is specific to this CPU) into the cache
-directory, keyed by a hash of the source, the flags, the compiler and the CPU's model and flags; later
-loads reuse it (``scripts/setup.sh`` builds it once at set-up). It is called through ``ctypes``
-(the GIL is released for the call) with the thread count torch uses at that moment; the library links
-the OpenMP runtime torch already loaded, so both share one pool of threads.
+They are registered as typed torch operators, ``torch.ops.opencoti.<name>`` (``ops.cpp``): each checks
+its tensors (dtype, device, contiguity, shapes consistent with each other, the page ids, slots and rows
+it follows) and raises a RuntimeError naming the argument, then runs the kernel with the thread count
+torch uses at that moment (the dispatcher releases the GIL for the call). The operators that return a
+tensor also have Meta kernels.
+
+The C++ sources ship with the package and are compiled on first use by the machine's C++ compiler
+(``g++``/``c++``, ``-O3 -march=native -fopenmp``: the build is specific to this CPU) against the
+installed torch's headers and libraries into the cache directory, keyed by a hash of the sources, the
+flags, the compiler, the CPU's model and flags and the torch version; later loads reuse it
+(``scripts/setup.sh`` builds it once at set-up). The library links the OpenMP runtime torch already
+loaded, so both share one pool of threads.
 
 Nothing depends on it: when there is no compiler, the build fails, or ``OPENCOTI_NATIVE=0``,
 :func:`lib` returns None and the engine uses torch's kernels (the reason is in :func:`status`).
@@ -15,7 +21,6 @@ Nothing depends on it: when there is no compiler, the build fails, or ``OPENCOTI
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -25,46 +30,20 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger("opencoti.engine")
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+SOURCE = Path(__file__).with_name("kernels.cpp")  # the kernels (torch-free)
+OPS_SOURCE = Path(__file__).with_name("ops.cpp")  # their torch operators (includes kernels.cpp)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno"]
 ABI_VERSION = 9
+NAMESPACE = "opencoti"  # torch.ops.opencoti: the default build's operators
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
-
-_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-class OcProj(ctypes.Structure):
-    """One projection's weights for the fused decode layer (``OcProj`` in kernels.cpp)."""
-
-    _fields_ = [("kind", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
-
-
-_SIGNATURES = {
-    "oc_abi_version": ([], _INT),
-    "oc_simd": ([], _INT),
-    "oc_gemm_min_rows": ([_I64, _I64, _P, _P], None),
-    "oc_act_rows": ([_I64, _I64, _P, _P], None),
-    "oc_i16_rows": ([_I64, _P], None),
-    "oc_q4_matmul": ([_P, _I64, _I64, _P, _I64, _P, _P, _INT], None),
-    "oc_q8_matmul": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None),
-    "oc_paged_decode": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _F, _P, _P, _INT, _INT], None),
-    "oc_cascade_groups": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P, _F, _P, _P, _INT, _INT], None),
-    "oc_kv_store": ([_INT, _P, _P, _I64, _I64], None),
-    "oc_q8_dequant": ([_P, _I64, _I64, _P, _INT], None),
-    "oc_decode_layer": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64,
-                         _I64, _F, _INT, _INT], None),
-    "oc_decode_layer_cascade": ([_P, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64,
-                                 _I64, _I64, _F, _INT, _INT, _I64, _P, _P, _P, _P], None),
-}
-
 
 # The KV cache element types the attention kernels read and write (``KvType`` in kernels.cpp).
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}  # int8: q8 pages (kv/q8.py)
@@ -104,23 +83,43 @@ def _build_dir() -> Path:
     return cache_root() / "native"
 
 
+def _torch_flags() -> list[str]:
+    """Compile and link flags for torch's headers and libraries (the installed torch's)."""
+    from torch.utils import cpp_extension
+
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    for p in cpp_extension.library_paths():
+        flags += [f"-L{p}", f"-Wl,-rpath,{p}"]
+    return [*flags, "-ltorch", "-ltorch_cpu", "-lc10"]
+
+
 def _key(cxx: str, flags: list[str] | None = None) -> str:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "?"
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(flags or FLAGS), version, _cpu_signature(), str(ABI_VERSION)):
+    h.update(OPS_SOURCE.read_bytes())
+    for part in (" ".join(flags or FLAGS), version, _cpu_signature(), str(ABI_VERSION), torch.__version__):
         h.update(part.encode())
     return ("x" if flags and flags != FLAGS else "") + h.hexdigest()[:16]
+
+
+def namespace_of(path: Path) -> str:
+    """The operator namespace of a built library: ``opencoti`` for the default flags, ``opencoti_x<key>``
+    for a build of other flags (both can be loaded in one process)."""
+    key = Path(path).stem.rsplit("-", 1)[-1]
+    return f"{NAMESPACE}_{key}" if key.startswith("x") else NAMESPACE
 
 
 def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
     """Compile the library for this machine (or find it already built); raises RuntimeError if it can't.
 
     ``extra_flags`` (e.g. ``-mno-avx2 -mno-fma``: the portable scalar code, which the tests build
-    too) become part of the file's key. A new build of the default flags removes the older builds
-    it replaces (another source, compiler or CPU) from the cache folder."""
+    too) become part of the file's key, and its operators are registered under their own namespace
+    (:func:`namespace_of`). A new build of the default flags removes the older builds it replaces
+    (another source, compiler, CPU or torch) from the cache folder."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH: install one (Debian/Ubuntu: "
@@ -131,11 +130,12 @@ def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Pat
     if out.exists():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
-    log.info("building the native CPU kernels for this machine (once; a few seconds) ...")
+    log.info("building the native CPU kernels for this machine (once; under a minute) ...")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        cmd = [cxx, *flags, f"-DOC_OPS_NS={namespace_of(out)}", str(OPS_SOURCE), "-o", tmp, *_torch_flags()]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent loader sees the whole file or none
@@ -182,23 +182,19 @@ def _check_openmp(before: list[str]) -> None:
                            f"({', '.join(before)})")
 
 
-def load(path: Path) -> ctypes.CDLL:
-    """A built library, its functions typed (e.g. one built with :func:`build`'s ``extra_flags``)."""
-    return _load(path)
+def load(path: Path) -> Any:
+    """Load a built library (e.g. one built with :func:`build`'s ``extra_flags``); returns its operator
+    namespace (``torch.ops.<namespace_of(path)>``)."""
+    torch.ops.load_library(str(path))
+    ops = getattr(torch.ops, namespace_of(path))
+    if ops.abi_version() != ABI_VERSION:
+        raise RuntimeError(f"library ABI {ops.abi_version()} != {ABI_VERSION}")
+    return ops
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    for name, (args, res) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    if lib.oc_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"library ABI {lib.oc_abi_version()} != {ABI_VERSION}")
-    return lib
-
-
-def lib() -> ctypes.CDLL | None:
-    """The loaded library, building it on first use; None when unavailable (see :func:`status`)."""
+def lib() -> Any:
+    """The operators (``torch.ops.opencoti``), building and loading the library on first use; None when
+    unavailable (see :func:`status`)."""
     if _state["tried"]:
         return _state["lib"]
     with _lock:
@@ -209,14 +205,16 @@ def lib() -> ctypes.CDLL | None:
                 try:
                     path = build()
                     before = openmp_runtimes()
-                    loaded = _load(path)
+                    loaded = load(path)
                     _check_openmp(before)
                     _state["lib"], _state["path"] = loaded, str(path)
-                    _state["reason"] = "ok" if _state["lib"].oc_simd() else "ok (no AVX2/FMA/F16C: scalar code)"
+                    _state["reason"] = "ok" if loaded.simd() else "ok (no AVX2/FMA/F16C: scalar code)"
                 except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
                     _state["reason"] = f"unavailable: {e}"
                     log.warning("native kernels unavailable (%s): the int4 and int8 weight formats run torch's "
-                                "kernels, several times slower on CPU", e)
+                                "kernels, several times slower on CPU; the q8 KV pages and the decode attention "
+                                "run torch's too (install a C++ compiler, e.g. apt-get install g++, or see "
+                                "docs)", e)
             _state["tried"] = True
     return _state["lib"]
 
@@ -227,50 +225,36 @@ def status() -> dict:
 
 
 def build_id() -> str | None:
-    """Identifies the built library (source, flags, compiler, CPU): kernel timings depend on it."""
+    """Identifies the built library (source, flags, compiler, CPU, torch): kernel timings depend on it."""
     lib()
     return Path(_state["path"]).stem.rsplit("-", 1)[-1] if _state["path"] else None
 
 
-def threads() -> int:
-    return max(1, torch.get_num_threads())
+def _ops() -> Any:
+    ops = lib()
+    if ops is None:
+        raise RuntimeError(f"native kernels {status()['reason']}")
+    return ops
 
 
 def gemm_min_rows(q4: int | None = None, q8: int | None = None) -> tuple[int, int]:
     """The row counts from which the int4 / int8 projections fill fp32 panels instead of running the
     row kernels (None: unchanged); returns the ones before. The library's defaults are measured (see
     kernels.cpp); tests and A/B timings set them."""
-    lb = lib()
-    if lb is None:
-        raise RuntimeError(f"native kernels {status()['reason']}")
-    a, b = ctypes.c_int64(), ctypes.c_int64()
-    lb.oc_gemm_min_rows(q4 or 0, q8 or 0, ctypes.byref(a), ctypes.byref(b))
-    return a.value, b.value
+    a, b = _ops().gemm_min_rows(q4 or 0, q8 or 0)
+    return a, b
 
 
 def act_rows(q4: int | None = None, q8: int | None = None) -> tuple[int, int]:
     """The largest row counts for which the int4 / int8 projections quantize the activations to int8
     per block of 32 (llama.cpp's Q8 blocks) and use integer dot products (None: unchanged; 0: off);
     returns the ones before. Tests and A/B timings set them."""
-    lb = lib()
-    if lb is None:
-        raise RuntimeError(f"native kernels {status()['reason']}")
-    a, b = ctypes.c_int64(), ctypes.c_int64()
-    lb.oc_act_rows(-1 if q4 is None else q4, -1 if q8 is None else q8, ctypes.byref(a), ctypes.byref(b))
-    return a.value, b.value
+    a, b = _ops().act_rows(-1 if q4 is None else q4, -1 if q8 is None else q8)
+    return a, b
 
 
 def i16_rows(rows: int | None = None) -> int:
     """The largest row count for which the int4 / int8 projections use the int16-activation row
     kernels (in pairs of rows: each row's result is independent of the others); None: unchanged.
     Returns the one before."""
-    lb = lib()
-    if lb is None:
-        raise RuntimeError(f"native kernels {status()['reason']}")
-    old = ctypes.c_int64()
-    lb.oc_i16_rows(-1 if rows is None else rows, ctypes.byref(old))
-    return old.value
-
-
-def ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    return int(_ops().i16_rows(-1 if rows is None else rows))

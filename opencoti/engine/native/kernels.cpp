@@ -1,10 +1,11 @@
 // opencoti native CPU kernels: weight-only int4 / int8 projections, paged decode attention and the
 // shared part of cascade (shared-prefix) attention.
 //
-// Plain C ABI (called through ctypes, which releases the GIL for the call); no torch headers, so the
-// library compiles in seconds on the machine that runs it (``-march=native``). Threads: OpenMP with
-// the count passed by the caller (the engine's current torch thread count); libgomp is the one torch
-// already loaded (same soname), so both share one thread pool.
+// Plain C functions, no torch headers: ops.cpp includes this file and registers them as typed torch
+// operators (torch.ops.opencoti.*), which check their tensors and call these; the tests also compile
+// this file alone. Built on the machine that runs it (``-march=native``). Threads: OpenMP with the
+// count passed by the caller (torch's thread count at the call); libgomp is the one torch already
+// loaded (same soname), so both share one thread pool.
 //
 // Layouts
 //   int4 ("q4"): per output row of K weights in nb = K/32 blocks: nb x 16 bytes of nibbles (byte j of

@@ -1,0 +1,458 @@
+// opencoti native CPU kernels as typed torch operators: torch.ops.opencoti.<name>.
+//
+// Each operator checks every tensor it is given (dtype, device, contiguity, shapes consistent with each
+// other, and the index values the kernels follow: page ids, slots, query rows) and raises a RuntimeError
+// naming the argument, then calls the plain kernels of kernels.cpp (which stays torch-free: the tests
+// also build it alone). The thread count is torch's at the call (at::get_num_threads()); the library
+// links the OpenMP runtime torch already loaded. Operators that return a tensor also have a Meta kernel
+// (shapes only). Built and loaded by engine/native/__init__.py; OC_OPS_NS names the operator namespace
+// (another build of other flags, e.g. the scalar one the tests load, registers under its own).
+
+#include "kernels.cpp"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef OC_OPS_NS
+#define OC_OPS_NS opencoti
+#endif
+#define OC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define OC_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+namespace oc_ops {
+
+using at::Tensor;
+using c10::ScalarType;
+
+// torch's Python name of a dtype (float32, int8, ...), for the messages
+std::string dtype_name(ScalarType t) {
+    switch (t) {
+        case ScalarType::Float: return "float32";
+        case ScalarType::Double: return "float64";
+        case ScalarType::Half: return "float16";
+        case ScalarType::BFloat16: return "bfloat16";
+        case ScalarType::Char: return "int8";
+        case ScalarType::Byte: return "uint8";
+        case ScalarType::Short: return "int16";
+        case ScalarType::Int: return "int32";
+        case ScalarType::Long: return "int64";
+        case ScalarType::Bool: return "bool";
+        default: return c10::toString(t);
+    }
+}
+
+// The engine's tensors live on the CPU; the Meta kernels run the same checks on meta tensors.
+void check_tensor(const Tensor& t, const char* name, ScalarType dtype, bool meta) {
+    TORCH_CHECK(t.defined(), name, " is required");
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), ", got ",
+                dtype_name(t.scalar_type()));
+    TORCH_CHECK(meta ? t.is_meta() : t.device().is_cpu(), name, " must be on the ", meta ? "meta device" : "CPU",
+                ", got ", t.device());
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_dim(const Tensor& t, const char* name, int64_t dim) {
+    TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+}
+
+void check_size(const Tensor& t, const char* name, int64_t d, int64_t want, const char* what) {
+    TORCH_CHECK(t.size(d) == want, name, " dimension ", d, " must be ", what, " (", want, "), got shape ", t.sizes());
+}
+
+// Every value of an int64 tensor in [lo, hi).
+void check_range(const Tensor& t, const char* name, int64_t lo, int64_t hi, const char* what) {
+    const int64_t* v = t.data_ptr<int64_t>();
+    for (int64_t i = 0, n = t.numel(); i < n; ++i)
+        TORCH_CHECK(v[i] >= lo && v[i] < hi, name, "[", i, "] = ", v[i], " is out of range: ", what, " in [", lo,
+                    ", ", hi, ")");
+}
+
+int kv_code(ScalarType t) {
+    switch (t) {
+        case ScalarType::Float: return kKvF32;
+        case ScalarType::Half: return kKvF16;
+        case ScalarType::BFloat16: return kKvBF16;
+        case ScalarType::Char: return kKvQ8;
+        default: return -1;
+    }
+}
+
+// A paged KV cache [pages, page_size, Hkv, D] (q8: int8 [..., D + 4]) and its partner; returns its
+// element type code and sets head_dim (D).
+int check_caches(const Tensor& k, const Tensor& v, bool meta, int64_t* head_dim) {
+    const int kv = kv_code(k.scalar_type());
+    TORCH_CHECK(kv >= 0, "k_cache must be float32, float16, bfloat16 or int8 (q8 pages), got ",
+                dtype_name(k.scalar_type()));
+    check_tensor(k, "k_cache", k.scalar_type(), meta);
+    check_tensor(v, "v_cache", k.scalar_type(), meta);
+    check_dim(k, "k_cache", 4);
+    TORCH_CHECK(v.sizes() == k.sizes(), "v_cache must have k_cache's shape ", k.sizes(), ", got ", v.sizes());
+    *head_dim = kv == kKvQ8 ? k.size(3) - kQ8Scale : k.size(3);
+    TORCH_CHECK(*head_dim > 0, "k_cache's last dimension ", k.size(3), " holds no values",
+                kv == kKvQ8 ? " (q8: head_dim + 4)" : "");
+    return kv;
+}
+
+// The decode rows' page tables: q_rows [B] rows of q (of q_len), page_idx [B, max_pages], kv_lens [B];
+// the pages each row reads are checked against the cache's page count.
+void check_tables(const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t q_len,
+                  int64_t pages, int64_t page_size, bool meta) {
+    check_tensor(q_rows, "q_rows", ScalarType::Long, meta);
+    check_tensor(page_idx, "page_idx", ScalarType::Long, meta);
+    check_tensor(kv_lens, "kv_lens", ScalarType::Long, meta);
+    check_dim(q_rows, "q_rows", 1);
+    check_dim(page_idx, "page_idx", 2);
+    check_dim(kv_lens, "kv_lens", 1);
+    const int64_t B = q_rows.size(0), max_pages = page_idx.size(1);
+    check_size(page_idx, "page_idx", 0, B, "q_rows' length");
+    check_size(kv_lens, "kv_lens", 0, B, "q_rows' length");
+    if (meta) return;
+    check_range(q_rows, "q_rows", 0, q_len, "a row of q");
+    check_range(kv_lens, "kv_lens", 0, max_pages * page_size + 1, "at most page_idx's pages x page_size keys");
+    const int64_t* idx = page_idx.data_ptr<int64_t>();
+    const int64_t* lens = kv_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < (lens[b] + page_size - 1) / page_size; ++j) {
+            const int64_t p = idx[b * max_pages + j];
+            TORCH_CHECK(p >= 0 && p < pages, "page_idx[", b, ", ", j, "] = ", p, " is out of range: a page of the "
+                        "cache in [0, ", pages, ")");
+        }
+}
+
+// Cascade groups as oc_cascade_groups takes them: group g holds pages group_pages[group_page_ptr[g] ..
+// group_page_ptr[g + 1]) and query rows group_rows[group_row_ptr[g] .. group_row_ptr[g + 1]).
+int64_t check_groups(const Tensor& page_ptr, const Tensor& pages, const Tensor& row_ptr, const Tensor& rows,
+                     int64_t q_len, int64_t cache_pages, bool meta) {
+    const char* names[4] = {"group_page_ptr", "group_pages", "group_row_ptr", "group_rows"};
+    const Tensor* ts[4] = {&page_ptr, &pages, &row_ptr, &rows};
+    for (int i = 0; i < 4; ++i) {
+        check_tensor(*ts[i], names[i], ScalarType::Long, meta);
+        check_dim(*ts[i], names[i], 1);
+    }
+    TORCH_CHECK(page_ptr.size(0) >= 1, "group_page_ptr must hold at least one offset (0)");
+    const int64_t n_groups = page_ptr.size(0) - 1;
+    check_size(row_ptr, "group_row_ptr", 0, n_groups + 1, "group_page_ptr's length");
+    if (meta) return n_groups;
+    for (int i = 0; i < 3; i += 2) {
+        const int64_t* p = ts[i]->data_ptr<int64_t>();
+        const int64_t total = ts[i + 1]->size(0);
+        TORCH_CHECK(p[0] == 0, names[i], "[0] must be 0, got ", p[0]);
+        for (int64_t g = 0; g < n_groups; ++g)
+            TORCH_CHECK(p[g + 1] >= p[g], names[i], " must not decrease, got ", p[g], " then ", p[g + 1]);
+        TORCH_CHECK(p[n_groups] == total, names[i], "[-1] must be the length of ", names[i + 1], " (", total,
+                    "), got ", p[n_groups]);
+    }
+    check_range(pages, "group_pages", 0, cache_pages, "a page of the cache");
+    check_range(rows, "group_rows", 0, q_len, "a row of q");
+    return n_groups;
+}
+
+// q [rows, H, D] fp32, out the same, lse [rows, H] fp32 (optional unless required).
+void check_attention_io(const Tensor& q, const Tensor& out, const c10::optional<Tensor>& lse, int64_t head_dim,
+                        int64_t num_kv_heads, bool meta) {
+    check_tensor(q, "q", ScalarType::Float, meta);
+    check_dim(q, "q", 3);
+    check_size(q, "q", 2, head_dim, "the cache's head_dim");
+    TORCH_CHECK(q.size(1) % num_kv_heads == 0, "q's heads (", q.size(1), ") must be a multiple of the cache's KV heads (",
+                num_kv_heads, ")");
+    check_tensor(out, "out", ScalarType::Float, meta);
+    TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
+    if (lse.has_value()) {
+        check_tensor(*lse, "lse", ScalarType::Float, meta);
+        check_dim(*lse, "lse", 2);
+        TORCH_CHECK(lse->size(0) == q.size(0) && lse->size(1) == q.size(1), "lse must have shape [", q.size(0), ", ",
+                    q.size(1), "] (q's rows and heads), got ", lse->sizes());
+    }
+}
+
+// ---------------------------------------------------------------------------------------- projections
+// One projection's weights: int4 blocks (uint8 [N, K/32 * 20], no scale) or int8 rows (int8 [N, K] and
+// fp32 scale [N]); bias fp32 [N] or none. Returns the OcProj the kernels take.
+OcProj check_proj(const Tensor& w, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias,
+                  const std::string& wn, const std::string& sn, const std::string& bn, bool meta) {
+    OcProj p{};
+    TORCH_CHECK(w.defined(), wn, " is required");
+    if (w.scalar_type() == ScalarType::Byte) {
+        check_tensor(w, wn.c_str(), ScalarType::Byte, meta);
+        check_dim(w, wn.c_str(), 2);
+        TORCH_CHECK(w.size(1) > 0 && w.size(1) % kQ4Block == 0, wn, " (int4 blocks) must have a multiple of ",
+                    kQ4Block, " bytes per row (", kQ4Block, " per 32 weights), got shape ", w.sizes());
+        TORCH_CHECK(!scale.has_value(), sn, " must be None for int4 blocks (their scales are inside)");
+        p.kind = 4;
+        p.k = w.size(1) / kQ4Block * 32;
+    } else {
+        TORCH_CHECK(w.scalar_type() == ScalarType::Char, wn, " must be uint8 (int4 blocks) or int8, got ",
+                    dtype_name(w.scalar_type()));
+        check_tensor(w, wn.c_str(), ScalarType::Char, meta);
+        check_dim(w, wn.c_str(), 2);
+        TORCH_CHECK(scale.has_value(), sn, " is required for int8 weights (one fp32 scale per output row)");
+        check_tensor(*scale, sn.c_str(), ScalarType::Float, meta);
+        check_dim(*scale, sn.c_str(), 1);
+        check_size(*scale, sn.c_str(), 0, w.size(0), "the weights' rows");
+        p.kind = 8;
+        p.k = w.size(1);
+        p.scale = meta ? nullptr : scale->data_ptr<float>();
+    }
+    p.n = w.size(0);
+    if (bias.has_value()) {
+        check_tensor(*bias, bn.c_str(), ScalarType::Float, meta);
+        check_dim(*bias, bn.c_str(), 1);
+        check_size(*bias, bn.c_str(), 0, p.n, "the weights' rows");
+        p.bias = meta ? nullptr : bias->data_ptr<float>();
+    }
+    p.w = meta ? nullptr : w.data_ptr();
+    return p;
+}
+
+void check_x(const Tensor& x, int64_t k, bool meta) {
+    check_tensor(x, "x", ScalarType::Float, meta);
+    check_dim(x, "x", 2);
+    check_size(x, "x", 1, k, "the weights' input size");
+}
+
+template <bool kMeta>
+Tensor q4_matmul(const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias) {
+    TORCH_CHECK(blocks.scalar_type() == ScalarType::Byte, "blocks must be uint8 (int4 blocks), got ",
+                dtype_name(blocks.scalar_type()));
+    const OcProj p = check_proj(blocks, c10::nullopt, bias, "blocks", "scale", "bias", kMeta);
+    check_x(x, p.k, kMeta);
+    Tensor y = at::empty({x.size(0), p.n}, x.options());
+    if (!kMeta && x.size(0) > 0)
+        oc_q4_matmul(x.data_ptr<float>(), x.size(0), p.k, (const uint8_t*)p.w, p.n, p.bias, y.data_ptr<float>(),
+                     at::get_num_threads());
+    return y;
+}
+
+template <bool kMeta>
+Tensor q8_matmul(const Tensor& x, const Tensor& q, const Tensor& scale, const c10::optional<Tensor>& bias) {
+    TORCH_CHECK(q.scalar_type() == ScalarType::Char, "q must be int8, got ", dtype_name(q.scalar_type()));
+    const OcProj p = check_proj(q, scale, bias, "q", "scale", "bias", kMeta);
+    check_x(x, p.k, kMeta);
+    Tensor y = at::empty({x.size(0), p.n}, x.options());
+    if (!kMeta && x.size(0) > 0)
+        oc_q8_matmul(x.data_ptr<float>(), x.size(0), p.k, (const int8_t*)p.w, p.scale, p.n, p.bias,
+                     y.data_ptr<float>(), at::get_num_threads());
+    return y;
+}
+
+// ---------------------------------------------------------------------------------------- KV pages
+template <bool kMeta>
+void kv_store(const Tensor& dst, const Tensor& src) {
+    check_tensor(src, "src", ScalarType::Float, kMeta);
+    TORCH_CHECK(src.dim() >= 1 && src.size(-1) > 0, "src must be [..., D] with D > 0, got shape ", src.sizes());
+    const int kv = kv_code(dst.scalar_type());
+    TORCH_CHECK(kv >= 0, "dst must be float32, float16, bfloat16 or int8 (q8), got ",
+                dtype_name(dst.scalar_type()));
+    check_tensor(dst, "dst", dst.scalar_type(), kMeta);
+    const int64_t D = src.size(-1), row = kv == kKvQ8 ? D + kQ8Scale : D;
+    auto want = src.sizes().vec();
+    want.back() = row;
+    TORCH_CHECK(dst.sizes() == c10::IntArrayRef(want), "dst must have shape ", c10::IntArrayRef(want),
+                " (src's, last dimension ", kv == kKvQ8 ? "D + 4 for q8" : "D", "), got ", dst.sizes());
+    if (!kMeta) oc_kv_store(kv, dst.data_ptr(), src.data_ptr<float>(), src.numel() / D, D);
+}
+
+template <bool kMeta>
+Tensor q8_dequant(const Tensor& src) {
+    check_tensor(src, "src", ScalarType::Char, kMeta);
+    TORCH_CHECK(src.dim() >= 1 && src.size(-1) > kQ8Scale, "src must be q8 vectors [..., D + 4] with D > 0, got "
+                "shape ", src.sizes());
+    const int64_t D = src.size(-1) - kQ8Scale;
+    auto shape = src.sizes().vec();
+    shape.back() = D;
+    Tensor out = at::empty(shape, src.options().dtype(ScalarType::Float));
+    if (!kMeta && src.numel() > 0)
+        oc_q8_dequant(src.data_ptr<int8_t>(), src.numel() / src.size(-1), D, out.data_ptr<float>(),
+                      at::get_num_threads());
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------- attention
+template <bool kMeta>
+void paged_decode(const Tensor& q, const Tensor& q_rows, const Tensor& k_cache, const Tensor& v_cache,
+                  const Tensor& page_idx, const Tensor& kv_lens, double scale, const Tensor& out,
+                  const c10::optional<Tensor>& lse) {
+    int64_t D;
+    const int kv = check_caches(k_cache, v_cache, kMeta, &D);
+    check_attention_io(q, out, lse, D, k_cache.size(2), kMeta);
+    check_tables(q_rows, page_idx, kv_lens, q.size(0), k_cache.size(0), k_cache.size(1), kMeta);
+    if (kMeta || q_rows.size(0) == 0) return;
+    oc_paged_decode(q.data_ptr<float>(), q_rows.data_ptr<int64_t>(), q_rows.size(0), q.size(1), k_cache.size(2), D,
+                    k_cache.data_ptr(), v_cache.data_ptr(), page_idx.data_ptr<int64_t>(), page_idx.size(1),
+                    kv_lens.data_ptr<int64_t>(), k_cache.size(1), (float)scale, out.data_ptr<float>(),
+                    lse.has_value() ? lse->data_ptr<float>() : nullptr, kv, at::get_num_threads());
+}
+
+template <bool kMeta>
+void cascade_groups(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& group_page_ptr,
+                    const Tensor& group_pages, const Tensor& group_row_ptr, const Tensor& group_rows, double scale,
+                    const Tensor& out, const Tensor& lse) {
+    int64_t D;
+    const int kv = check_caches(k_cache, v_cache, kMeta, &D);
+    check_attention_io(q, out, lse, D, k_cache.size(2), kMeta);
+    const int64_t n_groups = check_groups(group_page_ptr, group_pages, group_row_ptr, group_rows, q.size(0),
+                                          k_cache.size(0), kMeta);
+    if (kMeta || n_groups == 0) return;
+    oc_cascade_groups(q.data_ptr<float>(), q.size(1), k_cache.size(2), D, k_cache.data_ptr(), v_cache.data_ptr(),
+                      k_cache.size(1), n_groups, group_page_ptr.data_ptr<int64_t>(), group_pages.data_ptr<int64_t>(),
+                      group_row_ptr.data_ptr<int64_t>(), group_rows.data_ptr<int64_t>(), (float)scale,
+                      out.data_ptr<float>(), lse.data_ptr<float>(), kv, at::get_num_threads());
+}
+
+// ---------------------------------------------------------------------------------------- fused layer
+using OptList = c10::List<c10::optional<Tensor>>;
+
+template <bool kMeta>
+void decode_layer_impl(const Tensor& x, const Tensor& in_norm, const Tensor& post_norm, double eps,
+                       at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
+                       const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
+                       double scale, const Tensor* groups) {
+    static const char* kNames[4] = {"weights[0] (qkv)", "weights[1] (o)", "weights[2] (gate_up)", "weights[3] (down)"};
+    TORCH_CHECK(weights.size() == 4, "weights must hold 4 projections (qkv, o, gate_up, down), got ", weights.size());
+    TORCH_CHECK(scales.size() == 4, "scales must hold 4 entries (one per projection, None for int4), got ",
+                scales.size());
+    TORCH_CHECK(biases.size() == 4, "biases must hold 4 entries (one per projection, or None), got ", biases.size());
+    OcProj proj[4];
+    for (int i = 0; i < 4; ++i) {
+        const std::string idx = "[" + std::to_string(i) + "]";
+        proj[i] = check_proj(weights[i], scales.get(i), biases.get(i), kNames[i], "scales" + idx, "biases" + idx, kMeta);
+    }
+    int64_t D;
+    const int kv = check_caches(k_cache, v_cache, kMeta, &D);
+    const int64_t Hkv = k_cache.size(2), H = num_heads;
+    TORCH_CHECK(H > 0 && H % Hkv == 0, "num_heads (", H, ") must be a positive multiple of the cache's KV heads (",
+                Hkv, ")");
+    TORCH_CHECK(D % 2 == 0, "head_dim (", D, ") must be even (RoPE rotates its halves)");
+    check_tensor(x, "x", ScalarType::Float, kMeta);
+    check_dim(x, "x", 2);
+    const int64_t T = x.size(0), hidden = x.size(1);
+    for (auto [t, name] : {std::pair{&in_norm, "in_norm"}, std::pair{&post_norm, "post_norm"}}) {
+        check_tensor(*t, name, ScalarType::Float, kMeta);
+        check_dim(*t, name, 1);
+        check_size(*t, name, 0, hidden, "x's hidden size");
+    }
+    auto shape = [&](int i, int64_t n, int64_t k, const char* what) {
+        TORCH_CHECK(proj[i].n == n && proj[i].k == k, kNames[i], " must compute ", what, ": [", n, " outputs, ", k,
+                    " inputs], got [", proj[i].n, ", ", proj[i].k, "]");
+    };
+    shape(0, (H + 2 * Hkv) * D, hidden, "(num_heads + 2 x KV heads) x head_dim from hidden");
+    shape(1, hidden, H * D, "hidden from num_heads x head_dim");
+    TORCH_CHECK(proj[2].n % 2 == 0 && proj[2].k == hidden, kNames[2], " must compute 2 x intermediate from hidden (",
+                hidden, "), got [", proj[2].n, ", ", proj[2].k, "]");
+    shape(3, hidden, proj[2].n / 2, "hidden from the intermediate size");
+    for (auto [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin_signed, "sin_signed"}}) {
+        check_tensor(*t, name, ScalarType::Float, kMeta);
+        check_dim(*t, name, 2);
+        TORCH_CHECK(t->size(0) == T && t->size(1) == D, name, " must have shape [", T, ", ", D,
+                    "] (x's rows, head_dim), got ", t->sizes());
+    }
+    check_tensor(slots, "slots", ScalarType::Long, kMeta);
+    check_dim(slots, "slots", 1);
+    check_size(slots, "slots", 0, T, "x's rows");
+    check_tensor(q_rows, "q_rows", ScalarType::Long, kMeta);
+    check_dim(q_rows, "q_rows", 1);
+    check_size(q_rows, "q_rows", 0, T, "x's rows (one decode row each)");
+    check_tables(q_rows, page_idx, kv_lens, T, k_cache.size(0), k_cache.size(1), kMeta);
+    int64_t n_groups = 0;
+    if (groups != nullptr)
+        n_groups = check_groups(groups[0], groups[1], groups[2], groups[3], T, k_cache.size(0), kMeta);
+    if (kMeta || T == 0) return;
+    check_range(slots, "slots", 0, k_cache.size(0) * k_cache.size(1), "a slot of the cache (pages x page_size)");
+    const int64_t* g[4] = {nullptr, nullptr, nullptr, nullptr};
+    if (n_groups > 0)
+        for (int i = 0; i < 4; ++i) g[i] = groups[i].data_ptr<int64_t>();
+    oc_decode_layer_cascade(x.data_ptr<float>(), T, hidden, in_norm.data_ptr<float>(), post_norm.data_ptr<float>(),
+                            (float)eps, proj, cos.data_ptr<float>(), sin_signed.data_ptr<float>(),
+                            slots.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            q_rows.data_ptr<int64_t>(), page_idx.data_ptr<int64_t>(), page_idx.size(1),
+                            kv_lens.data_ptr<int64_t>(), k_cache.size(1), H, Hkv, D, (float)scale, kv,
+                            at::get_num_threads(), n_groups, g[0], g[1], g[2], g[3]);
+}
+
+template <bool kMeta>
+void decode_layer(const Tensor& x, const Tensor& in_norm, const Tensor& post_norm, double eps, at::TensorList weights,
+                  const OptList& scales, const OptList& biases, const Tensor& cos, const Tensor& sin_signed,
+                  const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_rows,
+                  const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads, double scale) {
+    decode_layer_impl<kMeta>(x, in_norm, post_norm, eps, weights, scales, biases, cos, sin_signed, slots, k_cache,
+                             v_cache, q_rows, page_idx, kv_lens, num_heads, scale, nullptr);
+}
+
+template <bool kMeta>
+void decode_layer_cascade(const Tensor& x, const Tensor& in_norm, const Tensor& post_norm, double eps,
+                          at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
+                          const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
+                          const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
+                          double scale, const Tensor& group_page_ptr, const Tensor& group_pages,
+                          const Tensor& group_row_ptr, const Tensor& group_rows) {
+    const Tensor groups[4] = {group_page_ptr, group_pages, group_row_ptr, group_rows};
+    decode_layer_impl<kMeta>(x, in_norm, post_norm, eps, weights, scales, biases, cos, sin_signed, slots, k_cache,
+                             v_cache, q_rows, page_idx, kv_lens, num_heads, scale, groups);
+}
+
+// ---------------------------------------------------------------------------------------- knobs
+int64_t abi_version() { return oc_abi_version(); }
+int64_t simd() { return oc_simd(); }
+
+std::vector<int64_t> gemm_min_rows(int64_t q4, int64_t q8) {
+    int64_t a, b;
+    oc_gemm_min_rows(q4, q8, &a, &b);
+    return {a, b};
+}
+
+std::vector<int64_t> act_rows(int64_t q4, int64_t q8) {
+    int64_t a, b;
+    oc_act_rows(q4, q8, &a, &b);
+    return {a, b};
+}
+
+int64_t i16_rows(int64_t rows) {
+    int64_t old;
+    oc_i16_rows(rows, &old);
+    return old;
+}
+
+}  // namespace oc_ops
+
+using namespace oc_ops;
+
+OC_LIBRARY(OC_OPS_NS, m) {
+    m.def("abi_version() -> int", &abi_version);
+    m.def("simd() -> int", &simd);
+    m.def("gemm_min_rows(int q4, int q8) -> int[]", &gemm_min_rows);
+    m.def("act_rows(int q4, int q8) -> int[]", &act_rows);
+    m.def("i16_rows(int rows) -> int", &i16_rows);
+    m.def("q4_matmul(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
+    m.def("q8_matmul(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
+    m.def("kv_store(Tensor(a!) dst, Tensor src) -> ()");
+    m.def("q8_dequant(Tensor src) -> Tensor");
+    m.def("paged_decode(Tensor q, Tensor q_rows, Tensor k_cache, Tensor v_cache, Tensor page_idx, Tensor kv_lens, "
+          "float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+    m.def("cascade_groups(Tensor q, Tensor k_cache, Tensor v_cache, Tensor group_page_ptr, Tensor group_pages, "
+          "Tensor group_row_ptr, Tensor group_rows, float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+    m.def("decode_layer(Tensor(a!) x, Tensor in_norm, Tensor post_norm, float eps, Tensor[] weights, "
+          "Tensor?[] scales, Tensor?[] biases, Tensor cos, Tensor sin_signed, Tensor slots, Tensor(b!) k_cache, "
+          "Tensor(c!) v_cache, Tensor q_rows, Tensor page_idx, Tensor kv_lens, int num_heads, float scale) -> ()");
+    m.def("decode_layer_cascade(Tensor(a!) x, Tensor in_norm, Tensor post_norm, float eps, Tensor[] weights, "
+          "Tensor?[] scales, Tensor?[] biases, Tensor cos, Tensor sin_signed, Tensor slots, Tensor(b!) k_cache, "
+          "Tensor(c!) v_cache, Tensor q_rows, Tensor page_idx, Tensor kv_lens, int num_heads, float scale, "
+          "Tensor group_page_ptr, Tensor group_pages, Tensor group_row_ptr, Tensor group_rows) -> ()");
+}
+
+#define OC_IMPLS(m, meta)                                          \
+    m.impl("q4_matmul", &q4_matmul<meta>);                         \
+    m.impl("q8_matmul", &q8_matmul<meta>);                         \
+    m.impl("kv_store", &kv_store<meta>);                           \
+    m.impl("q8_dequant", &q8_dequant<meta>);                       \
+    m.impl("paged_decode", &oc_ops::paged_decode<meta>);                 \
+    m.impl("cascade_groups", &oc_ops::cascade_groups<meta>);               \
+    m.impl("decode_layer", &decode_layer<meta>);                   \
+    m.impl("decode_layer_cascade", &decode_layer_cascade<meta>);
+
+OC_LIBRARY_IMPL(OC_OPS_NS, CPU, m) { OC_IMPLS(m, false) }
+OC_LIBRARY_IMPL(OC_OPS_NS, Meta, m) { OC_IMPLS(m, true) }
