@@ -80,7 +80,7 @@ def main() -> int:
 
                     def load():
                         if kv.num_free < kv.pages_for(n):
-                            core.reclaim(kv.pages_for(n) - kv.num_free)
+                            core.polykv.reclaim(kv.pages_for(n) - kv.num_free)
                         table = kv.allocate(kv.pages_for(n))
                         t0 = now()
                         ok = kvfile.load_kv(path, kv, table, 0, n, toks)

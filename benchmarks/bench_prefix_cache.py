@@ -185,9 +185,10 @@ def bench_overhead(args, N: int, P: int, G: int, rounds: int) -> dict:
     core.tables.advance = timer.wrap(core.tables.advance)
     core.tables.cache_tail = timer.wrap(core.tables.cache_tail)
     core.tables.evict_cache = timer.wrap(core.tables.evict_cache)
-    core._plan_auto = timer.wrap(core._plan_auto)
-    core._auto_start = timer.wrap(core._auto_start)
-    core._realign = timer.wrap(core._realign)  # at prepare: prompts against recent finished requests
+    pc = core.prefix_cache
+    pc.plan_auto = timer.wrap(pc.plan_auto)
+    pc.auto_start = timer.wrap(pc.auto_start)
+    pc.realign = timer.wrap(pc.realign)  # at prepare: prompts against recent finished requests
     core.waits_for_prefix = timer.wrap(core.waits_for_prefix)  # the scheduler asks it (SchedulerHooks)
     try:
         for key, eng in engines.items():

@@ -1,4 +1,9 @@
-"""EngineCore: everything that runs on the step thread — requests, sessions, pools, memory.
+"""EngineCore: a request's way through the step thread — prepare -> commit -> step -> apply -> finish.
+
+It composes the parts that do the work: the ``Scheduler`` plans each step, the ``ModelRunner``
+executes it, ``PolyKV`` (``polykv/state.py``) owns the pool tree and the sessions, the
+``PrefixCache`` (``polykv/prefix.py``) shares prefixes automatically, and the KV tables (held by
+``PolyKV``) own the pages. The core keeps the requests themselves (their jobs, tokens, events).
 
 Nothing here is thread-safe by itself: the Engine facade (engine.py) calls these methods only
 from its single step-loop thread. Every public operation validates all of
@@ -16,12 +21,13 @@ from typing import Callable
 
 from .admission.decide import AdmissionPlan
 from .config import EngineConfig, SamplingParams
-from .errors import (CapacityError, ContextLengthError, InvalidRequestError, PoolContractError, SessionBusyError, SessionNotFoundError)
+from .errors import CapacityError, InvalidRequestError, PoolContractError, SessionBusyError
 from .kv.pages import PagePool
 from .kv.pools import Pool, PoolTree, Residency, common_prefix_len
-from .cache_ops import PrefixCacheMixin
 from .kv.tables import KVTables
-from .pool_ops import PoolOpsMixin
+from .limits import Limits
+from .polykv.prefix import PrefixCache
+from .polykv.state import PolyKV
 from .results import GenerationResult, RequestInfo, TokenDelta
 from .runner import ModelRunner
 from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
@@ -31,7 +37,6 @@ from .session import Job, MaterializeJob, Sequence, Session, SessionState
 from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, RecentOutputs, StepCosts, draft_limit
 
 Emit = Callable[[tuple], None]
-_MAX_SESSION_ID = 128
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class PreparedRequest:
     cache_salt: str | None = None  # prefix-cache namespace (requests share cached KV only within one)
 
 
-class EngineCore(PoolOpsMixin, PrefixCacheMixin):
+class EngineCore:
     def __init__(self, config: EngineConfig, *, model, tokenizer, backend, kv: PagePool, max_context: int,
                  device):
         self.config = config
@@ -60,25 +65,41 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         self.page_size = kv.page_size
         self.max_context = max_context
         self.vocab_size = model.dims.vocab_size
+        self.limits = Limits(vocab_size=self.vocab_size, max_context=max_context, kv=kv)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
-        self.sessions: dict[str, Session] = {}
-        self.tree = PoolTree(config.max_pools, id_base=config.pool_id_base)
-        self.tables = KVTables(kv, reclaim=self.reclaim, prefix_cache=config.prefix_cache)  # cache_ops.reclaim
-        self.sampler = Sampler()
-        self.scheduler = Scheduler(tables=self.tables, hooks=self, max_batch_tokens=config.max_batch_tokens,
-                                   max_running=config.max_running)  # self: its SchedulerHooks
-        self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
-        self.last_step = StepStats()
-        self.step_costs = StepCosts()  # decode step seconds by row count (speculative drafts' cost)
-        self.recent_outputs = RecentOutputs()  # finished answers later requests of their salt draft from
-        self._init_prefix_cache()
-        self._request_ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
                          "evicted_sessions": 0, "evicted_pools": 0, "preemptions": 0,
                          "auto_prefix_tokens": 0, "expired_sessions": 0}
         # Observability hooks, called on the step thread: (event, data) with events
         # submit {job}, token {job, now}, finish {job}, materialized {pool}, step {stats}.
         self.listeners: list[Callable[[str, dict], None]] = []
+        self.polykv = PolyKV(config, kv, self.limits, listeners=self.listeners, counters=self.counters,
+                             enqueue=lambda job: self.scheduler.add(job))
+        self.sampler = Sampler()
+        self.scheduler = Scheduler(tables=self.polykv.tables, hooks=self, max_batch_tokens=config.max_batch_tokens,
+                                   max_running=config.max_running)  # self: its SchedulerHooks
+        self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
+        self.last_step = StepStats()
+        self.step_costs = StepCosts()  # decode step seconds by row count (speculative drafts' cost)
+        self.recent_outputs = RecentOutputs()  # finished answers later requests of their salt draft from
+        self.prefix_cache = PrefixCache(self.polykv, self.limits, tokenizer, self.counters, self.recent_outputs)
+        self._request_ids = itertools.count(1)
+
+    # ---- the read surface (view.PolyKVView): the state is PolyKV's
+    @property
+    def sessions(self) -> dict[str, Session]:
+        return self.polykv.sessions
+
+    @property
+    def tree(self) -> PoolTree:
+        return self.polykv.tree
+
+    @property
+    def tables(self) -> KVTables:
+        return self.polykv.tables
+
+    def auto_pinned(self, pool: Pool, now: float) -> bool:
+        return self.polykv.auto_pinned(pool, now)
 
     # ======================================================================== the step
     @property
@@ -182,7 +203,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             self.tables.advance(job.seq, n)
             if isinstance(job, MaterializeJob) and job.num_remaining == 0:
                 self.scheduler.remove(job)
-                self._on_prefilled(job)
+                self.polykv.materialized(job)
         for i, job in enumerate(out.sampled):
             lp = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
@@ -190,46 +211,6 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             self._on_token(job, out.token_ids[i], lp, top)
         for job, tokens, lps, tops in out.verified:
             self._apply_verified(job, tokens, lps, tops)
-
-    # ======================================================================== validation
-    def check_tokens(self, tokens, what: str = "prompt") -> list[int]:
-        """The token ids as a list; InvalidRequestError when empty or outside the vocabulary."""
-        if not isinstance(tokens, (list, tuple)) or not tokens:
-            raise InvalidRequestError(f"{what} is empty")
-        out = []
-        for t in tokens:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(f"{what} contains token id {t!r} outside the vocabulary [0, {self.vocab_size})")
-            out.append(t)
-        return out
-
-    def _capacity_tokens(self) -> int:
-        return self.kv.num_pages * self.page_size
-
-    def check_fits(self, n_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
-        """ContextLengthError unless ``n_tokens`` + ``max_tokens`` fit the context and the KV cache."""
-        total = n_tokens + (max_tokens or 0)
-        if total > self.max_context:
-            raise ContextLengthError(
-                f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) = {total} exceeds the context "
-                f"length {self.max_context}", n_prompt_tokens=n_tokens, n_ctx=self.max_context)
-        if self.kv.pages_for(total - 1) > self.kv.num_pages:  # the last sampled token never needs KV
-            raise ContextLengthError(
-                f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) does not fit the KV cache "
-                f"({self._capacity_tokens()} tokens)", n_prompt_tokens=n_tokens,
-                n_ctx=min(self.max_context, self._capacity_tokens()))
-
-    def get_session(self, session_id: str) -> Session:
-        s = self.sessions.get(session_id) if isinstance(session_id, str) else None
-        if s is None:
-            raise SessionNotFoundError(f"session {session_id!r} not found")
-        return s
-
-    @staticmethod
-    def check_session_id(session_id) -> None:
-        """InvalidRequestError unless ``session_id`` is a usable session id."""
-        if not isinstance(session_id, str) or not session_id or len(session_id) > _MAX_SESSION_ID:
-            raise InvalidRequestError(f"session_id must be a non-empty string of at most {_MAX_SESSION_ID} characters")
 
     # ======================================================================== requests
     def submit(self, prompt: list[int], params: SamplingParams, emit: Emit, **kw) -> Job:
@@ -242,17 +223,17 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                 overcommit: bool = False, cache_salt: str | None = None) -> PreparedRequest:
         """Validate a generation request and plan its admission. No side effect: nothing changes
         until ``commit`` (called on the same step-thread turn, so the checks still hold)."""
-        prompt = self.check_tokens(prompt)
+        prompt = self.limits.check_tokens(prompt)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids contains an id outside the vocabulary")
-        self.check_fits(len(prompt), params.max_tokens)
+        self.limits.check_fits(len(prompt), params.max_tokens)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
         session = None
         if session_id is not None:
-            self.check_session_id(session_id)
+            self.limits.check_session_id(session_id)
             session = self.sessions.get(session_id)
             if session is not None and session.job is not None:
                 raise SessionBusyError(f"session {session_id!r} is serving another request")
@@ -270,8 +251,8 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                     f"shared_prefix_n_tokens={n} but the prompt differs from pool {pool.pool_id}'s tokens at "
                     f"position {common_prefix_len(prompt[:n], pool.tokens[:n])}")
         # the model's own ids for the text of recent answers the prompt repeats (never inside a pool's prefix)
-        on_pool = pool or (self._session_pool(session) if session is not None else None)
-        prompt = self._realign(prompt, cache_salt, params, on_pool.prefix_len if on_pool is not None else 0)
+        on_pool = pool or (self.polykv.session_pool(session) if session is not None else None)
+        prompt = self.prefix_cache.realign(prompt, cache_salt, params, on_pool.prefix_len if on_pool is not None else 0)
         plan = AdmissionPlan(
             pool_id=pool.pool_id if pool is not None else None, session_id=session_id,
             new_to_pool=pool is not None and (session is None or session.pool_id != pool.pool_id),
@@ -287,13 +268,13 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         ``admission``: the admission decision the request carries (``info.admission``)."""
         prompt, params, emit, session, pool = req.prompt, req.params, req.emit, req.session, req.pool
         session_id, shared_prefix_n_tokens = req.session_id, req.shared_prefix_n_tokens
+        polykv = self.polykv
         if session is None:
-            session = Session(session_id or f"s-{uuid.uuid4().hex[:12]}", anonymous=session_id is None)
-            self.sessions[session.session_id] = session
+            session = polykv.open_session(session_id, lambda: f"s-{uuid.uuid4().hex[:12]}")
         limit = len(prompt) - 1  # the last prompt token is always computed (its logits are needed)
-        cur = self._session_pool(session)
+        cur = polykv.session_pool(session)
         if pool is not None and cur is not pool and (cur is not None or session.seq.num_borrowed_pages):
-            self.drop_session_kv(session)  # moving to a pool: its cache borrows another pool's (or the cache's) pages
+            polykv.drop_session_kv(session)  # moving to a pool: its cache borrows another pool's (or the cache's) pages
             cur = None
         if pool is None and cur is not None and cur.residency != Residency.RELEASED:
             pool = cur  # a later turn stays on its pool
@@ -304,14 +285,11 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         own_p = min(common_prefix_len(prompt, session.seq.cached_tokens), limit) if session.seq.num_cached else 0
         if shared_prefix_n_tokens is not None:
             own_p = min(own_p, pool_p)  # an explicit P is what the caller asked for
-        waits = self._ensure_resident(pool) if pool is not None and own_p < pool_p else []
+        waits = polykv.ensure_resident(pool) if pool is not None and own_p < pool_p else []
         if pool is not None and session.pool_id is None:
-            session.pool_id = pool.pool_id
-            pool.sessions.add(session.session_id)
+            polykv.attach(session, pool)
         if pool is not None:
-            pool.last_access = time.time()
-            if max(pool_p, own_p) > 0:
-                pool.cache_hits += 1
+            polykv.touch(pool, hit=max(pool_p, own_p) > 0)
         job = Job(seq=Sequence(prompt), params=params, emit=emit, session=session, wait_for=waits,
                   prompt_len=len(prompt), max_context=self.max_context)
         job.generator = make_generator(params.seed, self.config.seed) if not params.is_greedy else None
@@ -323,11 +301,10 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
             k = self.config.speculative_max if self.config.speculative == "ngram" else 0
         job.draft_state = DraftState(k) if k > 0 else None
         cache_n = max(pool_p, own_p)
-        auto_p = self._plan_auto(job, session.pool_id is not None, req.cache_salt)
+        auto_p = self.prefix_cache.plan_auto(job, session.pool_id is not None, req.cache_salt)
         job.timings.cache_n = max(cache_n, auto_p)
         job.start_from_own, job.start_prefix = own_p >= pool_p and own_p > 0, cache_n  # for try_start
-        session.job = job
-        session.last_access = time.monotonic()
+        polykv.begin(session, job)
         info = RequestInfo(request_id=f"req-{next(self._request_ids)}", session_id=session.session_id,
                            pool_id=session.pool_id, cached_prefix_tokens=job.timings.cache_n, prompt_tokens=len(prompt),
                            rematerialized_pools=[p.pool_id for p in waits], admission=admission)
@@ -341,19 +318,16 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         emit(("start", info))
         return job
 
-    def _session_pool(self, session: Session) -> Pool | None:
-        if session.pool_id is None:
-            return None
-        return self.tree.pools.get(session.pool_id) or self.tree.released.get(session.pool_id)
-
     # ---- SchedulerHooks (scheduler.py): what the scheduler asks while it plans
     def try_start(self, job: Job | MaterializeJob) -> bool:
         """Set up a waiting job's page table from the KV it reuses. False: not enough pages yet."""
         if isinstance(job, MaterializeJob):
-            return self._start_materialization(job)
+            return self.polykv.start_materialization(job)
         return self._start_session_job(job)
 
-    # waits_for_prefix: the prefix cache's (cache_ops.py)
+    def waits_for_prefix(self, job: Job | MaterializeJob) -> bool:
+        """A waiting request whose next uncached prompt page a running request computes (the prefix cache's)."""
+        return self.prefix_cache.waits_for_prefix(job)
 
     def _announce(self, job: Job) -> None:
         """Tell the client once that its request started (its reuse of cached KV is counted by
@@ -366,7 +340,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         use_own, cache_n = job.start_from_own, job.start_prefix
         session = job.session
         old = session.seq
-        pool = self._session_pool(session)
+        pool = self.polykv.session_pool(session)
         if job.num_preemptions or not use_own:
             # from the pool (or from nothing); after a preemption the old cache is gone
             if pool is not None and pool.residency == Residency.RESIDENT:
@@ -379,7 +353,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         else:
             p, src = cache_n, old.page_table
             borrowed = min(old.num_borrowed_pages, p // self.page_size)
-        auto = self._auto_start(job, p)  # the prefix index, when it has more
+        auto = self.prefix_cache.auto_start(job, p)  # the prefix index, when it has more
         if auto is not None:
             return auto
         from_own = src is old.page_table
@@ -395,7 +369,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         job.seq.num_shared_tokens = min(old.num_shared_tokens, p) if from_own else p
         if session.pool_id is None:
             job.seq.num_shared_tokens = 0
-        session.seq = job.seq
+        self.polykv.adopt_seq(session, job.seq)
         return True
 
     def _on_token(self, job: Job, token: int, logprob, top) -> None:
@@ -453,12 +427,9 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         t.predicted_ms = (job.t_last_token - job.t_first_token) * 1e3 if job.generated else 0.0
         session = job.session
         if session is not None:
-            session.job = None
-            session.last_access = time.monotonic()
-            pool = self._session_pool(session)
-            if pool is not None:
-                pool.last_access = time.time()
-            self._after_request(session, job)
+            self.polykv.end(session)
+            self.prefix_cache.on_request_end(session, job)
+            self.polykv.after_request(session)
         self.counters["preemptions"] += job.num_preemptions
         for fn in self.listeners:
             fn("finish", {"job": job})
@@ -484,7 +455,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         for job in list(self.scheduler.running) + list(self.scheduler.waiting):
             if isinstance(job, MaterializeJob):
                 self.scheduler.remove(job)
-                self._fail_materialization(job, error)
+                self.polykv.materialization_failed(job, error)
             else:
                 self._finish(job, "error", error)
 
@@ -492,7 +463,7 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
         """The scheduler cannot give this job a page even alone: end it cleanly."""
         if isinstance(job, MaterializeJob):
             self.scheduler.remove(job)
-            self._fail_materialization(job, self._kv_short(job, "materializing this pool"))
+            self.polykv.materialization_failed(job, self._kv_short(job, "materializing this pool"))
         elif job.generated:
             job.truncated = True
             self._finish(job, "length")
@@ -508,39 +479,10 @@ class EngineCore(PoolOpsMixin, PrefixCacheMixin):
                              "(the rest hold pinned pools and running requests)", retry_after=1.0)
 
 
-    # ======================================================================== memory
-    def _sessions_in_use(self, pool: Pool) -> bool:
-        for sid in pool.sessions:
-            s = self.sessions.get(sid)
-            if s is not None and (s.job is not None or s.seq.num_borrowed_pages):
-                return True
-        return False
-
-    def auto_pinned(self, pool: Pool, now: float) -> bool:
-        """Whether ``pool`` stays resident (not evictable) at ``now``: it has live children, a busy
-        attached session or one holding its pages, or is inside its grace TTL."""
-        return pool.is_auto_pinned(now, self._sessions_in_use(pool))
-
-    def drop_session_kv(self, s: Session, detach: bool = True) -> None:
-        """Drop a session's cached KV (its pages fall into the prefix cache); ``detach``: and its pool."""
-        self.tables.drop(s.seq)
-        s.seq = Sequence()
-        if detach:
-            self._detach(s)
-
-    def _detach(self, s: Session) -> None:
-        pool = self._session_pool(s)
-        s.pool_id = None
-        if pool is None:
-            return
-        pool.sessions.discard(s.session_id)
-        if not pool.sessions and not pool.children:
-            pool.grace_until = time.monotonic() + self.config.pool_grace_ttl_s
-        self._maybe_reap(pool)
-
+    # ======================================================================== sessions
     def release_session(self, session_id: str) -> None:
-        s = self.get_session(session_id)
+        """End a session: its request in flight is cancelled, its KV and place in the tree go."""
+        s = self.polykv.get_session(session_id)
         if s.job is not None:
             self.cancel(s.job)
-        self.drop_session_kv(s)
-        del self.sessions[session_id]
+        self.polykv.remove_session(session_id)

@@ -28,6 +28,7 @@ from .errors import EngineClosedError, InvalidRequestError
 from .kv.pages import PagePool
 from .observe.metrics import Metrics
 from .pool_api import PoolAPIMixin
+from .polykv import status
 from .persist.sync import open_state
 from .results import GenerationResult
 from .streams import AsyncTokenStream, TokenStream
@@ -177,16 +178,16 @@ class Engine(PoolAPIMixin):
                 self._idle_check()
                 if self._cmds.empty():  # a request already waiting goes first; trimmed at the next idle
                     self._trim_when_idle()
-            core.expire_sessions()
+            core.polykv.expire_sessions()
             adm = self._admission
             adm.tick()  # admission deadlines: settle windows that ran out, held requests to re-try
-            release_at = core.release_due()  # pool releases deferred by the grace TTL
+            release_at = core.polykv.release_due()  # pool releases deferred by the grace TTL
             try:  # block only when there is nothing to compute, and then only until the next deadline
                 if core.has_work:
                     cmd = self._cmds.get_nowait()
                 else:
                     waits = [] if release_at is None else [release_at - time.monotonic()]
-                    expiry = core.next_expiry()  # an idle anonymous session to end
+                    expiry = core.polykv.next_expiry()  # an idle anonymous session to end
                     if expiry is not None:
                         waits.append(expiry)
                     wake = adm.next_deadline()
@@ -235,7 +236,7 @@ class Engine(PoolAPIMixin):
         if not self._debug_checks or self._integrity_error is not None:
             return
         try:
-            self.core.check_integrity()
+            status.check_integrity(self.core.polykv)
         except AssertionError as e:
             log.exception("KV integrity check failed")
             self._integrity_error = e
@@ -294,7 +295,7 @@ class Engine(PoolAPIMixin):
     def detokenize(self, token_ids: Seq[int]) -> str:
         ids = token_ids if type(token_ids) is list else list(token_ids)  # a long list is not copied
         if ids and first_bad_id(ids, self.core.vocab_size) is not None:
-            self.core.check_tokens(ids, "tokens")  # the exact check and its error
+            self.core.limits.check_tokens(ids, "tokens")  # the exact check and its error
         return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
@@ -319,7 +320,7 @@ class Engine(PoolAPIMixin):
     def _start(self, prompt, messages, tools, params, session_id, pool_id, shared_prefix_n_tokens,
                sink: Callable[[tuple], None], overcommit: bool = False, cache_salt: str | None = None):
         if isinstance(prompt, (list, tuple)) and len(prompt) > self.max_context:  # refused before any copy
-            self.core.check_fits(len(prompt), getattr(params, "max_tokens", None))  # or check of its ids
+            self.core.limits.check_fits(len(prompt), getattr(params, "max_tokens", None))  # or check of its ids
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
         return self._admission.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,
@@ -384,7 +385,7 @@ class Engine(PoolAPIMixin):
         time it goes idle; the first failure found there is raised here."""
         if self._integrity_error is not None:
             raise self._integrity_error
-        self.run_on_step_thread(self.core.check_integrity)
+        self.run_on_step_thread(status.check_integrity, self.core.polykv)
 
     def check_kv_files(self, pool_ids: set[int] | None = None) -> dict:
         """Verify the checksums of the state directory's KV files (see ``Persister.check_kv_files``)."""
@@ -392,7 +393,9 @@ class Engine(PoolAPIMixin):
 
     def stats(self) -> dict:
         """Counters, KV pages, sessions, queue lengths and the prefix cache (pages, bytes, hit rate)."""
-        return self.run_on_step_thread(self.core.stats)
+        core = self.core
+        return self.run_on_step_thread(lambda: status.stats(core.polykv, core.counters, len(core.scheduler.running),
+                                                            len(core.scheduler.waiting)))
 
     def weights_info(self) -> dict:
         """The projection weight format, the kernel per shape, weight bytes read per decode step, why

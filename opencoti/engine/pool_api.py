@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from typing import Callable, Sequence as Seq
 
 from .errors import InvalidRequestError, SessionBusyError
-from .persist.sync import set_owner
+from .polykv import status
 from .results import PoolInfo
 
 
@@ -40,7 +40,7 @@ class PoolAPIMixin:
 
         def run():
             pool = op(on_done, *args, **kwargs)
-            set_owner(pool, tenant)  # the owning tenant (tenancy.py): given, else the parent's
+            self.core.polykv.set_tenant(pool, tenant)  # the owning tenant (tenancy.py): given, else the parent's
             return pool
 
         self.run_on_step_thread(run)
@@ -58,7 +58,7 @@ class PoolAPIMixin:
         return sessions
 
     def _pool_info(self, pool) -> PoolInfo:
-        info = self.core.pool_info(pool)
+        info = status.pool_info(self.core.polykv, pool, self.core.max_context)
         self._live(info.sessions)
         return info
 
@@ -77,7 +77,7 @@ class PoolAPIMixin:
         toks = self._pool_tokens(tokens, text, messages, tools, add_generation_prompt)
         if toks is not None and from_session is not None:
             raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
-        return self._pool_call(self.core.create_pool, tokens=toks, from_session=from_session, pinned=pinned,
+        return self._pool_call(self.core.polykv.create_pool, tokens=toks, from_session=from_session, pinned=pinned,
                                label=label, as_root=as_root, tenant=tenant)
 
     def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Seq[int] | None = None,
@@ -94,7 +94,7 @@ class PoolAPIMixin:
             raise InvalidRequestError("give exactly one of tokens / text / messages / from_session")
         if branch_pos is None:
             branch_pos = self.pool(parent_id).prefix_len
-        return self._pool_call(self.core.fork_pool, parent_id, branch_pos, tokens=toks, from_session=from_session,
+        return self._pool_call(self.core.polykv.fork_pool, parent_id, branch_pos, tokens=toks, from_session=from_session,
                                pinned=pinned, label=label, tenant=tenant)
 
     def pool(self, pool_id: int) -> PoolInfo:
@@ -107,29 +107,29 @@ class PoolAPIMixin:
     def pools(self) -> dict:
         """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
         def run():
-            st = self.core.pools_status()
+            st = status.pools_status(self.core.polykv, self.core.counters, self.core.max_context)
             for p in st["pools"]:
                 self._live(p["sessions"])
             return st
         return self.run_on_step_thread(run)
 
     def pin_pool(self, pool_id: int) -> PoolInfo:
-        return self.run_on_step_thread(lambda: self._pool_info(self.core.pin_pool(pool_id, True)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.polykv.pin_pool(pool_id, True)))
 
     def unpin_pool(self, pool_id: int) -> PoolInfo:
-        return self.run_on_step_thread(lambda: self._pool_info(self.core.pin_pool(pool_id, False)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.polykv.pin_pool(pool_id, False)))
 
     def evict_pool(self, pool_id: int) -> PoolInfo:
-        return self.run_on_step_thread(lambda: self._pool_info(self.core.evict_pool(pool_id)))
+        return self.run_on_step_thread(lambda: self._pool_info(self.core.polykv.evict_pool(pool_id)))
 
     def flush_pool(self, pool_id: int) -> int:
         """End the idle sessions attached to the pool; returns how many."""
-        return self.run_on_step_thread(self.core.flush_pool, pool_id)
+        return self.run_on_step_thread(self.core.polykv.flush_pool, pool_id)
 
     def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
         """Release a pool (leaves first). Within its grace TTL the release is deferred until the
         grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now."""
-        self.run_on_step_thread(self.core.release_pool, pool_id, immediate)
+        self.run_on_step_thread(self.core.polykv.release_pool, pool_id, immediate)
 
     def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
                         text: str | None = None, messages: list[dict] | None = None,
@@ -143,22 +143,22 @@ class PoolAPIMixin:
         if toks is None:
             raise InvalidRequestError("compaction needs the compacted prefix (tokens, text or messages)")
         def check():
-            s = self.core.get_session(session_id)
+            s = self.core.polykv.get_session(session_id)
             if s.job is not None:
                 raise SessionBusyError(f"session {session_id!r} is serving a request; compact it when idle")
-            return self.core.kv_accounting(), s.pool_id
+            return status.kv_accounting(self.core.polykv), s.pool_id
 
         before, old_pool_id = self.run_on_step_thread(check)
         if branch_pos is None:
             branch_pos = self.pool(ancestor_pool_id).prefix_len
         info = self.fork_pool(ancestor_pool_id, branch_pos=branch_pos, tokens=toks, label="compacted")
         try:
-            released = self.run_on_step_thread(self.core.move_session, session_id, info.pool_id,
+            released = self.run_on_step_thread(self.core.polykv.move_session, session_id, info.pool_id,
                                   old_pool_id if release_old else None, ancestor_pool_id)
         except Exception:
-            self.run_on_step_thread(self.core.release_pool, info.pool_id, True)  # nothing half-done
+            self.run_on_step_thread(self.core.polykv.release_pool, info.pool_id, True)  # nothing half-done
             raise
-        after = self.run_on_step_thread(self.core.kv_accounting)
+        after = self.run_on_step_thread(status.kv_accounting, self.core.polykv)
         return {"pool": self.pool(info.pool_id), "released_pools": released, "kv_pages_before": before[0],
                 "kv_pages_after": after[0], "kv_pages_cache_before": before[1], "kv_pages_cache_after": after[1],
                 "page_bytes": self.kv.page_bytes}

@@ -34,12 +34,6 @@ _PASSTHROUGH = frozenset({
 })
 
 
-def set_owner(pool, tenant: str | None) -> None:
-    """Record a new pool's tenant: the one given, else its parent's (a fork stays with its tree)."""
-    if pool is not None:
-        pool.tenant = tenant if tenant is not None else pool.parent.tenant if pool.parent is not None else None
-
-
 def check_tenant_name(name) -> str:
     if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
         raise InvalidRequestError(f"a tenant name is 1-32 characters of A-Z a-z 0-9 _ . -, got {name!r}")
@@ -247,11 +241,7 @@ class TenantEngine:
         if kw.get("session_id") is None:
             sid = gen["session_id"]
 
-            def mark():
-                s = self._eng.core.sessions.get(sid)
-                if s is not None:
-                    s.anonymous = True
-            self._eng.post_to_step_thread(mark)
+            self._eng.post_to_step_thread(self._eng.core.polykv.mark_anonymous, sid)
 
     def stream(self, prompt=None, **kw) -> "TenantStream":
         gen = self._gen_kwargs(kw)

@@ -111,7 +111,7 @@ def test_greedy_answers_equal_with_cache_on_and_off(make_merge_engine):
 def test_without_realignment_the_answer_is_recomputed(make_merge_engine, monkeypatch):
     """The failure this fixes, shown: with the prompt taken as encoded, turns recompute answers."""
     eng = make_merge_engine(page_size=4)
-    monkeypatch.setattr(eng.core, "_realign", lambda prompt, *a, **k: prompt)
+    monkeypatch.setattr(eng.core.prefix_cache, "realign", lambda prompt, *a, **k: prompt)
     turns = converse(eng, 4)
     rows = computed_vs_new(turns)
     assert any(computed > new + 1 for computed, new in rows), rows
@@ -160,12 +160,12 @@ def realign(eng, prompt: list[int], recent: list[list[int]], salt: str | None = 
     from opencoti.engine.kv.prefix_index import salt_root
 
     def run():
-        core = eng.core
+        core = eng.core.prefix_cache
         saved = list(core._recent)
         core._recent.clear()
         core._recent.extend((salt_root(recent_salt), np.asarray(t, dtype=np.int64)) for t in recent)
         try:
-            return core._realign(list(prompt), salt, SamplingParams.greedy(4), floor)
+            return core.realign(list(prompt), salt, SamplingParams.greedy(4), floor)
         finally:
             core._recent.clear()
             core._recent.extend(saved)

@@ -11,6 +11,7 @@ from opencoti.engine import SamplingParams
 from opencoti.engine.core import EngineCore
 from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.kv.tables import KVTables
+from opencoti.engine.polykv import status
 from opencoti.engine.scheduler import Scheduler
 from opencoti.engine.session import Job, Sequence, SessionState
 
@@ -115,7 +116,7 @@ def test_started_is_sent_when_the_first_step_is_applied(engine):
     kinds = [e[0] for e in events]
     assert kinds == ["start", "started"] + ["token"] * 5 + ["done"]
     assert seen_at_execute[0] == ["start"]  # not yet when its first step runs: sent with its results
-    core.check_integrity()
+    status.check_integrity(core.polykv)
 
 
 def test_pages_short_keeps_the_order_and_admits_the_waiting_request(engine):
@@ -129,7 +130,7 @@ def test_pages_short_keeps_the_order_and_admits_the_waiting_request(engine):
     for ev in (a, b):
         assert [e[0] for e in ev] == ["start", "started"] + ["token"] * 8 + ["done"], [e[0] for e in ev]
     assert ja.t_first_token < jb.t_first_token  # FIFO
-    core.check_integrity()
+    status.check_integrity(core.polykv)
 
 
 def test_a_request_ended_before_its_first_results_was_still_told_it_started(engine):
@@ -156,4 +157,4 @@ def test_a_request_ended_before_its_first_results_was_still_told_it_started(engi
     core.cancel(never)  # never started: no "started"
     assert [e[0] for e in events[3:]] == ["start", "done"]
     core.runner.execute = execute
-    core.check_integrity()
+    status.check_integrity(core.polykv)

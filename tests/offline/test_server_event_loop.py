@@ -355,8 +355,8 @@ def test_a_prompt_longer_than_the_context_is_refused_before_its_ids_are_walked(e
     from opencoti.engine.errors import ContextLengthError
 
     checked: list[int] = []
-    real = engine.core.check_tokens
-    monkeypatch.setattr(engine.core, "check_tokens", lambda toks, *a: checked.append(len(toks)) or real(toks, *a))
+    real = engine.core.limits.check_tokens
+    monkeypatch.setattr(engine.core.limits, "check_tokens", lambda toks, *a: checked.append(len(toks)) or real(toks, *a))
     for prompt in ([65] * (engine.max_context + 1), [65] * engine.max_context + ["x"]):
         with pytest.raises(ContextLengthError):
             engine.generate(prompt, params=SamplingParams(max_tokens=1))

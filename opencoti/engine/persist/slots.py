@@ -118,7 +118,7 @@ def save_session(engine, session_id: str, filename: str) -> dict:
     t0 = time.perf_counter()
 
     def snap():
-        s: Session = eng.core.get_session(sid)
+        s: Session = eng.core.polykv.get_session(sid)
         if s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; save it when idle")
         n = s.seq.num_cached
@@ -154,13 +154,13 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
 
     def restore():
         if toks:
-            core.check_tokens(toks, "the saved tokens")
-            core.check_fits(len(toks), 0, "the saved context")
+            core.limits.check_tokens(toks, "the saved tokens")
+            core.limits.check_fits(len(toks), 0, "the saved context")
         s = core.sessions.get(sid)
         if s is not None and s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; restore it when idle")
         if s is None:
-            core.check_session_id(sid)
+            core.limits.check_session_id(sid)
         seq = Sequence(toks)
         if toks and not core.tables.extend(seq, len(toks)):  # reclaims idle caches when needed
             raise CapacityError(f"no room for {eng.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
@@ -169,14 +169,8 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
             core.tables.drop(seq)
             raise InvalidRequestError(f"{filename!r} does not match this engine's KV layout (dtype or shape)")
         # ---- committed
-        if s is None:
-            s = Session(sid)
-            core.sessions[sid] = s
-        else:
-            core.drop_session_kv(s)  # its old cache (and pool attachment) is replaced
         core.tables.advance(seq, len(toks))
-        s.seq = seq
-        s.last_access = time.monotonic()
+        core.polykv.restore_session_kv(sid, seq)  # its old cache (and pool attachment) is replaced
         return len(toks)
 
     n = _mapped(engine, eng.run_on_step_thread, restore)
@@ -190,11 +184,11 @@ def erase_session(engine, session_id: str) -> dict:
     core = eng.core
 
     def erase():
-        s = core.get_session(sid)
+        s = core.polykv.get_session(sid)
         if s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; erase it when idle")
         n = len(s.seq.tokens)
-        core.drop_session_kv(s, detach=False)
+        core.polykv.drop_session_kv(s, detach=False)
         return n
 
     return {"n_erased": _mapped(engine, eng.run_on_step_thread, erase)}

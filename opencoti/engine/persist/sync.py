@@ -21,9 +21,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ..kv.pools import Pool, Residency, prefix_hashes
-from ..session import Sequence, Session
-from ..tenancy import set_owner  # noqa: F401 - re-exported for the engine (pool owners are persisted)
+from ..kv.pools import Pool, Residency
+from ..session import Session
 from ..view import PolyKVView
 from . import kvfile
 from .session_kv import DEFAULT_BUDGET_MIB, SessionKv
@@ -32,6 +31,7 @@ from .store import PoolRecord, SessionRecord, StateStore
 if TYPE_CHECKING:
     from ..kv.pages import PagePool
     from ..kv.tables import KVTables
+    from ..polykv.state import PolyKV
 
 log = logging.getLogger("opencoti.engine.persist")
 
@@ -41,15 +41,15 @@ AUTO_SESSION_ID = re.compile(r"(?:.*:)?s-[0-9a-f]{12}")  # ids the engine made u
 class PersistCore(PolyKVView, Protocol):
     """What the persister needs of the core: the read-only view (what it writes to the store),
     plus what restoring and loading KV files take: the vocabulary size, the KV pages themselves
-    (``kvfile`` copies their rows), the KV tables, and the sessions as a dict: ``restore`` adds the
-    stored sessions and builds the stored pool tree in ``tree`` itself (writes that belong to one
-    owner of the pool state, which the engine does not have yet)."""
+    (``kvfile`` copies their rows), the KV tables, and the owner of the pool and session state
+    (``PolyKV``), whose ``restore_pool`` / ``restore_session`` / ``pool_loaded`` bring the stored
+    tree back: the persister writes no pool or session field itself."""
 
     @property
     def vocab_size(self) -> int: ...
 
     @property
-    def sessions(self) -> dict[str, Session]: ...
+    def polykv(self) -> PolyKV: ...
 
     @property
     def kv(self) -> PagePool: ...
@@ -87,7 +87,7 @@ class Persister:
     # ================================================================== restore
     def restore(self) -> dict:
         t0 = time.perf_counter()
-        core, tree = self.core, self.core.tree
+        core, polykv = self.core, self.core.polykv
         snap = self.store.load()
         restored: dict[int, Pool] = {}
         skipped = []
@@ -98,12 +98,8 @@ class Persister:
                 skipped.append(rec.pool_id)
                 log.warning("state: pool %d not restored: %s", rec.pool_id, why)
                 continue
-            pool = Pool(pool_id=rec.pool_id, parent=parent, branch_pos=rec.branch_pos, seq=Sequence(rec.tokens),
-                        hashes=prefix_hashes(rec.tokens), pinned=rec.pinned, residency=Residency.EVICTED,
-                        label=rec.label, tenant=rec.tenant)
-            tree.pools[pool.pool_id] = pool
-            if parent is not None:
-                parent.children.append(pool)
+            pool = polykv.restore_pool(rec.pool_id, parent, rec.branch_pos, rec.tokens, pinned=rec.pinned,
+                                       label=rec.label, tenant=rec.tenant)
             restored[pool.pool_id] = pool
             self._pools[pool.pool_id] = self._pool_key(pool)
             if rec.admission and self.admission is not None:
@@ -112,21 +108,16 @@ class Persister:
                 except Exception as e:  # noqa: BLE001 - a policy this version rejects: defaults
                     log.warning("state: admission policy of pool %d not restored: %s", pool.pool_id, e)
                 self._pools[pool.pool_id] = self._pool_key(pool)
-        tree.skip_ids(max(snap.next_pool_id, max(restored, default=0) + 1))
+        polykv.skip_pool_ids(max(snap.next_pool_id, max(restored, default=0) + 1))
         self._reserved = snap.next_pool_id
         n_sessions = 0
         back: list[Session] = []
         for rec in snap.sessions:
             if rec.session_id in core.sessions:
                 continue
-            s = Session(rec.session_id)
-            s.seq = Sequence(rec.tokens)  # no KV: the next request recomputes what it needs
-            s.tenant = rec.tenant
             pool = restored.get(rec.pool_id) if rec.pool_id is not None else None
-            if pool is not None:
-                s.pool_id = pool.pool_id
-                pool.sessions.add(s.session_id)
-            core.sessions[s.session_id] = s
+            # no KV: the next request recomputes what it needs
+            s = polykv.restore_session(rec.session_id, list(rec.tokens), pool, rec.tenant)
             self._sessions[s.session_id] = self._session_key(s)
             back.append(s)
             n_sessions += 1
@@ -136,7 +127,7 @@ class Persister:
             self._sessions[s.session_id] = self._session_key(s)
         self.sync()
         self.stats = {"pools": len(restored), "sessions": n_sessions, "skipped_pools": skipped,
-                      "next_pool_id": tree.next_id, "kv_loaded_pools": loaded,
+                      "next_pool_id": polykv.tree.next_id, "kv_loaded_pools": loaded,
                       "kv_loaded_sessions": sessions_loaded,
                       "seconds": time.perf_counter() - t0}
         return self.stats
@@ -366,8 +357,7 @@ class Persister:
                 self._drop_kv_file(pool.pool_id)
             return False
         tables.advance(pool.seq, n - d)
-        pool.residency = Residency.RESIDENT
-        pool.last_access = time.time()
+        self.core.polykv.pool_loaded(pool)
         self._kv_saved.add(pool.pool_id)
         return True
 

@@ -1,4 +1,6 @@
-"""Automatic prefix sharing and memory reclaim, as a mixin of EngineCore (step thread only).
+"""``PrefixCache``: automatic prefix sharing, in-flight waits and realignment (step thread only).
+
+The object beside ``PolyKV`` (``state.py``) that EngineCore composes.
 
 A request that names no pool finds the longest prefix of its prompt whose KV is resident —
 pages of pools, of live sessions, or cache left by finished requests — through the prefix index
@@ -6,15 +8,13 @@ pages of pools, of live sessions, or cache left by finished requests — through
 arrive together compute a shared prefix once: a waiting request whose next uncached page is
 being computed by a running request waits for it (a step or two) instead of computing it too.
 
-Memory: cache pages (held by the index alone) are evicted first, least recently used leaves
-first; then idle sessions' KV (which falls into the cache and is evicted in turn), then idle
-pools. An idle session nobody named expires after ``session_ttl_s``.
+Memory (which idle caches and pools go when pages run short) is ``PolyKV.reclaim``.
 
 Realignment: a conversation sent again as text carries the model's earlier answers, and the
 tokenizer may spell an answer with other ids than the model generated (``"a" "b"`` generated,
 ``"ab"`` re-encoded), which would end the shared prefix inside the answer. Before a request is
 planned, its prompt is realigned to the exact ids of recent finished requests of the same salt
-(``_realign``): where the prompt and such a request diverge, the longest span that spells the same
+(``realign``): where the prompt and such a request diverge, the longest span that spells the same
 bytes in both (compared piece by piece and decoded, never across a special token) takes the
 earlier request's ids. The prompt's text is unchanged, so is the rest of its ids; only the spelling
 of text the model itself produced changes, and the KV shared afterwards is still matched token by
@@ -23,15 +23,16 @@ token by the index.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import numpy as np
 
-from .errors import ContextLengthError
-from .kv.pools import Residency
-from .kv.prefix_index import salt_root
-from .session import Job, Session
+from ..kv.prefix_index import salt_root
+from ..kv.tables import KVTables
+from ..limits import Limits
+from ..session import Job, Session
+from ..speculative import RecentOutputs
+from .state import PolyKV
 
 RECENT_REQUESTS = 64  # finished requests a prompt can be realigned to (per engine, all salts)
 _MAX_SPLICES = 16  # realigned spans per prompt (one per earlier answer it repeats)
@@ -39,23 +40,26 @@ _SPLICE_TRIES = 4  # common boundaries tried per span when the last one does not
 _MAX_SPAN = 8192  # ids of an earlier request looked at per span
 
 
-class PrefixCacheMixin:
-    """Needs from EngineCore: kv, tables, tree, sessions, scheduler, config, counters, page_size, recent_outputs,
-    and drop_session_kv, _evict_pool, auto_pinned, _session_pool."""
-
-    def _init_prefix_cache(self) -> None:
+class PrefixCache:
+    def __init__(self, polykv: PolyKV, limits: Limits, tokenizer, counters: dict, recent_outputs: RecentOutputs):
+        self.polykv = polykv
+        self.tables: KVTables = polykv.tables
+        self.page_size = polykv.page_size
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.counters = counters
+        self.recent_outputs = recent_outputs
         self._inflight: dict[bytes, Job] = {}  # page key -> the job computing (or queued to compute) that page
-        self._next_expiry_check = 0.0
         # (salt root, ids) of recent finished requests, prompt + answer: what prompts are realigned to
         self._recent: deque[tuple[bytes, np.ndarray]] = deque(maxlen=RECENT_REQUESTS)
         self._pieces = None  # token id -> its piece of text (the tokenizer's own spelling), made on first use
         self._specials = np.array(sorted(self.tokenizer.special_token_ids), dtype=np.int64)
 
     # ---- at commit ---------------------------------------------------------------------
-    def _plan_auto(self, job: Job, pooled: bool, salt: str | None) -> int:
+    def plan_auto(self, job: Job, pooled: bool, salt: str | None) -> int:
         """Prepare ``job`` for automatic sharing; returns the prompt tokens it is expected to
         reuse from the index (cached now, or computed by a request ahead of it, which it will wait
-        for). What it reuses in the end is counted when it starts (``_auto_start``)."""
+        for). What it reuses in the end is counted when it starts (``auto_start``)."""
         job.seq.salt_root = salt_root(salt)
         index = self.tables.index
         if index is None or pooled:
@@ -72,7 +76,7 @@ class PrefixCacheMixin:
         return max(m.num_tokens(ps), n * ps)
 
     # ---- realignment (at prepare: no side effect) ---------------------------------------
-    def _realign(self, prompt: list[int], salt: str | None, params, floor: int = 0) -> list[int]:
+    def realign(self, prompt: list[int], salt: str | None, params, floor: int = 0) -> list[int]:
         """``prompt`` with each span that spells the same bytes as a recent finished request of
         the same salt (past the point where they diverge, at or after ``floor``) taken from that
         request's ids. Returns ``prompt`` itself when nothing changes, or when the realigned
@@ -98,16 +102,9 @@ class PrefixCacheMixin:
                 break
             out, changed = spliced, True
             live = [(t, d) for t, n in scored if n >= d]  # the others part from the prompt before d
-        if not changed or not self._fits(len(out), params.max_tokens):
+        if not changed or not self.limits.fits(len(out), params.max_tokens):
             return prompt
         return out.tolist()
-
-    def _fits(self, n: int, max_tokens: int | None) -> bool:
-        try:
-            self.check_fits(n, max_tokens)
-        except ContextLengthError:
-            return False
-        return True
 
     def _splice(self, out: np.ndarray, ref: np.ndarray, d: int) -> np.ndarray | None:
         """``out`` with its span from ``d`` replaced by ``ref``'s ids for the longest same text
@@ -171,7 +168,7 @@ class PrefixCacheMixin:
         return ta == tb and "\ufffd" not in ta
 
     # ---- at start ----------------------------------------------------------------------
-    def _auto_start(self, job: Job, p_other: int) -> bool | None:
+    def auto_start(self, job: Job, p_other: int) -> bool | None:
         """Start ``job`` from the index when that reuses more than ``p_other`` tokens (its pool or
         its own cache). None: not from the index; False: no page for the partial copy yet."""
         seq = job.seq
@@ -190,7 +187,7 @@ class PrefixCacheMixin:
         if old is not seq:
             self.tables.drop(old)
         seq.num_shared_tokens = 0
-        job.session.seq = seq
+        self.polykv.adopt_seq(job.session, seq)
         if not job.num_preemptions:
             self._recount_cache_n(job, p)
         self.counters["auto_prefix_tokens"] += p
@@ -233,102 +230,19 @@ class PrefixCacheMixin:
         return r is not None and r is not job
 
     # ---- at finish ---------------------------------------------------------------------
-    def _after_request(self, session: Session, job: Job | None = None) -> None:
+    def on_request_end(self, session: Session, job: Job | None = None) -> None:
+        """A request of ``session`` ended: its session's pages enter the index; the pages it was
+        computing for others are no longer awaited; its ids are kept for realignment and drafts."""
         self.tables.cache_tail(session.seq)
-        if job is not None:
-            for k in job.prompt_keys:
-                if self._inflight.get(k) is job:
-                    del self._inflight[k]
-            if job.generated and job.seq is session.seq:
-                self._recent.append((job.seq.salt_root, np.asarray(job.seq.tokens, dtype=np.int64)))
-                if job.draft_state is not None and self.tables.index is not None:
-                    self.recent_outputs.add(job.seq.salt_root, job.generated)  # drafts for later requests
-        if not session.anonymous:
+        if job is None:
             return
-        pool = self._session_pool(session)
-        if self.config.session_ttl_s == 0:
-            self._expire(session)
-        elif pool is not None and pool.residency == Residency.RELEASED:
-            self.drop_session_kv(session)  # its pages fall into the cache: the released pool's KV is not pinned
-
-    def _expire(self, s: Session) -> None:
-        self.drop_session_kv(s)
-        self.sessions.pop(s.session_id, None)
-        self.counters["expired_sessions"] += 1
-
-    def expire_sessions(self, now: float | None = None) -> None:
-        """End idle anonymous sessions older than the TTL (checked at most once a second)."""
-        now = time.monotonic() if now is None else now
-        if now < self._next_expiry_check:
-            return
-        self._next_expiry_check = now + min(1.0, self.config.session_ttl_s)
-        ttl = self.config.session_ttl_s
-        for s in [s for s in self.sessions.values() if s.anonymous and s.is_idle and now - s.last_access >= ttl]:
-            self._expire(s)
-
-    def next_expiry(self) -> float | None:
-        """Seconds until the next idle anonymous session may expire (None: none to expire)."""
-        ttl, now = self.config.session_ttl_s, time.monotonic()
-        due = [s.last_access + ttl for s in self.sessions.values() if s.anonymous and s.is_idle]
-        return max(0.0, min(due) - now, self._next_expiry_check - now) if due else None
-
-    def _expire_with_pool(self, pool) -> None:
-        """A released pool: the idle anonymous sessions on it drop their KV now (it falls into the cache,
-        evictable) and leave the pool; the sessions themselves live on until their TTL."""
-        for sid in list(pool.sessions):
-            s = self.sessions.get(sid)
-            if s is not None and s.anonymous and s.is_idle:
-                self.drop_session_kv(s)
-
-    # ---- memory ------------------------------------------------------------------------
-    def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
-        """Free at least num_pages if possible: cache pages first (LRU, leaves first), then idle
-        sessions' KV, then idle pools (LRU). An evicted session stays attached to its pool (it
-        recomputes on its next turn)."""
-        start = self.kv.num_free
-
-        def short() -> int:
-            return num_pages - (self.kv.num_free - start)
-
-        self.tables.evict_cache(short())
-        if short() <= 0:
-            return self.kv.num_free - start
-        idle = sorted((s for s in self.sessions.values() if s.is_idle and s.seq.page_table and s is not keep),
-                      key=lambda s: s.last_access)
-        for s in idle:
-            if short() <= 0:
-                break
-            self.drop_session_kv(s, detach=False)
-            self.tables.evict_cache(short())
-            self.counters["evicted_sessions"] += 1
-        now = time.monotonic()
-        while short() > 0:
-            cands = [p for p in self.tree.pools.values()
-                     if p.residency == Residency.RESIDENT and not p.pinned and not self.auto_pinned(p, now)]
-            if not cands:
-                break
-            self._evict_pool(min(cands, key=lambda p: p.last_access))
-            self.tables.evict_cache(short())
-            self.counters["evicted_pools"] += 1
-        return self.kv.num_free - start
-
-    def cache_status(self, cache_only: int, cache_owned: int) -> dict:
-        """The prefix cache: pages only it holds (evictable), pages it owns (those plus pages sessions
-        still read after their owner ended), hits."""
-        c, pb = self.counters, self.kv.page_bytes
-        return {
-            "enabled": self.tables.index is not None,
-            "cache_pages": cache_only,
-            "cache_kv_bytes": cache_only * pb,
-            "owned_pages": cache_owned,
-            "indexed_pages": len(self.tables.index) if self.tables.index is not None else 0,
-            "evicted_pages": self.tables.evicted_pages,
-            "prompt_tokens": c["prompt_tokens"],
-            "cached_prompt_tokens": c["cached_prompt_tokens"],
-            "auto_prefix_tokens": c["auto_prefix_tokens"],
-            # prompt tokens reused (pools, sessions and the automatic index) / prompt tokens
-            "hit_rate": c["cached_prompt_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-        }
+        for k in job.prompt_keys:
+            if self._inflight.get(k) is job:
+                del self._inflight[k]
+        if job.generated and job.seq is session.seq:
+            self._recent.append((job.seq.salt_root, np.asarray(job.seq.tokens, dtype=np.int64)))
+            if job.draft_state is not None and self.tables.index is not None:
+                self.recent_outputs.add(job.seq.salt_root, job.generated)  # drafts for later requests
 
 
 def _lcp(a: np.ndarray, b: np.ndarray, lo: int = 0) -> int:

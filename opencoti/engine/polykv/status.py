@@ -1,0 +1,116 @@
+"""Reports on the pool and session state (read only): one session's and one pool's row, the tree,
+KV bytes by ownership, the prefix cache's counters, the engine-wide ``stats()``, and the integrity
+check (refcounts match the page tables, every used page has one owner)."""
+
+from __future__ import annotations
+
+import time
+
+from ..kv.pools import Pool, Residency
+from ..results import PoolInfo
+from ..session import Session
+from .state import PolyKV
+
+
+def session_info(kv: PolyKV, s: Session, max_context: int) -> dict:
+    return {
+        "session_id": s.session_id,
+        "pool_id": s.pool_id,
+        "suffix_n_tokens": len(s.seq.tokens) - s.seq.num_shared_tokens,
+        "marginal_kv_bytes": len(s.seq.owned_pages) * kv.kv.page_bytes,
+        "ctx_used": len(s.seq.tokens),
+        "ctx_total": max_context,
+        "state": s.state.value,
+    }
+
+
+def pool_info(kv: PolyKV, pool: Pool, max_context: int) -> PoolInfo:
+    now = time.monotonic()
+    own = len(pool.seq.owned_pages) * kv.kv.page_bytes
+    sessions = [session_info(kv, kv.sessions[sid], max_context) for sid in sorted(pool.sessions)
+                if sid in kv.sessions]
+    subtree = own + sum(x["marginal_kv_bytes"] for x in sessions)
+    kids = [c for c in pool.children if c.residency != Residency.RELEASED]
+    for c in pool.children:
+        subtree += pool_info(kv, c, max_context).subtree_kv_bytes
+    return PoolInfo(
+        pool_id=pool.pool_id, parent=pool.parent.pool_id if pool.parent else None, branch_pos=pool.branch_pos,
+        prefix_len=pool.prefix_len, own_len=pool.own_len, own_kv_bytes=own, subtree_kv_bytes=subtree,
+        residency=pool.residency.value, pinned=pool.pinned, auto_pinned=kv.auto_pinned(pool, now),
+        orphaned_pin=pool.pinned and not pool.sessions and not kids,
+        last_access_ts=pool.last_access, children=[c.pool_id for c in kids], sessions=sessions,
+        rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label,
+        release_in_s=None if pool.release_at is None else max(0.0, max(pool.release_at, pool.grace_until) - now))
+
+
+def kv_accounting(kv: PolyKV) -> tuple[int, int, int]:
+    """(pages held by pools and sessions, pages held only by the prefix cache (evicted on demand,
+    so reported apart like free pages), pages no pool or session owns: the cache owner's)."""
+    cache_only = kv.tables.num_cache_only()
+    owned = sum(len(s.owned_pages) for s in kv.holders())
+    return kv.kv.num_used - cache_only, cache_only, kv.kv.num_used - owned
+
+
+def cache_status(kv: PolyKV, counters: dict, cache_only: int, cache_owned: int) -> dict:
+    """The prefix cache: pages only it holds (evictable), pages it owns (those plus pages sessions
+    still read after their owner ended), hits."""
+    c, pb, index = counters, kv.kv.page_bytes, kv.tables.index
+    return {
+        "enabled": index is not None,
+        "cache_pages": cache_only,
+        "cache_kv_bytes": cache_only * pb,
+        "owned_pages": cache_owned,
+        "indexed_pages": len(index) if index is not None else 0,
+        "evicted_pages": kv.tables.evicted_pages,
+        "prompt_tokens": c["prompt_tokens"],
+        "cached_prompt_tokens": c["cached_prompt_tokens"],
+        "auto_prefix_tokens": c["auto_prefix_tokens"],
+        # prompt tokens reused (pools, sessions and the automatic index) / prompt tokens
+        "hit_rate": c["cached_prompt_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+    }
+
+
+def stats(kv: PolyKV, counters: dict, running: int, waiting: int) -> dict:
+    used, cache_only, cache_owned = kv_accounting(kv)
+    return {**counters, "kv_pages_used": used, "kv_pages_cache": cache_only,
+            "kv_pages_total": kv.kv.num_pages, "sessions": len(kv.sessions),
+            "running": running, "waiting": waiting,
+            "prefix_cache": cache_status(kv, counters, cache_only, cache_owned)}
+
+
+def pools_status(kv: PolyKV, counters: dict, max_context: int) -> dict:
+    used, cache_only, cache_owned = kv_accounting(kv)
+    cache = cache_status(kv, counters, cache_only, cache_owned)
+    tree, pages = kv.tree, kv.kv
+    return {
+        "pools": [pool_info(kv, p, max_context).as_dict() for p in sorted(tree.pools.values(), key=lambda p: p.pool_id)],
+        "tree_depth": tree.depth(),
+        "pools_used": tree.num_used,
+        "pools_max": tree.max_pools,
+        # the design's names: a session here is a page table, not a sequence slot, so only pools use ids
+        "seq_ids_used": tree.num_used,
+        "seq_ids_max": tree.max_pools,
+        "kv_pages_total": pages.num_pages,
+        "kv_pages_used": used,  # held by pools and sessions (cache-only pages are reported apart)
+        "kv_bytes_used": used * pages.page_bytes,
+        "kv_pages_cache": cache_only,  # held only by the prefix cache: evicted first, on demand
+        "cache_kv_bytes": cache_only * pages.page_bytes,
+        "cache_hit_rate": cache["hit_rate"],
+        "page_size": kv.page_size,
+        "prefix_cache": cache,
+    }
+
+
+def check_integrity(kv: PolyKV) -> None:
+    """Refcounts match the page tables (and the prefix index), and every used page has exactly
+    one owner: a pool, a session, or else the cache."""
+    kv.tables.check_integrity(kv.holders())
+    for s in kv.sessions.values():
+        pool = kv.session_pool(s)
+        if s.seq.num_borrowed_pages and pool is not None:  # without a pool it borrows from the cache
+            n = s.seq.num_borrowed_pages
+            assert s.seq.page_table[:n] == pool.seq.page_table[:n], f"session {s.session_id} borrow mismatch"
+    for p in kv.tree.pools.values():
+        if p.residency == Residency.RESIDENT and p.parent is not None:
+            n = p.seq.num_borrowed_pages
+            assert p.seq.page_table[:n] == p.parent.seq.page_table[:n], f"pool {p.pool_id} borrow mismatch"
