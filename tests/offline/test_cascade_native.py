@@ -253,7 +253,7 @@ def test_fused_decode_layer_with_cascade_groups_equals_plain(make_engine, monkey
         kl = torch.tensor(kv_lens, dtype=torch.int64)
         kc, vc = kv.k_cache[0].clone(), kv.v_cache[0].clone()
         x = x0.clone()
-        args = [x, L.in_norm, L.post_norm, d.rms_norm_eps, *model.fused_layers[0], cos, sin, slots, kc, vc, rows, idx,
+        args = [x, L.in_norm, L.post_norm, d.rms_norm_eps, *model.fused_layers.per_layer[0], cos, sin, slots, kc, vc, rows, idx,
                 kl, d.num_heads, model.scale]
         if groups is None:
             LIB.decode_layer(*args)

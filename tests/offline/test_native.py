@@ -496,7 +496,7 @@ def test_decode_layer_rejects_bad_inputs(make_engine, monkeypatch, tmp_path):
     monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
     eng = make_engine(weights="int8")
     model, d = eng.model, eng.model.dims
-    weights, scales, biases = model.fused_layers[0]
+    weights, scales, biases = model.fused_layers.per_layer[0]
     L = model.layers[0]
     T, ps = 2, 4
     k_cache = torch.zeros(6, ps, d.num_kv_heads, d.head_dim)
@@ -531,3 +531,50 @@ def test_decode_layer_rejects_bad_inputs(make_engine, monkeypatch, tmp_path):
     for change, match in cases:
         with pytest.raises(RuntimeError, match=match):
             call(**change)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_decode_layers_is_decode_layer_per_layer(make_engine, monkeypatch, tmp_path, weights):
+    """The engine's one call per step (``decode_layers``: every layer, caches [layers, ...]) computes what
+    ``decode_layer`` computes layer after layer, bit for bit; its inputs are checked before any layer runs."""
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
+    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
+    eng = make_engine(weights=weights)
+    model, d = eng.model, eng.model.dims
+    fl = model.fused_layers
+    n_layers, T, ps = len(model.layers), 3, 4
+    torch.manual_seed(5)
+    kc0 = torch.randn(n_layers, 10, ps, d.num_kv_heads, d.head_dim)
+    x0 = torch.randn(T, d.hidden_size)
+    angles = torch.rand(T, d.head_dim // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    step = dict(cos=cos, sin_signed=sin, slots=torch.tensor([9, 13, 22]), q_rows=torch.arange(T),
+                page_idx=torch.tensor([[2, 0, 0], [1, 3, 0], [4, 5, 6]]), kv_lens=torch.tensor([2, 6, 11]),
+                num_heads=d.num_heads, scale=model.scale)
+    x, kc, vc = x0.clone(), kc0.clone(), kc0.clone() * 0.5
+    LIB.decode_layers(x, fl.in_norms, fl.post_norms, d.rms_norm_eps, fl.weights, fl.scales, fl.biases, k_cache=kc,
+                      v_cache=vc, **step)
+    x1, kc1, vc1 = x0.clone(), kc0.clone(), kc0.clone() * 0.5
+    for i, L in enumerate(model.layers):
+        LIB.decode_layer(x1, L.in_norm, L.post_norm, d.rms_norm_eps, *fl.per_layer[i], k_cache=kc1[i], v_cache=vc1[i],
+                         **step)
+    assert torch.equal(x, x1) and torch.equal(kc, kc1) and torch.equal(vc, vc1)
+    assert not torch.equal(x, x0)
+    bad = [
+        (dict(in_norms=fl.in_norms[:-1]), "in_norms and post_norms must hold one norm per layer"),
+        (dict(weights=fl.weights[:-1]), f"weights must hold {4 * n_layers} projections"),
+        (dict(k_cache=kc[0], v_cache=vc[0]), "k_cache must have 5 dimensions"),
+        ({k: [*v[:4], v[7], v[5], v[6], v[4], *v[8:]] for k, v in (("weights", fl.weights), ("scales", fl.scales),
+                                                                     ("biases", fl.biases))},
+         r"weights\[4\] \(qkv\) must compute \(num_heads \+ 2 x KV heads\) x head_dim from hidden"),
+        (dict(post_norms=[*fl.post_norms[:-1], torch.ones(3)]), rf"post_norms\[{n_layers - 1}\] dimension 0"),
+    ]
+    for change, match in bad:
+        args = dict(x=x.clone(), in_norms=fl.in_norms, post_norms=fl.post_norms, eps=d.rms_norm_eps,
+                    weights=fl.weights, scales=fl.scales, biases=fl.biases, k_cache=kc, v_cache=vc, **step)
+        args.update(change)
+        before = args["x"].clone()
+        with pytest.raises(RuntimeError, match=match):
+            LIB.decode_layers(**args)
+        assert torch.equal(args["x"], before)  # no layer ran

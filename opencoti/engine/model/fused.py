@@ -1,10 +1,10 @@
-"""Decode steps in one native call per layer (``torch.ops.opencoti.decode_layer``: ``oc_decode_layer`` in
-``engine/native/kernels.cpp``).
+"""Decode steps in one native call (``torch.ops.opencoti.decode_layers``: ``oc_decode_layer`` of
+``engine/native/kernels.cpp`` for each layer in turn).
 
 A decode-only step (every sequence computes one new token) of a model whose projections all run
 native kernels (``native_q4`` / ``native_q8``), with fp32 activations on CPU, an fp32, fp16, bf16 or q8
 KV cache (read and written in its dtype, attention computed in fp32) and the torch attention
-backend's plain (non-cascade) plan, runs each decoder layer as one call: norms,
+backend's plain (non-cascade) plan, runs all its decoder layers in one call, each layer's norms,
 projections, RoPE, the K/V cache write, paged attention, SiLU and residuals, without returning to
 Python in between. Any other step takes the layer-by-layer path in ``llama.py``; both compute the
 same function (tests compare them). Profiled on the bundled model (2-core AVX2 EPYC, one session),
@@ -17,27 +17,38 @@ from __future__ import annotations
 import torch
 
 
-def prepare(model) -> list | None:
-    """Per layer, its four projections (qkv, o, gate_up, down) as the fused operator takes them:
-    (weights, scales, biases) lists; None when the fused path does not apply to this model."""
+class FusedLayers:
+    """A model's layers as the fused operators take them: per layer its four projections (qkv, o,
+    gate_up, down) as (weights, scales, biases) lists (``per_layer``, for ``decode_layer``), and the
+    same for every layer at once, flattened, with the layers' norms (``decode_layers``)."""
+
+    def __init__(self, model, projs: list[list[tuple]]):
+        self.per_layer = [tuple([p[i] for p in layer] for i in range(3)) for layer in projs]
+        self.weights, self.scales, self.biases = ([p[i] for layer in projs for p in layer] for i in range(3))
+        self.in_norms = [L.in_norm for L in model.layers]
+        self.post_norms = [L.post_norm for L in model.layers]
+
+
+def prepare(model) -> FusedLayers | None:
+    """The model's layers for the fused operators; None when the fused path does not apply to it."""
     from .. import native
 
     if native.lib() is None or model.device.type != "cpu" or model.dtype != torch.float32 or model.dims.qk_norm:
         return None
-    layers = []
+    projs = []
     for L in model.layers:
         kerns = (L.qkv, L.o, L.gate_up, L.down)
         if not all(hasattr(k, "proj") for k in kerns):
             return None
-        projs = [k.proj() for k in kerns]
-        layers.append(tuple([p[i] for p in projs] for i in range(3)))
-    return layers
+        projs.append([k.proj() for k in kerns])
+    return FusedLayers(model, projs)
 
 
-def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def decode_step(model, layers: FusedLayers, x: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 backend, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Run every layer on ``x`` [T, hidden] in place; False (nothing done) when this step does not
-    qualify (a prefill row, a cascade plan, another backend, a cache the kernels cannot read)."""
+    """Run every layer on ``x`` [T, hidden] in place (one operator call for the step); False (nothing
+    done) when this step does not qualify (a prefill row, a cascade plan, another backend, a cache the
+    kernels cannot read)."""
     from .. import native
 
     plan = meta.backend_state.get("torch")
@@ -51,11 +62,7 @@ def decode_step(model, layers: list, x: torch.Tensor, meta, k_cache: torch.Tenso
     if rows.shape[0] != T:
         return False
     cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
-    slots = meta.slot_mapping.contiguous()
-    layer = native.lib().decode_layer.default
-    eps, heads, scale = d.rms_norm_eps, d.num_heads, model.scale
-    for i, L in enumerate(model.layers):
-        weights, scales, biases = layers[i]
-        layer(x, L.in_norm, L.post_norm, eps, weights, scales, biases, cos, sin, slots, k_cache[i], v_cache[i], rows,
-              page_idx, lens, heads, scale)
+    native.lib().decode_layers.default(x, layers.in_norms, layers.post_norms, d.rms_norm_eps, layers.weights,
+                                       layers.scales, layers.biases, cos, sin, meta.slot_mapping.contiguous(),
+                                       k_cache, v_cache, rows, page_idx, lens, d.num_heads, model.scale)
     return True

@@ -81,18 +81,19 @@ int kv_code(ScalarType t) {
     }
 }
 
-// A paged KV cache [pages, page_size, Hkv, D] (q8: int8 [..., D + 4]) and its partner; returns its
-// element type code and sets head_dim (D).
-int check_caches(const Tensor& k, const Tensor& v, bool meta, int64_t* head_dim) {
+// A paged KV cache [pages, page_size, Hkv, D] (q8: int8 [..., D + 4]), or the caches of all layers
+// [layers, pages, page_size, Hkv, D] (dims 5), and its partner; returns its element type code and sets
+// head_dim (D).
+int check_caches(const Tensor& k, const Tensor& v, bool meta, int64_t* head_dim, int64_t dims = 4) {
     const int kv = kv_code(k.scalar_type());
     TORCH_CHECK(kv >= 0, "k_cache must be float32, float16, bfloat16 or int8 (q8 pages), got ",
                 dtype_name(k.scalar_type()));
     check_tensor(k, "k_cache", k.scalar_type(), meta);
     check_tensor(v, "v_cache", k.scalar_type(), meta);
-    check_dim(k, "k_cache", 4);
+    check_dim(k, "k_cache", dims);
     TORCH_CHECK(v.sizes() == k.sizes(), "v_cache must have k_cache's shape ", k.sizes(), ", got ", v.sizes());
-    *head_dim = kv == kKvQ8 ? k.size(3) - kQ8Scale : k.size(3);
-    TORCH_CHECK(*head_dim > 0, "k_cache's last dimension ", k.size(3), " holds no values",
+    *head_dim = kv == kKvQ8 ? k.size(-1) - kQ8Scale : k.size(-1);
+    TORCH_CHECK(*head_dim > 0, "k_cache's last dimension ", k.size(-1), " holds no values",
                 kv == kKvQ8 ? " (q8: head_dim + 4)" : "");
     return kv;
 }
@@ -306,72 +307,116 @@ void cascade_groups(const Tensor& q, const Tensor& k_cache, const Tensor& v_cach
 // ---------------------------------------------------------------------------------------- fused layer
 using OptList = c10::List<c10::optional<Tensor>>;
 
+// What the decode rows of one step share across layers: the residual stream x [T, hidden], RoPE
+// cos / sin_signed [T, D], the slots K/V are written to, the page tables, the caches (one layer's
+// [pages, page_size, Hkv, D] or all layers' [layers, ...]). Returns the KV type code.
+struct StepDims {
+    int64_t T, hidden, H, Hkv, D, pages, page_size;
+    int kv;
+};
+
+StepDims check_step(const Tensor& x, const Tensor& cos, const Tensor& sin_signed, const Tensor& slots,
+                    const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_rows, const Tensor& page_idx,
+                    const Tensor& kv_lens, int64_t num_heads, int64_t cache_dims, bool meta) {
+    StepDims d{};
+    d.kv = check_caches(k_cache, v_cache, meta, &d.D, cache_dims);
+    d.Hkv = k_cache.size(-2), d.H = num_heads;
+    d.pages = k_cache.size(-4), d.page_size = k_cache.size(-3);
+    TORCH_CHECK(d.H > 0 && d.H % d.Hkv == 0, "num_heads (", d.H, ") must be a positive multiple of the cache's KV "
+                "heads (", d.Hkv, ")");
+    TORCH_CHECK(d.D % 2 == 0, "head_dim (", d.D, ") must be even (RoPE rotates its halves)");
+    check_tensor(x, "x", ScalarType::Float, meta);
+    check_dim(x, "x", 2);
+    d.T = x.size(0), d.hidden = x.size(1);
+    for (auto [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin_signed, "sin_signed"}}) {
+        check_tensor(*t, name, ScalarType::Float, meta);
+        check_dim(*t, name, 2);
+        TORCH_CHECK(t->size(0) == d.T && t->size(1) == d.D, name, " must have shape [", d.T, ", ", d.D,
+                    "] (x's rows, head_dim), got ", t->sizes());
+    }
+    check_tensor(slots, "slots", ScalarType::Long, meta);
+    check_dim(slots, "slots", 1);
+    check_size(slots, "slots", 0, d.T, "x's rows");
+    check_tensor(q_rows, "q_rows", ScalarType::Long, meta);
+    check_dim(q_rows, "q_rows", 1);
+    check_size(q_rows, "q_rows", 0, d.T, "x's rows (one decode row each)");
+    check_tables(q_rows, page_idx, kv_lens, d.T, d.pages, d.page_size, meta);
+    if (!meta)
+        check_range(slots, "slots", 0, d.pages * d.page_size, "a slot of the cache (pages x page_size)");
+    return d;
+}
+
+// One layer's norms [hidden] and projections (qkv, o, gate_up, down) at ``at`` in the lists, checked
+// against each other and the step; writes proj[0..3].
+void check_layer(const Tensor& in_norm, const Tensor& post_norm, at::TensorList weights, const OptList& scales,
+                 const OptList& biases, size_t at, const StepDims& d, const std::string& where, bool meta,
+                 OcProj* proj) {
+    static const char* kRoles[4] = {" (qkv)", " (o)", " (gate_up)", " (down)"};
+    std::string names[4];
+    for (int i = 0; i < 4; ++i) {
+        const std::string idx = "[" + std::to_string(at + i) + "]";
+        names[i] = "weights" + idx + kRoles[i];
+        proj[i] = check_proj(weights[at + i], scales.get(at + i), biases.get(at + i), names[i], "scales" + idx,
+                             "biases" + idx, meta);
+    }
+    for (auto [t, name] : {std::pair{&in_norm, "in_norm"}, std::pair{&post_norm, "post_norm"}}) {
+        const std::string n = name + where;
+        check_tensor(*t, n.c_str(), ScalarType::Float, meta);
+        check_dim(*t, n.c_str(), 1);
+        check_size(*t, n.c_str(), 0, d.hidden, "x's hidden size");
+    }
+    auto shape = [&](int i, int64_t n, int64_t k, const char* what) {
+        TORCH_CHECK(proj[i].n == n && proj[i].k == k, names[i], " must compute ", what, ": [", n, " outputs, ", k,
+                    " inputs], got [", proj[i].n, ", ", proj[i].k, "]");
+    };
+    shape(0, (d.H + 2 * d.Hkv) * d.D, d.hidden, "(num_heads + 2 x KV heads) x head_dim from hidden");
+    shape(1, d.hidden, d.H * d.D, "hidden from num_heads x head_dim");
+    TORCH_CHECK(proj[2].n % 2 == 0 && proj[2].k == d.hidden, names[2], " must compute 2 x intermediate from hidden (",
+                d.hidden, "), got [", proj[2].n, ", ", proj[2].k, "]");
+    shape(3, d.hidden, proj[2].n / 2, "hidden from the intermediate size");
+}
+
+void check_lists(at::TensorList weights, const OptList& scales, const OptList& biases, size_t n) {
+    TORCH_CHECK(weights.size() == n, "weights must hold ", n, " projections (qkv, o, gate_up, down per layer), got ",
+                weights.size());
+    TORCH_CHECK(scales.size() == n, "scales must hold ", n, " entries (one per projection, None for int4), got ",
+                scales.size());
+    TORCH_CHECK(biases.size() == n, "biases must hold ", n, " entries (one per projection, or None), got ",
+                biases.size());
+}
+
+void run_layer(const Tensor& x, const StepDims& d, const Tensor& in_norm, const Tensor& post_norm, double eps,
+               const OcProj* proj, const Tensor& cos, const Tensor& sin_signed, const Tensor& slots, void* k_cache,
+               void* v_cache, const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, double scale,
+               int64_t n_groups, const Tensor* groups) {
+    const int64_t* g[4] = {nullptr, nullptr, nullptr, nullptr};
+    if (n_groups > 0)
+        for (int i = 0; i < 4; ++i) g[i] = groups[i].data_ptr<int64_t>();
+    oc_decode_layer_cascade(x.data_ptr<float>(), d.T, d.hidden, in_norm.data_ptr<float>(), post_norm.data_ptr<float>(),
+                            (float)eps, proj, cos.data_ptr<float>(), sin_signed.data_ptr<float>(),
+                            slots.data_ptr<int64_t>(), k_cache, v_cache, q_rows.data_ptr<int64_t>(),
+                            page_idx.data_ptr<int64_t>(), page_idx.size(1), kv_lens.data_ptr<int64_t>(), d.page_size,
+                            d.H, d.Hkv, d.D, (float)scale, d.kv, at::get_num_threads(), n_groups, g[0], g[1], g[2],
+                            g[3]);
+}
+
 template <bool kMeta>
 void decode_layer_impl(const Tensor& x, const Tensor& in_norm, const Tensor& post_norm, double eps,
                        at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
                        const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
                        const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
                        double scale, const Tensor* groups) {
-    static const char* kNames[4] = {"weights[0] (qkv)", "weights[1] (o)", "weights[2] (gate_up)", "weights[3] (down)"};
-    TORCH_CHECK(weights.size() == 4, "weights must hold 4 projections (qkv, o, gate_up, down), got ", weights.size());
-    TORCH_CHECK(scales.size() == 4, "scales must hold 4 entries (one per projection, None for int4), got ",
-                scales.size());
-    TORCH_CHECK(biases.size() == 4, "biases must hold 4 entries (one per projection, or None), got ", biases.size());
+    check_lists(weights, scales, biases, 4);
+    const StepDims d = check_step(x, cos, sin_signed, slots, k_cache, v_cache, q_rows, page_idx, kv_lens, num_heads, 4,
+                                  kMeta);
     OcProj proj[4];
-    for (int i = 0; i < 4; ++i) {
-        const std::string idx = "[" + std::to_string(i) + "]";
-        proj[i] = check_proj(weights[i], scales.get(i), biases.get(i), kNames[i], "scales" + idx, "biases" + idx, kMeta);
-    }
-    int64_t D;
-    const int kv = check_caches(k_cache, v_cache, kMeta, &D);
-    const int64_t Hkv = k_cache.size(2), H = num_heads;
-    TORCH_CHECK(H > 0 && H % Hkv == 0, "num_heads (", H, ") must be a positive multiple of the cache's KV heads (",
-                Hkv, ")");
-    TORCH_CHECK(D % 2 == 0, "head_dim (", D, ") must be even (RoPE rotates its halves)");
-    check_tensor(x, "x", ScalarType::Float, kMeta);
-    check_dim(x, "x", 2);
-    const int64_t T = x.size(0), hidden = x.size(1);
-    for (auto [t, name] : {std::pair{&in_norm, "in_norm"}, std::pair{&post_norm, "post_norm"}}) {
-        check_tensor(*t, name, ScalarType::Float, kMeta);
-        check_dim(*t, name, 1);
-        check_size(*t, name, 0, hidden, "x's hidden size");
-    }
-    auto shape = [&](int i, int64_t n, int64_t k, const char* what) {
-        TORCH_CHECK(proj[i].n == n && proj[i].k == k, kNames[i], " must compute ", what, ": [", n, " outputs, ", k,
-                    " inputs], got [", proj[i].n, ", ", proj[i].k, "]");
-    };
-    shape(0, (H + 2 * Hkv) * D, hidden, "(num_heads + 2 x KV heads) x head_dim from hidden");
-    shape(1, hidden, H * D, "hidden from num_heads x head_dim");
-    TORCH_CHECK(proj[2].n % 2 == 0 && proj[2].k == hidden, kNames[2], " must compute 2 x intermediate from hidden (",
-                hidden, "), got [", proj[2].n, ", ", proj[2].k, "]");
-    shape(3, hidden, proj[2].n / 2, "hidden from the intermediate size");
-    for (auto [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin_signed, "sin_signed"}}) {
-        check_tensor(*t, name, ScalarType::Float, kMeta);
-        check_dim(*t, name, 2);
-        TORCH_CHECK(t->size(0) == T && t->size(1) == D, name, " must have shape [", T, ", ", D,
-                    "] (x's rows, head_dim), got ", t->sizes());
-    }
-    check_tensor(slots, "slots", ScalarType::Long, kMeta);
-    check_dim(slots, "slots", 1);
-    check_size(slots, "slots", 0, T, "x's rows");
-    check_tensor(q_rows, "q_rows", ScalarType::Long, kMeta);
-    check_dim(q_rows, "q_rows", 1);
-    check_size(q_rows, "q_rows", 0, T, "x's rows (one decode row each)");
-    check_tables(q_rows, page_idx, kv_lens, T, k_cache.size(0), k_cache.size(1), kMeta);
+    check_layer(in_norm, post_norm, weights, scales, biases, 0, d, "", kMeta, proj);
     int64_t n_groups = 0;
     if (groups != nullptr)
-        n_groups = check_groups(groups[0], groups[1], groups[2], groups[3], T, k_cache.size(0), kMeta);
-    if (kMeta || T == 0) return;
-    check_range(slots, "slots", 0, k_cache.size(0) * k_cache.size(1), "a slot of the cache (pages x page_size)");
-    const int64_t* g[4] = {nullptr, nullptr, nullptr, nullptr};
-    if (n_groups > 0)
-        for (int i = 0; i < 4; ++i) g[i] = groups[i].data_ptr<int64_t>();
-    oc_decode_layer_cascade(x.data_ptr<float>(), T, hidden, in_norm.data_ptr<float>(), post_norm.data_ptr<float>(),
-                            (float)eps, proj, cos.data_ptr<float>(), sin_signed.data_ptr<float>(),
-                            slots.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(),
-                            q_rows.data_ptr<int64_t>(), page_idx.data_ptr<int64_t>(), page_idx.size(1),
-                            kv_lens.data_ptr<int64_t>(), k_cache.size(1), H, Hkv, D, (float)scale, kv,
-                            at::get_num_threads(), n_groups, g[0], g[1], g[2], g[3]);
+        n_groups = check_groups(groups[0], groups[1], groups[2], groups[3], d.T, d.pages, kMeta);
+    if (kMeta || d.T == 0) return;
+    run_layer(x, d, in_norm, post_norm, eps, proj, cos, sin_signed, slots, k_cache.data_ptr(), v_cache.data_ptr(),
+              q_rows, page_idx, kv_lens, scale, n_groups, groups);
 }
 
 template <bool kMeta>
@@ -393,6 +438,33 @@ void decode_layer_cascade(const Tensor& x, const Tensor& in_norm, const Tensor& 
     const Tensor groups[4] = {group_page_ptr, group_pages, group_row_ptr, group_rows};
     decode_layer_impl<kMeta>(x, in_norm, post_norm, eps, weights, scales, biases, cos, sin_signed, slots, k_cache,
                              v_cache, q_rows, page_idx, kv_lens, num_heads, scale, groups);
+}
+
+// Every layer of a decode step in one call (plain paged attention): the caches of all layers
+// [layers, pages, page_size, Hkv, D], per layer its norms and four projections (weights / scales /
+// biases at 4 l .. 4 l + 3). All of it is checked before the first layer runs.
+template <bool kMeta>
+void decode_layers(const Tensor& x, at::TensorList in_norms, at::TensorList post_norms, double eps,
+                   at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
+                   const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
+                   const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
+                   double scale) {
+    const StepDims d = check_step(x, cos, sin_signed, slots, k_cache, v_cache, q_rows, page_idx, kv_lens, num_heads, 5,
+                                  kMeta);
+    const int64_t L = k_cache.size(0);
+    TORCH_CHECK((int64_t)in_norms.size() == L && (int64_t)post_norms.size() == L, "in_norms and post_norms must "
+                "hold one norm per layer of the caches (", L, "), got ", in_norms.size(), " and ", post_norms.size());
+    check_lists(weights, scales, biases, 4 * L);
+    std::vector<OcProj> proj(4 * L);
+    for (int64_t l = 0; l < L; ++l)
+        check_layer(in_norms[l], post_norms[l], weights, scales, biases, 4 * l, d, "s[" + std::to_string(l) + "]",
+                    kMeta, proj.data() + 4 * l);
+    if (kMeta || d.T == 0) return;
+    const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
+    for (int64_t l = 0; l < L; ++l)
+        run_layer(x, d, in_norms[l], post_norms[l], eps, proj.data() + 4 * l, cos, sin_signed, slots,
+                  (char*)k_cache.data_ptr() + l * layer_bytes, (char*)v_cache.data_ptr() + l * layer_bytes, q_rows,
+                  page_idx, kv_lens, scale, 0, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------- knobs
@@ -442,17 +514,21 @@ OC_LIBRARY(OC_OPS_NS, m) {
           "Tensor?[] scales, Tensor?[] biases, Tensor cos, Tensor sin_signed, Tensor slots, Tensor(b!) k_cache, "
           "Tensor(c!) v_cache, Tensor q_rows, Tensor page_idx, Tensor kv_lens, int num_heads, float scale, "
           "Tensor group_page_ptr, Tensor group_pages, Tensor group_row_ptr, Tensor group_rows) -> ()");
+    m.def("decode_layers(Tensor(a!) x, Tensor[] in_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
+          "Tensor?[] scales, Tensor?[] biases, Tensor cos, Tensor sin_signed, Tensor slots, Tensor(b!) k_cache, "
+          "Tensor(c!) v_cache, Tensor q_rows, Tensor page_idx, Tensor kv_lens, int num_heads, float scale) -> ()");
 }
 
-#define OC_IMPLS(m, meta)                                          \
-    m.impl("q4_matmul", &q4_matmul<meta>);                         \
-    m.impl("q8_matmul", &q8_matmul<meta>);                         \
-    m.impl("kv_store", &kv_store<meta>);                           \
-    m.impl("q8_dequant", &q8_dequant<meta>);                       \
+#define OC_IMPLS(m, meta)                                                \
+    m.impl("q4_matmul", &oc_ops::q4_matmul<meta>);                       \
+    m.impl("q8_matmul", &oc_ops::q8_matmul<meta>);                       \
+    m.impl("kv_store", &oc_ops::kv_store<meta>);                         \
+    m.impl("q8_dequant", &oc_ops::q8_dequant<meta>);                     \
     m.impl("paged_decode", &oc_ops::paged_decode<meta>);                 \
-    m.impl("cascade_groups", &oc_ops::cascade_groups<meta>);               \
-    m.impl("decode_layer", &decode_layer<meta>);                   \
-    m.impl("decode_layer_cascade", &decode_layer_cascade<meta>);
+    m.impl("cascade_groups", &oc_ops::cascade_groups<meta>);             \
+    m.impl("decode_layer", &oc_ops::decode_layer<meta>);                 \
+    m.impl("decode_layer_cascade", &oc_ops::decode_layer_cascade<meta>); \
+    m.impl("decode_layers", &oc_ops::decode_layers<meta>);
 
 OC_LIBRARY_IMPL(OC_OPS_NS, CPU, m) { OC_IMPLS(m, false) }
 OC_LIBRARY_IMPL(OC_OPS_NS, Meta, m) { OC_IMPLS(m, true) }
