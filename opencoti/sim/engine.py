@@ -1,7 +1,8 @@
 """A simulated engine: the real ``Metrics`` and ``AdmissionController`` on a simulated clock.
 
-``SimCore`` stands in for ``EngineCore`` (sessions, one pool tree, the scheduler's job lists, KV
-page counts, ``prepare`` / ``commit``, the listener events); ``SimEngine`` stands in for
+``SimCore`` stands in for ``EngineCore`` (the scheduler's job lists, KV page counts, ``prepare`` /
+``commit``, the listener events) around the engine's own owner of the pool and session state,
+``PolyKV``, over pages that do not exist; ``SimEngine`` stands in for
 ``Engine`` (a command runs at once on the simulated step thread) and runs the step loop:
 ``AdmissionController.tick`` every iteration, one step of every running and waiting request at a
 time, whose duration a ``StepClock`` draws from a profile. Requests go through
@@ -13,13 +14,15 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable
+from typing import Any, Callable
 
 from ..engine.admission import AdmissionController, AdmissionPlan
-from ..engine.config import SamplingParams
+from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import SessionBusyError
-from ..engine.kv.pools import Pool, PoolTree, Residency
+from ..engine.kv.pools import Pool, PoolTree
+from ..engine.limits import Limits
 from ..engine.observe.metrics import Metrics
+from ..engine.polykv.state import PolyKV
 from ..engine.session import Job, Sequence, Session, SessionState
 from ..engine.view import Listener
 from .profile import StepClock, StepProfile
@@ -33,7 +36,14 @@ class _Prepared:
     emit: Callable
     session_id: str | None
     session: Session | None
-    pool: object
+    pool: Pool | None
+
+
+@dataclass(kw_only=True)
+class SimJob(Job):
+    """A simulated request: ``sim_cached`` prompt tokens come from its pool (not prefilled)."""
+
+    sim_cached: int = 0
 
 
 class _Stats:
@@ -51,6 +61,11 @@ class SimPages:
     num_pages: int
     num_free: int
     page_bytes: int = 1024
+    page_size: int = 16
+
+    def decref(self, pages: list[int]) -> None:
+        """No pages to give back (a simulated session's page table is always empty)."""
+        assert not pages
 
 
 class NoPrefixCache:
@@ -65,8 +80,8 @@ class NoPrefixCache:
 class SimQueues:
     """The scheduler's job lists (``JobQueues``)."""
 
-    running: list[Job] = field(default_factory=list)
-    waiting: list[Job] = field(default_factory=list)
+    running: list[SimJob] = field(default_factory=list)
+    waiting: list[SimJob] = field(default_factory=list)
 
 
 class SimCore:
@@ -75,22 +90,41 @@ class SimCore:
 
     def __init__(self, *, num_pages: int = 4096, page_size: int = 16, max_context: int = 8192):
         self.listeners: list[Listener] = []
-        self.sessions: dict[str, Session] = {}
-        self.tree = PoolTree(16)
         self.page_size = page_size
         self.max_context = max_context
-        self.kv = SimPages(num_pages=num_pages, num_free=num_pages)
+        self.kv = SimPages(num_pages=num_pages, num_free=num_pages, page_size=page_size)
         self.tables = NoPrefixCache()
         self.scheduler = SimQueues()
-        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
+                         "evicted_sessions": 0, "evicted_pools": 0, "expired_sessions": 0}
+        pages: Any = self.kv  # page counts only: the simulated sessions never hold a page
+        self.polykv = PolyKV(EngineConfig(max_pools=16, prefix_cache=False), pages,
+                             Limits(vocab_size=2**31 - 1, max_context=max_context, kv=pages),
+                             listeners=self.listeners, counters=self.counters, enqueue=self._no_materialization)
+
+    @staticmethod
+    def _no_materialization(job) -> None:
+        raise AssertionError("the simulator's pools are resident from the start (add_pool)")
+
+    @property
+    def sessions(self) -> dict[str, Session]:
+        return self.polykv.sessions
+
+    @property
+    def tree(self) -> PoolTree:
+        return self.polykv.tree
 
     @staticmethod
     def auto_pinned(pool: Pool, now: float) -> bool:
         return True
 
-    def add_pool(self, n_tokens: int):
-        pool = self.tree.add(None, 0, list(range(1, n_tokens + 1)))
-        pool.residency = Residency.RESIDENT
+    def add_pool(self, n_tokens: int) -> Pool:
+        """A root pool of ``n_tokens`` whose KV is there (no pages to compute): the owner's restore path."""
+        kv = self.polykv
+        pool = kv.restore_pool(kv.tree.next_id, None, 0, list(range(1, n_tokens + 1)), pinned=False, label="",
+                               tenant=None)
+        kv.skip_pool_ids(pool.pool_id + 1)
+        kv.pool_loaded(pool)
         return pool
 
     def emit(self, event: str, **data) -> None:
@@ -111,20 +145,19 @@ class SimCore:
         return _Prepared(plan, list(prompt), params, emit, session_id, session, pool)
 
     def commit(self, req: _Prepared, admission: dict | None = None) -> Job:
-        s = req.session
-        if s is None:
-            s = self.sessions[req.session_id] = Session(req.session_id)
+        kv = self.polykv
+        s = req.session or kv.open_session(req.session_id, lambda: "")  # the simulator names every session
         pool = req.pool
-        if pool is not None:
-            s.pool_id = pool.pool_id
-            pool.sessions.add(s.session_id)
-        job = Job(seq=Sequence(list(req.prompt)), params=req.params, emit=req.emit, session=s,
-                  prompt_len=len(req.prompt), max_context=self.max_context)
+        if pool is not None and s.pool_id != pool.pool_id:
+            kv.detach(s)
+            kv.attach(s, pool)
         cached = min(pool.prefix_len, len(req.prompt) - 1) if pool is not None else 0
+        job = SimJob(seq=Sequence(list(req.prompt)), params=req.params, emit=req.emit, session=s,
+                     prompt_len=len(req.prompt), max_context=self.max_context, sim_cached=cached)
         job.info = SimpleNamespace(pool_id=s.pool_id, prompt_tokens=len(req.prompt), cached_prefix_tokens=cached,
                                    admission=admission)
-        job.sim_cached = cached
-        s.job, s.seq = job, job.seq
+        kv.begin(s, job)
+        kv.adopt_seq(s, job.seq)
         self.scheduler.waiting.append(job)
         self.counters["requests"] += 1
         self.emit("submit", job=job)
@@ -138,14 +171,14 @@ class SimCore:
             if job in q:
                 q.remove(job)
         job.finish_reason = reason
-        job.session.job = None
+        self.polykv.end(job.session)
         self.emit("finish", job=job)
 
     def release_session(self, session_id: str) -> None:
-        s = self.sessions.pop(session_id)
-        pool = self.tree.pools.get(s.pool_id) if s.pool_id is not None else None
-        if pool is not None:
-            pool.sessions.discard(session_id)
+        s = self.polykv.get_session(session_id)
+        if s.job is not None:
+            self.cancel(s.job)
+        self.polykv.remove_session(session_id)
 
 
 class SimEngine:
@@ -199,7 +232,7 @@ class SimEngine:
             if self.on_token is not None:
                 self.on_token(j, self.t)
         for j in batch:
-            if len(j.generated) >= j.params.max_tokens:
+            if j.params.max_tokens is not None and len(j.generated) >= j.params.max_tokens:
                 self.core.finish(j)
                 if self.on_finish is not None:
                     self.on_finish(j, self.t)

@@ -175,19 +175,21 @@ class PrefixCache:
         m = self.tables.match(seq.tokens, seq.salt_root, len(seq.tokens) - 1, job.prompt_keys) \
             if job.prompt_keys else None
         p = m.num_tokens(self.page_size) if m is not None else 0
-        if p <= p_other:
+        if m is None or p <= p_other:
             if job.prompt_keys:
                 self._mark_inflight(job, 0)
             if not job.num_preemptions:
                 self._recount_cache_n(job, p_other)  # what it reuses, not what was expected at accept
             return None
-        old = job.session.seq
+        session = job.session
+        assert session is not None  # a generation request always has its session
+        old = session.seq
         if not self.tables.share_match(seq, m):
             return False
         if old is not seq:
             self.tables.drop(old)
         seq.num_shared_tokens = 0
-        self.polykv.adopt_seq(job.session, seq)
+        self.polykv.adopt_seq(session, seq)
         if not job.num_preemptions:
             self._recount_cache_n(job, p)
         self.counters["auto_prefix_tokens"] += p
@@ -203,6 +205,8 @@ class PrefixCache:
 
     def _mark_inflight(self, job: Job, start: int) -> None:
         index = self.tables.index
+        if index is None:
+            return
         for k in job.prompt_keys[start:]:
             if k not in index.entries and self._computing(k) is None:
                 self._inflight[k] = job
@@ -221,9 +225,10 @@ class PrefixCache:
 
     def waits_for_prefix(self, job) -> bool:
         """SchedulerHooks (scheduler.py): a waiting request whose next uncached prompt page a running request is computing."""
-        if not self._inflight or not getattr(job, "prompt_keys", None):
+        index = self.tables.index
+        if index is None or not self._inflight or not getattr(job, "prompt_keys", None):
             return False
-        k = self.tables.index.pending_key(job.prompt_keys, 0)
+        k = index.pending_key(job.prompt_keys, 0)
         if k is None:
             return False
         r = self._computing(k)

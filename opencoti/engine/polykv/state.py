@@ -264,7 +264,7 @@ class PolyKV:
             else:  # its cache borrows a released pool's pages: compute the copy instead
                 self._materialize(pool, [], done)
             return pool
-        toks = self.limits.check_tokens(list(tokens), "pool tokens")
+        toks = self.limits.check_tokens(list(tokens or ()), "pool tokens")
         self.limits.check_fits(len(toks), 0, "pool prefix")
         self.tree.check_budget()
         pool = self.tree.add(None, 0, toks, label)
@@ -289,7 +289,7 @@ class PolyKV:
             session, toks = self._tokens_from_session(from_session)
             toks = list(toks)
         else:
-            toks = self.limits.check_tokens(list(tokens), "pool tokens")
+            toks = self.limits.check_tokens(list(tokens or ()), "pool tokens")
         if len(toks) <= d and not allow_empty:
             raise InvalidRequestError(
                 f"the fork's own range is empty: tokens cover [0, {len(toks)}) but branch_pos is {d}; "
@@ -309,12 +309,14 @@ class PolyKV:
                      and (full == 0 or session.pool_id == parent.pool_id)
                      and session.seq.page_table[:full] == parent.seq.page_table[:full])
         if zero_copy:
+            assert session is not None
             self._reserve_partial_page(len(toks), session)
         waits = self.ensure_resident(parent) if not zero_copy else []
         pool = self.tree.add(parent, d, toks, label)
         pool.pinned = bool(pinned)
         parent.last_access = time.time()
         if zero_copy:
+            assert session is not None
             self._adopt_session_pages(pool, session, d)
             done(pool)
         else:
@@ -388,8 +390,9 @@ class PolyKV:
                 self.release_pool(c.pool_id, immediate=True)
         else:
             now = time.monotonic()
-            # after its own grace, and after the deferred releases of its children
-            due = max([now + self.config.pool_grace_ttl_s, pool.grace_until] + [c.release_at for c in kids])
+            # after its own grace, and after the deferred releases of its children (all deferred: checked above)
+            due = max([now + self.config.pool_grace_ttl_s, pool.grace_until]
+                      + [c.release_at for c in kids if c.release_at is not None])
             if kids or due > now or self.decoding_on(pool):
                 pool.release_at = due
                 return
@@ -401,19 +404,20 @@ class PolyKV:
         the grace starts again (it counts from the end of the last one); a descendant that comes back
         and leaves again extends it. Returns the next due time (monotonic), or None."""
         now = time.monotonic() if now is None else now
-        nxt = None
+        nxt: float | None = None
         # deepest first, so a parent whose children go in this pass goes in the same pass
         for pool in sorted((p for p in self.tree.pools.values() if p.release_at is not None),
                            key=lambda p: -p.depth()):
+            due = pool.release_at or 0.0
             if self.decoding_on(pool):
-                pool.release_at = max(pool.release_at, now + self.config.pool_grace_ttl_s)
-            pool.release_at = max(pool.release_at, pool.grace_until)
+                due = max(due, now + self.config.pool_grace_ttl_s)
+            due = pool.release_at = max(due, pool.grace_until)
             busy = pool.live_children or self.decoding_on(pool) or pool.residency == Residency.MATERIALIZING
-            if now >= pool.release_at and not busy:
+            if now >= due and not busy:
                 self._unlink(pool)
                 self._expire_with_pool(pool)
             elif not busy:
-                nxt = pool.release_at if nxt is None else min(nxt, pool.release_at)
+                nxt = due if nxt is None else min(nxt, due)
         return nxt
 
     def _unlink(self, pool: Pool) -> None:
