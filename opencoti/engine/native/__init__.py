@@ -212,9 +212,9 @@ def lib() -> Any:
                 except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
                     _state["reason"] = f"unavailable: {e}"
                     log.warning("native kernels unavailable (%s): the int4 and int8 weight formats run torch's "
-                                "kernels, several times slower on CPU; the q8 KV pages and the decode attention "
-                                "run torch's too (install a C++ compiler, e.g. apt-get install g++, or see "
-                                "docs)", e)
+                                "kernels, several times slower on CPU, and decode attention and q8 KV pages run "
+                                "torch's ops; they need a C++ compiler (Debian/Ubuntu: apt-get install g++) and "
+                                "the installed torch's headers (OPENCOTI_NATIVE=0 turns them off)", e)
             _state["tried"] = True
     return _state["lib"]
 
