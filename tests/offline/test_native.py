@@ -217,6 +217,19 @@ def test_disabled_falls_back_to_torch_kernels():
     assert "disabled by OPENCOTI_NATIVE=0" in out.stdout and "native_q4" not in out.stdout
 
 
+def test_a_failed_build_falls_back_and_says_why(tmp_path):
+    """A compiler that fails (here ``false``): the library is unavailable, the reason and a warning say
+    why and what runs instead, and the int4 format gets torch's kernel."""
+    code = ("import logging; logging.basicConfig(level=logging.WARNING);"
+            "from opencoti.engine import native; from opencoti.engine.model import kernels; import torch;"
+            "print(native.lib() is None, native.status()['reason']); print(kernels.candidates('int4', torch.device('cpu')))")
+    env = {**os.environ, "CXX": "false", "OPENCOTI_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "True unavailable: false failed" in out.stdout and "native_q4" not in out.stdout
+    assert "native kernels unavailable" in out.stderr and "apt-get install g++" in out.stderr
+
+
 def test_missing_compiler_is_a_clear_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "")
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -406,6 +419,11 @@ def test_operators_check_the_device_and_have_meta_kernels():
         LIB.q4_matmul(torch.empty(3, 32, device="meta"), blocks.to("meta"), None)
     t = torch.empty(5, 2, 20, dtype=torch.int8, device="meta")
     assert LIB.q8_dequant(t).shape == (5, 2, 16)
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode() as mode:  # what tracing (torch.compile, export) runs: the Meta kernels
+        y = LIB.q4_matmul(torch.empty(3, 64), mode.from_tensor(blocks), None)
+    assert isinstance(y, FakeTensor) and y.shape == (3, 8)
 
 
 def _decode_args():
