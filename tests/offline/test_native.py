@@ -424,6 +424,11 @@ def test_operators_check_the_device_and_have_meta_kernels():
     with FakeTensorMode() as mode:  # what tracing (torch.compile, export) runs: the Meta kernels
         y = LIB.q4_matmul(torch.empty(3, 64), mode.from_tensor(blocks), None)
     assert isinstance(y, FakeTensor) and y.shape == (3, 8)
+    a = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _decode_args().items()}
+    LIB.paged_decode(**a)  # the in-place operators' Meta kernels: checks only
+    a["out"] = torch.empty(2, H, D + 1, device="meta")
+    with pytest.raises(RuntimeError, match="out must have q's shape"):
+        LIB.paged_decode(**a)
 
 
 def _decode_args():
@@ -446,6 +451,8 @@ def _decode_args():
     ({"v_cache": torch.randn(8, 4, HKV, D).half()}, "v_cache must be float32, got float16"),
     ({"v_cache": torch.randn(9, 4, HKV, D)}, "v_cache must have k_cache's shape"),
     ({"k_cache": torch.randn(8, 4, HKV, D).double()}, "k_cache must be float32, float16, bfloat16 or int8"),
+    ({"k_cache": torch.randn(8, 4, 0, D), "v_cache": torch.randn(8, 4, 0, D)}, "page_size and KV heads must be positive"),
+    ({"k_cache": torch.randn(8, 0, HKV, D), "v_cache": torch.randn(8, 0, HKV, D)}, "page_size and KV heads must be"),
     ({"q": torch.randn(2, H, D + 2)}, r"q dimension 2 must be the cache's head_dim \(16\)"),
     ({"q": torch.randn(2, 5, D)}, r"q's heads \(5\) must be a multiple of the cache's KV heads \(2\)"),
     ({"out": torch.zeros(2, H, D - 1)}, "out must have q's shape"),

@@ -5,8 +5,8 @@ vector) KV pages, and the fused decode layer.
 They are registered as typed torch operators, ``torch.ops.opencoti.<name>`` (``ops.cpp``): each checks
 its tensors (dtype, device, contiguity, shapes consistent with each other, the page ids, slots and rows
 it follows) and raises a RuntimeError naming the argument, then runs the kernel with the thread count
-torch uses at that moment (the dispatcher releases the GIL for the call). The operators that return a
-tensor also have Meta kernels.
+torch uses at that moment (the dispatcher releases the GIL for the call). Each also has a Meta kernel
+(the same dtype and shape checks, no data), which tracing with fake tensors runs.
 
 The C++ sources ship with the package and are compiled on first use by the machine's C++ compiler
 (``g++``/``c++``, ``-O3 -march=native -fopenmp``: the build is specific to this CPU) against the

@@ -4,8 +4,8 @@
 // other, and the index values the kernels follow: page ids, slots, query rows) and raises a RuntimeError
 // naming the argument, then calls the plain kernels of kernels.cpp (which stays torch-free: the tests
 // also build it alone). The thread count is torch's at the call (at::get_num_threads()); the library
-// links the OpenMP runtime torch already loaded. Operators that return a tensor also have a Meta kernel
-// (shapes only). Built and loaded by engine/native/__init__.py; OC_OPS_NS names the operator namespace
+// links the OpenMP runtime torch already loaded. Every operator also has a Meta kernel (the same dtype
+// and shape checks, no data: what tracing with fake tensors runs). Built and loaded by engine/native/__init__.py; OC_OPS_NS names the operator namespace
 // (another build of other flags, e.g. the scalar one the tests load, registers under its own).
 
 #include "kernels.cpp"
@@ -92,6 +92,8 @@ int check_caches(const Tensor& k, const Tensor& v, bool meta, int64_t* head_dim,
     check_tensor(v, "v_cache", k.scalar_type(), meta);
     check_dim(k, "k_cache", dims);
     TORCH_CHECK(v.sizes() == k.sizes(), "v_cache must have k_cache's shape ", k.sizes(), ", got ", v.sizes());
+    TORCH_CHECK(k.size(-3) > 0 && k.size(-2) > 0, "k_cache's page_size and KV heads must be positive, got shape ",
+                k.sizes());
     *head_dim = kv == kKvQ8 ? k.size(-1) - kQ8Scale : k.size(-1);
     TORCH_CHECK(*head_dim > 0, "k_cache's last dimension ", k.size(-1), " holds no values",
                 kv == kKvQ8 ? " (q8: head_dim + 4)" : "");
@@ -190,6 +192,7 @@ OcProj check_proj(const Tensor& w, const c10::optional<Tensor>& scale, const c10
                     dtype_name(w.scalar_type()));
         check_tensor(w, wn.c_str(), ScalarType::Char, meta);
         check_dim(w, wn.c_str(), 2);
+        TORCH_CHECK(w.size(1) > 0, wn, " must have at least one input, got shape ", w.sizes());
         TORCH_CHECK(scale.has_value(), sn, " is required for int8 weights (one fp32 scale per output row)");
         check_tensor(*scale, sn.c_str(), ScalarType::Float, meta);
         check_dim(*scale, sn.c_str(), 1);
