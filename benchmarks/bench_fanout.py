@@ -243,7 +243,7 @@ def profile_step_breakdown(engine, prefix, suffixes, G: int) -> dict:
     EngineCore.step() (plan, run, apply)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import opencoti.engine.runner as runner_mod
+    import opencoti.engine.core.runner as runner_mod
 
     core = engine.core
     sch = core.scheduler

@@ -16,7 +16,7 @@ _LAZY = ("Engine", "TokenStream", "AsyncTokenStream")  # torch is imported with 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from . import engine as _engine_module
+        from .api import engine as _engine_module
         return getattr(_engine_module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

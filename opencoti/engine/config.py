@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from .checks import is_int as _is_int, is_number as _is_number
 from .errors import InvalidRequestError
-from .speculative import MODES as SPECULATIVE_MODES
+from .core.speculative import MODES as SPECULATIVE_MODES
 
 _MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the same)
@@ -175,7 +175,7 @@ class EngineConfig:
     debug_checks: check the KV invariants each time the step loop goes idle (also on with the
         environment variable OPENCOTI_DEBUG_CHECKS=1).
     speculative: "ngram" (the default: prompt-lookup drafts verified in one step where the step
-        cost model says they pay; outputs unchanged; see engine/speculative.py) or "off";
+        cost model says they pay; outputs unchanged; see engine/core/speculative.py) or "off";
         speculative_max: draft tokens per step at most.
     """
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from ..engine import SamplingParams
 from ..engine.chat import ChatPrompt, normalize_tools
 from ..engine.constraints import ConstraintSpec
-from ..engine.sampling_choices import MAX_CHOICES
+from ..engine.api.choices import MAX_CHOICES
 from ..engine.errors import InvalidRequestError
 from ..engine.persist.slots import generation_session_id, slot_number
 from ..engine.results import GenerationResult, RequestInfo

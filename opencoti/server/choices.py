@@ -20,7 +20,7 @@ from typing import Any, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..engine.sampling_choices import Choices, quietly, merge_streams
+from ..engine.api.choices import Choices, quietly, merge_streams
 from ..ops.generation import FINISH_OPENAI, ChatTurn, Prepared, opencoti_block
 from .errors import SafeJSONResponse, error_event
 from .state import ServerState

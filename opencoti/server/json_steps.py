@@ -16,7 +16,7 @@ import re
 from json.decoder import JSONDecodeError, scanstring
 from typing import Any
 
-from ..engine.tokenizer import shared_ids
+from ..engine.chat.tokenizer import shared_ids
 
 SLICE = 4096  # list elements per encoder call
 STR_SLICE = 1 << 16  # characters of a long string per encoder call

@@ -104,8 +104,8 @@ class ServerState:
         if tenant is None:
             return self._ctx
         ctx = self._tenant_ctx.get(tenant)
-        if ctx is None:  # the tenant's view of the engine (engine/tenancy.py)
-            from ..engine.tenancy import TenantEngine
+        if ctx is None:  # the tenant's view of the engine (engine/api/tenancy.py)
+            from ..engine.api.tenancy import TenantEngine
             base = self._ctx
             ctx = self._tenant_ctx[tenant] = Context(
                 TenantEngine(eng, tenant), default_max_tokens=base.default_max_tokens, model_alias=base.model_alias,

@@ -23,7 +23,7 @@ import hashlib
 import os
 
 from ..engine.errors import InvalidRequestError
-from ..engine.tenancy import TENANT_NAME, check_tenant_name
+from ..engine.api.tenancy import TENANT_NAME, check_tenant_name
 from .middleware import METRICS_PATH, PUBLIC_PATHS, send_error
 
 

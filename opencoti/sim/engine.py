@@ -20,11 +20,11 @@ from ..engine.admission import AdmissionController, AdmissionPlan
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import SessionBusyError
 from ..engine.kv.pools import Pool, PoolTree
-from ..engine.limits import Limits
+from ..engine.core.limits import Limits
 from ..engine.observe.metrics import Metrics
 from ..engine.polykv.state import PolyKV
-from ..engine.session import Job, Sequence, Session, SessionState
-from ..engine.view import Listener
+from ..engine.core.requests import Job, Sequence, Session, SessionState
+from ..engine.polykv.view import Listener
 from .profile import StepClock, StepProfile
 
 

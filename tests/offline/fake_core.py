@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from opencoti.engine.config import SamplingParams
 from opencoti.engine.kv.pools import Pool, PoolTree
-from opencoti.engine.session import Job, Sequence, Session, SessionState
-from opencoti.engine.view import Listener
+from opencoti.engine.core.requests import Job, Sequence, Session, SessionState
+from opencoti.engine.polykv.view import Listener
 from opencoti.sim.engine import NoPrefixCache, SimPages, SimQueues
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from opencoti.engine import Engine, EngineConfig
-from opencoti.engine.tokenizer import BYTE_LEVEL_CHAT_TEMPLATE, Tokenizer
+from opencoti.engine.chat.tokenizer import BYTE_LEVEL_CHAT_TEMPLATE, Tokenizer
 
 A, B = ord("a"), ord("b")
 AB_ONLY = {str(A): 100, str(B): 100}  # logit_bias: answers of a's and b's only (never EOS)

@@ -15,7 +15,7 @@ from opencoti.engine.constraints import ConstraintSpec
 from opencoti.engine.errors import InvalidRequestError
 from opencoti.engine.sampling import Sampler, make_generator
 from opencoti.engine.sampling.state import SamplerState
-from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.chat.tokenizer import Tokenizer
 from opencoti.engine.chat.tool_calls import parse_tool_calls
 
 TOK = Tokenizer.byte_level(320)
@@ -381,7 +381,7 @@ def test_engine_rejects_bad_sampler_settings_before_accepting(engine):
 def test_n_choices_share_the_prompt_through_a_temporary_pool(engine):
     import asyncio
 
-    from opencoti.engine.sampling_choices import Choices, choice_params
+    from opencoti.engine.api.choices import Choices, choice_params
 
     prompt = engine.tokenize("The same long prompt shared by every choice of this request. " * 3)
 

@@ -15,7 +15,7 @@ from opencoti.engine.constraints import Constraint, ConstraintSpec, llg_tokenize
 from opencoti.engine.constraints.close import CLOSE_MARGIN, closing_path
 from opencoti.engine.sampling import Sampler, make_generator
 from opencoti.engine.sampling.state import SamplerState
-from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.chat.tokenizer import Tokenizer
 
 TOK = Tokenizer.byte_level(320)
 V = TOK.vocab_size

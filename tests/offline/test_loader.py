@@ -24,7 +24,7 @@ from opencoti.engine.model.loader import (
     load_model,
     tiny_config,
 )
-from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.chat.tokenizer import Tokenizer
 
 ARCHS = SUPPORTED_ARCHITECTURES
 

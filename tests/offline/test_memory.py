@@ -135,7 +135,7 @@ def test_auto_keeps_only_the_chosen_format_alive(monkeypatch, tmp_path):
 
 def test_the_step_loop_gives_memory_back_when_it_goes_idle(monkeypatch):
     from opencoti.engine import SamplingParams
-    from opencoti.engine import engine as engine_mod
+    from opencoti.engine.api import engine as engine_mod
 
     calls: list = []
     monkeypatch.setattr(weights, "release_memory", lambda collect=True: calls.append(collect) or True)

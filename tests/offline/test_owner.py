@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = "opencoti/engine/polykv/state.py"
-DATA_TYPES = {"opencoti/engine/kv/pools.py", "opencoti/engine/session.py"}
+DATA_TYPES = {"opencoti/engine/kv/pools.py", "opencoti/engine/core/requests.py"}
 
 # Pool fields and Session fields that only the owner assigns.
 FIELDS = {"residency", "pinned", "release_at", "grace_until", "cache_hits", "rematerializations", "tenant",

@@ -186,7 +186,7 @@ def test_rows_that_do_not_fit_are_skipped_not_lost(make_engine, tmp_path):
 
 
 def test_owner_survives_a_restart(make_engine, tmp_path):
-    from opencoti.engine.tenancy import TenantEngine
+    from opencoti.engine.api.tenancy import TenantEngine
 
     state = str(tmp_path / "state")
     eng = make_engine(state_dir=state)
@@ -207,7 +207,7 @@ def test_owner_survives_a_restart(make_engine, tmp_path):
 def test_slot_save_restore_erase(make_engine, tmp_path):
     from opencoti.engine import SessionNotFoundError
     from opencoti.engine.persist.slots import SlotsNotSupportedError, erase_session, restore_session, save_session
-    from opencoti.engine.tenancy import TenantEngine
+    from opencoti.engine.api.tenancy import TenantEngine
 
     eng = make_engine(state_dir=str(tmp_path / "state"))
     pool = eng.create_pool(tokens=ROOT)

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from merge_tokenizer import A, AB_ONLY, B, make_merge_engine  # noqa: F401 - the fixture
 from opencoti.engine import SamplingParams
-from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.chat.tokenizer import Tokenizer
 from opencoti.server import create_app
 
 
@@ -135,7 +135,7 @@ def test_salts_do_not_realign_to_each_other(make_merge_engine):
 
 
 def test_tenants_do_not_realign_to_each_other(make_merge_engine):
-    from opencoti.engine.tenancy import TenantEngine
+    from opencoti.engine.api.tenancy import TenantEngine
 
     eng = make_merge_engine(page_size=4)
     seen = prompts_seen(eng)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 
 from opencoti.engine import SamplingParams
-from opencoti.engine.core import EngineCore
+from opencoti.engine.core.core import EngineCore
 from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.kv.tables import KVTables
 from opencoti.engine.polykv import status
-from opencoti.engine.scheduler import Scheduler
-from opencoti.engine.session import Job, Sequence, SessionState
+from opencoti.engine.core.scheduler import Scheduler
+from opencoti.engine.core.requests import Job, Sequence, SessionState
 
 
 class Hooks:

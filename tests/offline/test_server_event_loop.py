@@ -197,7 +197,7 @@ def test_long_id_lists_validated_in_steps_give_the_same_models_and_errors():
 
 
 def test_a_prompt_of_many_ids_is_refused_like_a_short_one(engine):
-    from opencoti.engine import engine as engine_mod
+    from opencoti.engine.api import engine as engine_mod
 
     n = engine_mod._LOOP_TOKENS + 10  # copied off the event loop (Engine.astream)
     with TestClient(create_app(engine), raise_server_exceptions=False) as c:

@@ -11,7 +11,7 @@ import pytest
 from opencoti.engine.errors import InvalidRequestError
 from opencoti.engine.chat import (TemplateCaps, inject_tools, normalize_messages, normalize_tools,
                                   probe_template_caps, render_chat, template_caps)
-from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.chat.tokenizer import Tokenizer
 from opencoti.engine.chat.tool_calls import (ToolChoice, ToolStreamFilter, forced_call_fallback, parse_tool_calls,
                                         parse_tool_choice, resolve_tool_output, tool_choice_prefill)
 

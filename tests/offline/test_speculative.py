@@ -7,8 +7,8 @@ import torch
 
 from opencoti.engine import EngineConfig, InvalidRequestError, SamplingParams
 from opencoti.engine.constraints import ConstraintSpec
-from opencoti.engine import speculative
-from opencoti.engine.speculative import DraftState, StepCosts, expected_tokens
+from opencoti.engine.core import speculative
+from opencoti.engine.core.speculative import DraftState, StepCosts, expected_tokens
 
 LOOP = [11, 12, 13, 14, 15, 16, 17, 18] * 6  # a context that repeats itself
 

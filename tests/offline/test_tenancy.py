@@ -9,7 +9,7 @@ import pytest
 
 from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams, SessionNotFoundError
 from opencoti.engine.kv.pools import Pool, PoolTree
-from opencoti.engine.tenancy import TenantEngine
+from opencoti.engine.api.tenancy import TenantEngine
 
 SYS = list(range(20, 52))
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from opencoti.engine import tokenizer as tokmod
-from opencoti.engine.tokenizer import Tokenizer
+from opencoti.engine.chat import tokenizer as tokmod
+from opencoti.engine.chat.tokenizer import Tokenizer
 
 WORDS = ("the of pool session prefix token branch fork cache hello world déjà vu 你好 世界 naïve x1 23 4567 "
          "it's don't (a) [b] {c} end. Next, 😀 emoji_ok tab").split()

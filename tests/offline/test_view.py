@@ -1,4 +1,4 @@
-"""``PolyKVView`` (opencoti/engine/view.py), the declared read surface of the engine's state, is
+"""``PolyKVView`` (opencoti/engine/polykv/view.py), the declared read surface of the engine's state, is
 what its readers read and what every implementation has, checked by mypy.
 
 The assignments below are the check: mypy accepts ``type[P] = C`` only when ``C``'s instances have
@@ -19,9 +19,9 @@ from fake_core import FakeCore
 from mypy import api
 
 from opencoti.engine.admission.controller import AdmissionCore
-from opencoti.engine.core import EngineCore
+from opencoti.engine.core.core import EngineCore
 from opencoti.engine.persist.sync import PersistCore
-from opencoti.engine.view import PolyKVView
+from opencoti.engine.polykv.view import PolyKVView
 from opencoti.sim.engine import SimCore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ _sim_view: type[PolyKVView] = SimCore
 _sim_admission: type[AdmissionCore] = SimCore
 _fake_view: type[PolyKVView] = FakeCore
 
-CHECKED = ["opencoti/engine/view.py", "opencoti/engine/observe/metrics.py", "tests/offline/fake_core.py",
+CHECKED = ["opencoti/engine/polykv/view.py", "opencoti/engine/observe/metrics.py", "tests/offline/fake_core.py",
            "tests/offline/test_view.py"]
 
 
@@ -58,8 +58,8 @@ def test_a_surface_change_breaks_the_type_check(tmp_path, monkeypatch):
     probe.write_text(
         "from typing import Protocol\n"
         "from fake_core import FakeCore\n"
-        "from opencoti.engine.core import EngineCore\n"
-        "from opencoti.engine.view import PolyKVView\n"
+        "from opencoti.engine.core.core import EngineCore\n"
+        "from opencoti.engine.polykv.view import PolyKVView\n"
         "from opencoti.sim.engine import SimCore\n\n\n"
         "class Wider(PolyKVView, Protocol):\n"
         "    def pool_bytes(self, pool_id: int) -> int: ...\n\n\n"

@@ -25,8 +25,8 @@ from typing import Any, Callable, Protocol
 
 from ..checks import is_int
 from ..errors import InvalidRequestError, PoolSaturatedError
-from ..session import Job
-from ..view import PolyKVView
+from ..core.requests import Job
+from ..polykv.view import PolyKVView
 from .capacity import CapacityInputs, compute_capacity
 from .decide import ADMIT, HOLD, REJECT, AdmissionPlan, Decision, GateInputs, decide
 from .forecast import StepForecast

@@ -32,7 +32,7 @@ from .tool_calls import ToolChoice, format_tool_call_text, parse_tool_choice, to
     tools_system_text
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 _PROBE_NAME = "opencoti_probe_fn_7f3a"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 from ..errors import CapacityError, PoolNotFoundError
-from ..session import Sequence
+from ..core.requests import Sequence
 
 
 class Residency(str, enum.Enum):

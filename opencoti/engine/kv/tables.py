@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, Sequence as Seq
 
-from ..session import Sequence, Session
+from ..core.requests import Sequence, Session
 from .pages import PagePool
 from .prefix_index import Match, PrefixIndex, Tail
 

@@ -1,7 +1,7 @@
 """Model loading: HF directories, GGUF files (converted once), the bundled default, tiny random models.
 
 Everything ends up as a :class:`LoadedModel`: a transformers config, a flat state
-dict with HF parameter names, and a :class:`~opencoti.engine.tokenizer.Tokenizer`.
+dict with HF parameter names, and a :class:`~opencoti.engine.chat.tokenizer.Tokenizer`.
 Our own forward pass (``llama.py``) consumes the state dict; transformers is used
 only for configs, tokenizers and (in tests) reference logits.
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidRequestError, ModelLoadError
-from ..tokenizer import Tokenizer
+from ..chat.tokenizer import Tokenizer
 from .tiny import LLAMA3_ROPE_SCALING, parse_tiny_spec, tiny_config, tiny_model  # noqa: F401 - re-exported
 from .types import (  # noqa: F401 - re-exported
     CONVERTER_VERSION,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
-from ..tokenizer import Tokenizer
+from ..chat.tokenizer import Tokenizer
 from .types import CONVERTER_VERSION, MARKER_FILE, SUPPORTED_ARCHITECTURES, LoadedModel, normalize_names
 
 # Rope scaling as in Llama 3.1, sized for the tiny models (pass as ``rope_scaling=``

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..tokenizer import Tokenizer
+from ..chat.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 

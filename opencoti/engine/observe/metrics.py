@@ -46,10 +46,10 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from ..session import Job, SessionState
+from ..core.requests import Job, SessionState
 from .tps import RateWindow, SessionTps, TpsConfig
-from ..speculative import acceptance
-from ..view import PolyKVView
+from ..core.speculative import acceptance
+from ..polykv.view import PolyKVView
 
 __all__ = ["Activity", "Metrics", "RateWindow", "SessionTps", "TpsConfig"]
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..kv.pools import common_prefix_len
-from ..session import Session
+from ..core.requests import Session
 from . import kvfile
 
 log = logging.getLogger("opencoti.engine.persist")

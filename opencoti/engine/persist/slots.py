@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
-from ..session import Sequence, Session
+from ..core.requests import Sequence, Session
 from . import kvfile
 from .sync import identity_of, kv_identity_of
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..kv.pools import Pool, Residency
-from ..session import Session
-from ..view import PolyKVView
+from ..core.requests import Session
+from ..polykv.view import PolyKVView
 from . import kvfile
 from .session_kv import DEFAULT_BUDGET_MIB, SessionKv
 from .store import PoolRecord, SessionRecord, StateStore

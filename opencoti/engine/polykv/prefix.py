@@ -29,9 +29,9 @@ import numpy as np
 
 from ..kv.prefix_index import salt_root
 from ..kv.tables import KVTables
-from ..limits import Limits
-from ..session import Job, Session
-from ..speculative import RecentOutputs
+from ..core.limits import Limits
+from ..core.requests import Job, Session
+from ..core.speculative import RecentOutputs
 from .state import PolyKV
 
 RECENT_REQUESTS = 64  # finished requests a prompt can be realigned to (per engine, all salts)

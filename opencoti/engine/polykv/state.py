@@ -22,8 +22,8 @@ from ..errors import (CapacityError, InvalidRequestError, PoolBusyError, PoolCon
 from ..kv.pages import PagePool
 from ..kv.pools import Pool, PoolTree, Residency, common_prefix_len, prefix_hashes
 from ..kv.tables import KVTables
-from ..limits import Limits
-from ..session import Job, MaterializeJob, Sequence, Session
+from ..core.limits import Limits
+from ..core.requests import Job, MaterializeJob, Sequence, Session
 
 Listener = Callable[[str, dict], None]
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 
 class Sequence:

@@ -17,8 +17,8 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncIterator
 
-from .config import SamplingParams
-from .errors import CapacityError, InvalidRequestError
+from ..config import SamplingParams
+from ..errors import CapacityError, InvalidRequestError
 
 __all__ = ["MAX_CHOICES", "choice_params", "Choices", "merge_streams"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Iterator
 
-from .results import GenerationResult, RequestInfo, TokenDelta
+from ..results import GenerationResult, RequestInfo, TokenDelta
 
 
 _NOTICES = ("start", "started")  # accepted; started computing (its reuse of cached KV is known then)

@@ -19,21 +19,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from .admission.decide import AdmissionPlan
-from .config import EngineConfig, SamplingParams
-from .errors import CapacityError, InvalidRequestError, PoolContractError, SessionBusyError
-from .kv.pages import PagePool
-from .kv.pools import Pool, PoolTree, Residency, common_prefix_len
-from .kv.tables import KVTables
+from ..admission.decide import AdmissionPlan
+from ..config import EngineConfig, SamplingParams
+from ..errors import CapacityError, InvalidRequestError, PoolContractError, SessionBusyError
+from ..kv.pages import PagePool
+from ..kv.pools import Pool, PoolTree, Residency, common_prefix_len
+from ..kv.tables import KVTables
 from .limits import Limits
-from .polykv.prefix import PrefixCache
-from .polykv.state import PolyKV
-from .results import GenerationResult, RequestInfo, TokenDelta
+from ..polykv.prefix import PrefixCache
+from ..polykv.state import PolyKV
+from ..results import GenerationResult, RequestInfo, TokenDelta
 from .runner import ModelRunner
-from .sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
-from .sampling.state import SamplerState
+from ..sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
+from ..sampling.state import SamplerState
 from .scheduler import Scheduler, StepStats
-from .session import Job, MaterializeJob, Sequence, Session, SessionState
+from .requests import Job, MaterializeJob, Sequence, Session, SessionState
 from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, RecentOutputs, StepCosts, draft_limit
 
 Emit = Callable[[tuple], None]

@@ -21,7 +21,7 @@ import re
 import uuid
 from typing import Any
 
-from .errors import InvalidRequestError, OpencotiError, PoolNotFoundError
+from ..errors import InvalidRequestError, OpencotiError, PoolNotFoundError
 
 SEP = ":"
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")

@@ -22,8 +22,8 @@ import time
 from collections import deque
 from typing import Protocol
 
-from .kv.tables import KVTables
-from .session import SessionState, Work
+from ..kv.tables import KVTables
+from .requests import SessionState, Work
 
 Batch = list  # [(job, number of tokens to compute this step)]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention.base import SeqBatchEntry, build_metadata
-from .kv.pages import PagePool
-from .session import Job
+from ..attention.base import SeqBatchEntry, build_metadata
+from ..kv.pages import PagePool
+from .requests import Job
 
 
 @dataclass

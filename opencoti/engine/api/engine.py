@@ -19,20 +19,20 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from .admission import AdmissionController
-from .attention import select_backend
-from .attention.selfcheck import checked_backend
-from .config import EngineConfig, SamplingParams
-from .core import EngineCore
-from .errors import EngineClosedError, InvalidRequestError
-from .kv.pages import PagePool
-from .observe.metrics import Metrics
-from .pool_api import PoolAPIMixin
-from .polykv import status
-from .persist.sync import open_state
-from .results import GenerationResult
+from ..admission import AdmissionController
+from ..attention import select_backend
+from ..attention.selfcheck import checked_backend
+from ..config import EngineConfig, SamplingParams
+from ..core.core import EngineCore
+from ..errors import EngineClosedError, InvalidRequestError
+from ..kv.pages import PagePool
+from ..observe.metrics import Metrics
+from .pools import PoolAPIMixin
+from ..polykv import status
+from ..persist.sync import open_state
+from ..results import GenerationResult
 from .streams import AsyncTokenStream, TokenStream
-from .tokenizer import first_bad_id
+from ..chat.tokenizer import first_bad_id
 
 log = logging.getLogger("opencoti.engine")
 
@@ -111,8 +111,8 @@ class Engine(PoolAPIMixin):
         self._loop()
 
     def _build(self, progress, loaded) -> None:
-        from .model.weights import build_forward, release_memory
-        from .model.loader import load_model
+        from ..model.weights import build_forward, release_memory
+        from ..model.loader import load_model
 
         config = self.config
         if config.num_threads is not None:
@@ -130,7 +130,7 @@ class Engine(PoolAPIMixin):
             progress("preparing weights")
         saved_kv = None
         if config.state_dir is not None and config.weights == "auto":
-            from .persist.kvfile import saved_weight_formats
+            from ..persist.kvfile import saved_weight_formats
             saved_kv = saved_weight_formats(*(Path(config.state_dir).expanduser() / d for d in ("kv", "session_kv")))
         self.model = build_forward(self.loaded, weights=config.weights, dtype=self.dtype, device=self.device,
                                    max_positions=max_ctx, cache_dir=config.cache_dir, progress=progress,
@@ -224,7 +224,7 @@ class Engine(PoolAPIMixin):
         """The loop went idle: give what the steps freed (prefill temporaries stay in the C heap:
         ~100 MiB after three 1,600-token prompts on the bundled model) back to the OS; malloc_trim
         takes ~8 ms there, so at most every ``_TRIM_EVERY_S`` seconds."""
-        from .model.weights import release_memory
+        from ..model.weights import release_memory
 
         now = time.monotonic()
         if now - self._trimmed_at >= _TRIM_EVERY_S:
@@ -300,7 +300,7 @@ class Engine(PoolAPIMixin):
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True) -> str:
-        from .chat import render_chat
+        from ..chat import render_chat
         return render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def _prompt_tokens(self, prompt, messages, tools) -> list[int]:

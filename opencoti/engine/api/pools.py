@@ -5,9 +5,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Callable, Sequence as Seq
 
-from .errors import InvalidRequestError, SessionBusyError
-from .polykv import status
-from .results import PoolInfo
+from ..errors import InvalidRequestError, SessionBusyError
+from ..polykv import status
+from ..results import PoolInfo
 
 
 class PoolAPIMixin:

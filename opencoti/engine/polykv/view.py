@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Protocol
 
-from .kv.pools import Pool, PoolTree
-from .session import Session, Work
+from ..kv.pools import Pool, PoolTree
+from ..core.requests import Session, Work
 
 Listener = Callable[[str, dict], None]  # (event, data) on the step thread: submit, token, finish, materialized, step
 

@@ -4,8 +4,8 @@ core (requests), the pool state (``polykv``) and the persister (restored context
 
 from __future__ import annotations
 
-from .errors import ContextLengthError, InvalidRequestError
-from .kv.pages import PagePool
+from ..errors import ContextLengthError, InvalidRequestError
+from ..kv.pages import PagePool
 
 MAX_SESSION_ID = 128
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Sequence
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 # Tokens that end a turn or a document in the model families we serve. Like
 # llama.cpp's "end of generation" set: any of them that the tokenizer defines as
