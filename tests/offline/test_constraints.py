@@ -43,10 +43,10 @@ def sp(**kw) -> SamplingParams:
 
 
 def run(params: list[SamplingParams], steps: int = 400, seed: int = 0, prompt=(1, 2, 3), scale: float = 2.0,
-        prefetch: bool = True, free_text: bytes = b"") -> list[list[int]]:
+        free_text: bytes = b"") -> list[list[int]]:
     """Decode every row until EOS with random logits; returns the generated ids (EOS excluded).
     ``free_text``: bytes made very likely for the first tokens (drives a lazy trigger)."""
-    sampler = Sampler(prefetch_masks=prefetch)
+    sampler = Sampler()
     states = [SamplerState.for_request(p, list(prompt), TOK, V) for p in params]
     gens = [make_generator(seed * 1000 + i, 0) for i in range(len(params))]
     g = torch.Generator().manual_seed(seed)
@@ -151,15 +151,6 @@ def test_greedy_constrained_rows_and_unconstrained_rows_share_a_batch():
     plain = Sampler().sample(logits[2:], params[2:], [make_generator(i, 0) for i in (2, 3)])
     assert out.token_ids[2:] == plain.token_ids
     assert out.token_ids[1] == (ord("y") if logits[1, ord("y")] > logits[1, ord("n")] else ord("n"))
-
-
-def test_prefetched_and_inline_masks_give_the_same_tokens():
-    spec = ConstraintSpec.json_schema(PERSON)
-    params = [sp(constraint=spec) for _ in range(3)] + [sp()]
-    params[3] = sp(max_tokens=None)
-    a = run(params[:3], seed=5, prefetch=True)
-    b = run(params[:3], seed=5, prefetch=False)
-    assert a == b
 
 
 def test_required_and_named_tool_calls_are_valid_calls():

@@ -17,13 +17,11 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from ..config import SamplingParams
-from ..constraints import compute_masks
 from .post import post_sampling_logprobs
 from .state import SamplerState, process_logits
 from .text import IncrementalDetokenizer, StopStringMatcher
@@ -95,15 +93,9 @@ class Sampler:
     candidates, so a seeded row's tokens depend only on its own logits and parameters.
     """
 
-    def __init__(self, seed: int = 0, prefetch_masks: bool = False):
-        # prefetch_masks: compute the next masks on a helper thread during the forward pass. Off by
-        # default: measured on a 2-core CPU the extra thread competes with the OpenMP team (decode
-        # step +19% with it vs +3% with masks computed in the step; bench_constrained.py)
+    def __init__(self, seed: int = 0):
         # used by sampled rows given no generator
         self._fallback_generator = make_generator(seed, seed)
-        self.prefetch_masks = prefetch_masks
-        self._mask_thread: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
 
     def sample(
         self,
@@ -129,7 +121,6 @@ class Sampler:
             raise ValueError(f"got {num_rows} logit rows and {len(states)} sampler states")
         with_state = states is not None and any(s is not None for s in states)
         if with_state:
-            self._wait_prefetch()
             logits = logits.clone()
             process_logits(logits, params, states)
         device = logits.device
@@ -181,35 +172,12 @@ class Sampler:
             for st, tok in zip(states, chosen):
                 if st is not None:
                     st.accept(tok)
-            self._prefetch(states)
         if not any(p.logprobs is not None for p in params):
             return SampleOutput(token_ids.tolist(), None, None)
         out = self._with_logprobs(raw, params, token_ids)
         if any(p.post_sampling_probs and p.logprobs is not None for p in params):
             post_sampling_logprobs(logits, params, token_ids, out.logprobs, out.top_logprobs)
         return out
-
-    # -- masks off the critical path ----------------------------------------------------------
-
-    def _prefetch(self, states: Sequence[SamplerState | None]) -> None:
-        """Start computing the next masks of the constrained rows on a helper thread: llguidance
-        releases the GIL, so this overlaps the next forward pass; ``sample`` waits for it."""
-        if not self.prefetch_masks:
-            return
-        todo = [s.constraint for s in states if s is not None and s.constrained]
-        if not todo:
-            return
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="opencoti-masks")
-        self._pending = self._mask_thread.submit(compute_masks, todo)
-
-    def _wait_prefetch(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending.result()
-            except Exception:  # noqa: BLE001 - masks not ready are computed in line
-                pass
 
     # -- sampled paths ------------------------------------------------------------------------
 

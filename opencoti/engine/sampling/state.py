@@ -103,7 +103,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         left = None if params[i].max_tokens is None else params[i].max_tokens - states[i].num_accepted
         states[i].constraint.budget(left)
     if cons_rows:
-        compute_masks([states[i].constraint for i in cons_rows])  # those not prefetched
+        compute_masks([states[i].constraint for i in cons_rows])
         eos = states[cons_rows[0]].eos_ids
         apply_masks(logits, cons_rows, [states[i].constraint.mask for i in cons_rows], eos)
     bias_rows = [i for i, s in enumerate(states) if s is not None and s.bias_ids is not None]
