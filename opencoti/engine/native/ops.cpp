@@ -45,8 +45,22 @@ std::string dtype_name(ScalarType t) {
     }
 }
 
+// An argument's name in a message: base, then [index] when index >= 0, then suffix. Streamed into the
+// message only when a check fails (no strings built per call).
+struct Name {
+    const char* base;
+    int64_t index;
+    const char* suffix;
+};
+std::ostream& operator<<(std::ostream& os, const Name& n) {
+    os << n.base;
+    if (n.index >= 0) os << "[" << n.index << "]";
+    return os << n.suffix;
+}
+
 // The engine's tensors live on the CPU; the Meta kernels run the same checks on meta tensors.
-void check_tensor(const Tensor& t, const char* name, ScalarType dtype, bool meta) {
+template <typename N>
+void check_tensor(const Tensor& t, const N& name, ScalarType dtype, bool meta) {
     TORCH_CHECK(t.defined(), name, " is required");
     TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), ", got ",
                 dtype_name(t.scalar_type()));
@@ -55,11 +69,13 @@ void check_tensor(const Tensor& t, const char* name, ScalarType dtype, bool meta
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-void check_dim(const Tensor& t, const char* name, int64_t dim) {
+template <typename N>
+void check_dim(const Tensor& t, const N& name, int64_t dim) {
     TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
 }
 
-void check_size(const Tensor& t, const char* name, int64_t d, int64_t want, const char* what) {
+template <typename N>
+void check_size(const Tensor& t, const N& name, int64_t d, int64_t want, const char* what) {
     TORCH_CHECK(t.size(d) == want, name, " dimension ", d, " must be ", what, " (", want, "), got shape ", t.sizes());
 }
 
@@ -176,12 +192,12 @@ void check_attention_io(const Tensor& q, const Tensor& out, const c10::optional<
 // One projection's weights: int4 blocks (uint8 [N, K/32 * 20], no scale) or int8 rows (int8 [N, K] and
 // fp32 scale [N]); bias fp32 [N] or none. Returns the OcProj the kernels take.
 OcProj check_proj(const Tensor& w, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias,
-                  const std::string& wn, const std::string& sn, const std::string& bn, bool meta) {
+                  const Name& wn, const Name& sn, const Name& bn, bool meta) {
     OcProj p{};
     TORCH_CHECK(w.defined(), wn, " is required");
     if (w.scalar_type() == ScalarType::Byte) {
-        check_tensor(w, wn.c_str(), ScalarType::Byte, meta);
-        check_dim(w, wn.c_str(), 2);
+        check_tensor(w, wn, ScalarType::Byte, meta);
+        check_dim(w, wn, 2);
         TORCH_CHECK(w.size(1) > 0 && w.size(1) % kQ4Block == 0, wn, " (int4 blocks) must have a multiple of ",
                     kQ4Block, " bytes per row (", kQ4Block, " per 32 weights), got shape ", w.sizes());
         TORCH_CHECK(!scale.has_value(), sn, " must be None for int4 blocks (their scales are inside)");
@@ -190,22 +206,22 @@ OcProj check_proj(const Tensor& w, const c10::optional<Tensor>& scale, const c10
     } else {
         TORCH_CHECK(w.scalar_type() == ScalarType::Char, wn, " must be uint8 (int4 blocks) or int8, got ",
                     dtype_name(w.scalar_type()));
-        check_tensor(w, wn.c_str(), ScalarType::Char, meta);
-        check_dim(w, wn.c_str(), 2);
+        check_tensor(w, wn, ScalarType::Char, meta);
+        check_dim(w, wn, 2);
         TORCH_CHECK(w.size(1) > 0, wn, " must have at least one input, got shape ", w.sizes());
         TORCH_CHECK(scale.has_value(), sn, " is required for int8 weights (one fp32 scale per output row)");
-        check_tensor(*scale, sn.c_str(), ScalarType::Float, meta);
-        check_dim(*scale, sn.c_str(), 1);
-        check_size(*scale, sn.c_str(), 0, w.size(0), "the weights' rows");
+        check_tensor(*scale, sn, ScalarType::Float, meta);
+        check_dim(*scale, sn, 1);
+        check_size(*scale, sn, 0, w.size(0), "the weights' rows");
         p.kind = 8;
         p.k = w.size(1);
         p.scale = meta ? nullptr : scale->data_ptr<float>();
     }
     p.n = w.size(0);
     if (bias.has_value()) {
-        check_tensor(*bias, bn.c_str(), ScalarType::Float, meta);
-        check_dim(*bias, bn.c_str(), 1);
-        check_size(*bias, bn.c_str(), 0, p.n, "the weights' rows");
+        check_tensor(*bias, bn, ScalarType::Float, meta);
+        check_dim(*bias, bn, 1);
+        check_size(*bias, bn, 0, p.n, "the weights' rows");
         p.bias = meta ? nullptr : bias->data_ptr<float>();
     }
     p.w = meta ? nullptr : w.data_ptr();
@@ -222,7 +238,7 @@ template <bool kMeta>
 Tensor q4_matmul(const Tensor& x, const Tensor& blocks, const c10::optional<Tensor>& bias) {
     TORCH_CHECK(blocks.scalar_type() == ScalarType::Byte, "blocks must be uint8 (int4 blocks), got ",
                 dtype_name(blocks.scalar_type()));
-    const OcProj p = check_proj(blocks, c10::nullopt, bias, "blocks", "scale", "bias", kMeta);
+    const OcProj p = check_proj(blocks, c10::nullopt, bias, {"blocks", -1, ""}, {"scale", -1, ""}, {"bias", -1, ""}, kMeta);
     check_x(x, p.k, kMeta);
     Tensor y = at::empty({x.size(0), p.n}, x.options());
     if (!kMeta && x.size(0) > 0)
@@ -234,7 +250,7 @@ Tensor q4_matmul(const Tensor& x, const Tensor& blocks, const c10::optional<Tens
 template <bool kMeta>
 Tensor q8_matmul(const Tensor& x, const Tensor& q, const Tensor& scale, const c10::optional<Tensor>& bias) {
     TORCH_CHECK(q.scalar_type() == ScalarType::Char, "q must be int8, got ", dtype_name(q.scalar_type()));
-    const OcProj p = check_proj(q, scale, bias, "q", "scale", "bias", kMeta);
+    const OcProj p = check_proj(q, scale, bias, {"q", -1, ""}, {"scale", -1, ""}, {"bias", -1, ""}, kMeta);
     check_x(x, p.k, kMeta);
     Tensor y = at::empty({x.size(0), p.n}, x.options());
     if (!kMeta && x.size(0) > 0)
@@ -352,21 +368,22 @@ StepDims check_step(const Tensor& x, const Tensor& cos, const Tensor& sin_signed
 // One layer's norms [hidden] and projections (qkv, o, gate_up, down) at ``at`` in the lists, checked
 // against each other and the step; writes proj[0..3].
 void check_layer(const Tensor& in_norm, const Tensor& post_norm, at::TensorList weights, const OptList& scales,
-                 const OptList& biases, size_t at, const StepDims& d, const std::string& where, bool meta,
+                 const OptList& biases, size_t at, const StepDims& d, int64_t layer, bool meta,
                  OcProj* proj) {
     static const char* kRoles[4] = {" (qkv)", " (o)", " (gate_up)", " (down)"};
-    std::string names[4];
+    Name names[4];
     for (int i = 0; i < 4; ++i) {
-        const std::string idx = "[" + std::to_string(at + i) + "]";
-        names[i] = "weights" + idx + kRoles[i];
-        proj[i] = check_proj(weights[at + i], scales.get(at + i), biases.get(at + i), names[i], "scales" + idx,
-                             "biases" + idx, meta);
+        const int64_t idx = (int64_t)at + i;
+        names[i] = Name{"weights", idx, kRoles[i]};
+        proj[i] = check_proj(weights[at + i], scales.get(at + i), biases.get(at + i), names[i], {"scales", idx, ""},
+                             {"biases", idx, ""}, meta);
     }
-    for (auto [t, name] : {std::pair{&in_norm, "in_norm"}, std::pair{&post_norm, "post_norm"}}) {
-        const std::string n = name + where;
-        check_tensor(*t, n.c_str(), ScalarType::Float, meta);
-        check_dim(*t, n.c_str(), 1);
-        check_size(*t, n.c_str(), 0, d.hidden, "x's hidden size");
+    // one layer's norms: in_norm; layer l of all: in_norms[l]
+    for (auto [t, name] : {std::pair{&in_norm, Name{layer < 0 ? "in_norm" : "in_norms", layer, ""}},
+                           std::pair{&post_norm, Name{layer < 0 ? "post_norm" : "post_norms", layer, ""}}}) {
+        check_tensor(*t, name, ScalarType::Float, meta);
+        check_dim(*t, name, 1);
+        check_size(*t, name, 0, d.hidden, "x's hidden size");
     }
     auto shape = [&](int i, int64_t n, int64_t k, const char* what) {
         TORCH_CHECK(proj[i].n == n && proj[i].k == k, names[i], " must compute ", what, ": [", n, " outputs, ", k,
@@ -413,7 +430,7 @@ void decode_layer_impl(const Tensor& x, const Tensor& in_norm, const Tensor& pos
     const StepDims d = check_step(x, cos, sin_signed, slots, k_cache, v_cache, q_rows, page_idx, kv_lens, num_heads, 4,
                                   kMeta);
     OcProj proj[4];
-    check_layer(in_norm, post_norm, weights, scales, biases, 0, d, "", kMeta, proj);
+    check_layer(in_norm, post_norm, weights, scales, biases, 0, d, -1, kMeta, proj);
     int64_t n_groups = 0;
     if (groups != nullptr)
         n_groups = check_groups(groups[0], groups[1], groups[2], groups[3], d.T, d.pages, kMeta);
@@ -460,8 +477,7 @@ void decode_layers(const Tensor& x, at::TensorList in_norms, at::TensorList post
     check_lists(weights, scales, biases, 4 * L);
     std::vector<OcProj> proj(4 * L);
     for (int64_t l = 0; l < L; ++l)
-        check_layer(in_norms[l], post_norms[l], weights, scales, biases, 4 * l, d, "s[" + std::to_string(l) + "]",
-                    kMeta, proj.data() + 4 * l);
+        check_layer(in_norms[l], post_norms[l], weights, scales, biases, 4 * l, d, l, kMeta, proj.data() + 4 * l);
     if (kMeta || d.T == 0) return;
     const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
     for (int64_t l = 0; l < L; ++l)
