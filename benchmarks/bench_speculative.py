@@ -55,6 +55,10 @@ PAIRS = {"opencoti": ("opencoti-ngram", "opencoti-off"), "llama.cpp": ("llama.cp
 REPETITIVE = ("react_echo", "json_tools", "summarize_quote")
 SINGLE = REPETITIVE + ("novel",)
 REPEATS = 3  # each single-session workload per round (median)
+LABELS = {"react_echo": "ReAct turn quoting its tool observation",  # recorded with each run (the report's rows)
+          "json_tools": "tool-calling agent issuing its next JSON calls",
+          "summarize_quote": "summarizer quoting its input", "novel": "short story (nothing to copy)",
+          "sessions_8": "8 sessions at once, aggregate"}
 TARGET = {"react_echo": 1.5, "json_tools": 1.5, "summarize_quote": 1.5, "novel": 0.97, "sessions_8": 0.97}
 
 OBSERVATION = json.dumps({
@@ -235,7 +239,8 @@ def main() -> int:
     machine = common.machine_info()
     print(common.describe_machine(machine))
     path = common.write_json("speculative", {
-        "config": {"rounds": args.rounds, "tokens": args.tokens, "threads": threads, "gguf": Path(gguf).name,
+        "config": {"workloads": LABELS, "rounds": args.rounds, "tokens": args.tokens, "threads": threads,
+                   "gguf": Path(gguf).name,
                    "servers": {n: SERVERS[n] for n in names}, "opencoti_weights": weights[:1], "quick": args.quick},
         "servers": info, "raw": raw, "median": med, "first_request": first, "ratio": ratios, "identical_outputs": same,
         "machine": machine, "load_before": before}, args.out)

@@ -342,7 +342,9 @@ def render_cluster(d: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- speculative decoding
-SPEC_LABELS = {"react_echo": "ReAct turn quoting its tool observation", "json_tools": "list rewritten as JSON",
+# the rows; a run records its own labels (``config.workloads``): these name the workloads of runs made before
+SPEC_LABELS = {"react_echo": "ReAct turn quoting its tool observation",
+               "json_tools": "list rewritten as JSON (the earlier prompt)",
                "summarize_quote": "summarizer quoting its input", "novel": "short story (nothing to copy)",
                "sessions_8": "8 sessions at once, aggregate"}
 SPEC_TARGETS = {"react_echo": 1.5, "json_tools": 1.5, "summarize_quote": 1.5, "novel": 0.97, "sessions_8": 0.97}
@@ -358,7 +360,9 @@ def render_speculative(d: dict) -> str:
     first = d.get("first_request") or {}
     same = d.get("identical_outputs") or {}
     rows, lose = [], []
-    for w, label in SPEC_LABELS.items():
+    labels = {**SPEC_LABELS, **cfg.get("workloads", {})}
+    for w in SPEC_LABELS:
+        label = labels[w]
         off, on = med.get("opencoti-off", {}).get(w), med.get("opencoti-ngram", {}).get(w)
         r = ratio(on, off)
         acc = _acceptance(raw.get("opencoti-ngram", []), w) if w != "sessions_8" else None
