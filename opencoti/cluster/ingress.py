@@ -34,7 +34,7 @@ log = logging.getLogger("opencoti.cluster")
 ingress_app = FastAPI(title="opencoti cluster", version=__version__,
                       description="The opencoti HTTP API over several engine replicas (Ray Serve).")
 
-_POOL_FANOUT_OPS = frozenset({"pin", "unpin", "evict", "flush", "admission"})
+POOL_FANOUT_OPS = frozenset({"pin", "unpin", "evict", "flush", "admission"})
 _AUTO_COOLDOWN_S = 5.0
 
 
@@ -44,7 +44,7 @@ class ReplicaError(Exception):
         self.status, self.message, self.etype, self.headers = status, message, etype, headers or {}
 
 
-def _err(status: int, message: str, etype: str, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, message: str, etype: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": status, "message": message, "type": etype}}, status_code=status,
                         headers=headers)
 
@@ -92,10 +92,10 @@ class ClusterIngress:
                                "authentication_error", {"WWW-Authenticate": "Bearer"})
 
     # ------------------------------------------------------------------ calls to replicas
-    def _call(self, method: str, hint: Hint, *args):
+    def call(self, method: str, hint: Hint, *args):
         return self.engine.options(method_name=method).remote(*args, route=hint.as_dict())
 
-    async def _sync_copies(self, max_age_s: float = 0.5) -> None:
+    async def sync_copies(self, max_age_s: float = 0.5) -> None:
         """The copies table from the registry (this ingress's own changes apply at once; other
         ingress replicas' changes within ``max_age_s``)."""
         now = time.monotonic()
@@ -107,10 +107,10 @@ class ClusterIngress:
             POLICY.set_copies(copies)
             self._copies_version = version
 
-    async def _ready_tags(self) -> list[int]:
+    async def ready_tags(self) -> list[int]:
         tags = POLICY.live_tags()
         if not tags:  # the handle's router learns the replica set on its first request
-            await self._call("info", Hint())
+            await self.call("info", Hint())
             for _ in range(50):
                 tags = POLICY.live_tags()
                 if tags:
@@ -129,7 +129,7 @@ class ClusterIngress:
             raise _from_exception(e) from e
         return head, gen
 
-    async def _collect(self, req: dict, hint: Hint) -> tuple[int, dict, bytes]:
+    async def collect(self, req: dict, hint: Hint) -> tuple[int, dict, bytes]:
         head, gen = await self._open(req, hint)
         chunks = []
         try:
@@ -140,33 +140,33 @@ class ClusterIngress:
         return head["status"], dict(head["headers"]), b"".join(chunks)
 
     async def _json(self, req: dict, hint: Hint):
-        status, headers, body = await self._collect(req, hint)
+        status, headers, body = await self.collect(req, hint)
         try:
             return status, headers, json.loads(body) if body else None
         except ValueError:
             return status, headers, None
 
-    async def _fanout(self, req: dict, tags=None) -> dict[int, tuple[int, dict, bytes]]:
+    async def fanout(self, req: dict, tags=None) -> dict[int, tuple[int, dict, bytes]]:
         # One replica after the other: Ray Serve's router matches a routed replica to its pending
         # request by the request id of the HTTP request being served, which concurrent handle
         # calls made while serving one request share (they would be fulfilled crosswise).
         if not self.affinity:  # Ray's default router cannot address a replica: one replica's view
             try:
-                st, h, body = await self._collect(req, Hint())
+                st, h, body = await self.collect(req, Hint())
             except ReplicaError:
                 return {}
             return {int(h.get("x-opencoti-replica", "0")): (st, h, body)}
-        tags = tags if tags is not None else await self._ready_tags()
+        tags = tags if tags is not None else await self.ready_tags()
         out = {}
         for t in tags:
             try:
-                out[t] = await self._collect(req, Hint(tag=t))
+                out[t] = await self.collect(req, Hint(tag=t))
             except ReplicaError:
                 continue
         return out
 
     @staticmethod
-    def _req(request: Request, body: bytes, path: str | None = None, method: str | None = None,
+    def replica_request(request: Request, body: bytes, path: str | None = None, method: str | None = None,
              query: str | None = None) -> dict:
         return {"method": method or request.method, "path": path or request.url.path,
                 "query": request.url.query if query is None else query,
@@ -199,8 +199,8 @@ class ClusterIngress:
         if not self.affinity:
             hint = Hint()
         elif hint.pool_id is not None:
-            await self._sync_copies()
-        req = self._req(request, body)
+            await self.sync_copies()
+        req = self.replica_request(request, body)
         try:
             head, gen = await self._open(req, hint)
             if head["status"] == 429 and hint.pool_id is not None and self.auto_replicate:
@@ -212,7 +212,7 @@ class ClusterIngress:
                   and request.url.path == "/polykv/pools" and hint.pool_id is None and hint.session_id is None):
                 head, gen = await self._create_elsewhere(req, hint, head, gen)
         except ReplicaError as e:
-            return _err(e.status, e.message, e.etype, e.headers)
+            return error_response(e.status, e.message, e.etype, e.headers)
         self._learn(head)
         h = dict(head["headers"])
         if (self.auto_replicate and hint.pool_id is not None
@@ -227,7 +227,7 @@ class ClusterIngress:
         replica that fails to answer (it died since it was listed) is passed over."""
         tag = dict(head["headers"]).get("x-opencoti-replica", "")
         tried = {int(tag)} if tag.isdigit() else set()
-        ranked, _ = POLICY.rank(Hint(), await self._ready_tags())
+        ranked, _ = POLICY.rank(Hint(), await self.ready_tags())
         for t in ranked:
             if t in tried:
                 continue
@@ -255,13 +255,13 @@ class ClusterIngress:
         if not self.affinity:
             raise ReplicaError(400, "pool copies need the opencoti router (this cluster runs Ray Serve's default "
                                     "router)", "invalid_request_error")
-        await self._sync_copies(max_age_s=0)
-        tags = await self._ready_tags()
+        await self.sync_copies(max_age_s=0)
+        tags = await self.ready_tags()
         primary = tag_of(pool_id)
         if primary is None or primary not in tags:
             hint = Hint(pool_id=pool_id)
             # the replica that gets it says 410 (lost) or 404 (never existed)
-            status, _, body = await self._collect({"method": "GET", "path": f"/polykv/pools/{pool_id}",
+            status, _, body = await self.collect({"method": "GET", "path": f"/polykv/pools/{pool_id}",
                                                    "query": "", "headers": [], "body": b""}, hint)
             err = (json.loads(body) if body else {}).get("error", {})
             raise ReplicaError(status, err.get("message", f"pool {pool_id} not found"),
@@ -279,12 +279,12 @@ class ClusterIngress:
                 raise ReplicaError(409, f"every live replica already holds pool {pool_id}", "conflict_error")
             target = sorted(free, key=lambda t: (POLICY.load.get(t, 0), t))[0]
         try:
-            tokens = await self._call("pool_tokens", Hint(tag=primary), pool_id)
+            tokens = await self.call("pool_tokens", Hint(tag=primary), pool_id)
             _, _, info = await self._json({"method": "GET", "path": f"/polykv/pools/{pool_id}", "query": "",
                                            "headers": [], "body": b""}, Hint(tag=primary))
             _, _, adm = await self._json({"method": "GET", "path": f"/polykv/pools/{pool_id}/admission",
                                           "query": "", "headers": [], "body": b""}, Hint(tag=primary))
-            copy = await self._call("create_copy", Hint(tag=target), pool_id, tokens,
+            copy = await self.call("create_copy", Hint(tag=target), pool_id, tokens,
                                     bool((info or {}).get("pinned")), (info or {}).get("label", ""), adm)
         except ReplicaError:
             raise
@@ -299,7 +299,7 @@ class ClusterIngress:
         return {"pool_id": pool_id, "replica": tag_of(pool_id),
                 "copies": [{"replica": t, "pool_id": p} for t, p in sorted(holders.items())]}
 
-    async def _capacities(self, pool_id: int, query: str = "") -> dict[int, tuple[int, dict]]:
+    async def capacities(self, pool_id: int, query: str = "") -> dict[int, tuple[int, dict]]:
         holders = POLICY.holders(pool_id)
         out = {}
         for t, local in holders.items():
@@ -315,8 +315,8 @@ class ClusterIngress:
     async def _on_saturated(self, pool_id: int) -> int | None:
         """A holder refused a new session (429): copy the pool to a replica that has room and
         return its tag for a retry (None: no copy could take it)."""
-        await self._sync_copies()
-        caps = await self._capacities(pool_id)
+        await self.sync_copies()
+        caps = await self.capacities(pool_id)
         for t, (_, c) in caps.items():
             if c.get("can_admit"):
                 return t
@@ -325,7 +325,7 @@ class ClusterIngress:
         except ReplicaError as e:
             log.info("automatic replication of pool %s: %s", pool_id, e.message)
             return None
-        caps = await self._capacities(pool_id)
+        caps = await self.capacities(pool_id)
         new = [c["replica"] for c in view["copies"] if c["replica"] in caps and caps[c["replica"]][1].get("can_admit")]
         return new[0] if new else None
 
@@ -335,7 +335,7 @@ class ClusterIngress:
             return
         self._last_auto[pool_id] = now
         try:
-            caps = await self._capacities(pool_id)
+            caps = await self.capacities(pool_id)
             if caps and not any(c.get("can_admit") for _, c in caps.values()):
                 await self.replicate(pool_id)
         except Exception as e:  # noqa: BLE001 - best effort; the next saturation retries

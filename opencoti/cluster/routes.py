@@ -19,7 +19,7 @@ from ..ops.validation import validate_query
 from . import aggregate
 from .hints import Hint, parse_json
 from .ids import tag_of
-from .ingress import _POOL_FANOUT_OPS, ClusterIngress, ReplicaError, _err, ingress_app
+from .ingress import POOL_FANOUT_OPS, ClusterIngress, ReplicaError, error_response, ingress_app
 from .policy import POLICY
 
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -38,14 +38,14 @@ def _loads(body: bytes):
 
 
 async def _fanout_json(ing: ClusterIngress, request: Request, path: str, query: str | None = None) -> dict:
-    res = await ing._fanout(ing._req(request, b"", path=path, method="GET", query=query))
+    res = await ing.fanout(ing.replica_request(request, b"", path=path, method="GET", query=query))
     return {t: (st, _loads(body)) for t, (st, _, body) in res.items()}
 
 
 def _first_error(res: dict) -> JSONResponse | None:
     """The replicas' answer when none of them succeeded (e.g. 401, 503 while loading)."""
     if not res:
-        return _err(503, "no replica is available", "unavailable_error", {"Retry-After": "1"})
+        return error_response(503, "no replica is available", "unavailable_error", {"Retry-After": "1"})
     if all(st != 200 for st, _ in res.values()):
         st, body = next(iter(res.values()))
         return JSONResponse(body, status_code=st)
@@ -59,12 +59,12 @@ async def replicas(request: Request):
     try:
         ing.check_key(request)
     except ReplicaError as e:
-        return _err(e.status, e.message, e.etype, e.headers)
-    tags = await ing._ready_tags()
+        return error_response(e.status, e.message, e.etype, e.headers)
+    tags = await ing.ready_tags()
     out = []
-    for t in tags:  # one after the other (see ClusterIngress._fanout)
+    for t in tags:  # one after the other (see ClusterIngress.fanout)
         try:
-            out.append(await ing._call("info", Hint(tag=t)))
+            out.append(await ing.call("info", Hint(tag=t)))
         except Exception:  # noqa: BLE001 - a replica that stopped is left out
             continue
     return {"replicas": out, "routing": {"decisions": dict(POLICY.decisions), "load": dict(POLICY.load),
@@ -77,24 +77,24 @@ async def replicate(request: Request, pool_id: int):
     try:
         ing.check_key(request)
     except ReplicaError as e:
-        return _err(e.status, e.message, e.etype, e.headers)
+        return error_response(e.status, e.message, e.etype, e.headers)
     body = parse_json(await request.body()) or {}
     target = body.get("replica")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int)):
-        return _err(400, "replica must be an integer replica tag (see GET /cluster/replicas)", "invalid_request_error")
+        return error_response(400, "replica must be an integer replica tag (see GET /cluster/replicas)", "invalid_request_error")
     try:
         return await ing.replicate(pool_id, target)
     except ReplicaError as e:
-        return _err(e.status, e.message, e.etype, e.headers)
+        return error_response(e.status, e.message, e.etype, e.headers)
 
 
 @ingress_app.get("/polykv/pools/{pool_id}/capacity", tags=["PolyKV"], summary="capacity over the pool's copies")
 async def capacity(request: Request, pool_id: int):
     ing = _ingress()
-    await ing._sync_copies()
+    await ing.sync_copies()
     if len(POLICY.holders(pool_id)) < 2:
         return await ing.forward(request, Hint(pool_id=pool_id), b"")
-    caps = await ing._capacities(pool_id, request.url.query)
+    caps = await ing.capacities(pool_id, request.url.query)
     if not caps:
         return await ing.forward(request, Hint(pool_id=pool_id), b"")
     return aggregate.merge_capacity(pool_id, caps, tag_of(pool_id))
@@ -108,8 +108,8 @@ async def pool(request: Request, pool_id: int):
         try:
             immediate = validate_query(ReleasePoolQuery, dict(request.query_params)).immediate
         except OpencotiError as e:
-            return _err(400, str(e), "invalid_request_error")
-    await ing._sync_copies()
+            return error_response(400, str(e), "invalid_request_error")
+    await ing.sync_copies()
     holders = POLICY.holders(pool_id)
     primary = tag_of(pool_id)
     if len(holders) < 2 or primary not in holders:
@@ -117,9 +117,9 @@ async def pool(request: Request, pool_id: int):
             await _drop_copies(ing, pool_id, immediate)
         return await ing.forward(request, Hint(pool_id=pool_id), b"")
     try:
-        st, h, body = await ing._collect(ing._req(request, b""), Hint(tag=primary))
+        st, h, body = await ing.collect(ing.replica_request(request, b""), Hint(tag=primary))
     except ReplicaError as e:
-        return _err(e.status, e.message, e.etype, e.headers)
+        return error_response(e.status, e.message, e.etype, e.headers)
     obj = _loads(body)
     if request.method == "DELETE" and st == 200:
         await _drop_copies(ing, pool_id, immediate)
@@ -133,7 +133,7 @@ async def pool(request: Request, pool_id: int):
 async def _drop_copies(ing: ClusterIngress, pool_id: int, immediate: bool = False) -> None:
     for t, local in list(POLICY.copies.get(pool_id, {}).items()):
         try:
-            await ing._call("drop_copy", Hint(tag=t), pool_id, immediate)
+            await ing.call("drop_copy", Hint(tag=t), pool_id, immediate)
         except Exception:  # noqa: BLE001 - a dead replica's copy is gone anyway
             pass
     await ing.registry.drop_pool.remote(pool_id)
@@ -145,16 +145,16 @@ async def pool_op(request: Request, pool_id: int, op: str):
     """pin/unpin/evict/flush/admission apply to every copy; other operations (fork) to the pool itself."""
     ing = _ingress()
     body = await request.body()
-    await ing._sync_copies()
+    await ing.sync_copies()
     holders = POLICY.holders(pool_id)
     primary = tag_of(pool_id)
-    if op not in _POOL_FANOUT_OPS or len(holders) < 2 or primary not in holders:
+    if op not in POOL_FANOUT_OPS or len(holders) < 2 or primary not in holders:
         hint = Hint(tag=primary) if primary in holders else Hint(pool_id=pool_id)
         return await ing.forward(request, hint, body)
     results = {}
     for t, local in sorted(holders.items()):
         try:
-            results[t] = await ing._collect(ing._req(request, body, path=f"/polykv/pools/{local}/{op}"), Hint(tag=t))
+            results[t] = await ing.collect(ing.replica_request(request, body, path=f"/polykv/pools/{local}/{op}"), Hint(tag=t))
         except ReplicaError as e:
             results[t] = (e.status, {}, json.dumps({"error": {"code": e.status, "message": e.message,
                                                                "type": e.etype}}).encode())
@@ -176,13 +176,13 @@ async def health(request: Request):
     ok = [t for t, (st, _) in res.items() if st == 200]
     if ok:
         return {"status": "ok", "replicas": len(res), "replicas_ok": len(ok)}
-    return _first_error(res) or _err(503, "Loading model", "unavailable_error", {"Retry-After": "5"})
+    return _first_error(res) or error_response(503, "Loading model", "unavailable_error", {"Retry-After": "5"})
 
 
 @ingress_app.get("/polykv/pools", tags=["PolyKV"])
 async def pools(request: Request):
     ing = _ingress()
-    await ing._sync_copies()
+    await ing.sync_copies()
     res = await _fanout_json(ing, request, "/polykv/pools")
     err = _first_error(res)
     if err is not None:
@@ -194,9 +194,9 @@ async def pools(request: Request):
 async def tps(request: Request, once: bool = False, interval_ms: float | None = None, count: int | None = None):
     ing = _ingress()
     if interval_ms is not None and not (50 <= interval_ms <= 60000):
-        return _err(400, "interval_ms must be in [50, 60000]", "invalid_request_error")
+        return error_response(400, "interval_ms must be in [50, 60000]", "invalid_request_error")
     if count is not None and count < 1:
-        return _err(400, "count must be >= 1", "invalid_request_error")
+        return error_response(400, "count must be >= 1", "invalid_request_error")
 
     async def snapshot():
         res = await _fanout_json(ing, request, "/polykv/tps", "once=1")
@@ -255,13 +255,13 @@ async def merged(request: Request):
 @ingress_app.get("/metrics", tags=["llama.cpp"], response_class=PlainTextResponse)
 async def metrics(request: Request):
     ing = _ingress()
-    res = await ing._fanout(ing._req(request, b"", path="/metrics", method="GET"))
+    res = await ing.fanout(ing.replica_request(request, b"", path="/metrics", method="GET"))
     texts = {t: body.decode() for t, (st, _, body) in res.items() if st == 200}
     if not texts:
         if res:
             st, h, body = next(iter(res.values()))
             return Response(body, status_code=st, media_type=h.get("content-type"))
-        return _err(503, "no replica is available", "unavailable_error", {"Retry-After": "1"})
+        return error_response(503, "no replica is available", "unavailable_error", {"Retry-After": "1"})
     extra = ["# HELP opencoti_cluster_routed_total Requests routed by the cluster router, by reason.",
              "# TYPE opencoti_cluster_routed_total counter"]
     extra += [f'opencoti_cluster_routed_total{{reason="{r}"}} {n}' for r, n in sorted(POLICY.decisions.items())]
