@@ -149,7 +149,7 @@ def calibrate_floor(eng, args, n_max: int) -> dict:
 # ============================================================================ the ramp
 def forecast_state(eng) -> dict:
     """The engine's step-time forecast (calibration, stall excess, context slope, per batch size)."""
-    return eng.run_on_step_thread(lambda: eng._admission.forecast.as_dict())
+    return eng.run_on_step_thread(lambda: eng.admission_controller.forecast.as_dict())
 
 
 def ramp(eng, policy: str, floor: float, n_tasks: int, tokens: int, tick: float, fit: int) -> dict:

@@ -143,12 +143,12 @@ def measure_restart(args, text_tokens) -> dict:
         info = eng.create_pool(tokens=toks, pinned=pin)
         eng.generate(toks + [text_tokens[-1]], pool_id=info.pool_id, session_id=f"agent-{i}",
                      params=SamplingParams.greedy(1))
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     eng.shutdown()
     t0 = now()
     eng = common.make_engine(args, **cfg)
     with_state = now() - t0
-    stats = dict(eng._persist.stats)
+    stats = dict(eng.persister.stats)
     eng.shutdown()
     t0 = now()
     eng = common.make_engine(args, **{**cfg, "state_dir": None})

@@ -561,7 +561,7 @@ def test_enforced_reject_under_load(loaded):
     # a request without a pool or on another pool pays nothing
     other = eng.create_pool(tokens=toks(3, 12))
     assert len(eng.generate(toks(3, 12) + [7], params=greedy(2), pool_id=other.pool_id).token_ids) == 2
-    assert eng._admission.listener_errors == 0 and eng._metrics.listener_errors == 0
+    assert eng.admission_controller.listener_errors == 0 and eng.metrics.listener_errors == 0
 
 
 def test_a_session_moving_onto_an_enforced_pool_is_gated(loaded):

@@ -251,18 +251,18 @@ def test_kv_files_are_keyed_by_the_kv_dtype(make_engine, tmp_path):
     assert kvfile.read_header(path)["kv"]["kv_dtype"] == "float32"
 
     e = make_engine(state_dir=str(state), kv_dtype="fp16")
-    assert e._persist.stats["kv_loaded_pools"] == 0  # the fp32 file is not loaded ...
+    assert e.persister.stats["kv_loaded_pools"] == 0  # the fp32 file is not loaded ...
     assert e.pool(p.pool_id).residency == "evicted" and not path.exists()  # ... and it is dropped
     r = e.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(3))
     assert r.info.rematerialized_pools == [p.pool_id]
-    e._persist.kv_writer.flush()
+    e.persister.kv_writer.flush()
     head = kvfile.read_header(path)
     assert head["kv"]["kv_dtype"] == head["dtype"] == "float16"
     saved = np.fromfile(path, dtype="<f2", offset=kvfile.HEADER, count=2 * int(np.prod(head["shape"])))
     e.shutdown()
 
     e = make_engine(state_dir=str(state), kv_dtype="fp16")
-    assert e._persist.stats["kv_loaded_pools"] == 1 and e.pool(p.pool_id).residency == "resident"
+    assert e.persister.stats["kv_loaded_pools"] == 1 and e.pool(p.pool_id).residency == "resident"
     r2 = e.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(3))
     assert r2.token_ids == r.token_ids and r2.info.cached_prefix_tokens >= len(root)
     assert saved.size == 2 * len(root) * e.kv.num_layers * e.kv.num_kv_heads * e.kv.head_dim

@@ -194,18 +194,18 @@ def test_q8_kv_files(make_engine, tmp_path):
     assert head["shape"][-1] == e.kv.head_dim + 4
 
     e = make_engine(state_dir=str(state), kv_dtype="q8")
-    assert e._persist.stats["kv_loaded_pools"] == 1 and e.pool(p.pool_id).residency == "resident"
+    assert e.persister.stats["kv_loaded_pools"] == 1 and e.pool(p.pool_id).residency == "resident"
     r2 = e.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(3))
     assert r2.token_ids == r.token_ids and r2.info.cached_prefix_tokens >= len(root)
     e.shutdown()
 
     e = make_engine(state_dir=str(state), kv_dtype="fp16")
-    assert e._persist.stats["kv_loaded_pools"] == 0  # the q8 file is not loaded ...
+    assert e.persister.stats["kv_loaded_pools"] == 0  # the q8 file is not loaded ...
     assert e.pool(p.pool_id).residency == "evicted" and not path.exists()  # ... and it is dropped
     e.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(3))
-    e._persist.kv_writer.flush()
+    e.persister.kv_writer.flush()
     assert kvfile.read_header(path)["kv"]["kv_dtype"] == "float16"
     e.shutdown()
 
     e = make_engine(state_dir=str(state), kv_dtype="q8")
-    assert e._persist.stats["kv_loaded_pools"] == 0 and e.pool(p.pool_id).residency == "evicted"
+    assert e.persister.stats["kv_loaded_pools"] == 0 and e.pool(p.pool_id).residency == "evicted"

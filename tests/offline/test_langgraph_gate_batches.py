@@ -62,7 +62,7 @@ def fan_out(model, pacer, on_hold="wait", checkpointer=None, started=None):
 def warm_forecast(engine, n: int) -> None:
     """Sessions joining one by one (no pool, no floor) until n decode side by side: the engine
     measures its step time at every batch size up to n, as it does while serving."""
-    stats = engine._admission.forecast.stats  # step statistics per batch size
+    stats = engine.admission_controller.forecast.stats  # step statistics per batch size
     threads = []
     for i in range(n):
         s = engine.stream(engine.tokenize(f"warm {i}"), params=SamplingParams.greedy(400, ignore_eos=True))

@@ -231,7 +231,7 @@ def test_warming_counted_for_a_queued_request(engine):
 
     def submit_and_look():
         engine.core.submit(prompt(4, 30), greedy(4), lambda ev: None, session_id="new")
-        return engine._metrics.activity(), engine._metrics.snapshot()
+        return engine.metrics.activity(), engine.metrics.snapshot()
 
     act, snap = engine.run_on_step_thread(submit_and_look)
     assert act.n_warming == 1 and act.n_active == 0 and act.mean_active_tps is None
@@ -274,6 +274,6 @@ def test_history_is_sampled_and_bounded(engine):
 
 def test_listener_errors_are_zero_and_no_policy_pays_nothing(engine):
     engine.generate(prompt(9, 10), params=greedy(10))
-    assert engine._metrics.listener_errors == 0 and engine._admission.listener_errors == 0
+    assert engine.metrics.listener_errors == 0 and engine.admission_controller.listener_errors == 0
     with pytest.raises(PoolNotFoundError):
         engine.capacity(999)

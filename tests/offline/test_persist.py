@@ -56,7 +56,7 @@ def test_store_round_trip_lock_and_identity(tmp_path):
 def test_default_engine_is_ephemeral(make_engine, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     eng = make_engine()
-    assert eng.config.state_dir is None and not eng._persist.enabled
+    assert eng.config.state_dir is None and not eng.persister.enabled
     eng.create_pool(tokens=[1, 2, 3])
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InvalidRequestError, match="state_dir"):
@@ -79,7 +79,7 @@ def test_restart_restores_tree_sessions_and_never_reuses_ids(make_engine, tmp_pa
     eng.shutdown()
 
     eng = make_engine(state_dir=state, session_kv_budget_mib=0)  # the session without its KV file: it recomputes
-    st = eng._persist.stats
+    st = eng.persister.stats
     assert st["pools"] == 3 and st["sessions"] == 1 and st["skipped_pools"] == []
     pools = pools_by_id(eng)
     assert sorted(pools) == [root.pool_id, ext.pool_id, br.pool_id]
@@ -121,7 +121,7 @@ def test_pinned_pools_come_back_resident_from_their_kv_files(make_engine, tmp_pa
     assert sorted(f.name for f in (state / "kv").iterdir()) == [f"{root.pool_id}.kv", f"{ext.pool_id}.kv"]
 
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["kv_loaded_pools"] == 2
+    assert eng.persister.stats["kv_loaded_pools"] == 2
     pools = pools_by_id(eng)
     assert pools[root.pool_id]["residency"] == "resident" and pools[ext.pool_id]["residency"] == "resident"
     assert pools[other.pool_id]["residency"] == "evicted"
@@ -148,7 +148,7 @@ def test_a_kv_file_of_other_tokens_is_not_loaded(make_engine, tmp_path):
     (kv / f"{b.pool_id}.kv").rename(kv / f"{a.pool_id}.kv")
     (kv / "tmp").rename(kv / f"{b.pool_id}.kv")
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["kv_loaded_pools"] == 0
+    assert eng.persister.stats["kv_loaded_pools"] == 0
     assert {p["residency"] for p in eng.pools()["pools"]} == {"evicted"}
     r = eng.generate(ROOT + [1], pool_id=a.pool_id, params=SamplingParams.greedy(2))
     assert r.info.rematerialized_pools == [a.pool_id]
@@ -179,7 +179,7 @@ def test_rows_that_do_not_fit_are_skipped_not_lost(make_engine, tmp_path):
     db.commit()
     db.close()
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["skipped_pools"] == [child.pool_id]  # no longer extends its parent
+    assert eng.persister.stats["skipped_pools"] == [child.pool_id]  # no longer extends its parent
     assert sorted(pools_by_id(eng)) == [root.pool_id]
     assert eng.create_pool(tokens=[1, 2]).pool_id == child.pool_id + 1
     eng.check_integrity()
@@ -264,10 +264,10 @@ def test_a_pool_pinned_while_evicted_gets_its_kv_file_once_resident(make_engine,
     p = eng.create_pool(tokens=ROOT)
     eng.evict_pool(p.pool_id)
     eng.pin_pool(p.pool_id)
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     assert list((state / "kv").iterdir()) == []
     eng.generate(ROOT + [1], pool_id=p.pool_id, params=SamplingParams.greedy(1))  # re-materializes
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     assert [f.name for f in (state / "kv").iterdir()] == [f"{p.pool_id}.kv"]
     eng.shutdown()
     eng = make_engine(state_dir=str(state))
@@ -300,23 +300,23 @@ def test_kv_files_are_keyed_by_the_weight_format(make_engine, tmp_path):
     ref.shutdown()
 
     eng = make_engine(state_dir=str(state), weights="fp32")
-    assert eng._persist.stats["kv_loaded_pools"] == 0  # the int4 KV is not loaded ...
+    assert eng.persister.stats["kv_loaded_pools"] == 0  # the int4 KV is not loaded ...
     assert eng.pool(p.pool_id).residency == "evicted" and not path.exists()  # ... and the file is dropped
     with pytest.raises(InvalidRequestError, match="int4 weights.*fp32 weights.*cannot be restored"):
         restore_session(eng, "t", "s.bin")
     r = eng.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(6))
     assert r.info.rematerialized_pools == [p.pool_id] and r.token_ids == want  # recomputed with fp32
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     assert kvfile.read_header(path)["kv"]["weights"] == "fp32"  # saved again, for fp32
     fp32_kv = np.fromfile(path, dtype=word, offset=kvfile.HEADER)
     assert fp32_kv.shape == int4_kv.shape and not np.allclose(fp32_kv, int4_kv, atol=1e-3)  # it would be wrong
     eng.shutdown()
 
     eng = make_engine(state_dir=str(state), weights="fp32", page_size=8)  # same weights, another page size
-    assert eng._persist.stats["kv_loaded_pools"] == 1 and eng.pool(p.pool_id).residency == "resident"
+    assert eng.persister.stats["kv_loaded_pools"] == 1 and eng.pool(p.pool_id).residency == "resident"
     r = eng.generate(prompt, pool_id=p.pool_id, params=SamplingParams.greedy(6))
     assert r.info.rematerialized_pools == [] and r.token_ids == want
     eng.shutdown()
 
     eng = make_engine(state_dir=str(state), weights="fp32", dtype="bfloat16")  # another KV dtype
-    assert eng._persist.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"
+    assert eng.persister.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"

@@ -42,17 +42,17 @@ def test_a_corrupt_kv_file_is_recomputed_never_loaded(make_engine, tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="opencoti.engine.persist"):
         eng = make_engine(state_dir=str(state))
     assert f"the KV file of pool {ext.pool_id} is not used" in caplog.text
-    assert eng._persist.stats["kv_loaded_pools"] == 1  # the root's file is fine
+    assert eng.persister.stats["kv_loaded_pools"] == 1  # the root's file is fine
     assert eng.pool(ext.pool_id).residency == "evicted" and eng.pool(root.pool_id).residency == "resident"
     report = call(Context(eng), "integrity")
     assert report["ok"] and report["kv_files"]["rejected_at_load"] == [ext.pool_id]
     after = eng.generate(prompt, pool_id=ext.pool_id, params=SamplingParams.greedy(6))
     assert after.token_ids == before.token_ids and after.info.rematerialized_pools == [ext.pool_id]
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     assert kvfile.verify(path) is None  # written again from the recomputed pages
     eng.shutdown()
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["kv_loaded_pools"] == 2
+    assert eng.persister.stats["kv_loaded_pools"] == 2
 
 
 def test_integrity_reports_a_kv_file_corrupted_on_disk(make_engine, tmp_path):
@@ -60,13 +60,13 @@ def test_integrity_reports_a_kv_file_corrupted_on_disk(make_engine, tmp_path):
     eng = make_engine(state_dir=str(state))
     p = eng.create_pool(tokens=ROOT, pinned=True)
     ctx = Context(eng)
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     assert call(ctx, "integrity")["kv_files"] == {"checked": 1, "corrupt": [], "rejected_at_load": []}
     path = state / "kv" / f"{p.pool_id}.kv"
     flip_middle(path)
     report = call(ctx, "integrity")
     assert report["ok"] is False and report["kv_files"]["corrupt"] == [p.pool_id]
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
     assert kvfile.verify(path) is None  # written again from the resident pages
     assert call(ctx, "integrity")["ok"] is True
 
@@ -84,7 +84,7 @@ def test_a_kv_file_without_a_checksum_is_not_loaded(make_engine, tmp_path):
                      + raw[kvfile.HEADER:])
     assert "no checksum" in kvfile.verify(path)
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"
+    assert eng.persister.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"
 
 
 # ============================================================================ the database and the id mark

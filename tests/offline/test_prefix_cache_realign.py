@@ -161,14 +161,14 @@ def realign(eng, prompt: list[int], recent: list[list[int]], salt: str | None = 
 
     def run():
         core = eng.core.prefix_cache
-        saved = list(core._recent)
-        core._recent.clear()
-        core._recent.extend((salt_root(recent_salt), np.asarray(t, dtype=np.int64)) for t in recent)
+        saved = list(core.recent_requests)
+        core.recent_requests.clear()
+        core.recent_requests.extend((salt_root(recent_salt), np.asarray(t, dtype=np.int64)) for t in recent)
         try:
             return core.realign(list(prompt), salt, SamplingParams.greedy(4), floor)
         finally:
-            core._recent.clear()
-            core._recent.extend(saved)
+            core.recent_requests.clear()
+            core.recent_requests.extend(saved)
     return eng.run_on_step_thread(run)
 
 

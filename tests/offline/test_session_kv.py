@@ -18,7 +18,7 @@ def settle(eng) -> None:
     """Until the state directory has caught up: one command through the step thread (the sync
     runs after it), then the background writer's queue."""
     eng.run_on_step_thread(lambda: None)
-    eng._persist.kv_writer.flush()
+    eng.persister.kv_writer.flush()
 
 
 def kv_files(state: Path) -> set[str]:
@@ -43,7 +43,7 @@ def test_session_kv_comes_back_after_a_restart(make_engine, tmp_path):
     reference = turn(make_engine(), turn2, "ref")  # what the second turn computes from scratch
 
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["kv_loaded_sessions"] == 1
+    assert eng.persister.stats["kv_loaded_sessions"] == 1
     second = turn(eng, turn2, "thread-1")
     cached = len(TURN1) + len(first.token_ids) - 1  # every token with KV at the end of turn 1
     assert second.info.cached_prefix_tokens == cached > pool_len(eng, pool.pool_id)
@@ -68,14 +68,14 @@ def test_without_budget_or_a_matching_file_the_session_recomputes(make_engine, t
     assert kv_files(state) == set()
     eng.shutdown()
     eng = make_engine(state_dir=str(state))
-    assert eng._persist.stats["kv_loaded_sessions"] == 0
+    assert eng.persister.stats["kv_loaded_sessions"] == 0
     assert turn(eng, TURN1 + list(first.token_ids), "t").info.cached_prefix_tokens == 0
     settle(eng)
     assert kv_files(state) == {file_name("t")}
     eng.shutdown()
     # another weight format computes other KV: the file is not loaded, and removed
     eng = make_engine(state_dir=str(state), weights="int8")
-    assert eng._persist.stats["kv_loaded_sessions"] == 0
+    assert eng.persister.stats["kv_loaded_sessions"] == 0
     settle(eng)
     assert kv_files(state) == set()
     eng.shutdown()
@@ -101,6 +101,6 @@ def test_the_disk_budget_keeps_the_most_recent_sessions(make_engine, tmp_path):
     assert file_name("big") not in kv_files(state)
     eng.shutdown()
     eng = make_engine(state_dir=str(state), session_kv_budget_mib=budget_mib)
-    assert eng._persist.stats["kv_loaded_sessions"] == 2
+    assert eng.persister.stats["kv_loaded_sessions"] == 2
     eng.check_integrity()
     eng.shutdown()

@@ -154,11 +154,12 @@ class Engine(PoolAPIMixin):
         self.tokenizer = self.loaded.tokenizer
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)
-        self._metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
-        self._admission = AdmissionController(self.core, self.post_to_step_thread, self._metrics)  # prepare -> decide -> commit
+        self.metrics = Metrics(self.core)  # per-session tps, counters (listens to the core)
+        # prepare -> decide -> commit
+        self.admission_controller = AdmissionController(self.core, self.post_to_step_thread, self.metrics)
         self.model_name = self.loaded.name
         # config.state_dir: restore the stored pools and sessions, keep in sync
-        self._persist = open_state(self, admission=self._admission)
+        self.persister = open_state(self, admission=self.admission_controller)
         release_memory()  # what start-up built and dropped (candidate formats, the gate's reference, buffers)
         self.load_seconds = time.perf_counter() - t0
 
@@ -179,7 +180,7 @@ class Engine(PoolAPIMixin):
                 if self._cmds.empty():  # a request already waiting goes first; trimmed at the next idle
                     self._trim_when_idle()
             core.polykv.expire_sessions()
-            adm = self._admission
+            adm = self.admission_controller
             adm.tick()  # admission deadlines: settle windows that ran out, held requests to re-try
             release_at = core.polykv.release_due()  # pool releases deferred by the grace TTL
             try:  # block only when there is nothing to compute, and then only until the next deadline
@@ -203,7 +204,7 @@ class Engine(PoolAPIMixin):
                 fn, args, kwargs, fut = cmd
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(self._persist.after(fn(*args, **kwargs)))  # durable before answered
+                        fut.set_result(self.persister.after(fn(*args, **kwargs)))  # durable before answered
                     except BaseException as e:  # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
                 try:
@@ -243,8 +244,8 @@ class Engine(PoolAPIMixin):
 
     def _drain_on_close(self) -> None:
         self.core.fail_all(EngineClosedError("engine shut down"))
-        self._admission.close(EngineClosedError("engine shut down"))  # requests held by admission
-        self._persist.close()
+        self.admission_controller.close(EngineClosedError("engine shut down"))  # requests held by admission
+        self.persister.close()
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -323,7 +324,7 @@ class Engine(PoolAPIMixin):
             self.core.limits.check_fits(len(prompt), getattr(params, "max_tokens", None))  # or check of its ids
         tokens = self._prompt_tokens(prompt, messages, tools)
         params = params if params is not None else SamplingParams()
-        return self._admission.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,
+        return self.admission_controller.submit(tokens, params, sink, session_id=session_id, pool_id=pool_id,
                                       shared_prefix_n_tokens=shared_prefix_n_tokens, overcommit=overcommit,
                                       cache_salt=cache_salt)
 
@@ -389,7 +390,7 @@ class Engine(PoolAPIMixin):
 
     def check_kv_files(self, pool_ids: set[int] | None = None) -> dict:
         """Verify the checksums of the state directory's KV files (see ``Persister.check_kv_files``)."""
-        return self._persist.check_kv_files(self.run_on_step_thread, pool_ids)
+        return self.persister.check_kv_files(self.run_on_step_thread, pool_ids)
 
     def stats(self) -> dict:
         """Counters, KV pages, sessions, queue lengths and the prefix cache (pages, bytes, hit rate)."""
@@ -407,40 +408,40 @@ class Engine(PoolAPIMixin):
     def tps_snapshot(self) -> dict:
         """Live tps: ``{ts, aggregate_tps, mean_active_tps, n_warming, sessions: [{session_id,
         pool_id, tps_ewma, ctx_used, ctx_total, ctx_headroom_tokens, compaction_pressure, state}]}``."""
-        return self.run_on_step_thread(self._metrics.snapshot)
+        return self.run_on_step_thread(self.metrics.snapshot)
 
     def tps_history(self, session_id: str | None = None, since: float | None = None) -> dict:
         """The sampled tps time series (engine-wide and per session; bounded), points with ts >= since."""
-        return self.run_on_step_thread(self._metrics.history_view, session_id, since)
+        return self.run_on_step_thread(self.metrics.history_view, session_id, since)
 
     def configure_tps(self, **settings) -> dict:
         """Change the tps windows (``metrics.TpsConfig`` fields, e.g. window_tokens=128, window_s=2.0)."""
-        return self.run_on_step_thread(self._metrics.configure, **settings)
+        return self.run_on_step_thread(self.metrics.configure, **settings)
 
     def metrics_counters(self) -> dict:
         """Lifetime counters: engine totals and per pool (queries, prefix cache hits, tokens)."""
-        return self.run_on_step_thread(self._metrics.counters)
+        return self.run_on_step_thread(self.metrics.counters)
 
     def prometheus_metrics(self) -> str:
         """Prometheus text exposition of the tps / pool gauges and counters (labels: pool only)."""
-        return self.run_on_step_thread(self._metrics.prometheus)
+        return self.run_on_step_thread(self.metrics.prometheus)
 
     def set_admission(self, pool_id: int, **policy) -> dict:
         """Set (merge) the admission policy of a pool (docs/polykv.md): target_tps_per_session, mode,
         on_saturation, guarantee_min_sessions, settle_tokens, settle_max_ms, queue_timeout_ms."""
-        return self.run_on_step_thread(self._admission.set_policy, pool_id, **policy)
+        return self.run_on_step_thread(self.admission_controller.set_policy, pool_id, **policy)
 
     def admission(self, pool_id: int) -> dict:
         """The admission policy of a pool (defaults when none was set)."""
-        return self.run_on_step_thread(self._admission.policy, pool_id)
+        return self.run_on_step_thread(self.admission_controller.policy, pool_id)
 
     def capacity(self, pool_id: int, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
         """Whether one more (new) session fits the pool now, and why (docs/polykv.md)."""
-        return self.run_on_step_thread(self._admission.capacity, pool_id, expected_tokens, session_id)
+        return self.run_on_step_thread(self.admission_controller.capacity, pool_id, expected_tokens, session_id)
 
     def admission_events(self, pool_id: int | None = None, since: float | None = None) -> list[dict]:
         """Recent admission events (admit, settle_end, hold, rejected, warned, overcommit, guaranteed, policy)."""
-        return self.run_on_step_thread(self._admission.events_view, pool_id, since)
+        return self.run_on_step_thread(self.admission_controller.events_view, pool_id, since)
 
 
 _STOP = object()

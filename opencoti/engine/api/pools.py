@@ -50,7 +50,7 @@ class PoolAPIMixin:
     def _live(self, sessions: list[dict]) -> list[dict]:
         """Session rows with their live ``tps_ewma`` and ``ttft_ms`` (step thread): one shape in every
         answer that lists sessions (the tree, one pool, pin / evict / create / fork)."""
-        m = self._metrics
+        m = self.metrics
         for sess in sessions:
             s = self.core.sessions.get(sess["session_id"])
             sess["tps_ewma"] = m.session_tps(sess["session_id"], s.job if s is not None else None)

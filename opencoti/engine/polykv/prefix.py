@@ -51,7 +51,7 @@ class PrefixCache:
         self.recent_outputs = recent_outputs
         self._inflight: dict[bytes, Job] = {}  # page key -> the job computing (or queued to compute) that page
         # (salt root, ids) of recent finished requests, prompt + answer: what prompts are realigned to
-        self._recent: deque[tuple[bytes, np.ndarray]] = deque(maxlen=RECENT_REQUESTS)
+        self.recent_requests: deque[tuple[bytes, np.ndarray]] = deque(maxlen=RECENT_REQUESTS)
         self._pieces = None  # token id -> its piece of text (the tokenizer's own spelling), made on first use
         self._specials = np.array(sorted(self.tokenizer.special_token_ids), dtype=np.int64)
 
@@ -82,7 +82,7 @@ class PrefixCache:
         request's ids. Returns ``prompt`` itself when nothing changes, or when the realigned
         prompt would not fit the context."""
         root = salt_root(salt)
-        cands = [t for r, t in self._recent if r == root]
+        cands = [t for r, t in self.recent_requests if r == root]
         if not cands:
             return prompt
         live = [(t, 0) for t in reversed(cands)]  # (ids, where to start comparing); the most recent wins ties
@@ -245,7 +245,7 @@ class PrefixCache:
             if self._inflight.get(k) is job:
                 del self._inflight[k]
         if job.generated and job.seq is session.seq:
-            self._recent.append((job.seq.salt_root, np.asarray(job.seq.tokens, dtype=np.int64)))
+            self.recent_requests.append((job.seq.salt_root, np.asarray(job.seq.tokens, dtype=np.int64)))
             if job.draft_state is not None and self.tables.index is not None:
                 self.recent_outputs.add(job.seq.salt_root, job.generated)  # drafts for later requests
 
