@@ -11,8 +11,8 @@ a deadline passed) and ``next_deadline()`` tells the loop how long it may sleep.
 
 Its dependencies are given at construction, never found: the core (an ``AdmissionCore``: the
 ``PolyKVView`` it reads, plus prepare / commit / cancel), a ``PostToStepThread`` function (the
-Engine's ``post_to_step_thread``, or the simulator's) and the metrics. It holds no reference to
-the Engine.
+Engine's ``post_to_step_thread``, or the simulator's) and the metrics. It calls nothing of the
+Engine but that function.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from ..results import PoolInfo
 
 
 class PoolAPIMixin:
-    """Needs from Engine: core, kv, run_on_step_thread, tokenize, apply_chat_template."""
+    """Needs from Engine: core, kv, metrics, run_on_step_thread, tokenize, apply_chat_template, pool."""
 
     def release_session(self, session_id: str) -> None:
         self.run_on_step_thread(self.core.release_session, session_id)

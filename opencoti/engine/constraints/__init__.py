@@ -11,9 +11,8 @@ microseconds on a 49k vocabulary, so masks are computed per step, only for const
   tokenizer). ``prefix`` is text already forced into the output (e.g. a tool-call prefill), fed
   to the matcher first; ``trigger`` makes the constraint lazy: the output is free until the
   trigger text appears, and from the trigger on it must match the grammar (tool_choice=auto).
-* ``compute_masks`` / ``apply_masks``: one batched mask computation (llguidance's executor, which
-  releases the GIL, so it can run on a helper thread while the next forward pass runs) and the
-  in-place masking of the logit rows.
+* ``compute_masks`` / ``apply_masks``: one batched mask computation per step (llguidance's
+  executor, which releases the GIL) and the in-place masking of the logit rows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ executes it, ``PolyKV`` (``polykv/state.py``) owns the pool tree and the session
 ``PrefixCache`` (``polykv/prefix.py``) shares prefixes automatically, and the KV tables (held by
 ``PolyKV``) own the pages. The core keeps the requests themselves (their jobs, tokens, events).
 
-Nothing here is thread-safe by itself: the Engine facade (engine.py) calls these methods only
+Nothing here is thread-safe by itself: the Engine facade (api/engine.py) calls these methods only
 from its single step-loop thread. Every public operation validates all of
 its input before it mutates anything, so a rejected call leaves the state untouched.
 """

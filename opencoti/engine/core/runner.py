@@ -1,6 +1,8 @@
 """ModelRunner: executes one scheduled batch — attention metadata, the forward pass, sampling.
 
-It reads the plan (jobs and token counts) and the jobs' page tables, and changes nothing: the
+It reads the plan (jobs and token counts) and the jobs' page tables and changes no page table,
+token list or request state the core keeps: the forward writes the new tokens' K/V into pages the
+plan holds, and the sampler advances each request's random generator and ``SamplerState``. The
 core applies what it returns (cached token counts, sampled tokens, finished materializations, the
 tokens a speculative draft's verification emits).
 """

@@ -30,7 +30,7 @@ from .prefix_index import Match, PrefixIndex, Tail
 
 
 class Reclaimer(Protocol):
-    """Frees pages when the tables run short (EngineCore.reclaim: cache pages, then idle sessions'
+    """Frees pages when the tables run short (PolyKV.reclaim: cache pages, then idle sessions'
     KV, then idle pools). It may call back into the tables (evict cache, drop tables)."""
 
     def __call__(self, num_pages: int, keep: Session | None = None) -> int:

@@ -72,8 +72,8 @@ class Activity:
 class Metrics:
     """Listens to the engine core and answers tps / context / counter questions.
 
-    Installed by ``Engine.__init__``; all methods run on the step thread. It reads the core only
-    through ``PolyKVView`` (view.py).
+    Built by the Engine at start-up; all methods run on the step thread. It reads the core only
+    through ``PolyKVView`` (polykv/view.py).
     """
 
     def __init__(self, core: PolyKVView, config: TpsConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,

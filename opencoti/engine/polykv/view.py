@@ -10,8 +10,8 @@ of the surface breaks the type check instead of one of the stand-ins guessing it
 Every member is read-only here (properties): a reader may look at sessions, pools and jobs, not
 replace them. Everything is read on the engine's step thread.
 
-Its own module (not ``core.py``) so that readers depend on this small module only: it imports the
-state's data types (``session.py``, ``kv/pools.py``), never the core, the model or torch.
+Its own module (not ``core/core.py``) so that readers depend on this small module only: it imports
+the state's data types (``core/requests.py``, ``kv/pools.py``), never the core, the model or torch.
 """
 
 from __future__ import annotations
