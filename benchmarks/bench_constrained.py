@@ -3,18 +3,17 @@
 
 The bundled model decodes C sessions at once (C threads released together, each streaming its
 own request, ``ignore_eos`` so every session decodes the same number of tokens). Each round runs
-three modes on the same prompts, interleaved so drift in the machine's load hits them alike:
+two modes on the same prompts, interleaved so drift in the machine's load hits them alike:
 
 * ``plain``: no constraint (the baseline);
 * ``json``: every session constrained to a JSON Schema (masks computed inside the step, only for
-  the constrained rows: the engine's default);
-* ``json-prefetch``: the same with the masks prefetched on a helper thread while the next forward
-  pass runs (``Sampler.prefetch_masks``).
+  the constrained rows). Runs made before recorded a third mode, ``json-prefetch`` (masks computed
+  on a helper thread during the forward pass): measured slower on 2 cores, it was removed.
 
 Decode step time = (T1 - T0) / (tokens received in (T0, T1] / C), where T0 = the moment every
 session has received its first token (all prefills done) and T1 = the moment the last token
 arrives. CPU time per step is the process's CPU time over the same window / steps (all threads:
-the step thread, its OpenMP team, the mask thread): on a machine shared with other work it moves
+the step thread and its OpenMP team): on a machine shared with other work it moves
 far less than wall time, so it is reported beside it. The schema's array has ``minItems`` larger than the tokens generated, so the constraint
 is live (never finished) for every measured step. Every constrained output is checked to be a
 prefix of a document the schema accepts (llguidance would have refused any other token).
@@ -141,17 +140,14 @@ def main() -> int:
         return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=args.tokens,
                               ignore_eos=True, constraint=spec if constrained else None)
 
-    sampler = engine_sampler(engine)
-    modes = {"plain": (False, False), "json": (True, False), "json-prefetch": (True, True)}
+    modes = {"plain": False, "json": True}
     results: dict[str, list[float]] = {m: [] for m in modes}
     cpu_results: dict[str, list[float]] = {m: [] for m in modes}
     valid = True
     run_round(engine, prompts, [params(True, 1000 + i) for i in range(args.sessions)])  # warm-up (+ tokenizer build)
     lt = llg_tokenizer(engine_tokenizer(engine))
     for r in range(args.repeats):
-        for mode, (constrained, prefetch) in modes.items():
-            if sampler is not None:
-                sampler.prefetch_masks = prefetch
+        for mode, constrained in modes.items():
             out = run_round(engine, prompts, [params(constrained, 100 * r + i) for i in range(args.sessions)])
             results[mode].append(out["step_ms"])
             cpu_results[mode].append(out["cpu_ms"])
@@ -161,8 +157,6 @@ def main() -> int:
                 valid &= ok
                 if not ok:
                     log(f"constrained output not accepted by the schema: {out['texts']!r}")
-    if sampler is not None:
-        sampler.prefetch_masks = False
     micro = sampler_cost(engine_tokenizer(engine), engine_tokenizer(engine).vocab_size, spec, rows=args.sessions)
     engine.shutdown()
 
@@ -214,7 +208,7 @@ def sampler_cost(tokenizer, vocab: int, spec, rows: int = 8, reps: int = 60) -> 
     plain = [SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i) for i in range(rows)]
     cons = [SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i, constraint=spec) for i in range(rows)]
     logits = torch.randn(rows, vocab)
-    sampler = Sampler(prefetch_masks=False)
+    sampler = Sampler()
     gens = [make_generator(i, 0) for i in range(rows)]
 
     def best(fn) -> float:
@@ -246,12 +240,6 @@ def sampler_cost(tokenizer, vocab: int, spec, rows: int = 8, reps: int = 60) -> 
     cons_ms = best(constrained)
     return {"rows": rows, "plain_sample_ms": plain_ms, "constrained_sample_ms": cons_ms,
             "added_ms": cons_ms - plain_ms}
-
-
-def engine_sampler(engine):
-    """The engine's Sampler (to switch the mask prefetch between modes), if reachable."""
-    core = getattr(engine, "core", None) or getattr(engine, "_core", None)
-    return getattr(core, "sampler", None)
 
 
 def engine_tokenizer(engine):

@@ -64,7 +64,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
 
 
 def check_choices(n: int) -> None:
-    """OpenAI ``n``: 1..MAX_CHOICES choices (``n > 1`` runs through ``engine.sampling_choices``)."""
+    """OpenAI ``n``: 1..MAX_CHOICES choices (``n > 1`` runs through ``engine.api.choices``)."""
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
 

@@ -1,7 +1,7 @@
 """OpenAI ``n > 1`` and lists of prompts for ``/v1/chat/completions`` and ``/v1/completions``,
 and the several prompts of llama.cpp's ``/completion`` (``Runs``, ``start_runs``, ``stream_runs``).
 
-Each prompt runs through ``engine.sampling_choices.Choices`` (with ``n > 1`` the prompt is
+Each prompt runs through ``engine.api.choices.Choices`` (with ``n > 1`` the prompt is
 computed once in a temporary pool, the choices decoding side by side). Answers follow OpenAI:
 ``choices[i]`` with ``index`` i, choice j of prompt p being ``p * n + j``; usage counts every
 prompt once and the completion tokens of every choice; in a stream each chunk carries one

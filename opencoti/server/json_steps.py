@@ -115,7 +115,7 @@ STRING_PIECE = 1 << 16  # characters of a long string decoded per call
 def loads(data: bytes | str) -> Any:
     """``json.loads(data)``, in steps when ``data`` is large: containers are walked here, runs of
     numbers parsed ``WINDOW`` characters at a time, strings and other scalars by json's own scanner.
-    Runs of token ids come out as shared objects (``engine.tokenizer.shared_ids``). Raises
+    Runs of token ids come out as shared objects (``engine.chat.tokenizer.shared_ids``). Raises
     ``json.JSONDecodeError`` (and ``RecursionError`` for absurd nesting) like ``json.loads``."""
     if isinstance(data, (bytes, bytearray)):
         if len(data) <= STEP_BYTES:

@@ -4,7 +4,7 @@ Read from the source with ``ast`` over every module of ``opencoti/``: an assignm
 annotated, ``del``) to a field of a pool or a session, a change of one of their collections
 (``pool.sessions.add``, ``pool.children.append``, ``tree.pools[...] = ...``, ``.pop`` ...) is a write;
 only the owner may make one. The data types themselves (``kv/pools.py``: ``Pool``, ``PoolTree``'s id
-allocation and links; ``session.py``: ``Session.__init__``) set their own fields, and so does any
+allocation and links; ``core/requests.py``: ``Session.__init__``) set their own fields, and so does any
 class in its own ``__init__`` (``self.x = ...``: its own attribute, not a pool's); a change of a
 collection is a write wherever it is, ``self.sessions[...]`` included.
 

@@ -67,13 +67,13 @@ class PrefixCache:
         ps, tokens = self.page_size, job.seq.tokens
         limit = len(tokens) - 1
         keys = job.prompt_keys = index.keys_for(tokens, job.seq.salt_root, limit // ps)
-        m = index.match(tokens, job.seq.salt_root, limit, keys)
-        n = len(m.pages)
+        m = self.tables.match(tokens, job.seq.salt_root, limit, keys)  # None: a one-token prompt
+        n = len(m.pages) if m is not None else 0
         while n < len(keys) and self._owner(keys[n]) is not None:
             n += 1  # computed by a request ahead of this one (running or queued): it will wait for it
         for k in keys[n:]:  # pages this request computes: later arrivals expect them
             self._inflight.setdefault(k, job)
-        return max(m.num_tokens(ps), n * ps)
+        return max(m.num_tokens(ps) if m is not None else 0, n * ps)
 
     # ---- realignment (at prepare: no side effect) ---------------------------------------
     def realign(self, prompt: list[int], salt: str | None, params, floor: int = 0) -> list[int]:
