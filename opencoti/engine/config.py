@@ -156,7 +156,7 @@ class EngineConfig:
     weights: projection weight format "auto" | "fp32" | "bf16" | "int8" | "int4"; auto = the fastest
         format that passes the accuracy gate on this machine (see engine/model/weights.py).
     kv_dtype: what the KV pages hold, "auto" | "fp32" | "fp16" | "bf16" | "q8" (auto: fp16 under fp32
-        activations, else the activations' dtype; see ``engine.resolve_kv_dtype``). Attention reads
+        activations, else the activations' dtype; see ``engine.api.build.resolve_kv_dtype``). Attention reads
         16-bit and 8-bit pages and computes in fp32; a 16-bit cache holds twice the tokens of an fp32
         one in the same ``kv_budget_mib``, q8 (int8 values and an fp32 scale per head vector,
         ``kv/q8.py``) 3.76x for 64-dimension heads.

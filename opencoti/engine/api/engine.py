@@ -13,64 +13,31 @@ import os
 import queue
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence as Seq
 
 import torch
 
 from ..admission import AdmissionController
-from ..attention import select_backend
-from ..attention.selfcheck import checked_backend
 from ..config import EngineConfig, SamplingParams
 from ..core.core import EngineCore
 from ..errors import EngineClosedError, InvalidRequestError
-from ..kv.pages import PagePool
 from ..observe.metrics import Metrics
-from .pools import PoolAPIMixin
+from .build import build_parts, resolve_device, resolve_dtype
+from .pools import PoolAPI
 from ..polykv import status
 from ..persist.sync import open_state
-from ..results import GenerationResult
+from ..results import GenerationResult, PoolInfo
 from .streams import AsyncTokenStream, TokenStream
 from ..chat.tokenizer import first_bad_id
 
 log = logging.getLogger("opencoti.engine")
 
-_DEFAULT_KV_TOKENS = 32768
 _TRIM_EVERY_S = 2.0  # idle: the allocator's free memory goes back to the OS at most this often
 _LOOP_TOKENS = 1 << 16  # astream: longer prompts of token ids are copied off the event loop
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError("device cuda requested but CUDA is not available")
-    return dev
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "q8": torch.int8}  # q8: kv/q8.py
-
-
-def resolve_kv_dtype(name: str, act_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the KV pages for ``EngineConfig.kv_dtype``. auto: fp16 under fp32 activations
-    (measured on the bundled model, benchmarks/bench_kv_dtype.py: perplexity x0.99992 and the same
-    greedy tokens as fp32 pages; decode as fast at 512 tokens of context and faster at 3,500, where
-    attention reads the pages; q8 pages are half fp16's bytes but less accurate and, converted on
-    the torch path, slower there), else the activations' dtype."""
-    if name == "auto":
-        return torch.float16 if act_dtype == torch.float32 else act_dtype
-    return _KV_DTYPES[name]
-
-
-class Engine(PoolAPIMixin):
+class Engine:
     """In-process inference engine. See ``EngineConfig`` for options.
 
     >>> eng = Engine.from_default()
@@ -80,8 +47,8 @@ class Engine(PoolAPIMixin):
     def __init__(self, config: EngineConfig | None = None, *, progress: Callable[[str], None] | None = None,
                  loaded=None):
         self.config = config or EngineConfig()
-        self.device = _resolve_device(self.config.device)
-        self.dtype = _resolve_dtype(self.config.dtype, self.device)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._debug_checks = self.config.debug_checks or os.environ.get("OPENCOTI_DEBUG_CHECKS", "") not in ("", "0")
@@ -111,46 +78,16 @@ class Engine(PoolAPIMixin):
         self._loop()
 
     def _build(self, progress, loaded) -> None:
-        from ..model.weights import build_forward, release_memory
-        from ..model.loader import load_model
+        from ..model.weights import release_memory
 
         config = self.config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
-        self.loaded = loaded or load_model(config.model, cache_dir=config.cache_dir, dtype=self.dtype, progress=progress)
-        hf = self.loaded.hf_config
-        max_ctx = config.max_context or hf.max_position_embeddings
-        max_ctx = min(max_ctx, hf.max_position_embeddings)
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True) and hf.model_type == "mistral":
-            max_ctx = min(max_ctx, window)  # no sliding-window attention: stay inside the window
-        self.max_context = max_ctx
-        if progress:
-            progress("preparing weights")
-        saved_kv = None
-        if config.state_dir is not None and config.weights == "auto":
-            from ..persist.kvfile import saved_weight_formats
-            saved_kv = saved_weight_formats(*(Path(config.state_dir).expanduser() / d for d in ("kv", "session_kv")))
-        self.model = build_forward(self.loaded, weights=config.weights, dtype=self.dtype, device=self.device,
-                                   max_positions=max_ctx, cache_dir=config.cache_dir, progress=progress,
-                                   adapt_threads=config.num_threads is None, saved_kv=saved_kv)
-        self.loaded.state_dict = None  # the forward holds its own (fused) copies
-        d = self.model.dims
-        kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
-        bpt = PagePool.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, kv_dtype)
-        if config.kv_budget_mib is not None:
-            budget_tokens = int(config.kv_budget_mib * 2**20 // bpt)
-        else:
-            budget_tokens = config.kv_budget_tokens or min(_DEFAULT_KV_TOKENS, max_ctx * config.max_running)
-        num_pages = max(budget_tokens // config.page_size, 1)
-        self.kv = PagePool(num_layers=d.num_layers, num_pages=num_pages, page_size=config.page_size,
-                           num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, dtype=kv_dtype, device=self.device)
-        self.backend = select_backend(config.attention_backend, self.device, config.cascade)
-        # on CUDA a backend other than torch must first match the torch backend on this model (else: torch)
-        self.backend, self.attention_check = checked_backend(self.backend, self.model, self.device,
-                                                             page_size=config.page_size, cascade=config.cascade,
-                                                             cache_dir=config.cache_dir, model_name=self.loaded.name)
+        parts = build_parts(config, self.device, self.dtype, progress=progress, loaded=loaded)
+        self.loaded, self.model, self.kv, self.max_context = parts.loaded, parts.model, parts.kv, parts.max_context
+        self.backend, self.attention_check = parts.backend, parts.attention_check
+        max_ctx = self.max_context
         self.tokenizer = self.loaded.tokenizer
         self.core = EngineCore(config, model=self.model, tokenizer=self.tokenizer, backend=self.backend,
                                kv=self.kv, max_context=max_ctx, device=self.device)
@@ -160,6 +97,9 @@ class Engine(PoolAPIMixin):
         self.model_name = self.loaded.name
         # config.state_dir: restore the stored pools and sessions, keep in sync
         self.persister = open_state(self, admission=self.admission_controller)
+        self.pool_api = PoolAPI(self.core, run=self.run_on_step_thread, tokenize=self.tokenize,
+                                apply_chat_template=self.apply_chat_template, metrics=self.metrics,
+                                page_bytes=self.kv.page_bytes)
         release_memory()  # what start-up built and dropped (candidate formats, the gate's reference, buffers)
         self.load_seconds = time.perf_counter() - t0
 
@@ -286,6 +226,81 @@ class Engine(PoolAPIMixin):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    # ======================================================================== pools and sessions (pools.py)
+    def create_pool(self, *, tokens: Seq[int] | None = None, text: str | None = None,
+                    messages: list[dict] | None = None, tools: list[dict] | None = None,
+                    from_session: str | None = None, pinned: bool = False, label: str = "",
+                    add_generation_prompt: bool = False, as_root: bool = False,
+                    tenant: str | None = None) -> PoolInfo:
+        """Create a root pool and materialize it (prefill only). Returns when it is resident.
+
+        ``messages`` are rendered with the chat template (``add_generation_prompt`` False by
+        default, so a later chat request that continues the conversation attaches to it).
+        ``from_session`` of a session attached to a resident pool makes a child of that pool
+        (zero-copy, branched at a page boundary) unless ``as_root`` (docs/polykv.md).
+        """
+        api = self.pool_api
+        return api.create(api.tokens_of(tokens, text, messages, tools, add_generation_prompt),
+                          from_session=from_session, pinned=pinned, label=label, as_root=as_root, tenant=tenant)
+
+    def fork_pool(self, parent_id: int, *, branch_pos: int | None = None, tokens: Seq[int] | None = None,
+                  text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
+                  from_session: str | None = None, pinned: bool = False, label: str = "",
+                  add_generation_prompt: bool = False, tenant: str | None = None) -> PoolInfo:
+        """Fork ``parent_id`` at ``branch_pos`` D (default: the parent's L, i.e. extend).
+
+        ``tokens`` (or text/messages) is the child's FULL prefix [0, L); ``tokens[0:D]`` must equal
+        the parent's (else PoolContractError, nothing changes). The child computes only [D, L).
+        """
+        api = self.pool_api
+        return api.fork(parent_id, branch_pos, api.tokens_of(tokens, text, messages, tools, add_generation_prompt),
+                        from_session=from_session, pinned=pinned, label=label, tenant=tenant)
+
+    def pool(self, pool_id: int) -> PoolInfo:
+        return self.pool_api.info(pool_id)
+
+    def pool_tokens(self, pool_id: int) -> list[int]:
+        """A pool's whole token prefix ``[0, L)`` (PoolNotFoundError for an unknown id)."""
+        return self.pool_api.tokens(pool_id)
+
+    def pools(self) -> dict:
+        """The pool tree (fields in docs/polykv.md), each session with its live ``tps_ewma``."""
+        return self.pool_api.tree()
+
+    def pin_pool(self, pool_id: int) -> PoolInfo:
+        return self.pool_api.pin(pool_id, True)
+
+    def unpin_pool(self, pool_id: int) -> PoolInfo:
+        return self.pool_api.pin(pool_id, False)
+
+    def evict_pool(self, pool_id: int) -> PoolInfo:
+        return self.pool_api.evict(pool_id)
+
+    def flush_pool(self, pool_id: int) -> int:
+        """End the idle sessions attached to the pool; returns how many."""
+        return self.pool_api.flush(pool_id)
+
+    def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
+        """Release a pool (leaves first). Within its grace TTL the release is deferred until the
+        grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now."""
+        self.pool_api.release(pool_id, immediate)
+
+    def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
+                        text: str | None = None, messages: list[dict] | None = None,
+                        branch_pos: int | None = None, release_old: bool = True) -> dict:
+        """Compaction by re-fork: fork the stable ancestor with the compacted prefix
+        (e.g. system + summary + recent tail), move the session onto it, release the pools it leaves
+        behind that nothing else uses (at once). Returns the new pool, the released pool ids and the
+        KV pages owned by pools and sessions before / after (pages only the prefix cache holds,
+        reusable and evicted first, apart: ``kv_pages_cache_before`` / ``_after``)."""
+        api = self.pool_api
+        return api.compact(session_id, ancestor_pool_id, api.tokens_of(tokens, text, messages, None, False),
+                           branch_pos, release_old)
+
+    def release_session(self, session_id: str) -> None:
+        """End a session: a request in flight is cancelled, its KV and its place in the tree go."""
+        self.pool_api.release_session(session_id)
 
     # ======================================================================== tokens & chat
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
