@@ -156,7 +156,7 @@ def test_engine_on_cpu_runs_no_check(make_engine, monkeypatch):
 @pytest.mark.parametrize("wrong", [Perturbed, Raising])
 def test_engine_falls_back_to_torch(make_engine, monkeypatch, tmp_path, caplog, wrong):
     """As on CUDA (the device rule patched): a wrong backend is replaced by torch at start; output is right."""
-    import opencoti.engine.api.engine as engine_mod
+    import opencoti.engine.api.build as engine_mod
 
     monkeypatch.delenv("OPENCOTI_ATTENTION_CHECK", raising=False)
     monkeypatch.setattr(selfcheck, "needs_check", lambda backend, device: backend.name != "torch")

@@ -34,7 +34,7 @@ def test_bad_kv_dtype_is_a_clear_error():
 
 
 def test_auto_is_fp16_under_fp32_activations(make_engine):
-    from opencoti.engine.api.engine import resolve_kv_dtype
+    from opencoti.engine.api.build import resolve_kv_dtype
 
     eng = make_engine()
     assert eng.dtype == torch.float32 and eng.kv.k_cache.dtype == eng.kv.v_cache.dtype == torch.float16
