@@ -382,9 +382,11 @@ def render_speculative(d: dict) -> str:
         if theirs is not None and theirs < 1:
             lose.append(f"{label}: llama.cpp with its own n-gram speculation is faster (ours {theirs:.2f}x).")
     head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, up to {cfg['tokens']} tokens per request, greedy, "
-            f"medians; every server started fresh per round in rotated order; opencoti weights "
-            f"`{(cfg.get('opencoti_weights') or ['auto'])[0]}` (auto's choice at the first start, pinned); "
-            "llama-server with and without `--spec-type ngram-simple`.")
+            f"medians; every server started fresh per round"
+            + ("; all four up at once, each request sent to every server in turn (order rotated per request)"
+               if cfg.get("interleaved") else ", one server after the other in rotated order")
+            + f"; opencoti weights `{(cfg.get('opencoti_weights') or ['auto'])[0]}` (auto's choice at the first "
+            "start, pinned); llama-server with and without `--spec-type ngram-simple`.")
     if first:
         head += (" Each round sends every workload three times (new nonces: no prompt KV reused); the later "
                  "requests may draft from the earlier answers, as any request of the same cache salt does; "
