@@ -3,9 +3,11 @@
 Four servers on the bundled SmolLM2-135M Q4_1 GGUF, ``--threads`` threads each: ``opencoti serve``
 with ``--speculative off`` and ``--speculative ngram``, ``llama-server`` (``--parallel 8
 --kv-unified -c 16384``) without and with ``--spec-type ngram-simple``. Each round starts every
-server fresh (cold caches: no workload can reuse another's KV), in an order rotated per round; the
-opencoti weight format is the one ``auto`` chose at the first start, pinned for the rest (the
-greedy outputs of both opencoti modes are compared token for token).
+server fresh (cold caches: no workload can reuse another's KV), all four up at once and idle between
+their own requests: each request goes to every server in turn, in an order rotated per request, so
+the machine's drift in speed hits them alike (runs made before this change ran one server after the
+other, a minute or more apart). The opencoti weight format is the one ``auto`` chose at the first
+start, pinned for the rest (the greedy outputs of both opencoti modes are compared token for token).
 
 Workloads (OpenAI chat requests, greedy, ``--tokens`` tokens at most, one at a time):
 
@@ -143,23 +145,35 @@ def chat(url: str, messages: list, tokens: int, nonce: str) -> dict:
     return {"text": "".join(text), "timings": timings or {}, "sent": t_send, "first": first, "last": last}
 
 
-def run_round(url: str, tokens: int, nonce: str) -> dict:
-    out: dict = {}
-    chat(url, PROMPTS["novel"], 8, nonce + "-warmup")  # lazily built buffers, page faults
+def run_round(urls: dict[str, str], tokens: int, nonce: str) -> dict[str, dict]:
+    """One round on every server at once (all started fresh and idle between their requests): each
+    request is sent to every server in turn, the order rotated per request, so a drift in the
+    machine's speed hits all servers alike (one server after the other, minutes apart, it did not)."""
+    names = list(urls)
+    out: dict[str, dict] = {n: {} for n in names}
+    for n in names:
+        chat(urls[n], PROMPTS["novel"], 8, nonce + "-warmup")  # lazily built buffers, page faults
+    k = 0
     for w in SINGLE:
-        runs = [chat(url, PROMPTS[w], tokens, f"{nonce}-{w}-{i}") for i in range(REPEATS)]  # new prompts: no cache
-        t = [r["timings"] for r in runs]
-        each = [x.get("predicted_per_second") or 0.0 for x in t]
-        out[w] = {"tps": statistics.median(each), "tps_each": each,
-                  "n": t[0].get("predicted_n"), "draft_n": sum(x.get("draft_n") or 0 for x in t),
-                  "draft_n_accepted": sum(x.get("draft_n_accepted") or 0 for x in t),
-                  "texts": [r["text"] for r in runs]}
+        runs: dict[str, list] = {n: [] for n in names}
+        for i in range(REPEATS):  # new prompts: no cache; the same prompt on every server
+            for n in common.rotated(names, k):
+                runs[n].append(chat(urls[n], PROMPTS[w], tokens, f"{nonce}-{w}-{i}"))
+            k += 1
+        for n in names:
+            t = [r["timings"] for r in runs[n]]
+            each = [x.get("predicted_per_second") or 0.0 for x in t]
+            out[n][w] = {"tps": statistics.median(each), "tps_each": each,
+                         "n": t[0].get("predicted_n"), "draft_n": sum(x.get("draft_n") or 0 for x in t),
+                         "draft_n_accepted": sum(x.get("draft_n_accepted") or 0 for x in t),
+                         "texts": [r["text"] for r in runs[n]]}
     prompts = [PROMPTS[w] for w in REPETITIVE] + [[{"role": "user", "content": f"Write a short story about {s}."}]
                                                   for s in STORIES]
-    res = parallel(8, lambda i: chat(url, prompts[i], tokens, f"{nonce}-s8-{i}"))
-    n = sum(r["timings"].get("predicted_n") or 0 for r in res)
-    out["sessions_8"] = {"tps": n / (max(r["last"] for r in res) - min(r["sent"] for r in res)), "n": n,
-                         "texts": [r["text"] for r in res]}
+    for n in common.rotated(names, k):
+        res = parallel(8, lambda i: chat(urls[n], prompts[i], tokens, f"{nonce}-s8-{i}"))
+        total = sum(r["timings"].get("predicted_n") or 0 for r in res)
+        out[n]["sessions_8"] = {"tps": total / (max(r["last"] for r in res) - min(r["sent"] for r in res)),
+                                "n": total, "texts": [r["text"] for r in res]}
     return out
 
 
@@ -187,22 +201,25 @@ def main() -> int:
     weights: list[str] = []
     for rnd in range(args.rounds):
         order = common.rotated(names, rnd)
-        for name in order:
-            kind, extra = SERVERS[name]
-            if kind == "opencoti" and weights:
-                extra = extra + ["--weights", weights[0]]
-            srv = start(kind, gguf, threads, llama_bin, extra)
-            try:
+        servers = {}
+        try:
+            for name in order:  # every server of the round up at once, fresh
+                kind, extra = SERVERS[name]
+                if kind == "opencoti" and weights:
+                    extra = extra + ["--weights", weights[0]]
+                srv = servers[name] = start(kind, gguf, threads, llama_bin, extra)
                 ready = srv.wait_ready()
                 if kind == "opencoti" and not weights:
                     weights.append(props(srv.url).get("weights") or "auto")
                 info.setdefault(name, props(srv.url))
-                res = run_round(srv.url, args.tokens, f"r{rnd}")  # fresh server: nothing cached; same prompts per mode
-                res["ready_s"] = ready
-                raw[name].append(res)
+                info[name]["ready_s"] = ready
+            res = run_round({n: servers[n].url for n in order}, args.tokens, f"r{rnd}")  # the same prompts on each
+            for name in order:
+                raw[name].append(res[name])
                 common.log(f"round {rnd + 1}: {name}: " + ", ".join(
-                    f"{w} {res[w]['tps']:.1f}" for w in SINGLE + ("sessions_8",)))
-            finally:
+                    f"{w} {res[name][w]['tps']:.1f}" for w in SINGLE + ("sessions_8",)))
+        finally:
+            for srv in servers.values():
                 srv.stop()
     med = {n: {w: statistics.median(r[w]["tps"] for r in raw[n]) for w in SINGLE + ("sessions_8",)} for n in names}
     # the first request of each workload in a round: no earlier answer of its own workload to draft from
@@ -239,7 +256,7 @@ def main() -> int:
     machine = common.machine_info()
     print(common.describe_machine(machine))
     path = common.write_json("speculative", {
-        "config": {"workloads": LABELS, "rounds": args.rounds, "tokens": args.tokens, "threads": threads,
+        "config": {"workloads": LABELS, "interleaved": True, "rounds": args.rounds, "tokens": args.tokens, "threads": threads,
                    "gguf": Path(gguf).name,
                    "servers": {n: SERVERS[n] for n in names}, "opencoti_weights": weights[:1], "quick": args.quick},
         "servers": info, "raw": raw, "median": med, "first_request": first, "ratio": ratios, "identical_outputs": same,
