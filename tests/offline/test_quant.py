@@ -562,3 +562,38 @@ def test_engine_runs_a_quantized_format_and_reports_it():
         assert "threads" not in fixed.weights_info() and fixed.weights_info()["format"] == "fp32"
     finally:
         fixed.shutdown()
+
+
+def test_a_preferred_kernel_is_taken_within_the_margin(monkeypatch):
+    tuner = autotune.Autotuner("cpu", torch.float32, None, measure=True)
+    monkeypatch.setattr(kernels, "candidates", lambda fmt, dev: ("native_q4", "int4pack_cpu"))
+    times = {"native_q4": [0.052, 0.244, 2.96], "int4pack_cpu": [0.064, 0.196, 2.745]}  # ms, 3072x576, 2 threads
+    monkeypatch.setattr(tuner, "timings", lambda fmt, n, k: times)
+    assert tuner.choose("int4", 3072, 576) == "int4pack_cpu"  # the least total time
+    assert tuner.choose("int4", 3072, 576, prefer="native_q4") == "native_q4"  # within 1.25x of it
+    times["native_q4"] = [0.05, 0.4, 4.0]  # 1.48x the fastest: the fastest it is
+    assert tuner.choose("int4", 3072, 576, prefer="native_q4") == "int4pack_cpu"
+
+
+@pytest.mark.parametrize("dtype,arch,fused", [(torch.float32, "llama", True), (torch.bfloat16, "llama", False),
+                                              (torch.float32, "qwen3", False)])
+def test_layers_prefer_the_native_kernel_where_decode_steps_can_run_fused(dtype, arch, fused):
+    from opencoti.engine.model.tiny import tiny_config
+
+    hf = tiny_config(arch)
+    asked = []
+
+    class Tuner:
+        def choose(self, fmt, n, k, prefer=None):
+            asked.append(((n, k), prefer))
+            return "x"
+
+    choose_kernel = weights.kernel_chooser(Tuner(), hf, "cpu", dtype)
+    layer = weights._projection_shapes(hf)[0]
+    head = (hf.vocab_size, hf.hidden_size)
+    for fmt in ("int4", "int8", "bf16"):
+        choose_kernel(fmt, *layer)
+    choose_kernel("int4", *head)
+    want = {"int4": "native_q4", "int8": "native_q8"}
+    assert [p for _, p in asked[:3]] == ([want["int4"], want["int8"], None] if fused else [None, None, None])
+    assert asked[3] == (head, None)  # the head never runs in the fused call

@@ -33,6 +33,10 @@ STREAM_BYTES = 48 << 20  # synthetic weights per timing pass: more than a typica
 MAX_COPIES = 16
 BATCHES = (1, 8, 128)  # two decode batch sizes and a prefill chunk
 PRUNE_FACTOR = 4.0  # slower than this x the fastest at one batch size: not timed at the larger ones
+# a kernel a caller prefers (``choose(prefer=...)``: the native kernel, whose use by every layer lets a
+# decode step run all layers in one fused call, a gain no per-shape timing sees) is taken while its
+# t(1) + t(8) + t(128) stays within this factor of the fastest kernel's
+PREFER_MARGIN = 1.25
 
 
 def machine_key(device: torch.device) -> str:
@@ -101,9 +105,10 @@ class Autotuner:
         self.results[entry] = timings
         return timings
 
-    def choose(self, fmt: str, n: int, k: int) -> str:
+    def choose(self, fmt: str, n: int, k: int, prefer: str | None = None) -> str:
         """Kernel name for ``fmt`` at shape [n, k]: the fastest measured (nothing is measured when
-        there is only one candidate)."""
+        there is only one candidate); ``prefer``: that kernel while it is within ``PREFER_MARGIN`` of
+        the fastest."""
         order = kernels.candidates(fmt, self.device)
         timings = self.timings(fmt, n, k) if len(order) > 1 else {}
         if not timings:  # measuring off, or nothing measurable: the first kernel that builds
@@ -111,7 +116,11 @@ class Autotuner:
                 if self._builds(name, n, k):
                     return name
             raise RuntimeError(f"no kernel serves {fmt} weights of shape {n}x{k} on {self.device}")
-        return select(timings, order)
+        best = select(timings, order)
+        if prefer is not None and prefer != best and prefer in timings \
+                and sum(timings[prefer]) <= PREFER_MARGIN * sum(timings[best]):
+            return prefer
+        return best
 
     def _builds(self, name: str, n: int, k: int) -> bool:
         try:
