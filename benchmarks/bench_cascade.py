@@ -48,7 +48,7 @@ def run_once(eng, pool_id: int, prefix: list[int], n: int, decode: int, mode: st
     try:
         def start(i):
             return eng.stream(prefix + [100 + i] * 16, pool_id=pool_id, session_id=f"{tag}-{i}",
-                              params=SamplingParams.greedy(decode, ignore_eos=True))
+                              params=SamplingParams.greedy(decode, ignore_eos=True, speculative_max=0))  # one token a step
 
         with ThreadPoolExecutor(n) as ex:  # all requests reach the engine before its next step
             streams = list(ex.map(start, range(n)))

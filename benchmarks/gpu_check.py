@@ -403,7 +403,9 @@ def _decode_run(eng, pool_id: int, prefix: list[int], n: int, decode: int, mode:
     try:
         def start(i):
             return eng.stream(prefix + _tokens(16, 256, 100 + i), pool_id=pool_id, session_id=f"{tag}-{i}",
-                              params=SamplingParams.greedy(decode, ignore_eos=True), overcommit=True)
+                              # no speculative drafts: the steps compared are one token per session
+                              params=SamplingParams.greedy(decode, ignore_eos=True, speculative_max=0),
+                              overcommit=True)
 
         with ThreadPoolExecutor(n) as ex:  # all requests reach the engine before its next step
             streams = list(ex.map(start, range(n)))
