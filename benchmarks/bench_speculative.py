@@ -212,9 +212,10 @@ def main() -> int:
                 if kind == "opencoti" and not weights:
                     weights.append(props(srv.url).get("weights") or "auto")
                 info.setdefault(name, props(srv.url))
-                info[name]["ready_s"] = ready
+                info[name]["ready_s"] = ready  # the last round's; each round's is in raw
             res = run_round({n: servers[n].url for n in order}, args.tokens, f"r{rnd}")  # the same prompts on each
             for name in order:
+                res[name]["ready_s"] = info[name]["ready_s"]  # this round's start
                 raw[name].append(res[name])
                 common.log(f"round {rnd + 1}: {name}: " + ", ".join(
                     f"{w} {res[name][w]['tps']:.1f}" for w in SINGLE + ("sessions_8",)))

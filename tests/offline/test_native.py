@@ -230,6 +230,23 @@ def test_a_failed_build_falls_back_and_says_why(tmp_path):
     assert "native kernels unavailable" in out.stderr and "apt-get install g++" in out.stderr
 
 
+def test_a_build_that_cannot_import_falls_back(tmp_path):
+    """The build needs nothing of setuptools (torch.utils.cpp_extension imports it); any ImportError
+    on the way still leaves the engine on torch's kernels, not failing to start."""
+    code = ("import sys; sys.modules['setuptools'] = None; sys.modules['torch.utils.cpp_extension'] = None;"
+            "from opencoti.engine import native;"
+            "native.build = lambda *a, **k: (_ for _ in ()).throw(ImportError('no module named x'));"
+            "print(native.lib() is None, native.status()['reason'])")
+    env = {**os.environ, "OPENCOTI_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "True unavailable: no module named x" in out.stdout
+    code = ("import sys; sys.modules['setuptools'] = None; sys.modules['torch.utils.cpp_extension'] = None;"
+            "from opencoti.engine import native; print(any('torch/include' in f for f in native._torch_flags()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
 def test_missing_compiler_is_a_clear_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "")
     monkeypatch.setenv("PATH", str(tmp_path))

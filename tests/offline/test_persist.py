@@ -320,3 +320,18 @@ def test_kv_files_are_keyed_by_the_weight_format(make_engine, tmp_path):
 
     eng = make_engine(state_dir=str(state), weights="fp32", dtype="bfloat16")  # another KV dtype
     assert eng.persister.stats["kv_loaded_pools"] == 0 and eng.pool(p.pool_id).residency == "evicted"
+
+
+def test_a_stored_pool_whose_id_is_taken_is_skipped_not_half_restored(make_engine, tmp_path, caplog):
+    """Restoring over a tree that already holds the stored ids (a store of duplicates would do the
+    same): every such pool is skipped with the reason, nothing is left half-restored."""
+    eng = make_engine(state_dir=str(tmp_path / "state"))
+    root = eng.create_pool(tokens=ROOT, label="system")
+    eng.fork_pool(root.pool_id, tokens=EXT, label="tools")
+    before = eng.pools()
+    with caplog.at_level("WARNING", logger="opencoti.engine.persist"):
+        stats = eng.run_on_step_thread(eng.persister.restore)
+    assert stats["pools"] == 0 and stats["skipped_pools"] == [root.pool_id, root.pool_id + 1]
+    assert "is taken already" in caplog.text
+    assert [p["pool_id"] for p in eng.pools()["pools"]] == [p["pool_id"] for p in before["pools"]]
+    eng.check_integrity()

@@ -484,5 +484,6 @@ class EngineCore:
         """End a session: its request in flight is cancelled, its KV and place in the tree go."""
         s = self.polykv.get_session(session_id)
         if s.job is not None:
-            self.cancel(s.job)
-        self.polykv.remove_session(session_id)
+            self.cancel(s.job)  # an anonymous session may end with its request (session_ttl_s == 0)
+        if session_id in self.polykv.sessions:
+            self.polykv.remove_session(session_id)

@@ -225,7 +225,10 @@ def kernel_chooser(tuner: Autotuner, hf, device, dtype: torch.dtype):
     activations, no q/k norm: ``fused.prepare``), the layer shapes prefer the native kernel while it is
     within ``autotune.PREFER_MARGIN`` of the fastest (measured: on this project's AVX-512 box
     torch's int4 kernel won the per-shape sum by ~8 % on three shapes, all prefill, which took the
-    whole decode step off the fused path)."""
+    whole decode step off the fused path). The rest of what the fused step needs (the torch attention
+    backend with native kernels, a plain plan rather than a cascade one, a KV dtype the kernels read)
+    is decided per step, not here: where it is missing the preference costs up to the margin on the
+    layer shapes for no gain."""
     d = ModelDims.from_hf_config(hf)
     fused = torch.device(device).type == "cpu" and dtype == torch.float32 and not d.qk_norm
     layer_shapes = set(_projection_shapes(hf)[:4])

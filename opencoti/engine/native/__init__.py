@@ -84,13 +84,14 @@ def _build_dir() -> Path:
 
 
 def _torch_flags() -> list[str]:
-    """Compile and link flags for torch's headers and libraries (the installed torch's)."""
-    from torch.utils import cpp_extension
-
+    """Compile and link flags for torch's headers and libraries (the installed torch's). The paths are
+    the ones ``torch.utils.cpp_extension`` gives, found without importing it (it imports setuptools,
+    which is not a runtime dependency)."""
+    root = Path(torch.__file__).resolve().parent
     flags = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
-    for p in cpp_extension.library_paths():
-        flags += [f"-L{p}", f"-Wl,-rpath,{p}"]
+    flags += [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    lib = root / "lib"
+    flags += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
     return [*flags, "-ltorch", "-ltorch_cpu", "-lc10"]
 
 
@@ -209,7 +210,7 @@ def lib() -> Any:
                     _check_openmp(before)
                     _state["lib"], _state["path"] = loaded, str(path)
                     _state["reason"] = "ok" if loaded.simd() else "ok (no AVX2/FMA/F16C: scalar code)"
-                except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+                except (OSError, RuntimeError, AttributeError, ImportError, subprocess.SubprocessError) as e:
                     _state["reason"] = f"unavailable: {e}"
                     log.warning("native kernels unavailable (%s): the int4 and int8 weight formats run torch's "
                                 "kernels, several times slower on CPU, and decode attention and q8 KV pages run "

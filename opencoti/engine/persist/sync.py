@@ -134,6 +134,9 @@ class Persister:
 
     def _invalid(self, rec: PoolRecord, parent: Pool | None) -> str | None:
         core = self.core
+        tree = core.polykv.tree
+        if rec.pool_id in tree.pools or rec.pool_id in tree.released:
+            return f"pool id {rec.pool_id} is taken already"
         if rec.parent is not None and parent is None:
             return f"its parent {rec.parent} was not restored"
         if not rec.tokens:
