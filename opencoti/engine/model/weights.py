@@ -281,9 +281,10 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
     say("auto weights: choosing the kernels of each format (cached per machine) ...")
     sigs = {}
+    chooser = kernel_chooser(tuner, hf, device, tuner.act_dtype)  # the one make() uses
     for f in kernels.FORMATS:  # a format no kernel here serves (e.g. int4 on some torch builds) is left out
         try:
-            sigs[f] = _kernel_signature(tuner, f, counts, hf, kernel_chooser(tuner, hf, device, tuner.act_dtype))
+            sigs[f] = _kernel_signature(tuner, f, counts, hf, chooser)
         except (RuntimeError, ValueError) as exc:
             log.info("auto weights: %s is not available here: %s", f, exc)
     fingerprint = _fingerprint(loaded)
