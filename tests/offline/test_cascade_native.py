@@ -268,3 +268,51 @@ def test_fused_decode_layer_with_cascade_groups_equals_plain(make_engine, monkey
     assert torch.equal(cascade[1], plain[1]) and torch.equal(cascade[2], plain[2])
     no_groups = run(tables, lens, [])  # n_groups 0: the plain layer, bit for bit
     assert torch.equal(no_groups[0], plain[0])
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "q8"])
+def test_cascade_steps_take_the_one_call_fused_decode(make_engine, monkeypatch, tmp_path, kv_dtype):
+    """With native int8 projections, a decode step under a cascade plan runs every layer in one call
+    (``decode_layers_cascade``) and gives the tokens and logprobs of cascade off and of the
+    layer-by-layer path."""
+    from opencoti.engine.model import fused as fused_mod
+
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")  # the native int8 kernels: the fused decode applies
+    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
+    taken: list[tuple[bool, bool]] = []  # per decode-only forward: (fused path taken, cascade plan)
+    orig = fused_mod.decode_step
+
+    def counted(model, layers, x, meta, *a):
+        used = orig(model, layers, x, meta, *a)
+        if all(q == 1 for q in meta.qo_lens):
+            taken.append((used, meta.cascade is not None))
+        return used
+
+    monkeypatch.setattr(fused_mod, "decode_step", counted)
+    prefix = [(7 * j) % 200 + 3 for j in range(70)]
+    params = SamplingParams.greedy(8, ignore_eos=True)
+    params.logprobs = 2
+    runs = {}
+    for name, cascade, fused in (("on", "on", True), ("off", "off", True), ("layers", "on", False)):
+        taken.clear()
+        eng = make_engine(model="tiny:llama", weights="int8", cascade=cascade, kv_dtype=kv_dtype)
+        if not fused:
+            eng.model.fused_layers = None
+        else:
+            assert eng.model.fused_layers is not None
+        root = eng.create_pool(tokens=prefix[:40])
+        inner = eng.fork_pool(root.pool_id, tokens=prefix)
+        streams = [eng.stream(prefix + [i + 3] * (i + 1), pool_id=inner.pool_id if i % 2 else root.pool_id,
+                              params=params) for i in range(4)]
+        streams.append(eng.stream([9, 8, 7], params=params))  # in no pool: its own pages only
+        for s in streams:
+            list(s)
+        runs[name] = [s.result for s in streams]
+        if name == "on":
+            assert any(used and casc for used, casc in taken)  # cascade decode steps went through the one call
+            assert all(used for used, _ in taken)  # every decode-only step did, cascade or not
+    for other in ("off", "layers"):
+        for a, b in zip(runs["on"], runs[other]):
+            assert a.token_ids == b.token_ids
+            for da, db in zip(a.logprobs, b.logprobs):
+                assert abs(da.logprob - db.logprob) < 1e-3

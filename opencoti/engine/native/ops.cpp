@@ -460,15 +460,17 @@ void decode_layer_cascade(const Tensor& x, const Tensor& in_norm, const Tensor& 
                              v_cache, q_rows, page_idx, kv_lens, num_heads, scale, groups);
 }
 
-// Every layer of a decode step in one call (plain paged attention): the caches of all layers
-// [layers, pages, page_size, Hkv, D], per layer its norms and four projections (weights / scales /
-// biases at 4 l .. 4 l + 3). All of it is checked before the first layer runs.
+// Every layer of a decode step in one call: the caches of all layers [layers, pages, page_size, Hkv, D],
+// per layer its norms and four projections (weights / scales / biases at 4 l .. 4 l + 3). ``groups``
+// (decode_layers_cascade): the shared page runs of a cascade plan (as cascade_groups takes them), the
+// same for every layer, page_idx / kv_lens then holding each row's private pages. All of it is checked
+// before the first layer runs.
 template <bool kMeta>
-void decode_layers(const Tensor& x, at::TensorList in_norms, at::TensorList post_norms, double eps,
-                   at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
-                   const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
-                   const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
-                   double scale) {
+void decode_layers_impl(const Tensor& x, at::TensorList in_norms, at::TensorList post_norms, double eps,
+                        at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
+                        const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
+                        const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
+                        double scale, const Tensor* groups) {
     const StepDims d = check_step(x, cos, sin_signed, slots, k_cache, v_cache, q_rows, page_idx, kv_lens, num_heads, 5,
                                   kMeta);
     const int64_t L = k_cache.size(0);
@@ -478,12 +480,37 @@ void decode_layers(const Tensor& x, at::TensorList in_norms, at::TensorList post
     std::vector<OcProj> proj(4 * L);
     for (int64_t l = 0; l < L; ++l)
         check_layer(in_norms[l], post_norms[l], weights, scales, biases, 4 * l, d, l, kMeta, proj.data() + 4 * l);
+    int64_t n_groups = 0;
+    if (groups != nullptr)
+        n_groups = check_groups(groups[0], groups[1], groups[2], groups[3], d.T, d.pages, kMeta);
     if (kMeta || d.T == 0) return;
     const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
     for (int64_t l = 0; l < L; ++l)
         run_layer(x, d, in_norms[l], post_norms[l], eps, proj.data() + 4 * l, cos, sin_signed, slots,
                   (char*)k_cache.data_ptr() + l * layer_bytes, (char*)v_cache.data_ptr() + l * layer_bytes, q_rows,
-                  page_idx, kv_lens, scale, 0, nullptr);
+                  page_idx, kv_lens, scale, n_groups, groups);
+}
+
+template <bool kMeta>
+void decode_layers(const Tensor& x, at::TensorList in_norms, at::TensorList post_norms, double eps,
+                   at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
+                   const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache, const Tensor& v_cache,
+                   const Tensor& q_rows, const Tensor& page_idx, const Tensor& kv_lens, int64_t num_heads,
+                   double scale) {
+    decode_layers_impl<kMeta>(x, in_norms, post_norms, eps, weights, scales, biases, cos, sin_signed, slots, k_cache,
+                              v_cache, q_rows, page_idx, kv_lens, num_heads, scale, nullptr);
+}
+
+template <bool kMeta>
+void decode_layers_cascade(const Tensor& x, at::TensorList in_norms, at::TensorList post_norms, double eps,
+                           at::TensorList weights, const OptList& scales, const OptList& biases, const Tensor& cos,
+                           const Tensor& sin_signed, const Tensor& slots, const Tensor& k_cache,
+                           const Tensor& v_cache, const Tensor& q_rows, const Tensor& page_idx,
+                           const Tensor& kv_lens, int64_t num_heads, double scale, const Tensor& group_page_ptr,
+                           const Tensor& group_pages, const Tensor& group_row_ptr, const Tensor& group_rows) {
+    const Tensor groups[4] = {group_page_ptr, group_pages, group_row_ptr, group_rows};
+    decode_layers_impl<kMeta>(x, in_norms, post_norms, eps, weights, scales, biases, cos, sin_signed, slots, k_cache,
+                              v_cache, q_rows, page_idx, kv_lens, num_heads, scale, groups);
 }
 
 // ---------------------------------------------------------------------------------------- knobs
@@ -536,6 +563,10 @@ OC_LIBRARY(OC_OPS_NS, m) {
     m.def("decode_layers(Tensor(a!) x, Tensor[] in_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
           "Tensor?[] scales, Tensor?[] biases, Tensor cos, Tensor sin_signed, Tensor slots, Tensor(b!) k_cache, "
           "Tensor(c!) v_cache, Tensor q_rows, Tensor page_idx, Tensor kv_lens, int num_heads, float scale) -> ()");
+    m.def("decode_layers_cascade(Tensor(a!) x, Tensor[] in_norms, Tensor[] post_norms, float eps, Tensor[] weights, "
+          "Tensor?[] scales, Tensor?[] biases, Tensor cos, Tensor sin_signed, Tensor slots, Tensor(b!) k_cache, "
+          "Tensor(c!) v_cache, Tensor q_rows, Tensor page_idx, Tensor kv_lens, int num_heads, float scale, "
+          "Tensor group_page_ptr, Tensor group_pages, Tensor group_row_ptr, Tensor group_rows) -> ()");
 }
 
 #define OC_IMPLS(m, meta)                                                \
@@ -547,7 +578,8 @@ OC_LIBRARY(OC_OPS_NS, m) {
     m.impl("cascade_groups", &oc_ops::cascade_groups<meta>);             \
     m.impl("decode_layer", &oc_ops::decode_layer<meta>);                 \
     m.impl("decode_layer_cascade", &oc_ops::decode_layer_cascade<meta>); \
-    m.impl("decode_layers", &oc_ops::decode_layers<meta>);
+    m.impl("decode_layers", &oc_ops::decode_layers<meta>);               \
+    m.impl("decode_layers_cascade", &oc_ops::decode_layers_cascade<meta>);
 
 OC_LIBRARY_IMPL(OC_OPS_NS, CPU, m) { OC_IMPLS(m, false) }
 OC_LIBRARY_IMPL(OC_OPS_NS, Meta, m) { OC_IMPLS(m, true) }
