@@ -15,11 +15,84 @@ LOOP = [11, 12, 13, 14, 15, 16, 17, 18] * 6  # a context that repeats itself
 
 def test_draft_follows_the_latest_longest_match():
     st = DraftState(4)
+    st.hits, st.tried = 9.5, 10.0
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
-    assert st.propose(toks, 4) == [7, 8, 1, 2]  # the latest occurrence of (1, 2, 3), not the first
+    assert st.propose(toks, 4) == [7, 8, 1, 2]  # the latest occurrence of (1, 2, 3) (a tie), not the first
+    assert DraftState(4).propose(toks, 4) == [7, 8]  # at the prior's rate the unsure draft ends sooner
     assert st.propose(toks + [5], 4) == []  # (3, 5) never occurred before
     assert st.propose([4, 4], 4) == [] and st.propose(toks, 0) == []
     assert DraftState(4).propose([1, 2, 5, 1, 2], 2) == [5, 1]  # a bigram is enough
+
+
+def _costs_of_a_cpu():
+    """The cost line of a 2-core CPU: 6.2 ms a step + 1.1 ms a row."""
+    costs = StepCosts()
+    for rows in (1, 2, 9):
+        costs.observe(rows, 0.0062 + 0.0011 * rows)
+    return costs
+
+
+def test_a_continuation_that_always_repeated_drafts_long():
+    """(1, 2, 3) was followed by 4 5 6 7 8 three times (other tokens between): every position
+    keeps the job's rate, and a sure job drafts all of it."""
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 20, 1, 2, 3, 4, 5, 6, 7, 8, 21, 22, 1, 2, 3, 4, 5, 6, 7, 8, 23, 1, 2, 3]
+    st = DraftState(8)
+    st.hits, st.tried = 9.5, 10.0
+    assert st.propose(toks, 5) == [4, 5, 6, 7, 8]
+    assert st.probs == pytest.approx([0.95] * 5)
+    assert _costs_of_a_cpu().plan([st], 1, [5]) == [5]
+
+
+def test_occurrences_that_disagree_at_the_first_token_draft_short_or_nothing():
+    """(9, 1, 2, 3) was followed by 5, by 6, then by 7 (a name, new each time): the draft takes
+    the latest (a three-way tie), its first position gets a ninth of the rate (none of the two
+    others agrees: (0 + 0.25) / (2 + 0.25)), and the step drafts nothing; at the prior's rate
+    the draft itself ends after one token. Two that differ give a fifth of the rate."""
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 6, 9, 1, 2, 3, 7, 9, 1, 2, 3]
+    st = DraftState(8)
+    st.hits, st.tried = 9.5, 10.0
+    draft = st.propose(toks, 8)
+    assert draft[:1] == [7]
+    assert st.probs[0] == pytest.approx(0.95 * 0.25 / 2.25)
+    assert _costs_of_a_cpu().plan([st], 1, [len(draft)]) == [0]
+    assert DraftState(8).propose(toks, 8) == [7]  # 0.6 / 9, then 0.6 / 9 * 0.6 < STOP_BELOW
+    two = DraftState(8)
+    two.hits, two.tried = 9.5, 10.0
+    assert two.propose(toks[5:], 8)[:1] == [7] and two.probs[0] == pytest.approx(0.95 * 0.25 / 1.25)
+    # three occurrences of (1, 2, 3), two followed by 4: the majority wins over the latest
+    maj = [1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2, 3, 5, 6, 1, 2, 3]
+    st2 = DraftState(8)
+    st2.hits, st2.tried = 9.5, 10.0
+    assert st2.propose(maj, 2) == [4, 7]  # then, of the two followed by 4, the latest
+    assert st2.probs[0] == pytest.approx(st2.rate * 1.25 / 2.25)  # one of the two others agrees
+    assert st2.probs[1] == pytest.approx(st2.rate * 0.25 / 1.25)  # 8 vs 7: the two left differ
+
+
+def test_only_the_latest_occurrences_vote():
+    """An n-gram keeps its OCCURRENCES latest ends: old continuations stop voting."""
+    old = [1, 2, 3, 4] * speculative.OCCURRENCES
+    new = [1, 2, 3, 5] * speculative.OCCURRENCES
+    st = DraftState(4)
+    assert st.propose(old + new + [1, 2, 3], 1) == [5]
+    assert st.probs == pytest.approx([st.rate])  # the kept occurrences all agree
+    assert all(len(ends) <= speculative.OCCURRENCES for ends in st.ends.values())
+
+
+def test_plan_weighs_each_position_of_the_draft():
+    """Two jobs of the same rate: the one whose draft is sure for 4 positions and then unsure
+    drafts 4; the one whose first position is unsure drafts none; the expected tokens are
+    1 + p1 + p1*p2 + ..."""
+    sure_then_not, unsure = DraftState(8), DraftState(8)
+    for st in (sure_then_not, unsure):
+        st.hits, st.tried = 8.0, 10.0
+    sure_then_not.probs = [0.99] * 4 + [0.05] * 4
+    unsure.probs = [0.05] + [0.99] * 7
+    assert sure_then_not.expected(2) == pytest.approx(1 + 0.99 + 0.99 ** 2)
+    assert unsure.expected(9) == pytest.approx(1 + sum(0.05 * 0.99 ** i for i in range(8)) + 0.05 * 0.99 ** 7 * 0.8)
+    costs = _costs_of_a_cpu()
+    assert costs.plan([sure_then_not], 1, [8]) == [4]
+    assert costs.plan([unsure], 1, [8]) == [0]
+    assert costs.plan([sure_then_not, unsure], 2, [8, 8]) == [4, 0]
 
 
 def test_acceptance_rate_is_the_decayed_share_of_tested_positions():

@@ -1,10 +1,10 @@
 """Speculative decoding by prompt lookup: drafts from the session's own context, verified in one step.
 
 Agents repeat themselves: tool results quoted back, JSON keys and argument names, a restated plan,
-lines of the shared brief. For a decoding job the drafter finds the latest earlier occurrence of
-its last ``n`` tokens (``n`` from :data:`NGRAM_MAX` down to :data:`NGRAM_MIN`) in its context --
-the prompt, its pool's prefix included, and what it generated -- and proposes the tokens that
-followed it there. No second model. Where its own context has no match for an ``n``, the answers
+lines of the shared brief. For a decoding job the drafter finds the earlier occurrences of its
+last ``n`` tokens (``n`` from :data:`NGRAM_MAX` down to :data:`NGRAM_MIN`, the longest that
+occurred) in its context -- the prompt, its pool's prefix included, and what it generated -- and
+proposes the tokens that followed them there. No second model. Where its own context has no match for an ``n``, the answers
 of recently finished requests of the same cache salt are looked up too (:class:`RecentOutputs`:
 agents of a team answer in the same shapes -- the same JSON keys, a restated plan, a quoted brief),
 within the same namespace as the prefix cache: requests with different salts never draft from each
@@ -26,9 +26,28 @@ How many draft tokens a job verifies is a cost decision. A step's time grows wit
 CPU whose projections are compute-bound almost linearly, on a GPU hardly at all -- so the engine
 keeps the time of its own decode steps by row count (:class:`StepCosts`, a line fitted to them)
 and each job its acceptance rate (the share of drafted positions whose sample matched, decayed).
-A draft of ``k`` tokens with acceptance ``p`` yields ``1 + p + ... + p^k`` tokens for the job; the
-step takes the ``k`` that most raises tokens per second of the whole step (every job in the batch
-waits for the longer step), and none when no ``k`` gains :data:`MIN_GAIN`. Until the engine has
+A draft whose positions are accepted with probabilities ``p1, p2, ...`` yields ``1 + p1 + p1*p2
++ ...`` tokens for the job; the step takes the ``k`` that most raises tokens per second of the
+whole step (every job in the batch waits for the longer step), and none when no ``k`` gains
+:data:`MIN_GAIN`.
+
+The probabilities are per position, not one rate per job (:func:`continuation`): each n-gram
+keeps its :data:`OCCURRENCES` latest ends, the draft follows the continuation most of them agree
+on, and each position's probability is the job's rate times the share of the other occurrences
+(still agreeing up to it) that continue the same way. Boilerplate -- JSON keys, a quoted
+sentence -- repeats the same way every time and keeps the job's rate; where the occurrences
+disagree -- the value after ``{"name": "`` in a tool-calling agent's calls, a new name every
+line -- the probability drops (two that differ: a fifth of the rate; three: a ninth), so the
+step drafts short or not at all where one rate per job drafted as long there as anywhere and
+wasted most of a step's rows (on a 2-core CPU each verify row costs ~1.1 ms of a ~7.3 ms
+one-row step). Replayed on the prompts of ``benchmarks/bench_speculative.py`` (greedy answers of
+7 nonces, the cost line fixed at 6.2 ms + 1.1 ms a row): the first ``json_tools`` request went
+from 2.30 tokens per 3.54 rows a step to 2.41 per 3.15 (drafts 51 % -> 65 % accepted; 1.67x ->
+1.82x off's tokens/s by that line), ``react_echo`` 6.36/8.04 -> 6.91/7.13 (3.09x -> 3.59x), and
+``summarize_quote`` and ``novel`` did not lose. Raising the probability where occurrences agree
+(a leave-one-out share smoothed toward the rate, instead of the rate times it) lost on
+``summarize_quote``: a quoted sentence and its source agree because one is a copy, not because
+the model is likely to copy it again. Until the engine has
 seen steps of two row counts it explores: one short draft every :data:`EXPLORE_EVERY` steps. A
 job that stops drafting probes with one token every :data:`PROBE_EVERY` steps so that its rate can
 recover.
@@ -49,6 +68,9 @@ MIN_GAIN = 1.05  # tokens per second of the step must grow by this factor
 EXPLORE_EVERY = 8
 PROBE_EVERY = 64  # a probe row costs ~1 % of the steps between probes (one job alone or eight)
 PRIOR = (1.2, 2.0)  # acceptance prior: 1.2 matches of 2 positions
+OCCURRENCES = 8  # latest occurrences kept per n-gram of a job's context (their continuations vote)
+AGREE_PRIOR = 0.25  # pseudo-occurrences agreeing with a draft position (smooths the share that agree)
+STOP_BELOW = 0.05  # a draft ends where the chance that all of it is accepted falls below this
 DECAY = 0.8
 MODES = ("ngram", "off")
 SAMPLES = 9  # step times kept per row count
@@ -62,6 +84,59 @@ def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
             if end - n < 0:
                 break
             last[tuple(tokens[end - n:end])] = end
+
+
+def _ngram_occurrences(tokens: list[int], start: int, stop: int, ends: dict) -> None:
+    """Append to ``ends`` the n-grams ending at positions ``start .. stop`` (each n-gram keeps the
+    :data:`OCCURRENCES` latest positions where it ends, oldest first)."""
+    for end in range(max(start, 1), stop + 1):
+        for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+            if end - n < 0:
+                break
+            key = tuple(tokens[end - n:end])
+            seen = ends.get(key)
+            if seen is None:
+                ends[key] = [end]
+            else:
+                seen.append(end)
+                if len(seen) > OCCURRENCES:
+                    del seen[0]
+
+
+def continuation(tokens: list[int], ends: Sequence[int], k: int, rate: float) -> tuple[list[int], list[float]]:
+    """The draft that the continuations of an n-gram's earlier occurrences (``ends``: where each
+    ended, oldest first) most agree on, and each draft position's probability of acceptance.
+
+    Token by token, the occurrences that agreed with the draft so far vote; the draft takes the
+    token most of them continue with (ties: the latest occurrence's), and its probability is the
+    job's ``rate`` times the share of the other voters that agree, smoothed toward 1:
+    ``rate * (c - 1 + w) / (m - 1 + w)`` for ``c`` of ``m`` voters agreeing (``w`` =
+    :data:`AGREE_PRIOR`). The occurrence the draft is copied from always agrees with itself, so it
+    is left out: one occurrence, or any number that agree, give the job's rate; two that differ
+    give a fifth of it, three that all differ (a name, a number: new each time) a ninth. The
+    draft ends where the product of its probabilities falls below :data:`STOP_BELOW`."""
+    end = len(tokens)
+    alive = list(ends)
+    draft: list[int] = []
+    probs: list[float] = []
+    run = 1.0
+    for j in range(k):
+        votes: dict[int, list[int]] = {}  # next token -> the occurrences continuing with it (oldest first)
+        for e in alive:
+            if e + j < end:
+                votes.setdefault(tokens[e + j], []).append(e)
+        if not votes:
+            break
+        m = sum(len(v) for v in votes.values())
+        tok, agree = max(votes.items(), key=lambda kv: (len(kv[1]), kv[1][-1]))
+        p = rate * (len(agree) - 1 + AGREE_PRIOR) / (m - 1 + AGREE_PRIOR)
+        run *= p
+        if run < STOP_BELOW:
+            break
+        draft.append(tok)
+        probs.append(p)
+        alive = agree
+    return draft, probs
 
 
 class RecentOutputs:
@@ -111,11 +186,13 @@ class RecentOutputs:
 
 @dataclass
 class DraftState:
-    """One job's drafter: an index of its context's n-grams and its acceptance rate."""
+    """One job's drafter: an index of its context's n-grams, its acceptance rate, and the
+    acceptance probability of each position of its latest draft."""
 
     k_max: int
     indexed: int = 0  # tokens of the context indexed so far
-    last: dict = field(default_factory=dict)  # n-gram (tuple) -> end position of its latest occurrence
+    ends: dict = field(default_factory=dict)  # n-gram (tuple) -> end positions of its latest occurrences
+    probs: list = field(default_factory=list)  # the latest proposal's probability per position
     hits: float = PRIOR[0]
     tried: float = PRIOR[1]
     idle: int = 0  # steps since its last draft
@@ -128,28 +205,43 @@ class DraftState:
 
     def _index(self, tokens: list[int], upto: int) -> None:
         """Record the n-grams ending at positions up to ``upto``."""
-        _ngram_ends(tokens, self.indexed, upto, self.last)
+        _ngram_occurrences(tokens, self.indexed, upto, self.ends)
         self.indexed = max(self.indexed, upto + 1)
 
     def propose(self, tokens: list[int], k: int,
                 recent: Callable[[tuple, int], list[int]] | None = None) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last
-        n-gram (the longest that occurred before: in the context first, then through ``recent``,
-        e.g. :meth:`RecentOutputs.lookup` bound to the job's salt); [] when none did."""
+        """Up to ``k`` tokens that followed earlier occurrences of the context's last n-gram (the
+        longest that occurred before: in the context first, then through ``recent``, e.g.
+        :meth:`RecentOutputs.lookup` bound to the job's salt); [] when none did. In the context the
+        draft is the continuation most of the n-gram's latest occurrences agree on (:func:`continuation`);
+        :attr:`probs` gets each position's probability of acceptance (a recent answer's tokens: the
+        job's rate each), which :meth:`StepCosts.plan` weighs."""
+        self.probs = []
         if k <= 0 or len(tokens) < NGRAM_MIN + 1:
             return []
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram ending before the last token (whose followers are known)
         for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
             key = tuple(tokens[end - n:])
-            pos = self.last.get(key)
-            if pos is not None and pos < end:
-                return tokens[pos:pos + k]
+            ends = self.ends.get(key)
+            if ends:
+                draft, self.probs = continuation(tokens, ends, k, self.rate)
+                return draft
             if recent is not None:
                 draft = recent(key, k)
                 if draft:
+                    self.probs = [self.rate] * len(draft)
                     return draft
         return []
+
+    def expected(self, k: int) -> float:
+        """Tokens a step yields for this job drafting the first ``k`` tokens of its latest proposal:
+        ``1 + p1 + p1*p2 + ...`` (the job's rate where :attr:`probs` has no entry)."""
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.probs[i] if i < len(self.probs) else self.rate
+            total += run
+        return total
 
     def update(self, proposed: int, accepted: int) -> None:
         """A verified draft: ``accepted`` of its ``proposed`` tokens matched (positions after the
@@ -216,8 +308,9 @@ class StepCosts:
         return self._line
 
     def plan(self, jobs: list, rows: int, limits: list[int]) -> list[int]:
-        """Draft lengths for ``jobs`` (their ``DraftState`` rates) in a step of ``rows`` decode rows:
-        each job in turn takes the length that most raises the step's tokens per second."""
+        """Draft lengths for ``jobs`` (their ``DraftState``: the probabilities of its latest proposal,
+        else its rate) in a step of ``rows`` decode rows: each job in turn takes the length that
+        most raises the step's tokens per second."""
         self.steps += 1
         fit = self.line()
         out = [0] * len(jobs)
@@ -230,12 +323,12 @@ class StepCosts:
         for i, st in enumerate(jobs):
             best, best_k = tokens / (a + b * total), 0
             for k in range(1, limits[i] + 1):
-                v = (tokens - 1 + expected_tokens(st.rate, k)) / (a + b * (total + k))
+                v = (tokens - 1 + st.expected(k)) / (a + b * (total + k))
                 if v > best:
                     best, best_k = v, k
             if best_k and best >= MIN_GAIN * tokens / (a + b * total):
                 out[i] = best_k
-                tokens += expected_tokens(st.rate, best_k) - 1
+                tokens += st.expected(best_k) - 1
                 total += best_k
             elif st.idle >= PROBE_EVERY and limits[i] > 0:
                 out[i] = 1  # a probe: its rate may have recovered
