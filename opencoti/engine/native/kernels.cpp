@@ -764,43 +764,36 @@ inline void cascade_scores(const float* Q, int64_t D, const float* Kt, int64_t k
     if (jb < kp) cascade_scores_blk<R, 1>(Q, D, Kt, kp, jb, S);
 }
 
-// acc_r [D] = acc_r * alpha_r + sum_j p_r[j] V[j, :] for R query vectors (D % 8 == 0), 32 columns
-// at a time: R x 4 independent FMA chains, each V row loaded once for the R vectors.
+// acc_r [d0, d0 + 8 NV) = acc_r * alpha_r + sum_j p_r[j] V[j, d0 ..] for R query vectors: R x NV
+// independent FMA chains, each V row slice loaded once for the R vectors (R x NV <= 12 accumulators,
+// NV loads and one broadcast: 15 of AVX2's 16 registers at most).
+template <int R, int NV>
+inline void cascade_pv_blk(const float* p, int64_t kp, const float* alpha, const float* Vb, int64_t n, int64_t D,
+                           float* const* acc, int64_t d0) {
+    __m256 a[R][NV];
+    for (int r = 0; r < R; ++r) {
+        const __m256 al = _mm256_set1_ps(alpha[r]);
+        for (int k = 0; k < NV; ++k) a[r][k] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d0 + 8 * k), al);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        __m256 v[NV];
+        for (int k = 0; k < NV; ++k) v[k] = _mm256_loadu_ps(Vb + j * D + d0 + 8 * k);
+        for (int r = 0; r < R; ++r) {
+            const __m256 pj = _mm256_broadcast_ss(p + r * kp + j);
+            for (int k = 0; k < NV; ++k) a[r][k] = _mm256_fmadd_ps(pj, v[k], a[r][k]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) _mm256_storeu_ps(acc[r] + d0 + 8 * k, a[r][k]);
+}
+// The same over all D columns (D % 8 == 0): one or two vectors 32 columns at a time, three to six 16.
 template <int R>
 inline void cascade_pv(const float* p, int64_t kp, const float* alpha, const float* Vb, int64_t n, int64_t D,
                        float* const* acc) {
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        const int nv = (int)std::min<int64_t>(4, (D - d0) / 8);
-        __m256 a[R][4];
-        for (int r = 0; r < R; ++r) {
-            const __m256 al = _mm256_set1_ps(alpha[r]);
-            for (int k = 0; k < 4; ++k)
-                a[r][k] = k < nv ? _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d0 + 8 * k), al) : _mm256_setzero_ps();
-        }
-        if (nv == 4) {
-            for (int64_t j = 0; j < n; ++j) {
-                const float* vr = Vb + j * D + d0;
-                const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-                const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
-                for (int r = 0; r < R; ++r) {
-                    const __m256 pj = _mm256_broadcast_ss(p + r * kp + j);
-                    a[r][0] = _mm256_fmadd_ps(pj, v0, a[r][0]);
-                    a[r][1] = _mm256_fmadd_ps(pj, v1, a[r][1]);
-                    a[r][2] = _mm256_fmadd_ps(pj, v2, a[r][2]);
-                    a[r][3] = _mm256_fmadd_ps(pj, v3, a[r][3]);
-                }
-            }
-        } else {
-            for (int64_t j = 0; j < n; ++j)
-                for (int r = 0; r < R; ++r) {
-                    const __m256 pj = _mm256_broadcast_ss(p + r * kp + j);
-                    for (int k = 0; k < nv; ++k)
-                        a[r][k] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(Vb + j * D + d0 + 8 * k), a[r][k]);
-                }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int k = 0; k < nv; ++k) _mm256_storeu_ps(acc[r] + d0 + 8 * k, a[r][k]);
-    }
+    constexpr int NV = R <= 2 ? 4 : 2;
+    int64_t d0 = 0;
+    for (; d0 + 8 * NV <= D; d0 += 8 * NV) cascade_pv_blk<R, NV>(p, kp, alpha, Vb, n, D, acc, d0);
+    for (; d0 < D; d0 += 8) cascade_pv_blk<R, 1>(p, kp, alpha, Vb, n, D, acc, d0);
 }
 #endif
 
@@ -849,19 +842,25 @@ inline void transpose_keys(const float* Kr, int64_t n, int64_t D, float* Kt, int
 
 // One group's query vectors Q [nq, D] (scale folded in) against a block of ps keys (Kt [D, kp]
 // transposed, Vb [kp, D], kp >= ps a multiple of 8): the online softmax update of
-// (m, l, acc) of every vector. S: scratch of 4 x kp floats.
+// (m, l, acc) of every vector, kCascadeRows vectors at a time (a 6 x 16 score tile and 6 x 16 output
+// tiles: 12 accumulators each). S: scratch of kCascadeRows x kp floats.
+constexpr int kCascadeRows = 6;
 inline void cascade_page(const float* Q, int64_t nq, int64_t D, const float* Kt, const float* Vb, int64_t ps,
                          int64_t kp, float* m, float* l, float* acc, float* S) {
 #if OC_AVX2
     if (D % 8 == 0) {
-        for (int64_t i0 = 0; i0 < nq; i0 += 4) {
-            const int R = (int)std::min<int64_t>(4, nq - i0);
+        for (int64_t i0 = 0; i0 < nq; i0 += kCascadeRows) {
+            const int R = (int)std::min<int64_t>(kCascadeRows, nq - i0);
             const float* Qi = Q + i0 * D;
-            if (R == 4) cascade_scores<4>(Qi, D, Kt, kp, S);
-            else if (R == 3) cascade_scores<3>(Qi, D, Kt, kp, S);
-            else if (R == 2) cascade_scores<2>(Qi, D, Kt, kp, S);
-            else cascade_scores<1>(Qi, D, Kt, kp, S);
-            float alpha[4];
+            switch (R) {
+                case 6: cascade_scores<6>(Qi, D, Kt, kp, S); break;
+                case 5: cascade_scores<5>(Qi, D, Kt, kp, S); break;
+                case 4: cascade_scores<4>(Qi, D, Kt, kp, S); break;
+                case 3: cascade_scores<3>(Qi, D, Kt, kp, S); break;
+                case 2: cascade_scores<2>(Qi, D, Kt, kp, S); break;
+                default: cascade_scores<1>(Qi, D, Kt, kp, S);
+            }
+            float alpha[kCascadeRows];
             for (int r = 0; r < R; ++r) {
                 float* s = S + r * kp;
                 for (int64_t j = ps; j < kp; ++j) s[j] = -INFINITY;
@@ -882,10 +881,16 @@ inline void cascade_page(const float* Q, int64_t nq, int64_t D, const float* Kt,
                 l[i0 + r] = l[i0 + r] * alpha[r] + hsum(sum);
                 m[i0 + r] = mnew;
             }
-            float* accs[4] = {acc + i0 * D, acc + (i0 + 1) * D, acc + (i0 + 2) * D, acc + (i0 + 3) * D};
-            int r = 0;
-            for (; r + 2 <= R; r += 2) cascade_pv<2>(S + r * kp, kp, alpha + r, Vb, ps, D, accs + r);
-            if (r < R) cascade_pv<1>(S + r * kp, kp, alpha + r, Vb, ps, D, accs + r);
+            float* accs[kCascadeRows];
+            for (int r = 0; r < R; ++r) accs[r] = acc + (i0 + r) * D;
+            switch (R) {
+                case 6: cascade_pv<6>(S, kp, alpha, Vb, ps, D, accs); break;
+                case 5: cascade_pv<5>(S, kp, alpha, Vb, ps, D, accs); break;
+                case 4: cascade_pv<4>(S, kp, alpha, Vb, ps, D, accs); break;
+                case 3: cascade_pv<3>(S, kp, alpha, Vb, ps, D, accs); break;
+                case 2: cascade_pv<2>(S, kp, alpha, Vb, ps, D, accs); break;
+                default: cascade_pv<1>(S, kp, alpha, Vb, ps, D, accs);
+            }
         }
         return;
     }
@@ -957,7 +962,7 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
         pacc.assign(nc * Hkv * nq * D, 0.f);
 #pragma omp parallel num_threads(nt)
         {
-            std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(4 * kp), Kr(kp * D);
+            std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(kCascadeRows * kp), Kr(kp * D);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < nc * Hkv; ++task) {
                 const int64_t c = task / Hkv, kvh = task % Hkv;
