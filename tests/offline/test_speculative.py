@@ -78,6 +78,22 @@ def test_only_the_latest_occurrences_vote():
     assert all(len(ends) <= speculative.OCCURRENCES for ends in st.ends.values())
 
 
+def test_drafts_of_a_match_length_that_fails_get_a_lower_rate_never_a_higher_one():
+    """A job whose two-token matches missed drafts them with a lower rate than its four-token
+    ones (which kept the job's rate, not more, however well they did)."""
+    st = DraftState(8)
+    st.hits, st.tried = 8.0, 10.0
+    for n, accepted in ((2, 0), (4, 8), (2, 0), (4, 8)):
+        st.source = n
+        st.update(8, accepted)
+    rate = st.rate
+    assert st.order_rate(2) < 0.7 * rate and st.order_rate(4) == pytest.approx(rate)
+    assert st.order_rate(3) == pytest.approx(rate)  # nothing drafted on three tokens yet: the job's rate
+    toks = [5, 6, 7, 8, 9, 30, 6, 7]  # (6, 7) once before: a two-token match
+    assert st.propose(toks, 3) == [8, 9, 30] and st.source == 2
+    assert st.probs[0] == pytest.approx(st.order_rate(2))
+
+
 def test_plan_weighs_each_position_of_the_draft():
     """Two jobs of the same rate: the one whose draft is sure for 4 positions and then unsure
     drafts 4; the one whose first position is unsure drafts none; the expected tokens are

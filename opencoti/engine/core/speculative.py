@@ -40,17 +40,19 @@ disagree -- the value after ``{"name": "`` in a tool-calling agent's calls, a ne
 line -- the probability drops (two that differ: a fifth of the rate; three: a ninth), so the
 step drafts short or not at all where one rate per job drafted as long there as anywhere and
 wasted most of a step's rows (on a 2-core CPU each verify row costs ~1.1 ms of a ~7.3 ms
-one-row step). Replayed on the prompts of ``benchmarks/bench_speculative.py`` (greedy answers of
-7 nonces, the cost line fixed at 6.2 ms + 1.1 ms a row): the first ``json_tools`` request went
-from 2.30 tokens per 3.54 rows a step to 2.41 per 3.15 (drafts 51 % -> 65 % accepted; 1.67x ->
-1.82x off's tokens/s by that line), ``react_echo`` 6.36/8.04 -> 6.91/7.13 (3.09x -> 3.59x), and
-``summarize_quote`` and ``novel`` did not lose. Raising the probability where occurrences agree
-(a leave-one-out share smoothed toward the rate, instead of the rate times it) lost on
+one-row step). The rate itself is the job's, or lower where the job's drafts matched on as few
+tokens as this one were accepted less (:meth:`DraftState.order_rate`: a two-token match of a name
+the prompt listed in another format). Replayed on the prompts of
+``benchmarks/bench_speculative.py`` (each round's greedy answers, the cost line fixed at 6.2 ms +
+1.1 ms a row, the engine's own draft counts equal to the replay's; tuned on 3 rounds of nonces,
+these of 4 others): the first ``json_tools`` request of a round went from 2.30 tokens per 3.54
+rows a step to 2.37 per 2.84 (drafts 51 % -> 75 % accepted; 1.67x -> 1.86x off's tokens/s by
+that line), its later ones (which draft from the first's answer) 3.41x -> 3.66x, ``react_echo``
+6.36/8.04 -> 6.91/7.13 (3.09x -> 3.59x), and ``summarize_quote`` and ``novel`` lost nowhere.
+Raising the probability where occurrences agree (a leave-one-out share smoothed toward the rate,
+instead of the rate times it), or the rate of an n-gram length above the job's, lost on
 ``summarize_quote``: a quoted sentence and its source agree because one is a copy, not because
-the model is likely to copy it again. Until the engine has
-seen steps of two row counts it explores: one short draft every :data:`EXPLORE_EVERY` steps. A
-job that stops drafting probes with one token every :data:`PROBE_EVERY` steps so that its rate can
-recover.
+the model is likely to copy it again.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ PROBE_EVERY = 64  # a probe row costs ~1 % of the steps between probes (one job 
 PRIOR = (1.2, 2.0)  # acceptance prior: 1.2 matches of 2 positions
 OCCURRENCES = 8  # latest occurrences kept per n-gram of a job's context (their continuations vote)
 AGREE_PRIOR = 0.25  # pseudo-occurrences agreeing with a draft position (smooths the share that agree)
+ORDER_PRIOR = 4.0  # weight (tested positions) of the job's rate in the rate of drafts matched on n tokens
 STOP_BELOW = 0.05  # a draft ends where the chance that all of it is accepted falls below this
 DECAY = 0.8
 MODES = ("ngram", "off")
@@ -193,6 +196,8 @@ class DraftState:
     indexed: int = 0  # tokens of the context indexed so far
     ends: dict = field(default_factory=dict)  # n-gram (tuple) -> end positions of its latest occurrences
     probs: list = field(default_factory=list)  # the latest proposal's probability per position
+    source: int = 0  # the n-gram length the latest proposal matched in the context (0: none / a recent answer)
+    by_order: dict = field(default_factory=dict)  # n-gram length -> [hits, tried] of its drafts (decayed)
     hits: float = PRIOR[0]
     tried: float = PRIOR[1]
     idle: int = 0  # steps since its last draft
@@ -217,6 +222,7 @@ class DraftState:
         :attr:`probs` gets each position's probability of acceptance (a recent answer's tokens: the
         job's rate each), which :meth:`StepCosts.plan` weighs."""
         self.probs = []
+        self.source = 0
         if k <= 0 or len(tokens) < NGRAM_MIN + 1:
             return []
         end = len(tokens)
@@ -225,7 +231,8 @@ class DraftState:
             key = tuple(tokens[end - n:])
             ends = self.ends.get(key)
             if ends:
-                draft, self.probs = continuation(tokens, ends, k, self.rate)
+                self.source = n
+                draft, self.probs = continuation(tokens, ends, k, self.order_rate(n))
                 return draft
             if recent is not None:
                 draft = recent(key, k)
@@ -243,6 +250,14 @@ class DraftState:
             total += run
         return total
 
+    def order_rate(self, n: int) -> float:
+        """The acceptance rate of the job's drafts matched on ``n`` context tokens, smoothed toward
+        the job's rate (:data:`ORDER_PRIOR`) and never above it: a short match can say less than
+        the job's drafts in general (a two-token match of a name the prompt spelled in another
+        format), and where it says more the job's rate stands (raising it lost a few draft rows)."""
+        hits, tried = self.by_order.get(n, (0.0, 0.0))
+        return min((hits + ORDER_PRIOR * self.rate) / (tried + ORDER_PRIOR), self.rate)
+
     def update(self, proposed: int, accepted: int) -> None:
         """A verified draft: ``accepted`` of its ``proposed`` tokens matched (positions after the
         first mismatch were not tested)."""
@@ -250,6 +265,10 @@ class DraftState:
         self.accepted += accepted
         self.hits = DECAY * self.hits + accepted
         self.tried = DECAY * self.tried + min(accepted + 1, proposed)
+        if self.source:
+            order = self.by_order.setdefault(self.source, [0.0, 0.0])
+            order[0] = DECAY * order[0] + accepted
+            order[1] = DECAY * order[1] + min(accepted + 1, proposed)
         self.idle = 0
 
 
