@@ -90,8 +90,9 @@ def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
 
 
 def _ngram_occurrences(tokens: list[int], start: int, stop: int, ends: dict) -> None:
-    """Append to ``ends`` the n-grams ending at positions ``start .. stop`` (each n-gram keeps the
-    :data:`OCCURRENCES` latest positions where it ends, oldest first)."""
+    """Record in ``ends`` the n-grams ending at positions ``start .. stop``: each n-gram maps to
+    where it ended, an int while it occurred once (most n-grams: half the memory of a list), then
+    a list of the :data:`OCCURRENCES` latest positions, oldest first."""
     for end in range(max(start, 1), stop + 1):
         for n in range(NGRAM_MIN, NGRAM_MAX + 1):
             if end - n < 0:
@@ -99,7 +100,9 @@ def _ngram_occurrences(tokens: list[int], start: int, stop: int, ends: dict) -> 
             key = tuple(tokens[end - n:end])
             seen = ends.get(key)
             if seen is None:
-                ends[key] = [end]
+                ends[key] = end
+            elif isinstance(seen, int):
+                ends[key] = [seen, end]
             else:
                 seen.append(end)
                 if len(seen) > OCCURRENCES:
@@ -194,7 +197,7 @@ class DraftState:
 
     k_max: int
     indexed: int = 0  # tokens of the context indexed so far
-    ends: dict = field(default_factory=dict)  # n-gram (tuple) -> end positions of its latest occurrences
+    ends: dict = field(default_factory=dict)  # n-gram (tuple) -> where it ended (int), or its latest ends (list)
     probs: list = field(default_factory=list)  # the latest proposal's probability per position
     source: int = 0  # the n-gram length the latest proposal matched in the context (0: none / a recent answer)
     by_order: dict = field(default_factory=dict)  # n-gram length -> [hits, tried] of its drafts (decayed)
@@ -230,8 +233,9 @@ class DraftState:
         for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
             key = tuple(tokens[end - n:])
             ends = self.ends.get(key)
-            if ends:
+            if ends is not None:
                 self.source = n
+                ends = [ends] if isinstance(ends, int) else ends
                 draft, self.probs = continuation(tokens, ends, k, self.order_rate(n))
                 return draft
             if recent is not None:
