@@ -91,11 +91,13 @@ class TorchAttentionBackend:
     name = "torch"
 
     # "auto": shared-prefix attention only when it spares at least this many KV-token reads per step.
-    # It turns off the fused native decode layer, which is faster below that on CPU: measured on the
-    # bundled model (2-core AVX2 EPYC, benchmarks/bench_cascade.py --quick, on/off agg tok/s) cascade
-    # was 0.72x at P=512 N=4 (1,536 spared), 0.84x at 512/16 (7,680), 0.73x at 2048/4 (6,144), 0.98x
-    # at 1024/8 (7,168), 1.54x at 2048/16 (30,720) and 1.98x at 4096/8 (28,672).
-    AUTO_MIN_SAVED_TOKENS = 16384
+    # Both plans now take the one-call fused decode on CPU, and the shared part's kernel reads a page
+    # once for the whole group where the plain kernel reads it once per sequence: per layer, one
+    # thread, fp32 pages, CPU time of the calls (private part included), cascade / plain was a tie at
+    # 64-448 spared tokens with pages of 16 (P=64 N=2 and N=8, P=128 N=4) and 0.50-0.75 from 256
+    # spared on (P=256 N=2 0.72, P=512 N=2 0.67, P=256 N=4 0.50, P=128 N=8 0.67); building the plan costs
+    # ~0.1 ms a step. The end-to-end check is benchmarks/bench_cascade.py (docs/benchmarks.md).
+    AUTO_MIN_SAVED_TOKENS = 512
 
     def __init__(self, cascade: str = "auto", min_saved_tokens: int = AUTO_MIN_SAVED_TOKENS, native: bool = True):
         self.cascade = cascade

@@ -576,139 +576,7 @@ inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((cons
 inline __m256 load8(const bf16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
-    float s = hsum(acc);
-    for (; i < D; ++i) s += a[i] * to_float(b[i]);
-    return s;
-}
-// dot() of a with 4 vectors at once (4 independent FMA chains; each result is bit-identical to dot's)
-template <typename T>
-inline void dot4(const float* a, const T* const* b, int64_t D, float* out) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) {
-        const __m256 av = _mm256_loadu_ps(a + i);
-        acc0 = _mm256_fmadd_ps(av, load8(b[0] + i), acc0);
-        acc1 = _mm256_fmadd_ps(av, load8(b[1] + i), acc1);
-        acc2 = _mm256_fmadd_ps(av, load8(b[2] + i), acc2);
-        acc3 = _mm256_fmadd_ps(av, load8(b[3] + i), acc3);
-    }
-    out[0] = hsum(acc0), out[1] = hsum(acc1), out[2] = hsum(acc2), out[3] = hsum(acc3);
-    for (int r = 0; r < 4; ++r)
-        for (int64_t t = i; t < D; ++t) out[r] += a[t] * to_float(b[r][t]);
-}
-template <typename T>
-inline void axpy(float a, const T* x, float* y, int64_t D) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < D; ++i) y[i] += a * to_float(x[i]);
-}
-#else
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t D) {
-    float s = 0.f;
-    for (int64_t i = 0; i < D; ++i) s += a[i] * to_float(b[i]);
-    return s;
-}
-template <typename T>
-inline void dot4(const float* a, const T* const* b, int64_t D, float* out) {
-    for (int r = 0; r < 4; ++r) out[r] = dot(a, b[r], D);
-}
-template <typename T>
-inline void axpy(float a, const T* x, float* y, int64_t D) {
-    for (int64_t i = 0; i < D; ++i) y[i] += a * to_float(x[i]);
-}
 #endif
-
-// Decode attention (one query token per sequence) straight from the paged cache, no gather.
-// q [*, H, D] (row q_rows[b] for sequence b); out rows likewise; lse [*, H] (natural log) or null.
-// Sequence b attends to its first kv_lens[b] tokens in pages page_idx[b, :].
-template <typename T>
-void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                  const T* k_cache, const T* v_cache, const int64_t* page_idx, int64_t max_pages,
-                  const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
-    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
-    const int64_t group = H / Hkv, row = kQ8 ? D + kQ8Scale : D;  // elements per vector
-    const int64_t tok_stride = Hkv * row, page_stride = page_size * tok_stride;
-    auto vec_scale = [&](const T* v) {  // a q8 vector's scale (after its D values)
-        float s = 1.f;
-        if constexpr (kQ8) std::memcpy(&s, v + D, sizeof(float));
-        return s;
-    };
-#pragma omp parallel num_threads(nt)
-    {
-        std::vector<float> scores;
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < B * H; ++task) {
-            const int64_t b = task / H, h = task % H, kvh = h / group;
-            const int64_t n = kv_lens[b];
-            const float* qv = q + (q_rows[b] * H + h) * D;
-            float* ov = out + (q_rows[b] * H + h) * D;
-            scores.resize(n > 0 ? n : 1);
-            float mx = -INFINITY;
-            auto key = [&](int64_t j) {
-                const int64_t page = page_idx[b * max_pages + j / page_size];
-                return k_cache + page * page_stride + (j % page_size) * tok_stride + kvh * row;
-            };
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) {  // four keys at a time: independent FMA chains, the same sums
-                const T* keys[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
-                float s4[4];
-                dot4(qv, keys, D, s4);
-                for (int r = 0; r < 4; ++r) {
-                    if constexpr (kQ8) s4[r] *= vec_scale(keys[r]);
-                    const float s = s4[r] * scale;
-                    scores[j + r] = s;
-                    mx = std::max(mx, s);
-                }
-            }
-            for (; j < n; ++j) {
-                float s = dot(qv, key(j), D);
-                if constexpr (kQ8) s *= vec_scale(key(j));
-                s *= scale;
-                scores[j] = s;
-                mx = std::max(mx, s);
-            }
-            float sum = 0.f;
-            for (int64_t j = 0; j < n; ++j) {
-                scores[j] = std::exp(scores[j] - mx);
-                sum += scores[j];
-            }
-            std::fill(ov, ov + D, 0.f);
-            for (int64_t j = 0; j < n; ++j) {
-                const int64_t page = page_idx[b * max_pages + j / page_size];
-                const T* vv = v_cache + page * page_stride + (j % page_size) * tok_stride + kvh * row;
-                axpy(kQ8 ? scores[j] * vec_scale(vv) : scores[j], vv, ov, D);
-            }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int64_t i = 0; i < D; ++i) ov[i] *= inv;
-            if (lse) lse[q_rows[b] * H + h] = n > 0 ? mx + std::log(sum) : -INFINITY;
-        }
-    }
-}
-
-// paged_decode over a cache of element type kv (KvType)
-void paged_decode_kv(int kv, const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     const void* k_cache, const void* v_cache, const int64_t* page_idx, int64_t max_pages,
-                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
-    if (kv == kKvQ8)
-        paged_decode(q, q_rows, B, H, Hkv, D, (const int8_t*)k_cache, (const int8_t*)v_cache, page_idx, max_pages,
-                     kv_lens, page_size, scale, out, lse, nt);
-    else if (kv == kKvF16)
-        paged_decode(q, q_rows, B, H, Hkv, D, (const f16*)k_cache, (const f16*)v_cache, page_idx, max_pages, kv_lens,
-                     page_size, scale, out, lse, nt);
-    else if (kv == kKvBF16)
-        paged_decode(q, q_rows, B, H, Hkv, D, (const bf16*)k_cache, (const bf16*)v_cache, page_idx, max_pages,
-                     kv_lens, page_size, scale, out, lse, nt);
-    else
-        paged_decode(q, q_rows, B, H, Hkv, D, (const float*)k_cache, (const float*)v_cache, page_idx, max_pages,
-                     kv_lens, page_size, scale, out, lse, nt);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Shared-prefix ("cascade") attention, the shared part: for each group of sequences that share a
@@ -1022,6 +890,117 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
             }
         }
     }
+}
+
+// Decode attention (one query token per sequence) straight from the paged cache, no gather, computed
+// like the shared part of cascade attention: per sequence and KV head, the G = H / Hkv query vectors
+// of that head run against blocks of whole pages (each key converted to fp32 and transposed once
+// for the G vectors, then the 6 x 16 tiles of cascade_page and an online softmax), the sequence's
+// keys split in chunks of kDecodeChunkKeys (a fixed size, so a row's result does not depend on the
+// batch or the thread count), the chunks' partial states merged at the end. q [*, H, D] (row
+// q_rows[b] for sequence b); out rows likewise; lse [*, H] (natural log) or null. Sequence b attends
+// to its first kv_lens[b] tokens in pages page_idx[b, :]. Against one vector at a time (the kernel
+// this replaced: every key's dot product taken once per query head, its value row read once per
+// head) it is 1.7x faster for one session at 2,048 tokens of fp16 pages (one thread, CPU time).
+constexpr int64_t kDecodeChunkKeys = 512;
+
+template <typename T>
+void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                  const T* k_cache, const T* v_cache, const int64_t* page_idx, int64_t max_pages,
+                  const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    const int64_t G = H / Hkv, row = kQ8 ? D + kQ8Scale : D;
+    const int64_t tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    const int64_t ppb = std::max<int64_t>(1, 64 / page_size), kp = (ppb * page_size + 7) / 8 * 8;
+    const int64_t chunk = std::max<int64_t>(1, kDecodeChunkKeys / (ppb * page_size)) * ppb * page_size;  // keys
+    // chunk c of sequence b is work item first[b] + c; its state for KV head kvh and vector i lives
+    // at ((item * Hkv) + kvh) * G + i
+    std::vector<int64_t> first(B + 1, 0);
+    for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + std::max<int64_t>(1, (kv_lens[b] + chunk - 1) / chunk);
+    const int64_t items = first[B];
+    std::vector<int64_t> seq_of(items);
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = first[b]; i < first[b + 1]; ++i) seq_of[i] = b;
+    std::vector<float> pm(items * Hkv * G, -INFINITY), pl(items * Hkv * G, 0.f), pacc(items * Hkv * G * D, 0.f);
+#pragma omp parallel num_threads(nt)
+    {
+        std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(kCascadeRows * kp), Kr(kp * D), Qs(G * D);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < items * Hkv; ++task) {
+            const int64_t item = task / Hkv, kvh = task % Hkv, b = seq_of[item];
+            const int64_t j0 = (item - first[b]) * chunk, j1 = std::min(kv_lens[b], j0 + chunk);
+            if (j1 <= j0) continue;
+            for (int64_t gi = 0; gi < G; ++gi) {
+                const float* src = q + (q_rows[b] * H + kvh * G + gi) * D;
+                for (int64_t d = 0; d < D; ++d) Qs[gi * D + d] = src[d] * scale;
+            }
+            const int64_t st = task * G;
+            const int64_t* pages = page_idx + b * max_pages;
+            for (int64_t k0 = j0; k0 < j1; k0 += ppb * page_size) {
+                const int64_t n = std::min(ppb * page_size, j1 - k0);  // keys in this block
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t key = k0 + j;
+                    const int64_t at = pages[key / page_size] * page_stride + (key % page_size) * tok_stride + kvh * row;
+                    const T* kv = k_cache + at;
+                    const T* vv = v_cache + at;
+                    float ks = 1.f, vs = 1.f;
+                    if constexpr (kQ8) {
+                        std::memcpy(&ks, kv + D, sizeof(float));
+                        std::memcpy(&vs, vv + D, sizeof(float));
+                    }
+                    to_f32_row(kv, D, ks, Kr.data() + j * D);
+                    to_f32_row(vv, D, vs, Vb.data() + j * D);
+                }
+                transpose_keys(Kr.data(), n, D, Kt.data(), kp);
+                cascade_page(Qs.data(), G, D, Kt.data(), Vb.data(), n, kp, pm.data() + st, pl.data() + st,
+                             pacc.data() + st * D, S.data());
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * H; ++t) {  // merge each sequence's chunks into out / lse
+            const int64_t b = t / H, h = t % H, kvh = h / G, gi = h % G;
+            float* o = out + (q_rows[b] * H + h) * D;
+            float mx = -INFINITY;
+            for (int64_t item = first[b]; item < first[b + 1]; ++item)
+                mx = std::max(mx, pm[(item * Hkv + kvh) * G + gi]);
+            if (mx == -INFINITY) {  // no keys
+                std::fill(o, o + D, 0.f);
+                if (lse) lse[q_rows[b] * H + h] = -INFINITY;
+                continue;
+            }
+            float L = 0.f;
+            std::fill(o, o + D, 0.f);
+            for (int64_t item = first[b]; item < first[b + 1]; ++item) {
+                const int64_t s = (item * Hkv + kvh) * G + gi;
+                if (pm[s] == -INFINITY) continue;
+                const float w = std::exp(pm[s] - mx);
+                L += pl[s] * w;
+                const float* a = pacc.data() + s * D;
+                for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+            }
+            const float inv = 1.f / L;
+            for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+            if (lse) lse[q_rows[b] * H + h] = mx + std::log(L);
+        }
+    }
+}
+
+// paged_decode over a cache of element type kv (KvType)
+void paged_decode_kv(int kv, const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     const void* k_cache, const void* v_cache, const int64_t* page_idx, int64_t max_pages,
+                     const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
+    if (kv == kKvQ8)
+        paged_decode(q, q_rows, B, H, Hkv, D, (const int8_t*)k_cache, (const int8_t*)v_cache, page_idx, max_pages,
+                     kv_lens, page_size, scale, out, lse, nt);
+    else if (kv == kKvF16)
+        paged_decode(q, q_rows, B, H, Hkv, D, (const f16*)k_cache, (const f16*)v_cache, page_idx, max_pages, kv_lens,
+                     page_size, scale, out, lse, nt);
+    else if (kv == kKvBF16)
+        paged_decode(q, q_rows, B, H, Hkv, D, (const bf16*)k_cache, (const bf16*)v_cache, page_idx, max_pages,
+                     kv_lens, page_size, scale, out, lse, nt);
+    else
+        paged_decode(q, q_rows, B, H, Hkv, D, (const float*)k_cache, (const float*)v_cache, page_idx, max_pages,
+                     kv_lens, page_size, scale, out, lse, nt);
 }
 
 void cascade_groups_kv(int kv, const float* q, int64_t H, int64_t Hkv, int64_t D, const void* k_cache,
