@@ -91,12 +91,12 @@ class TorchAttentionBackend:
     name = "torch"
 
     # "auto": shared-prefix attention only when it spares at least this many KV-token reads per step.
-    # Both plans now take the one-call fused decode on CPU, and the shared part's kernel reads a page
-    # once for the whole group where the plain kernel reads it once per sequence: per layer, one
-    # thread, fp32 pages, CPU time of the calls (private part included), cascade / plain was a tie at
-    # 64-448 spared tokens with pages of 16 (P=64 N=2 and N=8, P=128 N=4) and 0.50-0.75 from 256
-    # spared on (P=256 N=2 0.72, P=512 N=2 0.67, P=256 N=4 0.50, P=128 N=8 0.67); building the plan costs
-    # ~0.1 ms a step. The end-to-end check is benchmarks/bench_cascade.py (docs/benchmarks.md).
+    # Both plans take the one-call fused decode on CPU; the shared part's kernel reads a page once for
+    # its whole group, the plain kernel once per sequence. Measured end to end on the bundled model
+    # (benchmarks/bench_cascade.py --prefix 128 256 512 --sessions 2 4 8, 2-core AVX-512 EPYC, results
+    # in benchmarks/results/<machine>/cascade_small.json), cascade on/off agg tok/s was 0.95-1.01x up to
+    # 384 spared reads (P=128 N=2 and N=4, P=256 N=2) and 1.02-1.18x from 512 (P=512 N=2 1.06x, P=256
+    # N=4 1.02x, P=128 N=8 1.06x, P=256 N=8 1.18x).
     AUTO_MIN_SAVED_TOKENS = 512
 
     def __init__(self, cascade: str = "auto", min_saved_tokens: int = AUTO_MIN_SAVED_TOKENS, native: bool = True):
