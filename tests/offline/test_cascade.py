@@ -169,3 +169,30 @@ def test_cascade_groups_requests_sharing_through_the_prefix_cache(make_engine):
         outs[mode] = res
         assert (eng.backend.num_cascade_steps > 0) == (mode == "on")
     assert outs["on"] == outs["off"]
+
+
+def test_plan_treats_a_drafts_rows_as_their_sequence():
+    """Rows marked same_seq (a speculative draft's rows) are planned as their sequence: alone they
+    share nothing; with another sequence every row of both attends to the shared run, and the spared
+    reads count sequences, not rows."""
+    shared = list(range(8))
+    alone = [SeqBatchEntry(shared + [20], 32 + i, 1, same_seq=i > 0) for i in range(4)]  # page size 4
+    meta = build_metadata(alone, 4)
+    assert meta.seq_of == [0, 0, 0, 0]
+    plan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, 4, seq_of=meta.seq_of)
+    assert plan.groups == [] and plan.saved_tokens == 0
+    assert build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, 4).groups  # rows as sequences: shared
+    two = alone + [SeqBatchEntry(shared + [30], 32, 1)]
+    meta = build_metadata(two, 4)
+    assert meta.seq_of == [0, 0, 0, 0, 1]
+    plan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, 4, seq_of=meta.seq_of)
+    assert [sorted(g.seqs) for g in plan.groups] == [[0, 1, 2, 3, 4]] and plan.groups[0].pages == shared
+    assert plan.saved_tokens == 1 * len(shared) * 4
+    assert sorted(plan.order) == [0, 1, 2, 3, 4] and plan.private_start == [8] * 5
+    be = TorchAttentionBackend(cascade="on")
+    be.plan(meta, num_heads=H, num_kv_heads=HKV, head_dim=D)
+    assert be.last_used_cascade
+    with pytest.raises(ValueError, match="same_seq"):
+        build_metadata([SeqBatchEntry(shared, 3, 1, same_seq=True)], 4)
+    with pytest.raises(ValueError, match="seq_of"):
+        build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, 4, seq_of=[0])

@@ -430,3 +430,16 @@ def test_serve_flags_set_the_engine_default():
     assert (args.speculative, args.draft_max) == ("off", 3)
     assert parser.parse_args([]).speculative == EngineConfig().speculative
     assert parser.parse_args([]).draft_max == EngineConfig().speculative_max
+
+
+def test_a_sessions_draft_rows_never_take_shared_prefix_attention(make_engine, oracle):
+    """A draft's rows are decode rows over one page table; shared-prefix planning treats them as the
+    one sequence they are, so a session alone never takes cascade attention (its one-row steps would
+    not), even forced on, and its output equals plain decoding's token for token."""
+    engine = make_engine(prefix_cache=False, cascade="on")
+    plain = _gen(engine, LOOP, 0)
+    oracle[tuple(LOOP)] = plain.token_ids
+    spec = _gen(engine, LOOP, 8)
+    assert spec.timings["draft_n_accepted"] > 0
+    assert spec.token_ids == plain.token_ids
+    assert engine.backend.num_cascade_steps == 0

@@ -22,6 +22,9 @@ class SeqBatchEntry:
     page_table: Sequence[int]
     num_cached: int  # tokens whose KV is already in cache (positions [0, num_cached))
     num_new: int  # tokens computed this step (positions [num_cached, num_cached + num_new))
+    # another row of the previous entry's sequence (a speculative draft's rows: one decode row per
+    # position over the same page table); shared-prefix planning treats them as one sequence
+    same_seq: bool = False
 
 
 @dataclass
@@ -36,6 +39,7 @@ class AttentionMetadata:
     qo_lens: list[int]
     kv_lens: list[int]
     page_tables: list[list[int]]  # per sequence, the pages covering [0, kv_len)
+    seq_of: list[int] = field(default_factory=list)  # per entry, its sequence (entries marked same_seq share one)
     backend_state: dict = field(default_factory=dict)  # per-step plan cached by the backend
     cascade: object = None  # CascadePlan when this step uses shared-prefix attention
 
@@ -54,7 +58,11 @@ def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: tor
     qo_indptr, kv_indptr, kv_indices, last_len = [0], [0], [], []
     positions: list[int] = []
     slots: list[int] = []
-    for e in entries:
+    seq_of: list[int] = []
+    for i, e in enumerate(entries):
+        if e.same_seq and i == 0:
+            raise ValueError("the first entry of a step cannot continue a previous sequence (same_seq)")
+        seq_of.append(seq_of[-1] if e.same_seq else (seq_of[-1] + 1 if seq_of else 0))
         kv_len = e.num_cached + e.num_new
         n_pages = -(-kv_len // page_size)
         if e.num_new < 1:
@@ -85,4 +93,5 @@ def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: tor
         qo_lens=qo_lens,
         kv_lens=kv_lens,
         page_tables=tables,
+        seq_of=seq_of,
     )

@@ -76,15 +76,35 @@ def _build_trie(tables: list[list[int]], seqs: list[int], depth: int, start: int
 
 
 def build_cascade_plan(page_tables: list[list[int]], kv_lens: list[int], qo_lens: list[int], page_size: int,
-                       min_shared_pages: int = 1) -> CascadePlan:
+                       min_shared_pages: int = 1, seq_of: list[int] | None = None) -> CascadePlan:
+    """The plan over the batch's entries. ``seq_of`` (per entry, its sequence): entries of one sequence
+    -- a speculative draft's rows, each a decode row over the same page table -- are planned as that
+    sequence (its first entry's table, the shortest, decides what is shared), and all of them attend to
+    the same shared runs; the spared reads count sequences, not rows. So a session's rows use
+    shared-prefix attention exactly when its one-row decode steps would: alone, never."""
     n = len(page_tables)
+    seq_of = list(range(n)) if seq_of is None else seq_of
+    if len(seq_of) != n:
+        raise ValueError(f"seq_of has {len(seq_of)} entries for {n} page tables")
+    rows_of: dict[int, list[int]] = {}
+    for i, s in enumerate(seq_of):
+        rows_of.setdefault(s, []).append(i)
+    firsts = [rows[0] for rows in rows_of.values()]
     groups: list[SharedGroup] = []
     private_start = [0] * n
     order: list[int] = []
-    _build_trie(page_tables, list(range(n)), 0, 0, groups, private_start, order, min_shared_pages)
+    _build_trie(page_tables, firsts, 0, 0, groups, private_start, order, min_shared_pages)
+    saved = sum((len(g.seqs) - 1) * len(g.pages) * page_size for g in groups)
+    if len(firsts) < n:  # expand each sequence to its entries
+        for g in groups:
+            g.seqs = [i for f in g.seqs for i in rows_of[seq_of[f]]]
+        for f in firsts:
+            for i in rows_of[seq_of[f]]:
+                private_start[i] = private_start[f]
+        order = [i for f in order for i in rows_of[seq_of[f]]]
     num_levels = 1 + max((g.level + 1 for g in groups), default=0)
     plan = CascadePlan(groups=groups, private_start=private_start, order=order, num_levels=num_levels)
-    plan.saved_tokens = sum((len(g.seqs) - 1) * len(g.pages) * page_size for g in groups)
+    plan.saved_tokens = saved
     plan.levels = _flashinfer_levels(plan, page_tables, kv_lens, qo_lens, page_size)
     return plan
 

@@ -195,7 +195,8 @@ class FlashInferBackend:
     def plan(self, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         cplan = None
         if self.cascade != "off" and meta.num_seqs >= 2:
-            cplan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, meta.page_size)
+            cplan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, meta.page_size,
+                                       seq_of=meta.seq_of or None)
             if (not cplan.groups or (self.cascade == "auto" and cplan.saved_tokens < self.min_saved_tokens)
                     or cplan.num_levels > self.max_cascade_levels):
                 cplan = None

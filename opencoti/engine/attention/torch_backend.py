@@ -111,7 +111,8 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         cplan = None
         if self.cascade != "off" and meta.num_seqs >= 2:
-            cplan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, meta.page_size)
+            cplan = build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, meta.page_size,
+                                       seq_of=meta.seq_of or None)
             if not cplan.groups or (self.cascade == "auto" and cplan.saved_tokens < self.min_saved_tokens):
                 cplan = None
         self.last_used_cascade = cplan is not None

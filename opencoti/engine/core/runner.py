@@ -50,7 +50,7 @@ class ModelRunner:
             if getattr(job, "draft", None):
                 # the last token and its draft as decode rows over one page table: row i attends to
                 # the positions before it (their KV is written first in every layer) and itself
-                entries.extend(SeqBatchEntry(seq.page_table, seq.num_cached + i, 1) for i in range(n))
+                entries.extend(SeqBatchEntry(seq.page_table, seq.num_cached + i, 1, same_seq=i > 0) for i in range(n))
                 drafted.append((job, len(logit_rows)))
                 logit_rows.extend(range(row, row + n))
                 row += n
