@@ -443,3 +443,40 @@ def test_a_sessions_draft_rows_never_take_shared_prefix_attention(make_engine, o
     assert spec.timings["draft_n_accepted"] > 0
     assert spec.token_ids == plain.token_ids
     assert engine.backend.num_cascade_steps == 0
+
+
+def test_drafts_of_sessions_sharing_a_pool_in_the_fused_cascade_decode(make_engine, oracle, monkeypatch, tmp_path):
+    """Sessions on one pool, cascade on, native int8 projections (the one-call fused decode with the
+    shared runs): every row of a draft attends to the shared pages with its session, and each output
+    equals the same batch decoded without drafts."""
+    from opencoti.engine.model import fused as fused_mod
+
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")  # the native int8 kernels: the fused decode applies
+    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
+    drafted_cascade = []
+    orig = fused_mod.decode_step
+
+    def counted(model, layers, x, meta, *a):
+        used = orig(model, layers, x, meta, *a)
+        if used and meta.cascade is not None and len(set(meta.seq_of)) < len(meta.seq_of):
+            drafted_cascade.append(meta.seq_of)
+        return used
+
+    monkeypatch.setattr(fused_mod, "decode_step", counted)
+    engine = make_engine(model="tiny:llama", weights="int8", prefix_cache=False, cascade="on")
+    assert engine.model.fused_layers is not None
+    pool = engine.create_pool(tokens=LOOP[:40]).pool_id
+    prompts = [LOOP + [40 + i] for i in range(3)]
+
+    def batch(spec):
+        streams = [engine.stream(p, pool_id=pool, params=SamplingParams(temperature=0.0, max_tokens=24,
+                                                                        speculative_max=spec)) for p in prompts]
+        for s in streams:
+            for _ in s:
+                pass
+        return [s.result.token_ids for s in streams]
+
+    plain = batch(0)
+    oracle.update({tuple(p): out for p, out in zip(prompts, plain)})
+    assert batch(8) == plain
+    assert drafted_cascade  # steps with draft rows ran the shared runs in the fused call
