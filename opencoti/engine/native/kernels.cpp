@@ -788,6 +788,40 @@ inline void cascade_page(const float* Q, int64_t nq, int64_t D, const float* Kt,
     }
 }
 
+// Scratch of one thread for attend_block: a block of keys as fp32 rows (Kr), transposed (Kt [D, kp]),
+// its values (Vb [kp, D]) and the scores of kCascadeRows vectors (S).
+struct BlockScratch {
+    int64_t kp;
+    std::vector<float> Kt, Vb, S, Kr;
+    BlockScratch(int64_t D, int64_t kp_) : kp(kp_), Kt(D * kp_, 0.f), Vb(kp_ * D, 0.f), S(kCascadeRows * kp_), Kr(kp_ * D) {}
+};
+
+// Keys first .. first + n (n <= kp) of a page list (key j in pages[j / page_size]) for KV head kvh:
+// converted to fp32 and transposed once, then the online softmax update of the nq query vectors Q
+// (scale folded in) and their states (m, l, acc).
+template <typename T>
+void attend_block(const T* k_cache, const T* v_cache, const int64_t* pages, int64_t first, int64_t n,
+                  int64_t page_size, int64_t Hkv, int64_t D, int64_t kvh, const float* Q, int64_t nq, float* m,
+                  float* l, float* acc, BlockScratch& sc) {
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    const int64_t row = kQ8 ? D + kQ8Scale : D, tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t key = first + j;
+        const int64_t at = pages[key / page_size] * page_stride + (key % page_size) * tok_stride + kvh * row;
+        const T* kv = k_cache + at;
+        const T* vv = v_cache + at;
+        float ks = 1.f, vs = 1.f;
+        if constexpr (kQ8) {
+            std::memcpy(&ks, kv + D, sizeof(float));
+            std::memcpy(&vs, vv + D, sizeof(float));
+        }
+        to_f32_row(kv, D, ks, sc.Kr.data() + j * D);
+        to_f32_row(vv, D, vs, sc.Vb.data() + j * D);
+    }
+    transpose_keys(sc.Kr.data(), n, D, sc.Kt.data(), sc.kp);
+    cascade_page(Q, nq, D, sc.Kt.data(), sc.Vb.data(), n, sc.kp, m, l, acc, sc.S.data());
+}
+
 // The shared part of cascade attention over a cache of element type T, merged into out [*, H, D]
 // (fp32) and lse [*, H] (natural log) in place. Group g: pages group_pages[group_page_ptr[g] ..
 // group_page_ptr[g + 1]), query rows group_rows[group_row_ptr[g] .. group_row_ptr[g + 1]) (rows of q,
@@ -799,9 +833,7 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
                     int64_t page_size, int64_t n_groups, const int64_t* group_page_ptr, const int64_t* group_pages,
                     const int64_t* group_row_ptr, const int64_t* group_rows, float scale, float* out, float* lse,
                     int nt) {
-    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
-    const int64_t G = H / Hkv, row = kQ8 ? D + kQ8Scale : D;
-    const int64_t tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    const int64_t G = H / Hkv;
     // keys are taken a block of whole pages at a time (about 64 keys: the running state of each query
     // vector is rescaled, loaded and stored once per block)
     const int64_t ppb = std::max<int64_t>(1, 64 / page_size), kp = (ppb * page_size + 7) / 8 * 8;
@@ -830,29 +862,15 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
         pacc.assign(nc * Hkv * nq * D, 0.f);
 #pragma omp parallel num_threads(nt)
         {
-            std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(kCascadeRows * kp), Kr(kp * D);
+            BlockScratch scratch(D, kp);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < nc * Hkv; ++task) {
                 const int64_t c = task / Hkv, kvh = task % Hkv;
                 const int64_t st = (c * Hkv + kvh) * nq, end = std::min(np, (c + 1) * chunk);
                 for (int64_t p0 = c * chunk; p0 < end; p0 += ppb) {
                     const int64_t n = std::min(ppb, end - p0) * page_size;  // keys in this block
-                    for (int64_t j = 0; j < n; ++j) {
-                        const int64_t at = pages[p0 + j / page_size] * page_stride + (j % page_size) * tok_stride
-                                           + kvh * row;
-                        const T* kv = k_cache + at;
-                        const T* vv = v_cache + at;
-                        float ks = 1.f, vs = 1.f;
-                        if constexpr (kQ8) {
-                            std::memcpy(&ks, kv + D, sizeof(float));
-                            std::memcpy(&vs, vv + D, sizeof(float));
-                        }
-                        to_f32_row(kv, D, ks, Kr.data() + j * D);
-                        to_f32_row(vv, D, vs, Vb.data() + j * D);
-                    }
-                    transpose_keys(Kr.data(), n, D, Kt.data(), kp);
-                    cascade_page(Qs.data() + kvh * nq * D, nq, D, Kt.data(), Vb.data(), n, kp, pm.data() + st,
-                                 pl.data() + st, pacc.data() + st * D, S.data());
+                    attend_block(k_cache, v_cache, pages, p0 * page_size, n, page_size, Hkv, D, kvh, Qs.data() + kvh * nq * D,
+                                 nq, pm.data() + st, pl.data() + st, pacc.data() + st * D, scratch);
                 }
             }
 #pragma omp for schedule(static)
@@ -908,9 +926,7 @@ template <typename T>
 void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                   const T* k_cache, const T* v_cache, const int64_t* page_idx, int64_t max_pages,
                   const int64_t* kv_lens, int64_t page_size, float scale, float* out, float* lse, int nt) {
-    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
-    const int64_t G = H / Hkv, row = kQ8 ? D + kQ8Scale : D;
-    const int64_t tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    const int64_t G = H / Hkv;
     const int64_t ppb = std::max<int64_t>(1, 64 / page_size), kp = (ppb * page_size + 7) / 8 * 8;
     const int64_t chunk = std::max<int64_t>(1, kDecodeChunkKeys / (ppb * page_size)) * ppb * page_size;  // keys
     // chunk c of sequence b is work item first[b] + c; its state for KV head kvh and vector i lives
@@ -924,7 +940,8 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
     std::vector<float> pm(items * Hkv * G, -INFINITY), pl(items * Hkv * G, 0.f), pacc(items * Hkv * G * D, 0.f);
 #pragma omp parallel num_threads(nt)
     {
-        std::vector<float> Kt(D * kp, 0.f), Vb(kp * D, 0.f), S(kCascadeRows * kp), Kr(kp * D), Qs(G * D);
+        BlockScratch scratch(D, kp);
+        std::vector<float> Qs(G * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < items * Hkv; ++task) {
             const int64_t item = task / Hkv, kvh = task % Hkv, b = seq_of[item];
@@ -938,22 +955,8 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
             const int64_t* pages = page_idx + b * max_pages;
             for (int64_t k0 = j0; k0 < j1; k0 += ppb * page_size) {
                 const int64_t n = std::min(ppb * page_size, j1 - k0);  // keys in this block
-                for (int64_t j = 0; j < n; ++j) {
-                    const int64_t key = k0 + j;
-                    const int64_t at = pages[key / page_size] * page_stride + (key % page_size) * tok_stride + kvh * row;
-                    const T* kv = k_cache + at;
-                    const T* vv = v_cache + at;
-                    float ks = 1.f, vs = 1.f;
-                    if constexpr (kQ8) {
-                        std::memcpy(&ks, kv + D, sizeof(float));
-                        std::memcpy(&vs, vv + D, sizeof(float));
-                    }
-                    to_f32_row(kv, D, ks, Kr.data() + j * D);
-                    to_f32_row(vv, D, vs, Vb.data() + j * D);
-                }
-                transpose_keys(Kr.data(), n, D, Kt.data(), kp);
-                cascade_page(Qs.data(), G, D, Kt.data(), Vb.data(), n, kp, pm.data() + st, pl.data() + st,
-                             pacc.data() + st * D, S.data());
+                attend_block(k_cache, v_cache, pages, k0, n, page_size, Hkv, D, kvh, Qs.data(), G, pm.data() + st,
+                             pl.data() + st, pacc.data() + st * D, scratch);
             }
         }
 #pragma omp for schedule(static)
