@@ -196,3 +196,13 @@ def test_plan_treats_a_drafts_rows_as_their_sequence():
         build_metadata([SeqBatchEntry(shared, 3, 1, same_seq=True)], 4)
     with pytest.raises(ValueError, match="seq_of"):
         build_cascade_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, 4, seq_of=[0])
+
+
+def test_a_same_seq_entry_must_be_the_next_row_of_the_previous_one():
+    table = list(range(9))
+    build_metadata([SeqBatchEntry(table, 32, 1), SeqBatchEntry(table, 33, 1, same_seq=True)], 4)  # fine
+    for bad in (SeqBatchEntry(table, 34, 1, same_seq=True),  # a gap
+                SeqBatchEntry(table, 33, 2, same_seq=True),  # more than one token
+                SeqBatchEntry([50] + table[1:], 33, 1, same_seq=True)):  # another table
+        with pytest.raises(ValueError, match="same_seq"):
+            build_metadata([SeqBatchEntry(table, 32, 1), bad], 4)

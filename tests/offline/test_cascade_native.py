@@ -316,3 +316,71 @@ def test_cascade_steps_take_the_one_call_fused_decode(make_engine, monkeypatch, 
             assert a.token_ids == b.token_ids
             for da, db in zip(a.logprobs, b.logprobs):
                 assert abs(da.logprob - db.logprob) < 1e-3
+
+
+def _decode_reference(q, kc, vc, page_idx, lens, scale, deq):
+    """Per row: softmax attention in float64 over its first lens[b] keys (output, lse)."""
+    H, hkv = q.shape[1], kc.shape[2]
+    kf, vf = deq(kc).double(), deq(vc).double()
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        if n == 0:
+            outs.append((torch.zeros(H, kf.shape[-1], dtype=torch.float64), torch.full((H,), float("-inf"),
+                                                                                       dtype=torch.float64)))
+            continue
+        keys = torch.cat([kf[p] for p in page_idx[b]])[:n].repeat_interleave(H // hkv, 1)
+        vals = torch.cat([vf[p] for p in page_idx[b]])[:n].repeat_interleave(H // hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), keys) * scale
+        outs.append((torch.einsum("hn,nhd->hd", s.softmax(-1), vals), s.logsumexp(-1)))
+    return outs
+
+
+def _decode(q, rows, kc, vc, page_idx, lens, scale, nt):
+    before = torch.get_num_threads()
+    torch.set_num_threads(nt)
+    try:
+        out = torch.full(q.shape, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"))
+        LIB.paged_decode(q, rows, kc, vc, page_idx, lens, scale, out, lse)
+    finally:
+        torch.set_num_threads(before)
+    return out, lse
+
+
+@pytest.mark.parametrize("ps,D,heads,kv_dtype", [(16, 64, (9, 3), "fp16"), (5, 64, (14, 2), "q8"), (3, 20, (12, 1), "fp32"),
+                                                 (100, 64, (8, 8), "fp32")])
+def test_decode_kernel_chunks_page_sizes_and_batch_independence(ps, D, heads, kv_dtype):
+    """The decode kernel (blocks of pages, 512-key chunks merged at the end) against float64 softmax
+    attention: lengths of 0 to three chunks, page sizes that do not divide its 64-key blocks, 1 to 12
+    query heads per KV head; a row's result is bit for bit the same alone as in the batch and with 1, 2
+    or 3 threads."""
+    torch.manual_seed(ps + D)
+    H, hkv = heads
+    lens_l = [0, 1, 511, 512, 513, 1537, 7]
+    maxp = max(-(-n // ps) for n in lens_l) + 1
+    P = maxp * len(lens_l) + 3
+    k, v = torch.randn(P, ps, hkv, D) * 2, torch.randn(P, ps, hkv, D)
+    if kv_dtype == "q8":
+        kc, vc, deq = q8.quantize(k), q8.quantize(v), (lambda t: q8.dequantize(t, torch.float32))
+    else:
+        kc, vc = k.to(KV_DTYPES[kv_dtype]), v.to(KV_DTYPES[kv_dtype])
+        deq = lambda t: t.float()  # noqa: E731
+    perm = torch.randperm(P)
+    page_idx = torch.stack([perm[b * maxp:(b + 1) * maxp] for b in range(len(lens_l))]).to(torch.int64)
+    lens = torch.tensor(lens_l, dtype=torch.int64)
+    q = torch.randn(len(lens_l), H, D)
+    rows = torch.arange(len(lens_l), dtype=torch.int64)
+    out, lse = _decode(q, rows, kc, vc, page_idx, lens, 0.2, 1)
+    for b, (ro, rl) in enumerate(_decode_reference(q, kc, vc, page_idx, lens, 0.2, deq)):
+        assert (out[b].double() - ro).abs().max().item() < 1e-4, b
+        if lens_l[b] == 0:
+            assert bool(torch.isinf(lse[b]).all()) and bool((out[b] == 0).all())
+        else:
+            assert (lse[b].double() - rl).abs().max().item() < 1e-4, b
+    for nt in (2, 3):
+        o2, l2 = _decode(q, rows, kc, vc, page_idx, lens, 0.2, nt)
+        assert torch.equal(out, o2) and torch.equal(lse, l2), nt
+    for b in range(len(lens_l)):
+        ob, lb = _decode(q[b:b + 1], rows[:1], kc, vc, page_idx[b:b + 1], lens[b:b + 1], 0.2, 2)
+        assert torch.equal(ob[0], out[b]) and torch.equal(lb[0], lse[b]), b

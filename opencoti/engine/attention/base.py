@@ -60,8 +60,12 @@ def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: tor
     slots: list[int] = []
     seq_of: list[int] = []
     for i, e in enumerate(entries):
-        if e.same_seq and i == 0:
-            raise ValueError("the first entry of a step cannot continue a previous sequence (same_seq)")
+        if e.same_seq:  # the next decode row of the previous entry's sequence, over the same table
+            prev = entries[i - 1] if i > 0 else None
+            if (prev is None or e.num_new != 1 or e.num_cached != prev.num_cached + prev.num_new
+                    or list(e.page_table[:len(tables[-1])]) != tables[-1]):
+                raise ValueError("a same_seq entry must be the next decode row (one token, right after the "
+                                 "previous entry's, over a page table that extends it) of the previous entry")
         seq_of.append(seq_of[-1] if e.same_seq else (seq_of[-1] + 1 if seq_of else 0))
         kv_len = e.num_cached + e.num_new
         n_pages = -(-kv_len // page_size)

@@ -27,7 +27,7 @@ import torch
 
 @dataclass
 class SharedGroup:
-    seqs: list[int]  # sequence indices in the batch
+    seqs: list[int]  # entry indices in the batch (every row of each member sequence)
     page_start: int  # first page index (in each member's table) of the shared run
     pages: list[int]  # the shared page ids
     level: int
@@ -36,8 +36,8 @@ class SharedGroup:
 @dataclass
 class CascadePlan:
     groups: list[SharedGroup]
-    private_start: list[int]  # per sequence: first page index of its private remainder
-    order: list[int]  # sequences in trie DFS order
+    private_start: list[int]  # per entry: first page index of its private remainder (its sequence's)
+    order: list[int]  # entries in trie DFS order (a sequence's rows together)
     num_levels: int
     levels: list[dict] = field(default_factory=list)  # FlashInfer format, one dict per level
     saved_tokens: int = 0  # KV token reads avoided per layer versus the plain backend

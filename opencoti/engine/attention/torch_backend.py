@@ -17,7 +17,9 @@ query-length axis.
 Decode rows on CPU use the native kernel (``engine/native``) when it is built: it reads K/V
 straight from the pages (no gather) in one call per layer; profiled on the bundled model (2-core
 AVX2 EPYC, one session, ~60-260 tokens of context), the gather + SDPA path took about 80 % of a
-decode step's time outside the projections.
+decode step's time outside the projections. A decode-only step of a model whose projections all
+run native kernels does not come here at all: ``model/fused.py`` runs every layer in one native call
+with this backend's plan (plain, or cascade with the flattened groups).
 
 The cache may hold another dtype than the activations (``EngineConfig.kv_dtype``: fp16, bf16 or q8
 pages under fp32 activations): new K/V are rounded to the cache dtype (q8: quantized, ``kv/q8.py``)
@@ -94,7 +96,8 @@ class TorchAttentionBackend:
     # Both plans take the one-call fused decode on CPU; the shared part's kernel reads a page once for
     # its whole group, the plain kernel once per sequence. Measured end to end on the bundled model
     # (benchmarks/bench_cascade.py --prefix 128 256 512 --sessions 2 4 8, 2-core AVX-512 EPYC, results
-    # in benchmarks/results/<machine>/cascade_small.json), cascade on/off agg tok/s was 0.95-1.01x up to
+    # in benchmarks/results/amd-epyc-2c-fb86c92f/cascade_small.json; on the fused path: native
+    # int8 projections), cascade on/off agg tok/s was 0.95-1.01x up to
     # 384 spared reads (P=128 N=2 and N=4, P=256 N=2) and 1.02-1.18x from 512 (P=512 N=2 1.06x, P=256
     # N=4 1.02x, P=128 N=8 1.06x, P=256 N=8 1.18x).
     AUTO_MIN_SAVED_TOKENS = 512
@@ -133,7 +136,8 @@ class TorchAttentionBackend:
             all_rows += rows
             page_ptr.append(len(all_pages))
             row_ptr.append(len(all_rows))
-        # the same groups flattened for the native kernel (oc_cascade_groups): per group its pages and query rows
+        # the same groups flattened for the native kernels (cascade_groups, decode_layers_cascade): per group
+        # its pages and query rows
         flat = tuple(torch.tensor(x, dtype=torch.int64) for x in (page_ptr, all_pages, row_ptr, all_rows))
         meta.backend_state["torch"] = {"group": group, "cascade": groups, "cascade_flat": flat,
                                        **self._plan_rows(meta, cplan.private_start, group)}

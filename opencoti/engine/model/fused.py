@@ -1,12 +1,13 @@
 """Decode steps in one native call (``torch.ops.opencoti.decode_layers`` / ``decode_layers_cascade``:
 ``oc_decode_layer_cascade`` of ``engine/native/kernels.cpp`` for each layer in turn).
 
-A decode-only step (every sequence computes one new token) of a model whose projections all run
-native kernels (``native_q4`` / ``native_q8``), with fp32 activations on CPU, an fp32, fp16, bf16 or q8
-KV cache (read and written in its dtype, attention computed in fp32) and the torch attention
-backend's plan (plain, or shared-prefix: its groups' shared page runs are read once per group in the
-same call), runs all its decoder layers in one call, each layer's norms,
-projections, RoPE, the K/V cache write, paged attention, SiLU and residuals, without returning to
+A decode-only step (every row one new token: a sequence's decode row, or the rows of its
+speculative draft) of a model whose projections all run native kernels (``native_q4`` /
+``native_q8``), with fp32 activations on CPU, an fp32, fp16, bf16 or q8 KV cache (read and written
+in its dtype, attention computed in fp32) and the torch attention backend's plan (plain, or
+shared-prefix: its groups' shared page runs are read once per group in the same call), runs all its
+decoder layers in one call, each layer's norms, projections, RoPE, the K/V cache write, paged
+attention, SiLU and residuals, without returning to
 Python in between. Any other step takes the layer-by-layer path in ``llama.py``; both compute the
 same function (tests compare them). Profiled on the bundled model (2-core AVX2 EPYC, one session),
 the per-op cost of the layer-by-layer path (~20 torch calls per layer) was most of a decode step
