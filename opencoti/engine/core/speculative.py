@@ -42,13 +42,16 @@ step drafts short or not at all where one rate per job drafted as long there as 
 wasted most of a step's rows (on a 2-core CPU each verify row costs ~1.1 ms of a ~7.3 ms
 one-row step). The rate itself is the job's, or lower where the job's drafts matched on as few
 tokens as this one were accepted less (:meth:`DraftState.order_rate`: a two-token match of a name
-the prompt listed in another format). Replayed on the prompts of
-``benchmarks/bench_speculative.py`` (each round's greedy answers, the cost line fixed at 6.2 ms +
-1.1 ms a row, the engine's own draft counts equal to the replay's; tuned on 3 rounds of nonces,
-these of 4 others): the first ``json_tools`` request of a round went from 2.30 tokens per 3.54
-rows a step to 2.37 per 2.84 (drafts 51 % -> 75 % accepted; 1.67x -> 1.86x off's tokens/s by
+the prompt listed in another format). Replayed by ``.venv/bin/python benchmarks/replay_speculative.py`` (result:
+``benchmarks/results/amd-epyc-2c-fb86c92f/speculative_replay.json``; each round's greedy answers to
+the prompts of ``benchmarks/bench_speculative.py``, int8 weights as ``auto`` chose them, the cost
+line fixed at 6.2 ms + 1.1 ms a row, the engine's own draft counts equal to the replay's; the
+constants were tuned on rounds 0-2, these numbers are of the held-out rounds 3-6) against the
+drafter as of f30f4c5: the first ``json_tools`` request of a round went from 2.30 tokens per 3.54
+rows a step to 2.37 per 2.84 (drafts 51.4 % -> 74.8 % accepted; 1.67x -> 1.86x off's tokens/s by
 that line), its later ones (which draft from the first's answer) 3.41x -> 3.66x, ``react_echo``
-6.36/8.04 -> 6.91/7.13 (3.09x -> 3.59x), and ``summarize_quote`` and ``novel`` lost nowhere.
+5.13/7.82 -> 5.89/7.17 (2.53x -> 3.05x), ``summarize_quote`` 3.83x both, and ``novel`` 1.50x ->
+1.47x (its first request 1.05x -> 1.00x; on the tuning rounds 1.36x -> 1.37x).
 Raising the probability where occurrences agree (a leave-one-out share smoothed toward the rate,
 instead of the rate times it), or the rate of an n-gram length above the job's, lost on
 ``summarize_quote``: a quoted sentence and its source agree because one is a copy, not because
