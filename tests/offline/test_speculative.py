@@ -480,3 +480,23 @@ def test_drafts_of_sessions_sharing_a_pool_in_the_fused_cascade_decode(make_engi
     oracle.update({tuple(p): out for p, out in zip(prompts, plain)})
     assert batch(8) == plain
     assert drafted_cascade  # steps with draft rows ran the shared runs in the fused call
+
+
+def test_drafts_go_on_once_the_prefix_cache_fills_the_free_pages(make_engine, oracle):
+    """A long-running engine's prefix cache holds every page no request holds; draft rows then take
+    the cache's least recently used pages (never a session's), so speculation does not stop."""
+    engine = make_engine(kv_budget_tokens=512, speculative="ngram")
+    kv = engine.core.tables.kv
+    i = 0
+    while kv.num_free > 0:  # distinct prompts until the cache has taken every free page
+        engine.generate([200 + i % 50, 100 + i // 50] + list(range(3, 43)), params=SamplingParams.greedy(4))
+        i += 1
+        assert i < 200
+    assert engine.core.tables.num_cache_only() > 0
+    plain = _gen(engine, LOOP, 0, max_tokens=30)
+    oracle[tuple(LOOP)] = plain.token_ids
+    evicted = engine.core.tables.evicted_pages
+    spec = _gen(engine, LOOP, 8, max_tokens=30)
+    assert spec.token_ids == plain.token_ids
+    assert spec.timings["draft_n_accepted"] > 0
+    assert engine.core.tables.evicted_pages > evicted  # the drafts' pages came from the cache
