@@ -620,3 +620,24 @@ def test_decode_layers_is_decode_layer_per_layer(make_engine, monkeypatch, tmp_p
         with pytest.raises(RuntimeError, match=match):
             LIB.decode_layers(**args)
         assert torch.equal(args["x"], before)  # no layer ran
+    # the same call with shared page runs: groups are checked before any layer runs, and with no group
+    # it is decode_layers bit for bit
+    groups = dict(group_page_ptr=torch.tensor([0, 2]), group_pages=torch.tensor([7, 8]),
+                  group_row_ptr=torch.tensor([0, 2]), group_rows=torch.tensor([0, 2]))
+    base = dict(in_norms=fl.in_norms, post_norms=fl.post_norms, eps=d.rms_norm_eps, weights=fl.weights,
+                scales=fl.scales, biases=fl.biases, **step)
+    x2, kc2, vc2 = x0.clone(), kc0.clone(), kc0.clone() * 0.5
+    LIB.decode_layers_cascade(x=x2, k_cache=kc2, v_cache=vc2, **base, group_page_ptr=torch.tensor([0]),
+                              group_pages=torch.tensor([], dtype=torch.int64), group_row_ptr=torch.tensor([0]),
+                              group_rows=torch.tensor([], dtype=torch.int64))
+    assert torch.equal(x2, x) and torch.equal(kc2, kc)
+    for change, match in [(dict(group_pages=torch.tensor([7, 10])), "group_pages"),
+                          (dict(group_rows=torch.tensor([0, 3])), "group_rows"),
+                          (dict(group_row_ptr=torch.tensor([0, 3])), "group_row_ptr"),
+                          (dict(group_page_ptr=torch.tensor([1, 2])), "group_page_ptr"),
+                          (dict(group_rows=torch.tensor([0, 2], dtype=torch.int32)), "group_rows")]:
+        args = dict(x=x0.clone(), k_cache=kc0.clone(), v_cache=kc0.clone(), **base, **{**groups, **change})
+        before_x, before_k = args["x"].clone(), args["k_cache"].clone()
+        with pytest.raises(RuntimeError, match=match):
+            LIB.decode_layers_cascade(**args)
+        assert torch.equal(args["x"], before_x) and torch.equal(args["k_cache"], before_k)  # no layer ran
