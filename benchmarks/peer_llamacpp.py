@@ -16,6 +16,8 @@ Workloads (client side, over HTTP, identical requests to both servers):
 
 * ``decode_1``: one session streams ``--tokens`` tokens (``ignore_eos``) after a short prompt;
   decode tok/s = (tokens - 1) / (time of the last token - time of the first), from the client.
+* ``decode_1_long``: the same after a ~3,000-token prompt (a chronicle of 160 lines, then a request
+  for an essay): decode at the context a long agent session reaches.
 * ``decode_1_busy``: the same while a neighbour process burns one core (``while 1: pass``).
 * ``sessions_8``: 8 sessions with different short prompts start together and stream ``--tokens``
   tokens each; aggregate tok/s = all tokens / (last token - first request sent).
@@ -53,9 +55,10 @@ import common  # noqa: E402
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 LLAMA_FLAGS = ["--parallel", "8", "--kv-unified", "-c", "16384"]
-WORKLOADS = ("decode_1", "decode_1_busy", "sessions_8", "fanout_cold", "fanout_warm", "fanout_pool_cold",
-             "fanout_pool_warm")
-HIGHER_IS_BETTER = {"decode_1": True, "decode_1_busy": True, "sessions_8": True, "fanout_cold": False,
+WORKLOADS = ("decode_1", "decode_1_long", "decode_1_busy", "sessions_8", "fanout_cold", "fanout_warm",
+             "fanout_pool_cold", "fanout_pool_warm")
+HIGHER_IS_BETTER = {"decode_1": True, "decode_1_long": True, "decode_1_busy": True, "sessions_8": True,
+                    "fanout_cold": False,
                     "fanout_warm": False, "fanout_pool_cold": False, "fanout_pool_warm": False}
 PEER_OF = {"fanout_pool_cold": "fanout_cold", "fanout_pool_warm": "fanout_warm"}  # llama.cpp has no pools
 
@@ -205,6 +208,28 @@ def w_decode_1(url: str, tokens: int, nonce: str) -> float:
     return decode_rate(res)
 
 
+LONG_SUBJECTS = ["the harbour", "a glass kiln", "the night train", "an orchard", "the archive", "a salt marsh",
+                 "the observatory", "a paper mill", "the ferry", "a bell foundry", "the library", "a vineyard"]
+LONG_EVENTS = ["was rebuilt after the flood of", "changed owners in", "first appeared on a map in",
+               "doubled its workforce in", "closed for repairs in", "was painted by a travelling artist in",
+               "lost its roof in a storm in", "hosted a market fair in"]
+
+
+def long_context(nonce: str) -> str:
+    """~3,000 tokens of a town's chronicle (every line another subject, event and year), then a request
+    for an essay: the context a long agent session reaches."""
+    lines = [f"{i + 1}. {LONG_SUBJECTS[(7 * i) % len(LONG_SUBJECTS)].capitalize()} "
+             f"{LONG_EVENTS[(5 * i + i // 12) % len(LONG_EVENTS)]} {1650 + (37 * i) % 370}."
+             for i in range(160)]
+    return f"[{nonce}] A chronicle of our town:\n" + "\n".join(lines) + "\n\nWrite a long essay about the town's history."
+
+
+def w_decode_1_long(url: str, tokens: int, nonce: str) -> float:
+    res = stream(url, "/completion", {"prompt": long_context(nonce), "n_predict": tokens, "ignore_eos": True,
+                                      "temperature": 0})
+    return decode_rate(res)
+
+
 def burn() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while 1: pass"])
 
@@ -283,6 +308,7 @@ def run_round(srv: Server, name: str, args, rnd: int) -> dict:
     nonce = f"r{rnd}-{int(time.time() * 1000) % 100000}"
     w_decode_1(url, 8, nonce + "-warmup")  # first request: lazily built buffers, page faults
     out["decode_1"] = w_decode_1(url, args.tokens, nonce)
+    out["decode_1_long"] = w_decode_1_long(url, args.tokens, nonce)
     neighbour = burn()
     try:
         time.sleep(0.5)

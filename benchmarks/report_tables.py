@@ -58,7 +58,8 @@ def losses(lines: list[str]) -> list[str]:
 def render_peer_llamacpp(d: dict) -> str:
     med, ratios = d["median"], d["ratio"]
     peer_of = {"fanout_pool_cold": "fanout_cold", "fanout_pool_warm": "fanout_warm"}
-    labels = {"decode_1": "1 session decode", "decode_1_busy": "1 session decode, a core-burning neighbour",
+    labels = {"decode_1": "1 session decode", "decode_1_long": "1 session decode after a ~3,000-token prompt",
+              "decode_1_busy": "1 session decode, a core-burning neighbour",
               "sessions_8": "8 short sessions, aggregate", "fanout_cold": "8-agent fan-out, cold (no pool)",
               "fanout_warm": "8-agent fan-out, warm (no pool)",
               "fanout_pool_cold": "8-agent fan-out, cold, opencoti with a pool",
