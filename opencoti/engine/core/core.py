@@ -139,7 +139,7 @@ class EngineCore:
     def _with_drafts(self, batch: list) -> list:
         """Give decoding jobs a prompt-lookup draft where the step cost model says it pays:
         ``(job, 1)`` becomes ``(job, 1 + k)`` with the draft appended to its tokens (free pages, then
-        cache-only pages; never a session's or a pool's: ``KVTables.extend_spare``)."""
+        cache-only pages; never a session's or a pool's: ``KVTables.extend_free(from_cache=True)``)."""
         cand = [job for job, n in batch if n == 1 and isinstance(job, Job) and job.draft_state is not None
                 and job.num_remaining == 1]
         if not cand or any(n > 1 for _, n in batch):  # a step with prefill rows is not a decode step
@@ -157,7 +157,7 @@ class EngineCore:
         chosen = {}
         for job, draft, k in zip(cand, drafts, ks):
             k = min(k, budget)
-            if k > 0 and self.tables.extend_spare(job.seq, job.seq.num_cached + 1 + k):
+            if k > 0 and self.tables.extend_free(job.seq, job.seq.num_cached + 1 + k, from_cache=True):
                 job.draft = draft[:k]
                 job.seq.tokens.extend(job.draft)
                 chosen[id(job)] = k

@@ -83,33 +83,36 @@ SAMPLES = 9  # step times kept per row count
 RECENT_OUTPUTS = 64  # finished answers (per engine, all salts) other requests may draft from
 
 
-def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
-    """Record in ``last`` the n-grams ending at positions ``start .. stop`` (each maps to where it ends)."""
+def _ngrams(tokens: list[int], start: int, stop: int):
+    """The n-grams (``NGRAM_MIN`` .. ``NGRAM_MAX`` tokens) ending at positions ``start .. stop``, as
+    (n-gram, end) in order of their ends."""
     for end in range(max(start, 1), stop + 1):
         for n in range(NGRAM_MIN, NGRAM_MAX + 1):
             if end - n < 0:
                 break
-            last[tuple(tokens[end - n:end])] = end
+            yield tuple(tokens[end - n:end]), end
+
+
+def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
+    """Record in ``last`` the n-grams ending at positions ``start .. stop`` (each maps to where it ends)."""
+    for key, end in _ngrams(tokens, start, stop):
+        last[key] = end
 
 
 def _ngram_occurrences(tokens: list[int], start: int, stop: int, ends: dict) -> None:
     """Record in ``ends`` the n-grams ending at positions ``start .. stop``: each n-gram maps to
     where it ended, an int while it occurred once (most n-grams: half the memory of a list), then
     a list of the :data:`OCCURRENCES` latest positions, oldest first."""
-    for end in range(max(start, 1), stop + 1):
-        for n in range(NGRAM_MIN, NGRAM_MAX + 1):
-            if end - n < 0:
-                break
-            key = tuple(tokens[end - n:end])
-            seen = ends.get(key)
-            if seen is None:
-                ends[key] = end
-            elif isinstance(seen, int):
-                ends[key] = [seen, end]
-            else:
-                seen.append(end)
-                if len(seen) > OCCURRENCES:
-                    del seen[0]
+    for key, end in _ngrams(tokens, start, stop):
+        seen = ends.get(key)
+        if seen is None:
+            ends[key] = end
+        elif isinstance(seen, int):
+            ends[key] = [seen, end]
+        else:
+            seen.append(end)
+            if len(seen) > OCCURRENCES:
+                del seen[0]
 
 
 def continuation(tokens: list[int], ends: Sequence[int], k: int, rate: float) -> tuple[list[int], list[float]]:
@@ -251,11 +254,15 @@ class DraftState:
     def expected(self, k: int) -> float:
         """Tokens a step yields for this job drafting the first ``k`` tokens of its latest proposal:
         ``1 + p1 + p1*p2 + ...`` (the job's rate where :attr:`probs` has no entry)."""
-        total, run = 1.0, 1.0
+        return self.expected_upto(k)[k]
+
+    def expected_upto(self, k: int) -> list[float]:
+        """:meth:`expected` for every length ``0 .. k`` at once."""
+        totals, run = [1.0], 1.0
         for i in range(k):
             run *= self.probs[i] if i < len(self.probs) else self.rate
-            total += run
-        return total
+            totals.append(totals[-1] + run)
+        return totals
 
     def order_rate(self, n: int) -> float:
         """The acceptance rate of the job's drafts matched on ``n`` context tokens, smoothed toward
@@ -348,13 +355,14 @@ class StepCosts:
         tokens, total = float(rows), rows
         for i, st in enumerate(jobs):
             best, best_k = tokens / (a + b * total), 0
+            gains = st.expected_upto(limits[i])
             for k in range(1, limits[i] + 1):
-                v = (tokens - 1 + st.expected(k)) / (a + b * (total + k))
+                v = (tokens - 1 + gains[k]) / (a + b * (total + k))
                 if v > best:
                     best, best_k = v, k
             if best_k and best >= MIN_GAIN * tokens / (a + b * total):
                 out[i] = best_k
-                tokens += st.expected(best_k) - 1
+                tokens += gains[best_k] - 1
                 total += best_k
             elif st.idle >= PROBE_EVERY and limits[i] > 0:
                 out[i] = 1  # a probe: its rate may have recovered

@@ -137,27 +137,17 @@ class KVTables:
         seq.page_table.extend(self.kv.allocate(need))
         return True
 
-    def extend_free(self, seq: Sequence, num_tokens: int) -> bool:
+    def extend_free(self, seq: Sequence, num_tokens: int, from_cache: bool = False) -> bool:
         """``extend`` from free pages only (no reclaim): for work that is worth doing only when it
-        evicts nothing (speculative draft rows)."""
+        displaces no one's KV. ``from_cache``: pages only the prefix cache holds count as free too
+        (its least recently used leaves, as a decoding sequence's own growth takes them; never a
+        session's or a pool's): speculative draft rows, since under a long-running engine the prefix
+        cache fills every page no one holds and free pages alone left drafts nothing
+        (``test_drafts_go_on_once_the_prefix_cache_fills_the_free_pages``)."""
         need = self.kv.pages_for(num_tokens) - len(seq.page_table)
         if need <= 0:
             return True
-        if self.kv.num_free < need:
-            return False
-        seq.page_table.extend(self.kv.allocate(need))
-        return True
-
-    def extend_spare(self, seq: Sequence, num_tokens: int) -> bool:
-        """``extend`` from free pages, then from pages only the prefix cache holds (its least recently
-        used leaves, as a decoding sequence's own growth takes them), never from a session or a pool:
-        for work worth doing only when it displaces no one's KV (speculative draft rows). Under a
-        long-running engine the prefix cache fills every page no one holds, and free pages alone left
-        drafts nothing (``test_drafts_go_on_once_the_prefix_cache_fills_the_free_pages``)."""
-        need = self.kv.pages_for(num_tokens) - len(seq.page_table)
-        if need <= 0:
-            return True
-        if self.kv.num_free < need:
+        if from_cache and self.kv.num_free < need:
             self.evict_cache(need - self.kv.num_free)
         if self.kv.num_free < need:
             return False
