@@ -165,6 +165,23 @@ def test_several_tagged_calls_content_and_unterminated_last():
     assert calls[1].arguments == "{}"
 
 
+def test_a_closing_tag_inside_a_string_of_the_call_does_not_cut_it():
+    # what the bundled model wrote, forced to call Person at temperature 1 (the grammar allows any
+    # string): the name holds "</tool_call>"; the call is read as JSON first, then its closing tag
+    args = {"name": "}}</tool_call>  # This <", "age": 28}
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(args) + '}\n</tool_call> after'
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content == "after" and len(calls) == 1 and json.loads(calls[0].arguments) == args
+    f = ToolStreamFilter(ToolChoice("required", "get_weather"), NAMES, prefill='<tool_call>\n{"name": "get_weather", '
+                         '"arguments": ')
+    assert f.feed(json.dumps(args)[:20]) == "" and f.feed(json.dumps(args)[20:] + "}\n</tool_call>") == ""
+    content, calls = f.finish()
+    assert content == "" and json.loads(calls[0].arguments) == args
+    # JSON followed by something other than the closing tag: the old reading (up to the first tag)
+    content, calls = parse_tool_calls('<tool_call>{"name": "get_time", "arguments": {}} junk</tool_call>', NAMES)
+    assert [c.name for c in calls] == ["get_time"] and content == ""
+
+
 def test_list_inside_the_tags_and_parameters_key():
     # SmolLM2's own function-calling format is a JSON list inside <tool_call>
     text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "B"}}, {"name": "get_time", "parameters": {}}]</tool_call>'

@@ -156,6 +156,22 @@ def _calls_from_value(value: Any, names: set[str] | None) -> list[ToolCall] | No
     return calls
 
 
+def _call_json_then_close(text: str, start: int, names: set[str] | None) -> tuple[list[ToolCall] | None, int]:
+    """The call whose JSON starts at ``text[start:]`` (after ``<tool_call>``), read as JSON first, so a
+    ``</tool_call>`` inside one of its strings (a name the model invented) does not cut it; the JSON
+    must be followed by the closing tag or by the end of the text. Returns (calls, end) or (None, start)."""
+    got = _json_prefix(text[start:])
+    if got is None:
+        return None, start
+    after = got[1].lstrip()
+    if after and not after.startswith(TOOL_CALL_CLOSE):
+        return None, start
+    found = _calls_from_value(got[0], names)
+    if not found:
+        return None, start
+    return found, len(text) - len(after) + (len(TOOL_CALL_CLOSE) if after else 0)
+
+
 def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
     """Split model output into (content, tool calls). ``names``: the known function names (calls to
     other names are left as content). Text that is not a recognisable call stays content."""
@@ -170,13 +186,13 @@ def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, lis
                 content_parts.append(text[pos:])
                 break
             content_parts.append(text[pos:i])
-            j = text.find(TOOL_CALL_CLOSE, i)
-            body = text[i + len(TOOL_CALL_OPEN): j if j >= 0 else len(text)]
-            end = j + len(TOOL_CALL_CLOSE) if j >= 0 else len(text)
-            got = _json_prefix(body)
-            found = _calls_from_value(got[0], names) if got is not None and not got[1].strip() else None
-            if found is None and got is not None:
-                found = _calls_from_value(got[0], names)  # trailing junk after the JSON: still a call
+            found, end = _call_json_then_close(text, i + len(TOOL_CALL_OPEN), names)
+            if found is None:
+                j = text.find(TOOL_CALL_CLOSE, i)
+                body = text[i + len(TOOL_CALL_OPEN): j if j >= 0 else len(text)]
+                end = j + len(TOOL_CALL_CLOSE) if j >= 0 else len(text)
+                got = _json_prefix(body)
+                found = _calls_from_value(got[0], names) if got is not None else None  # junk after the JSON too
             if found:
                 calls.extend(found)
             else:
