@@ -222,8 +222,10 @@ def test_fused_decode_layers_take_16_and_8_bit_pages(make_engine, monkeypatch, t
     # the two paths' K/V differ in the last fp32 bits (other projection kernels, and how the compiler
     # vectorized them for this CPU), which can move a stored value across a rounding boundary: for q8
     # one step of its vector's scale (1/254 of its largest value), for bf16 one of its 8 mantissa bits
-    # (2^-8 relative; measured 1.06e-3 on an AVX-512 machine); fp16 keeps 11 bits
-    bound = {"q8": 1e-2, "bf16": 4e-3}.get(name, 1e-3)
+    # (2^-8 relative; measured 1.06e-3 on an AVX-512 machine); fp16 keeps 11 bits (measured: 1.36e-3 at
+    # most since the decode attention kernel sums in another order, 6.9e-4 before: one stored value
+    # across a rounding boundary, carried through the tiny random model)
+    bound = {"q8": 1e-2, "bf16": 4e-3}.get(name, 3e-3)
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids
         for da, db in zip(a.logprobs, b.logprobs):

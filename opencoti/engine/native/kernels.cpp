@@ -708,6 +708,35 @@ inline void transpose_keys(const float* Kr, int64_t n, int64_t D, float* Kt, int
         for (int64_t d = 0; d < D; ++d) Kt[d * kp + j] = Kr[j * D + d];
 }
 
+#if OC_AVX2
+// The online softmax step of R score rows S [R, kp] (the first ps of each valid, kp a multiple of 8):
+// each row's scores become e^(s - m_new) in place, its max m and sum l are updated and alpha[r] =
+// e^(m_old - m_new) is what its accumulator must be scaled by.
+inline void softmax_rows(float* S, int R, int64_t ps, int64_t kp, float* m, float* l, float* alpha) {
+    for (int r = 0; r < R; ++r) {
+        float* s = S + r * kp;
+        for (int64_t j = ps; j < kp; ++j) s[j] = -INFINITY;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < kp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float mold = m[r], mnew = std::max(mold, _mm_cvtss_f32(m4));
+        alpha[r] = mold == -INFINITY ? 0.f : std::exp(mold - mnew);
+        const __m256 mb = _mm256_set1_ps(mnew);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < kp; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+            _mm256_storeu_ps(s + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        l[r] = l[r] * alpha[r] + hsum(sum);
+        m[r] = mnew;
+    }
+}
+
+#endif
+
 // One group's query vectors Q [nq, D] (scale folded in) against a block of ps keys (Kt [D, kp]
 // transposed, Vb [kp, D], kp >= ps a multiple of 8): the online softmax update of
 // (m, l, acc) of every vector, kCascadeRows vectors at a time (a 6 x 16 score tile and 6 x 16 output
@@ -729,26 +758,7 @@ inline void cascade_page(const float* Q, int64_t nq, int64_t D, const float* Kt,
                 default: cascade_scores<1>(Qi, D, Kt, kp, S);
             }
             float alpha[kCascadeRows];
-            for (int r = 0; r < R; ++r) {
-                float* s = S + r * kp;
-                for (int64_t j = ps; j < kp; ++j) s[j] = -INFINITY;
-                __m256 mv = _mm256_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < kp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-                const float mold = m[i0 + r], mnew = std::max(mold, _mm_cvtss_f32(m4));
-                alpha[r] = mold == -INFINITY ? 0.f : std::exp(mold - mnew);
-                const __m256 mb = _mm256_set1_ps(mnew);
-                __m256 sum = _mm256_setzero_ps();
-                for (int64_t j = 0; j < kp; j += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
-                    _mm256_storeu_ps(s + j, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                l[i0 + r] = l[i0 + r] * alpha[r] + hsum(sum);
-                m[i0 + r] = mnew;
-            }
+            softmax_rows(S, R, ps, kp, m + i0, l + i0, alpha);
             float* accs[kCascadeRows];
             for (int r = 0; r < R; ++r) accs[r] = acc + (i0 + r) * D;
             switch (R) {
@@ -801,7 +811,7 @@ struct BlockScratch {
 // Keys first .. first + n (n <= kp) of a page list (key j in pages[j / page_size]) for KV head kvh:
 // converted to fp32 and transposed once, then the online softmax update of the nq query vectors Q
 // (scale folded in) and their states (m, l, acc).
-constexpr int64_t kPrefetchKeys = 8;
+constexpr int64_t kPrefetchKeys = 4;
 template <typename T>
 void attend_block(const T* k_cache, const T* v_cache, const int64_t* pages, int64_t first, int64_t n,
                   int64_t page_size, int64_t Hkv, int64_t D, int64_t kvh, const float* Q, int64_t nq, float* m,
@@ -824,8 +834,8 @@ void attend_block(const T* k_cache, const T* v_cache, const int64_t* pages, int6
         }
     for (int64_t j = 0; j < n; ++j) {
         // the rows are strided (one KV head of Hkv) and pages need not be adjacent: the loads of a
-        // few keys ahead are asked for now (without it the loop waited on memory: 12.4 -> 7.6 ms for
-        // 30 layers at 3,000 keys, one session, 2 threads)
+        // few keys ahead are asked for now (without it the loop waited on memory: perf put ~90 % of
+        // its samples on the stores after each row's conversion)
         if (j + kPrefetchKeys < n)
             for (int64_t b = 0; b < bytes; b += 64) {
                 __builtin_prefetch((const char*)(k_cache + at[j + kPrefetchKeys]) + b);
@@ -844,6 +854,138 @@ void attend_block(const T* k_cache, const T* v_cache, const int64_t* pages, int6
     transpose_keys(sc.Kr.data(), n, D, sc.Kt.data(), sc.kp);
     cascade_page(Q, nq, D, sc.Kt.data(), sc.Vb.data(), n, sc.kp, m, l, acc, sc.S.data());
 }
+
+#if OC_AVX2
+// Scores of R (<= 3) query vectors Q [R, D] (scale folded in) against n keys read straight from the
+// cache rows k_cache + at[j] (no copy, no transpose: the right shape for decode, where a KV head has
+// only G = H / Hkv vectors): 4 keys at a time, R x 4 accumulators, each 4 sums reduced by hadd into
+// S [R, kp]. ks: the keys' q8 scales (null for other types).
+template <typename T, int R>
+inline void direct_scores(const T* k_cache, const T* v_cache, const int64_t* at, int64_t n, int64_t D,
+                          const float* Q, const float* ks, int64_t kp, float* S, int64_t bytes) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        for (int64_t t = j + kPrefetchKeys; t < std::min(n, j + kPrefetchKeys + 4); ++t)  // keys ahead: K and V
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch((const char*)(k_cache + at[t]) + b);
+                __builtin_prefetch((const char*)(v_cache + at[t]) + b);
+            }
+        __m256 a[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 kv[4];
+            for (int t = 0; t < 4; ++t) kv[t] = load8(k_cache + at[j + t] + d);
+            for (int r = 0; r < R; ++r) {
+                const __m256 qv = _mm256_loadu_ps(Q + r * D + d);
+                for (int t = 0; t < 4; ++t) a[r][t] = _mm256_fmadd_ps(qv, kv[t], a[r][t]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            if (ks) s4 = _mm_mul_ps(s4, _mm_loadu_ps(ks + j));
+            _mm_storeu_ps(S + r * kp + j, s4);
+        }
+    }
+    for (; j < n; ++j) {
+        __m256 a[R];
+        for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 kv = load8(k_cache + at[j] + d);
+            for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + r * D + d), kv, a[r]);
+        }
+        for (int r = 0; r < R; ++r) S[r * kp + j] = hsum(a[r]) * (ks ? ks[j] : 1.f);
+    }
+}
+
+// acc_r = acc_r * alpha_r + sum_j p_r[j] V[j] for R (<= 3) vectors, V rows read straight from the cache
+// (v_cache + at[j]; q8: the scales are already in p): 16 columns at a time, R x 2 accumulators.
+template <typename T, int R, int NV>
+inline void direct_pv_blk(const T* v_cache, const int64_t* at, int64_t n, int64_t D, const float* p, int64_t kp,
+                          const float* alpha, float* acc, int64_t d0) {
+    __m256 a[R][NV];
+    for (int r = 0; r < R; ++r) {
+        const __m256 al = _mm256_set1_ps(alpha[r]);
+        for (int k = 0; k < NV; ++k) a[r][k] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8 * k), al);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        __m256 v[NV];
+        for (int k = 0; k < NV; ++k) v[k] = load8(v_cache + at[j] + d0 + 8 * k);
+        for (int r = 0; r < R; ++r) {
+            const __m256 pj = _mm256_broadcast_ss(p + r * kp + j);
+            for (int k = 0; k < NV; ++k) a[r][k] = _mm256_fmadd_ps(pj, v[k], a[r][k]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) _mm256_storeu_ps(acc + r * D + d0 + 8 * k, a[r][k]);
+}
+// acc_r = acc_r * alpha_r + sum_j p_r[j] V[j] for R (<= 3) vectors, V rows read straight from the cache
+// (v_cache + at[j]; q8: the scales are already in p): 32 columns at a time (R x 4 accumulators), then 8.
+template <typename T, int R>
+inline void direct_pv(const T* v_cache, const int64_t* at, int64_t n, int64_t D, const float* p, int64_t kp,
+                      const float* alpha, float* acc) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) direct_pv_blk<T, R, 4>(v_cache, at, n, D, p, kp, alpha, acc, d0);
+    for (; d0 < D; d0 += 8) direct_pv_blk<T, R, 1>(v_cache, at, n, D, p, kp, alpha, acc, d0);
+}
+
+// Decode's block step: keys first .. first + n (n <= kp) of a page list for KV head kvh against the
+// nq query vectors Q [nq, D] (scale folded in), 3 at a time, rows read in place: attend_block's
+// work without its fp32 copy and transpose, which cost more than the arithmetic when a head has
+// 3 vectors. D % 8 == 0.
+template <typename T>
+void attend_direct(const T* k_cache, const T* v_cache, const int64_t* pages, int64_t first, int64_t n,
+                   int64_t page_size, int64_t Hkv, int64_t D, int64_t kvh, const float* Q, int64_t nq, float* m,
+                   float* l, float* acc, BlockScratch& sc, int64_t pf_heads) {
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    const int64_t row = kQ8 ? D + kQ8Scale : D, tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    int64_t* at = sc.at.data();
+    for (int64_t j = 0, key = first; j < n;) {
+        const int64_t off = key % page_size, cnt = std::min(page_size - off, n - j);
+        const int64_t base = pages[key / page_size] * page_stride + off * tok_stride + kvh * row;
+        for (int64_t t = 0; t < cnt; ++t) at[j + t] = base + t * tok_stride;
+        j += cnt;
+        key += cnt;
+    }
+    // the rows of pf_heads heads from kvh on are asked for kPrefetchKeys keys ahead (the first ones
+    // at once): a head's rows are strided, and the hardware does not fetch them ahead by itself
+    const int64_t bytes = pf_heads * row * (int64_t)sizeof(T);
+    for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char*)(k_cache + at[j]) + b);
+            __builtin_prefetch((const char*)(v_cache + at[j]) + b);
+        }
+    float* ks = nullptr;
+    float* vs = nullptr;
+    if constexpr (kQ8) {
+        ks = sc.Kr.data();  // scratch: the block's key and value scales
+        vs = sc.Kr.data() + sc.kp;
+        for (int64_t j = 0; j < n; ++j) {
+            std::memcpy(ks + j, k_cache + at[j] + D, sizeof(float));
+            std::memcpy(vs + j, v_cache + at[j] + D, sizeof(float));
+        }
+    }
+    const int64_t kp = sc.kp;
+    float* S = sc.S.data();
+    for (int64_t i0 = 0; i0 < nq; i0 += 3) {
+        const int R = (int)std::min<int64_t>(3, nq - i0);
+        const float* Qi = Q + i0 * D;
+        if (R == 3) direct_scores<T, 3>(k_cache, v_cache, at, n, D, Qi, ks, kp, S, bytes);
+        else if (R == 2) direct_scores<T, 2>(k_cache, v_cache, at, n, D, Qi, ks, kp, S, bytes);
+        else direct_scores<T, 1>(k_cache, v_cache, at, n, D, Qi, ks, kp, S, bytes);
+        float alpha[3];
+        softmax_rows(S, R, n, kp, m + i0, l + i0, alpha);
+        if constexpr (kQ8)
+            for (int r = 0; r < R; ++r)
+                for (int64_t j = 0; j < n; ++j) S[r * kp + j] *= vs[j];
+        float* ai = acc + i0 * D;
+        if (R == 3) direct_pv<T, 3>(v_cache, at, n, D, S, kp, alpha, ai);
+        else if (R == 2) direct_pv<T, 2>(v_cache, at, n, D, S, kp, alpha, ai);
+        else direct_pv<T, 1>(v_cache, at, n, D, S, kp, alpha, ai);
+    }
+}
+#endif
 
 // The shared part of cascade attention over a cache of element type T, merged into out [*, H, D]
 // (fp32) and lse [*, H] (natural log) in place. Group g: pages group_pages[group_page_ptr[g] ..
@@ -935,16 +1077,18 @@ void cascade_groups(const float* q, int64_t H, int64_t Hkv, int64_t D, const T* 
 
 // Decode attention (one query token per sequence) straight from the paged cache, no gather, computed
 // like the shared part of cascade attention: per sequence and KV head, the G = H / Hkv query vectors
-// of that head run against blocks of whole pages (each key converted to fp32 and transposed once
-// for the G vectors, then the 6 x 16 tiles of cascade_page and an online softmax), the sequence's
+// of that head run against blocks of whole pages (attend_direct: rows read in place, 3 vectors x 4
+// keys at a time, an online softmax; attend_block where D % 8 != 0 or without AVX2), the sequence's
 // keys split in chunks of kDecodeChunkKeys (a fixed size, so a row's result does not depend on the
 // batch or the thread count), the chunks' partial states merged at the end. q [*, H, D] (row
 // q_rows[b] for sequence b); out rows likewise; lse [*, H] (natural log) or null. Sequence b attends
 // to its first kv_lens[b] tokens in pages page_idx[b, :]. The kernel it replaced took one query
 // vector at a time (every key's dot product once per query head, its value row read once per head);
 // benchmarks/results/amd-epyc-2c-fb86c92f/cascade_before_blocked_decode.json and cascade.json are the
-// bench_cascade runs before and after (plain decode of 16 sessions over 2,048 shared tokens). Head
-// dims that are not a multiple of 8 take cascade_page's scalar path.
+// bench_cascade runs before and after (plain decode of 16 sessions over 2,048 shared tokens). Then
+// the rows read in place, asked for ahead, all heads of a chunk in one task when there are chunks
+// enough: one session, fp16 pages, 30 distinct layers, 2 threads, a step's attention at 30 / 300 /
+// 1,000 / 3,000 keys 0.25 / 0.79 / 2.00 / 8.71 -> 0.18 / 0.40 / 1.10 / 5.52 ms.
 constexpr int64_t kDecodeChunkKeys = 512;
 
 template <typename T>
@@ -963,25 +1107,39 @@ void paged_decode(const float* q, const int64_t* q_rows, int64_t B, int64_t H, i
     for (int64_t b = 0; b < B; ++b)
         for (int64_t i = first[b]; i < first[b + 1]; ++i) seq_of[i] = b;
     std::vector<float> pm(items * Hkv * G, -INFINITY), pl(items * Hkv * G, 0.f), pacc(items * Hkv * G * D, 0.f);
+    // a task is one chunk of one sequence for hpt KV heads: all of them (each token's rows of every
+    // head are adjacent: one stream through memory) when there are chunks enough for the threads,
+    // else one (more tasks); the heads' results do not depend on which
+    const int64_t hpt = items >= 2 * (int64_t)nt ? Hkv : 1, hgroups = Hkv / hpt;
 #pragma omp parallel num_threads(nt)
     {
         BlockScratch scratch(D, kp);
         std::vector<float> Qs(G * D);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < items * Hkv; ++task) {
-            const int64_t item = task / Hkv, kvh = task % Hkv, b = seq_of[item];
+        for (int64_t task = 0; task < items * hgroups; ++task) {
+            const int64_t item = task / hgroups, b = seq_of[item];
             const int64_t j0 = (item - first[b]) * chunk, j1 = std::min(kv_lens[b], j0 + chunk);
             if (j1 <= j0) continue;
-            for (int64_t gi = 0; gi < G; ++gi) {
-                const float* src = q + (q_rows[b] * H + kvh * G + gi) * D;
-                for (int64_t d = 0; d < D; ++d) Qs[gi * D + d] = src[d] * scale;
-            }
-            const int64_t st = task * G;
             const int64_t* pages = page_idx + b * max_pages;
             for (int64_t k0 = j0; k0 < j1; k0 += ppb * page_size) {
                 const int64_t n = std::min(ppb * page_size, j1 - k0);  // keys in this block
-                attend_block(k_cache, v_cache, pages, k0, n, page_size, Hkv, D, kvh, Qs.data(), G, pm.data() + st,
-                             pl.data() + st, pacc.data() + st * D, scratch);
+                for (int64_t kvh = (task % hgroups) * hpt; kvh < (task % hgroups + 1) * hpt; ++kvh) {
+                    const int64_t st = (item * Hkv + kvh) * G;
+                    for (int64_t gi = 0; gi < G; ++gi) {
+                        const float* src = q + (q_rows[b] * H + kvh * G + gi) * D;
+                        for (int64_t d = 0; d < D; ++d) Qs[gi * D + d] = src[d] * scale;
+                    }
+#if OC_AVX2
+                    if (D % 8 == 0) {
+                        attend_direct(k_cache, v_cache, pages, k0, n, page_size, Hkv, D, kvh, Qs.data(), G,
+                                      pm.data() + st, pl.data() + st, pacc.data() + st * D, scratch,
+                                      kvh == (task % hgroups) * hpt ? hpt : 0);
+                        continue;
+                    }
+#endif
+                    attend_block(k_cache, v_cache, pages, k0, n, page_size, Hkv, D, kvh, Qs.data(), G, pm.data() + st,
+                                 pl.data() + st, pacc.data() + st * D, scratch);
+                }
             }
         }
 #pragma omp for schedule(static)
