@@ -107,13 +107,14 @@ def test_plan_levels_in_flashinfer_format():
     assert lv2["kv_indices"].tolist() == sum((priv[s] for s in order), [])
 
 
-def test_auto_default_uses_cascade_from_512_spared_reads():
-    """The default threshold: 64 shared tokens x 8 sessions (448 reads spared: a tie in the kernels'
-    timings) stays plain; 128 x 8 (896) and 512 x 2 (512) use cascade."""
+def test_auto_default_uses_cascade_from_6144_spared_reads():
+    """The default threshold (bench_cascade: the plain kernel is as fast up to ~3,600 spared reads):
+    1,024 shared tokens x 6 sessions (5,120 reads spared) stays plain; x 7 (6,144) uses cascade, as
+    do 6,144 shared tokens x 2 sessions, and not one page fewer."""
     be = TorchAttentionBackend()
-    assert be.min_saved_tokens == 512
-    for shared_pages, n, used in ((16, 8, False), (32, 8, True), (128, 2, True), (127, 2, False)):  # page size 4
-        seqs = [SeqBatchEntry(list(range(shared_pages)) + [1000 + i], shared_pages * 4 + 1, 1) for i in range(n)]
+    assert be.min_saved_tokens == 6144
+    for shared_pages, n, used in ((256, 6, False), (256, 7, True), (1536, 2, True), (1535, 2, False)):  # page size 4
+        seqs = [SeqBatchEntry(list(range(shared_pages)) + [10000 + i], shared_pages * 4 + 1, 1) for i in range(n)]
         be.plan(build_metadata(seqs, 4), num_heads=H, num_kv_heads=HKV, head_dim=D)
         assert be.last_used_cascade == used, (shared_pages, n)
 

@@ -95,12 +95,14 @@ class TorchAttentionBackend:
     # "auto": shared-prefix attention only when it spares at least this many KV-token reads per step.
     # Both plans take the one-call fused decode on CPU; the shared part's kernel reads a page once for
     # its whole group, the plain kernel once per sequence. Measured end to end on the bundled model
-    # (benchmarks/bench_cascade.py --prefix 128 256 512 --sessions 2 4 8, 2-core AVX-512 EPYC, results
-    # in benchmarks/results/amd-epyc-2c-fb86c92f/cascade_small.json; on the fused path: native
-    # int8 projections), cascade on/off agg tok/s was 0.95-1.01x up to
-    # 384 spared reads (P=128 N=2 and N=4, P=256 N=2) and 1.02-1.18x from 512 (P=512 N=2 1.06x, P=256
-    # N=4 1.02x, P=128 N=8 1.06x, P=256 N=8 1.18x).
-    AUTO_MIN_SAVED_TOKENS = 512
+    # (benchmarks/bench_cascade.py, 2-core AVX-512 EPYC, native int8 projections, after the plain
+    # decode kernel came to read its rows in place; results in benchmarks/results/
+    # amd-epyc-2c-fb86c92f/cascade_small.json (--prefix 512 1024 --sessions 2 4 8) and cascade.json),
+    # cascade on/off agg tok/s by spared reads: 512 1.04x (its step time 0.97x), 1,024 0.87x, 1,536
+    # 0.96x, 3,072 0.99x, 3,584 0.99x; then 6,144 (P=2048 N=4) 1.04x, 7,168 1.04x, 7,680 1.05x,
+    # 30,720 (P=2048 N=16) 1.07x. Below ~6,000 the plain kernel is as fast or faster (it was 512
+    # with the plain kernel before, which copied and transposed each block).
+    AUTO_MIN_SAVED_TOKENS = 6144
 
     def __init__(self, cascade: str = "auto", min_saved_tokens: int = AUTO_MIN_SAVED_TOKENS, native: bool = True):
         self.cascade = cascade
