@@ -349,7 +349,8 @@ def _decode(q, rows, kc, vc, page_idx, lens, scale, nt):
 
 
 @pytest.mark.parametrize("ps,D,heads,kv_dtype", [(16, 64, (9, 3), "fp16"), (5, 64, (14, 2), "q8"), (3, 20, (12, 1), "fp32"),
-                                                 (100, 64, (8, 8), "fp32")])
+                                                 (100, 64, (8, 8), "fp32"), (7, 48, (16, 2), "q8"),
+                                                 (16, 40, (10, 2), "bf16")])
 def test_decode_kernel_chunks_page_sizes_and_batch_independence(ps, D, heads, kv_dtype):
     """The decode kernel (blocks of pages, 512-key chunks merged at the end) against float64 softmax
     attention: lengths of 0 to three chunks, page sizes that do not divide its 64-key blocks, 1 to 12

@@ -799,7 +799,8 @@ inline void cascade_page(const float* Q, int64_t nq, int64_t D, const float* Kt,
 }
 
 // Scratch of one thread for attend_block: a block of keys as fp32 rows (Kr), transposed (Kt [D, kp]),
-// its values (Vb [kp, D]) and the scores of kCascadeRows vectors (S).
+// its values (Vb [kp, D]) and the scores of kCascadeRows vectors (S); the keys' row offsets (at).
+// attend_direct uses S and at, and Kr for a q8 block's key and value scales (2 kp <= kp D: D >= 8).
 struct BlockScratch {
     int64_t kp;
     std::vector<float> Kt, Vb, S, Kr;
