@@ -9,8 +9,9 @@ Both servers load the bundled SmolLM2-135M-Instruct Q4_1 GGUF with ``--threads``
 the usable cores; opencoti's ``auto`` re-quantizes its weights to the format it measures fastest,
 recorded as ``servers.opencoti.weights``); llama-server with ``--parallel 8 --kv-unified -c 16384`` (8 slots sharing one
 KV buffer, as an agent team needs), opencoti with its defaults (no flags but the model, port and
-threads: what a user gets). Each round starts each server fresh (cold caches), the two in
-alternating order, and runs the workloads below on it; ``--rounds`` (3) rounds, medians reported.
+threads: what a user gets; and ``--state-dir none``: nothing restored from an earlier run). Each
+round starts each server fresh (cold caches), the two in alternating order, and runs the workloads
+below on it; ``--rounds`` (3) rounds, medians reported.
 
 Workloads (client side, over HTTP, identical requests to both servers):
 
@@ -156,8 +157,11 @@ def start(name: str, gguf: str, threads: int, llama_bin: Path | None, extra: lis
                "--host", "127.0.0.1", *LLAMA_FLAGS, *extra]
         env = {**os.environ, "LD_LIBRARY_PATH": str(llama_bin.parent)}
     else:
+        # --state-dir none: a fresh server is cold, as llama-server is (the default state directory is
+        # per port, and a port used before may hold pools of an earlier run, even of another model:
+        # a round of bench_speculative failed to start on one)
         cmd = [sys.executable, "-m", "opencoti", "serve", "--model", gguf, "--port", str(port), "--threads",
-               str(threads), *extra]
+               str(threads), "--state-dir", "none", *extra]
         env = dict(os.environ)
     return Server(name, cmd, port, env)
 
