@@ -812,36 +812,46 @@ struct BlockScratch {
 // Keys first .. first + n (n <= kp) of a page list (key j in pages[j / page_size]) for KV head kvh:
 // converted to fp32 and transposed once, then the online softmax update of the nq query vectors Q
 // (scale folded in) and their states (m, l, acc).
+// at[j] = the element offset of key first + j's row (head offset head_off within a token) in a
+// paged cache, computed a page at a time (no division per key)
+inline void row_offsets(const int64_t* pages, int64_t first, int64_t n, int64_t page_size, int64_t tok_stride,
+                        int64_t head_off, int64_t* at) {
+    for (int64_t j = 0, key = first; j < n;) {
+        const int64_t off = key % page_size, cnt = std::min(page_size - off, n - j);
+        const int64_t base = pages[key / page_size] * page_size * tok_stride + off * tok_stride + head_off;
+        for (int64_t t = 0; t < cnt; ++t) at[j + t] = base + t * tok_stride;
+        j += cnt;
+        key += cnt;
+    }
+}
+
+// Ask for the K and V rows of keys j0 .. j1 (bytes from each row's start): one head's rows are
+// strided by the other heads and the hardware does not fetch them ahead by itself
+template <typename T>
+inline void prefetch_rows(const T* k_cache, const T* v_cache, const int64_t* at, int64_t j0, int64_t j1,
+                          int64_t bytes) {
+    for (int64_t j = j0; j < j1; ++j)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char*)(k_cache + at[j]) + b);
+            __builtin_prefetch((const char*)(v_cache + at[j]) + b);
+        }
+}
+
 constexpr int64_t kPrefetchKeys = 4;
 template <typename T>
 void attend_block(const T* k_cache, const T* v_cache, const int64_t* pages, int64_t first, int64_t n,
                   int64_t page_size, int64_t Hkv, int64_t D, int64_t kvh, const float* Q, int64_t nq, float* m,
                   float* l, float* acc, BlockScratch& sc) {
     constexpr bool kQ8 = std::is_same_v<T, int8_t>;
-    const int64_t row = kQ8 ? D + kQ8Scale : D, tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    const int64_t row = kQ8 ? D + kQ8Scale : D, tok_stride = Hkv * row;
     int64_t* at = sc.at.data();  // element offset of each key's row for this head, a page at a time
-    for (int64_t j = 0, key = first; j < n;) {
-        const int64_t off = key % page_size, cnt = std::min(page_size - off, n - j);
-        const int64_t base = pages[key / page_size] * page_stride + off * tok_stride + kvh * row;
-        for (int64_t t = 0; t < cnt; ++t) at[j + t] = base + t * tok_stride;
-        j += cnt;
-        key += cnt;
-    }
+    row_offsets(pages, first, n, page_size, tok_stride, kvh * row, at);
     const int64_t bytes = row * (int64_t)sizeof(T);
-    for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)  // the first rows: all asked for at once
-        for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch((const char*)(k_cache + at[j]) + b);
-            __builtin_prefetch((const char*)(v_cache + at[j]) + b);
-        }
+    prefetch_rows(k_cache, v_cache, at, 0, std::min(n, kPrefetchKeys), bytes);  // the first rows at once
     for (int64_t j = 0; j < n; ++j) {
-        // the rows are strided (one KV head of Hkv) and pages need not be adjacent: the loads of a
-        // few keys ahead are asked for now (without it the loop waited on memory: perf put ~90 % of
-        // its samples on the stores after each row's conversion)
-        if (j + kPrefetchKeys < n)
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch((const char*)(k_cache + at[j + kPrefetchKeys]) + b);
-                __builtin_prefetch((const char*)(v_cache + at[j + kPrefetchKeys]) + b);
-            }
+        // the loads of a few keys ahead are asked for now (without it the loop waited on memory: perf
+        // put ~90 % of its samples on the stores after each row's conversion)
+        if (j + kPrefetchKeys < n) prefetch_rows(k_cache, v_cache, at, j + kPrefetchKeys, j + kPrefetchKeys + 1, bytes);
         const T* kv = k_cache + at[j];
         const T* vv = v_cache + at[j];
         float ks = 1.f, vs = 1.f;
@@ -866,11 +876,7 @@ inline void direct_scores(const T* k_cache, const T* v_cache, const int64_t* at,
                           const float* Q, const float* ks, int64_t kp, float* S, int64_t bytes) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        for (int64_t t = j + kPrefetchKeys; t < std::min(n, j + kPrefetchKeys + 4); ++t)  // keys ahead: K and V
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch((const char*)(k_cache + at[t]) + b);
-                __builtin_prefetch((const char*)(v_cache + at[t]) + b);
-            }
+        prefetch_rows(k_cache, v_cache, at, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + 4), bytes);  // ahead
         __m256 a[R][4];
         for (int r = 0; r < R; ++r)
             for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
@@ -940,23 +946,13 @@ void attend_direct(const T* k_cache, const T* v_cache, const int64_t* pages, int
                    int64_t page_size, int64_t Hkv, int64_t D, int64_t kvh, const float* Q, int64_t nq, float* m,
                    float* l, float* acc, BlockScratch& sc, int64_t pf_heads) {
     constexpr bool kQ8 = std::is_same_v<T, int8_t>;
-    const int64_t row = kQ8 ? D + kQ8Scale : D, tok_stride = Hkv * row, page_stride = page_size * tok_stride;
+    const int64_t row = kQ8 ? D + kQ8Scale : D, tok_stride = Hkv * row;
     int64_t* at = sc.at.data();
-    for (int64_t j = 0, key = first; j < n;) {
-        const int64_t off = key % page_size, cnt = std::min(page_size - off, n - j);
-        const int64_t base = pages[key / page_size] * page_stride + off * tok_stride + kvh * row;
-        for (int64_t t = 0; t < cnt; ++t) at[j + t] = base + t * tok_stride;
-        j += cnt;
-        key += cnt;
-    }
+    row_offsets(pages, first, n, page_size, tok_stride, kvh * row, at);
     // the rows of pf_heads heads from kvh on are asked for kPrefetchKeys keys ahead (the first ones
     // at once): a head's rows are strided, and the hardware does not fetch them ahead by itself
     const int64_t bytes = pf_heads * row * (int64_t)sizeof(T);
-    for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)
-        for (int64_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch((const char*)(k_cache + at[j]) + b);
-            __builtin_prefetch((const char*)(v_cache + at[j]) + b);
-        }
+    prefetch_rows(k_cache, v_cache, at, 0, std::min(n, kPrefetchKeys), bytes);
     float* ks = nullptr;
     float* vs = nullptr;
     if constexpr (kQ8) {
