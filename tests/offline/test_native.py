@@ -50,9 +50,10 @@ def act_path(request):
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 17, 24, 31, 32, 47, 48, 97])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_projection_kernels_match_dequantized_weights(fmt, T, bias, gemm_path, act_path):
+@pytest.mark.parametrize("k", [96, 192])  # int8's int16 activations: groups of 32 (96) and of 64 (192)
+def test_projection_kernels_match_dequantized_weights(fmt, T, bias, k, gemm_path, act_path):
     torch.manual_seed(T)
-    n, k = 40, 96
+    n = 40
     w = torch.randn(n, k) * 0.05
     b = torch.randn(n) if bias else None
     wq = kernels.to_format(w, fmt)
@@ -375,6 +376,36 @@ def test_kernels_source_compiles_without_torch(tmp_path):
     out = subprocess.run([cxx, *flags, "-fsyntax-only", str(native.SOURCE)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_int16_projections_same_bits_without_vnni(tmp_path):
+    """The int8-weight projections add a group's int16 products with VNNI where the CPU has it, else
+    with madd and add: the same integers, so the same bits. kernels.cpp alone, built without VNNI and
+    called through its C function, against the default build's operator (on a CPU without VNNI both
+    builds run madd, and the check still holds)."""
+    import ctypes
+
+    cxx = native._compiler()
+    assert cxx is not None
+    so = tmp_path / "novnni.so"
+    out = subprocess.run([cxx, *native.FLAGS, "-mno-avx512vnni", "-mno-avxvnni", str(native.SOURCE), "-o", str(so)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lib = ctypes.CDLL(str(so))
+    ptr = ctypes.c_void_p
+    i64 = ctypes.c_int64
+    lib.oc_q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.oc_q8_matmul.restype = None
+    torch.manual_seed(5)
+    for n, k in [(40, 96), (24, 192), (16, 1536)]:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        scale = torch.rand(n)
+        for T in (1, 2, 3, 4, 7, 16, 31):
+            x = torch.randn(T, k) * 4
+            ref = LIB.q8_matmul(x, q, scale, None)
+            y = torch.empty(T, n)
+            lib.oc_q8_matmul(x.data_ptr(), T, k, q.data_ptr(), scale.data_ptr(), n, None, y.data_ptr(), 2)
+            assert torch.equal(y, ref), (n, k, T)
 
 
 # ------------------------------------------------------------------------ the operators' checks

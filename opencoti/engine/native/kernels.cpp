@@ -178,27 +178,51 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + msum[r];
 }
 
-template <int R>
-inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int8_t* wrow, float scale, int64_t nb,
+// int32 lanes += a * b, pairwise over int16 lanes: one instruction on a CPU with VNNI (AVX512-VNNI or
+// AVX-VNNI), else madd then add: the same integers either way (|x16| <= 32767, |w| <= 128: no pair
+// sum wraps), so a build with and one without VNNI give the same bits.
+inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// int8 weights x int16 activations quantized per group of S blocks of 32 (quantize_i16 with 32 * S
+// values a scale): a group's products add up exactly in int32 (|sum| <= 128 x 32767 x 128 < 2^31),
+// and only then turn to fp32, scaled once: one conversion and one FMA per 32 * S weights and row
+// instead of one per 32. Groups alternate between two accumulators (two FMA chains in flight); every
+// R gives a row the same operations, so a row's result does not depend on the rows beside it.
+template <int R, int S>
+inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int8_t* wrow, float scale, int64_t ng,
                        float* out) {
-    __m256 acc[R][2];  // as in q4_row_i16
+    __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    auto step = [&](int64_t b, int c) {
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 32)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 32 + 16)));
-        for (int r = 0; r < R; ++r) {
-            const int16_t* xb = x16 + r * K + b * 32;
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xb)),
-                                               _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xb + 16))));
-            acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dx + r * nb + b), _mm256_cvtepi32_ps(p), acc[r][c]);
+    auto step = [&](int64_t g, int c) {
+        const int8_t* wg = wrow + g * 32 * S;
+        const int16_t* xg = x16 + g * 32 * S;
+        __m256i p[R][2];  // even and odd 16-weight parts apart: two chains a row (VNNI's latency)
+#pragma GCC unroll 8
+        for (int i = 0; i < 2 * S; ++i) {  // 16 weights at a time, widened once for the R rows
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wg + i * 16)));
+            for (int r = 0; r < R; ++r) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xg + r * K + i * 16));
+                p[r][i & 1] = i < 2 ? _mm256_madd_epi16(w, xv) : dot_i16(p[r][i & 1], w, xv);
+            }
         }
+        for (int r = 0; r < R; ++r)
+            acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dx + r * ng + g),
+                                        _mm256_cvtepi32_ps(_mm256_add_epi32(p[r][0], p[r][1])), acc[r][c]);
     };
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        step(b, 0);
-        step(b + 1, 1);
+    int64_t g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        step(g, 0);
+        step(g + 1, 1);
     }
-    if (b < nb) step(b, 0);
+    if (g < ng) step(g, 0);
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * scale;
 }
 
@@ -311,19 +335,21 @@ inline void quantize_i8(const float* x, int64_t T, int64_t K, std::vector<int8_t
 }
 #endif
 
-// Per row and block of 32: the int16 activations and their scale (see q4_row_i16).
-inline void quantize_i16(const float* x, int64_t T, int64_t K, std::vector<int16_t>& x16, std::vector<float>& dx) {
-    const int64_t nb = K / 32;
+// Per row and group of 32 * S values (S = 1: blocks of 32): the int16 activations and their scale
+// (|x| max / 32767; see q4_row_i16).
+inline void quantize_i16(const float* x, int64_t T, int64_t K, std::vector<int16_t>& x16, std::vector<float>& dx,
+                         int64_t S = 1) {
+    const int64_t gs = 32 * S, ng = K / gs;
     x16.resize(T * K);
-    dx.resize(T * nb);
+    dx.resize(T * ng);
     for (int64_t t = 0; t < T; ++t)
-        for (int64_t b = 0; b < nb; ++b) {
-            const float* xb = x + t * K + b * 32;
+        for (int64_t g = 0; g < ng; ++g) {
+            const float* xg = x + t * K + g * gs;
             float amax = 0.f;
-            for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+            for (int64_t j = 0; j < gs; ++j) amax = std::max(amax, std::fabs(xg[j]));
             const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
-            dx[t * nb + b] = d;
-            for (int j = 0; j < 32; ++j) x16[t * K + b * 32 + j] = (int16_t)std::lrintf(xb[j] * inv);
+            dx[t * ng + g] = d;
+            for (int64_t j = 0; j < gs; ++j) x16[t * K + g * gs + j] = (int16_t)std::lrintf(xg[j] * inv);
         }
 }
 
@@ -1369,23 +1395,31 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
         return;
     }
     if (T <= kI16MaxRows && K % 32 == 0) {
-        const int64_t nb = K / 32;
+        // activation groups of 64 values where K allows (groups of 128 measured no faster), else 32
+        const int64_t nb = K / 32, S = nb % 2 == 0 ? 2 : 1, ng = nb / S;
         std::vector<int16_t> x16;
         std::vector<float> dx;
-        quantize_i16(x, T, K, x16, dx);
-        matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
-            float out[kRows];
-            const int8_t* wrow = q + n * K;
-            for (int64_t r = 0; r < rows;) {
-                const int64_t t = t0 + r, m = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-                const int16_t* xt = x16.data() + t * K;
-                if (m == 4) q8_row_i16<4>(xt, dx.data() + t * nb, K, wrow, scale[n], nb, out + r);
-                else if (m == 2) q8_row_i16<2>(xt, dx.data() + t * nb, K, wrow, scale[n], nb, out + r);
-                else q8_row_i16<1>(xt, dx.data() + t * nb, K, wrow, scale[n], nb, out + r);
-                r += m;
-            }
-            store_rows(y, N, t0, rows, n, out, bias);
-        });
+        quantize_i16(x, T, K, x16, dx, S);
+        auto rows_of = [&](auto s) {
+            constexpr int Sc = decltype(s)::value;
+            matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+                float out[kRows];
+                const int8_t* wrow = q + n * K;
+                for (int64_t r = 0; r < rows;) {
+                    const int64_t t = t0 + r, m = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+                    const int16_t* xt = x16.data() + t * K;
+                    const float* dt = dx.data() + t * ng;
+                    if (m == 4) q8_row_i16<4, Sc>(xt, dt, K, wrow, scale[n], ng, out + r);
+                    else if (m == 2) q8_row_i16<2, Sc>(xt, dt, K, wrow, scale[n], ng, out + r);
+                    else q8_row_i16<1, Sc>(xt, dt, K, wrow, scale[n], ng, out + r);
+                    r += m;
+                }
+                store_rows(y, N, t0, rows, n, out, bias);
+            });
+        };
+        if (S == 4) rows_of(std::integral_constant<int, 4>{});
+        else if (S == 2) rows_of(std::integral_constant<int, 2>{});
+        else rows_of(std::integral_constant<int, 1>{});
         return;
     }
 #endif
