@@ -157,11 +157,13 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
     // picked at compile time: an index computed at run time kept the accumulators in memory)
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
     auto step = [&](int64_t b, int c) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(wrow + b * 16));
-        const __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-        const __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        // the block's 16 bytes widened once: each int16 holds a byte, its low nibble value j and its
+        // high nibble (the byte >> 4, nothing above it) value j + 16
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 16)));
+        const __m256i q0 = _mm256_and_si256(v, low4);
+        const __m256i q1 = _mm256_srli_epi16(v, 4);
         for (int r = 0; r < R; ++r) {
             const int16_t* xb = x16 + r * K + b * 32;
             const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)xb)),
@@ -498,17 +500,31 @@ inline void store_rows(float* y, int64_t N, int64_t t0, int64_t rows, int64_t n,
     for (int64_t r = 0; r < rows; ++r) y[(t0 + r) * N + n] = out[r] + b;
 }
 
+// How far ahead of the weight row in use the row kernels ask for the weights (bytes): a step's weights
+// come from memory (each layer's once), and the hardware's own prefetch alone left the int4 row kernel
+// waiting on its loads (perf: the loads of the scales and nibbles held most samples).
+constexpr int64_t kWeightPrefetch = 2048;
+
 // Rows of x in blocks of kRows (and a remainder), output rows of W in tiles; threads split the tiles.
+// w, row_bytes (optional): the weights, row n at w + n * row_bytes, asked for kWeightPrefetch ahead.
 template <typename RowFn>
-void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row) {
+void matmul_driver(int64_t T, int64_t N, int nt, RowFn&& row, const void* w = nullptr, int64_t row_bytes = 0) {
     const int64_t tile = 16;
     const int64_t tiles = (N + tile - 1) / tile;
+    const char* wb = (const char*)w;
+    const int64_t end = N * row_bytes;
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t ti = 0; ti < tiles; ++ti) {
         const int64_t n0 = ti * tile, n1 = std::min(N, n0 + tile);
         for (int64_t t0 = 0; t0 < T; t0 += kRows) {
             const int64_t rows = std::min<int64_t>(kRows, T - t0);
-            for (int64_t n = n0; n < n1; ++n) row(t0, rows, n);
+            for (int64_t n = n0; n < n1; ++n) {
+                if (wb && t0 == 0)
+                    for (int64_t at = n * row_bytes + kWeightPrefetch, stop = std::min(end, at + row_bytes); at < stop;
+                         at += 64)
+                        __builtin_prefetch(wb + at);
+                row(t0, rows, n);
+            }
         }
     }
 }
@@ -1335,7 +1351,7 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
                                               nb, out);
             });
             store_rows(y, N, t0, rows, n, out, bias);
-        });
+        }, w, row_bytes);
         return;
     }
     if (T <= kI16MaxRows && nb <= 512) {
@@ -1354,7 +1370,7 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
                 r += m;
             }
             store_rows(y, N, t0, rows, n, out, bias);
-        });
+        }, w, row_bytes);
         return;
     }
 #endif
@@ -1365,7 +1381,7 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
         const uint8_t* wrow = w + n * row_bytes;
         with_rows(rows, [&](auto R) { q4_row<decltype(R)::value>(xs, K, wrow, ss, nb, out); });
         store_rows(y, N, t0, rows, n, out, bias);
-    });
+    }, w, row_bytes);
 }
 
 // y [T, N] = x [T, K] @ (q * scale[:, None]).T (+ bias), q int8 [N, K].
@@ -1391,7 +1407,7 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
                 q8_row_i8<decltype(R)::value>(x8.data() + t0 * K, dx.data() + t0 * nb, K, wrow, scale[n], nb, out);
             });
             store_rows(y, N, t0, rows, n, out, bias);
-        });
+        }, q, K);
         return;
     }
     if (T <= kI16MaxRows && K % 32 == 0) {
@@ -1415,7 +1431,7 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
                     r += m;
                 }
                 store_rows(y, N, t0, rows, n, out, bias);
-            });
+            }, q, K);
         };
         if (S == 4) rows_of(std::integral_constant<int, 4>{});
         else if (S == 2) rows_of(std::integral_constant<int, 2>{});
@@ -1429,7 +1445,7 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
         const int8_t* wrow = q + n * K;
         with_rows(rows, [&](auto R) { q8_row<decltype(R)::value>(xs, K, wrow, scale[n], out); });
         store_rows(y, N, t0, rows, n, out, bias);
-    });
+    }, q, K);
 }
 
 // rows vectors of D fp32 values rounded (q8: quantized) into KV cache elements of kv_type, as the fused
