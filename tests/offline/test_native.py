@@ -379,9 +379,9 @@ def test_kernels_source_compiles_without_torch(tmp_path):
 
 
 def test_int16_projections_same_bits_without_vnni(tmp_path):
-    """The int8-weight projections add a group's int16 products with VNNI where the CPU has it, else
+    """The int8- and int4-weight projections add int16 products with VNNI where the CPU has it, else
     with madd and add: the same integers, so the same bits. kernels.cpp alone, built without VNNI and
-    called through its C function, against the default build's operator (on a CPU without VNNI both
+    called through its C functions, against the default build's operators (on a CPU without VNNI both
     builds run madd, and the check still holds)."""
     import ctypes
 
@@ -405,6 +405,16 @@ def test_int16_projections_same_bits_without_vnni(tmp_path):
             ref = LIB.q8_matmul(x, q, scale, None)
             y = torch.empty(T, n)
             lib.oc_q8_matmul(x.data_ptr(), T, k, q.data_ptr(), scale.data_ptr(), n, None, y.data_ptr(), 2)
+            assert torch.equal(y, ref), (n, k, T)
+    lib.oc_q4_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.oc_q4_matmul.restype = None
+    for n, k in [(40, 96), (16, 1536)]:
+        blocks = kernels.pack_q4_blocks(quantize_int4(torch.randn(n, k) * 0.05))
+        for T in (1, 2, 4, 7, 16):
+            x = torch.randn(T, k) * 4
+            ref = LIB.q4_matmul(x, blocks, None)
+            y = torch.empty(T, n)
+            lib.oc_q4_matmul(x.data_ptr(), T, k, blocks.data_ptr(), n, None, y.data_ptr(), 2)
             assert torch.equal(y, ref), (n, k, T)
 
 

@@ -142,6 +142,19 @@ inline void q4_block_scales(const uint8_t* wrow, const float* dx, const float* s
     }
 }
 
+// int32 lanes += a * b, pairwise over int16 lanes: one instruction on a CPU with VNNI (AVX512-VNNI or
+// AVX-VNNI), else madd then add: the same integers either way (|x16| <= 32767, weights int8 or int4
+// nibbles: no pair sum wraps), so a build with and one without VNNI give the same bits.
+inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // The same products with the activations as int16 per block of 32 (scale dx: |x| max / 32767, so
 // each activation keeps 15 bits, more than the bf16 torch's int kernels use): the weights widen to
 // int16 once per block and _mm256_madd_epi16 multiplies and pairs them, half the instructions of the
@@ -166,8 +179,8 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
         const __m256i q1 = _mm256_srli_epi16(v, 4);
         for (int r = 0; r < R; ++r) {
             const int16_t* xb = x16 + r * K + b * 32;
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)xb)),
-                                               _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i*)(xb + 16))));
+            const __m256i p = dot_i16(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)xb)), q1,
+                                      _mm256_loadu_si256((const __m256i*)(xb + 16)));
             acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd[r] + b), _mm256_cvtepi32_ps(p), acc[r][c]);
         }
     };
@@ -178,19 +191,6 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
     }
     if (b < nb) step(b, 0);
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + msum[r];
-}
-
-// int32 lanes += a * b, pairwise over int16 lanes: one instruction on a CPU with VNNI (AVX512-VNNI or
-// AVX-VNNI), else madd then add: the same integers either way (|x16| <= 32767, |w| <= 128: no pair
-// sum wraps), so a build with and one without VNNI give the same bits.
-inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
 }
 
 // int8 weights x int16 activations quantized per group of S blocks of 32 (quantize_i16 with 32 * S
