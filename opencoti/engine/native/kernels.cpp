@@ -37,6 +37,9 @@ namespace {
 
 constexpr int kQ4Block = 20;  // bytes per 32 weights
 constexpr int kRows = 8;      // activation rows per register block (8 accumulators + 4 weight vectors)
+// Below this |x| max a group of activations is all zeros to the int8 / int16 paths (32767 / max
+// overflows fp32 under ~1e-34; the dropped products are under 1e-30 of a weight each).
+constexpr float kTinyGroup = 1e-30f;
 
 inline float half_to_float(uint16_t h) {
 #if OC_AVX2
@@ -169,6 +172,7 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
     // two blocks per iteration, each its own accumulator (two FMA chains in flight; the chain is
     // picked at compile time: an index computed at run time kept the accumulators in memory)
     __m256 acc[R][2];
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi16(0x0F);
     auto step = [&](int64_t b, int c) {
@@ -177,6 +181,7 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 16)));
         const __m256i q0 = _mm256_and_si256(v, low4);
         const __m256i q1 = _mm256_srli_epi16(v, 4);
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             const int16_t* xb = x16 + r * K + b * 32;
             const __m256i p = dot_i16(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)xb)), q1,
@@ -190,18 +195,21 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
         step(b + 1, 1);
     }
     if (b < nb) step(b, 0);
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + msum[r];
 }
 
 // int8 weights x int16 activations quantized per group of S blocks of 32 (quantize_i16 with 32 * S
-// values a scale): a group's products add up exactly in int32 (|sum| <= 128 x 32767 x 128 < 2^31),
-// and only then turn to fp32, scaled once: one conversion and one FMA per 32 * S weights and row
-// instead of one per 32. Groups alternate between two accumulators (two FMA chains in flight); every
+// values a scale): a group's products add up exactly in 8 int32 lanes (4 S products a lane, |lane| <=
+// 4 S x 32767 x 128 < 2^31), and only then turn to fp32 (rounded above 2^24 when S = 2: the same
+// rounding for every row and batch), scaled once: one conversion and one FMA per 32 * S weights and
+// row instead of one per 32. Groups alternate between two accumulators (two FMA chains in flight); every
 // R gives a row the same operations, so a row's result does not depend on the rows beside it.
 template <int R, int S>
 inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int8_t* wrow, float scale, int64_t ng,
                        float* out) {
     __m256 acc[R][2];
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     auto step = [&](int64_t g, int c) {
         const int8_t* wg = wrow + g * 32 * S;
@@ -210,11 +218,13 @@ inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int
 #pragma GCC unroll 8
         for (int i = 0; i < 2 * S; ++i) {  // 16 weights at a time, widened once for the R rows
             const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wg + i * 16)));
+            #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i*)(xg + r * K + i * 16));
                 p[r][i & 1] = i < 2 ? _mm256_madd_epi16(w, xv) : dot_i16(p[r][i & 1], w, xv);
             }
         }
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
             acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dx + r * ng + g),
                                         _mm256_cvtepi32_ps(_mm256_add_epi32(p[r][0], p[r][1])), acc[r][c]);
@@ -225,6 +235,7 @@ inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int
         step(g + 1, 1);
     }
     if (g < ng) step(g, 0);
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * scale;
 }
 
@@ -326,7 +337,7 @@ inline void quantize_i8(const float* x, int64_t T, int64_t K, std::vector<int8_t
             m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
             const float amax = _mm_cvtss_f32(m4);
             dx[t * nb + b] = amax / 127.f;
-            const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            const __m256 inv = _mm256_set1_ps(amax > kTinyGroup ? 127.f / amax : 0.f);
             __m256i q[4];
             for (int i = 0; i < 4; ++i)
                 q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
@@ -337,8 +348,9 @@ inline void quantize_i8(const float* x, int64_t T, int64_t K, std::vector<int8_t
 }
 #endif
 
-// Per row and group of 32 * S values (S = 1: blocks of 32): the int16 activations and their scale
-// (|x| max / 32767; see q4_row_i16).
+// Per row and group of 32 * S values (S = 1: blocks of 32; K a multiple of 32 * S): the int16
+// activations and their scale (|x| max / 32767; see q4_row_i16). A group whose |x| max is under
+// kTinyGroup quantizes to zeros (its scale's reciprocal would overflow to inf).
 inline void quantize_i16(const float* x, int64_t T, int64_t K, std::vector<int16_t>& x16, std::vector<float>& dx,
                          int64_t S = 1) {
     const int64_t gs = 32 * S, ng = K / gs;
@@ -349,7 +361,7 @@ inline void quantize_i16(const float* x, int64_t T, int64_t K, std::vector<int16
             const float* xg = x + t * K + g * gs;
             float amax = 0.f;
             for (int64_t j = 0; j < gs; ++j) amax = std::max(amax, std::fabs(xg[j]));
-            const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+            const float d = amax / 32767.f, inv = amax > kTinyGroup ? 32767.f / amax : 0.f;
             dx[t * ng + g] = d;
             for (int64_t j = 0; j < gs; ++j) x16[t * K + g * gs + j] = (int16_t)std::lrintf(xg[j] * inv);
         }
@@ -1433,8 +1445,7 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
                 store_rows(y, N, t0, rows, n, out, bias);
             }, q, K);
         };
-        if (S == 4) rows_of(std::integral_constant<int, 4>{});
-        else if (S == 2) rows_of(std::integral_constant<int, 2>{});
+        if (S == 2) rows_of(std::integral_constant<int, 2>{});
         else rows_of(std::integral_constant<int, 1>{});
         return;
     }
