@@ -158,6 +158,18 @@ inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// step(i, chain) for i in [0, n), the chain alternating 0, 1, 0, ... (two FMA chains in flight; the
+// chain is a constant at each call, so the accumulators it picks stay in registers).
+template <typename F>
+inline void two_chains(int64_t n, F&& step) {
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        step(i, 0);
+        step(i + 1, 1);
+    }
+    if (i < n) step(i, 0);
+}
+
 // The same products with the activations as int16 per block of 32 (scale dx: |x| max / 32767, so
 // each activation keeps 15 bits, more than the bf16 torch's int kernels use): the weights widen to
 // int16 once per block and _mm256_madd_epi16 multiplies and pairs them, half the instructions of the
@@ -172,7 +184,7 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
     // two blocks per iteration, each its own accumulator (two FMA chains in flight; the chain is
     // picked at compile time: an index computed at run time kept the accumulators in memory)
     __m256 acc[R][2];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi16(0x0F);
     auto step = [&](int64_t b, int c) {
@@ -181,7 +193,7 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wrow + b * 16)));
         const __m256i q0 = _mm256_and_si256(v, low4);
         const __m256i q1 = _mm256_srli_epi16(v, 4);
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             const int16_t* xb = x16 + r * K + b * 32;
             const __m256i p = dot_i16(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)xb)), q1,
@@ -189,13 +201,8 @@ inline void q4_row_i16(const int16_t* x16, const float* dx, int64_t K, const uin
             acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd[r] + b), _mm256_cvtepi32_ps(p), acc[r][c]);
         }
     };
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        step(b, 0);
-        step(b + 1, 1);
-    }
-    if (b < nb) step(b, 0);
-    #pragma GCC unroll 8
+    two_chains(nb, step);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + msum[r];
 }
 
@@ -209,7 +216,7 @@ template <int R, int S>
 inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int8_t* wrow, float scale, int64_t ng,
                        float* out) {
     __m256 acc[R][2];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     auto step = [&](int64_t g, int c) {
         const int8_t* wg = wrow + g * 32 * S;
@@ -218,24 +225,19 @@ inline void q8_row_i16(const int16_t* x16, const float* dx, int64_t K, const int
 #pragma GCC unroll 8
         for (int i = 0; i < 2 * S; ++i) {  // 16 weights at a time, widened once for the R rows
             const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wg + i * 16)));
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i*)(xg + r * K + i * 16));
                 p[r][i & 1] = i < 2 ? _mm256_madd_epi16(w, xv) : dot_i16(p[r][i & 1], w, xv);
             }
         }
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
             acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dx + r * ng + g),
                                         _mm256_cvtepi32_ps(_mm256_add_epi32(p[r][0], p[r][1])), acc[r][c]);
     };
-    int64_t g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        step(g, 0);
-        step(g + 1, 1);
-    }
-    if (g < ng) step(g, 0);
-    #pragma GCC unroll 8
+    two_chains(ng, step);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * scale;
 }
 
