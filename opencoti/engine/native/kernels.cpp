@@ -508,6 +508,19 @@ inline void with_rows(int64_t rows, F&& f) {
     }
 }
 
+// f(std::integral_constant<int, m>{}, r) over rows [0, rows) in runs of m = 4, then 2, then 1: the
+// int16 row kernels' row counts (every count gives a row the same operations).
+template <typename F>
+inline void rows_421(int64_t rows, F&& f) {
+    for (int64_t r = 0; r < rows;) {
+        const int64_t m = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+        if (m == 4) f(std::integral_constant<int, 4>{}, r);
+        else if (m == 2) f(std::integral_constant<int, 2>{}, r);
+        else f(std::integral_constant<int, 1>{}, r);
+        r += m;
+    }
+}
+
 // y[t0 + r, n] = out[r] (+ bias[n]) for the rows of one register block.
 inline void store_rows(float* y, int64_t N, int64_t t0, int64_t rows, int64_t n, const float* out, const float* bias) {
     const float b = bias ? bias[n] : 0.f;
@@ -1375,14 +1388,11 @@ void oc_q4_matmul(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
         matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
             float out[kRows];
             const uint8_t* wrow = w + n * row_bytes;
-            for (int64_t r = 0; r < rows;) {
-                const int64_t t = t0 + r, m = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-                const int16_t* xt = x16.data() + t * K;
-                if (m == 4) q4_row_i16<4>(xt, dx.data() + t * nb, K, wrow, sx.data() + t * nb, nb, out + r);
-                else if (m == 2) q4_row_i16<2>(xt, dx.data() + t * nb, K, wrow, sx.data() + t * nb, nb, out + r);
-                else q4_row_i16<1>(xt, dx.data() + t * nb, K, wrow, sx.data() + t * nb, nb, out + r);
-                r += m;
-            }
+            rows_421(rows, [&](auto R, int64_t r) {
+                const int64_t t = t0 + r;
+                q4_row_i16<decltype(R)::value>(x16.data() + t * K, dx.data() + t * nb, K, wrow, sx.data() + t * nb, nb,
+                                               out + r);
+            });
             store_rows(y, N, t0, rows, n, out, bias);
         }, w, row_bytes);
         return;
@@ -1435,15 +1445,11 @@ void oc_q8_matmul(const float* x, int64_t T, int64_t K, const int8_t* q, const f
             matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
                 float out[kRows];
                 const int8_t* wrow = q + n * K;
-                for (int64_t r = 0; r < rows;) {
-                    const int64_t t = t0 + r, m = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-                    const int16_t* xt = x16.data() + t * K;
-                    const float* dt = dx.data() + t * ng;
-                    if (m == 4) q8_row_i16<4, Sc>(xt, dt, K, wrow, scale[n], ng, out + r);
-                    else if (m == 2) q8_row_i16<2, Sc>(xt, dt, K, wrow, scale[n], ng, out + r);
-                    else q8_row_i16<1, Sc>(xt, dt, K, wrow, scale[n], ng, out + r);
-                    r += m;
-                }
+                rows_421(rows, [&](auto R, int64_t r) {
+                    const int64_t t = t0 + r;
+                    q8_row_i16<decltype(R)::value, Sc>(x16.data() + t * K, dx.data() + t * ng, K, wrow, scale[n], ng,
+                                                       out + r);
+                });
                 store_rows(y, N, t0, rows, n, out, bias);
             }, q, K);
         };
