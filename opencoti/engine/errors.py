@@ -27,14 +27,18 @@ class InvalidRequestError(OpencotiError, ValueError, ModelInvalidRequestError):
 class ContextLengthError(InvalidRequestError, ContextOverflowError):
     """Prompt plus max_tokens does not fit the model's context (HTTP 400). ``n_prompt_tokens`` and
     ``n_ctx`` are reported in the error body, like llama.cpp's; on the OpenAI routes the body also
-    carries OpenAI's ``code: "context_length_exceeded"``."""
+    carries OpenAI's ``code: "context_length_exceeded"`` and wording, on the Anthropic routes the
+    message is Anthropic's (``prompt is too long: ...``), so each API's clients recognise it."""
 
     error_type = "exceed_context_size_error"
 
-    def __init__(self, message: str, n_prompt_tokens: int | None = None, n_ctx: int | None = None):
+    def __init__(self, message: str, n_prompt_tokens: int | None = None, n_ctx: int | None = None,
+                 max_tokens: int | None = None):
         super().__init__(message)
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
+        self.max_tokens = max_tokens
+        """The tokens the request set aside for the answer (each API words the overflow its own way)."""
 
 
 class NotFoundError(OpencotiError, KeyError):

@@ -149,19 +149,47 @@ def describe_exception(exc: BaseException) -> tuple[int, str, str, dict[str, str
     return status, message, etype, headers
 
 
-def _exception_body(exc: BaseException, status: int, message: str, etype: str, openai: bool = False) -> dict:
+def _exception_body(exc: BaseException, status: int, message: str, etype: str, openai: bool = False,
+                    path: str = "") -> dict:
     body = error_body(status, message, etype)
     if isinstance(exc, ContextLengthError):
         if exc.n_ctx is not None:  # llama.cpp's extra fields
             body["error"].update(n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
-        if openai:  # OpenAI's error code, param "messages"; the code also ends the message, as the
-            # OpenAI SDKs put only the message in the exception's text (what langchain-openai reads)
+        if path.startswith(ANTHROPIC_PATHS):  # Anthropic's words (what langchain-anthropic looks for)
+            body["error"]["message"] = anthropic_context_message(exc, message)
+        elif openai:  # OpenAI's error code, param "messages" and words; the code also ends the message, as
+            # the OpenAI SDKs put only the message in the exception's text (what langchain-openai reads)
             body["error"].update(code=OPENAI_CONTEXT_CODE, param="messages",
-                                 message=f"{message} ({OPENAI_CONTEXT_CODE})")
+                                 message=f"{openai_context_message(exc, message, path)} ({OPENAI_CONTEXT_CODE})")
     return body
 
 
 OPENAI_CONTEXT_CODE = "context_length_exceeded"
+
+
+def anthropic_context_message(exc: ContextLengthError, fallback: str) -> str:
+    """Anthropic's context overflow: ``prompt is too long: N tokens > M maximum`` (the room left for
+    the prompt once ``max_tokens`` is set aside, when the prompt alone would fit)."""
+    n, ctx, out = exc.n_prompt_tokens, exc.n_ctx, exc.max_tokens or 0
+    if n is None or ctx is None:
+        return f"prompt is too long: {fallback}"
+    if n > ctx or out <= 0:
+        return f"prompt is too long: {n} tokens > {ctx} maximum"
+    return (f"prompt is too long: {n} tokens > {max(0, ctx - out)} maximum (a context of {ctx} tokens less "
+            f"max_tokens {out})")
+
+
+def openai_context_message(exc: ContextLengthError, fallback: str, path: str = "") -> str:
+    """OpenAI's context overflow: ``This model's maximum context length is N tokens. However, ...``."""
+    n, ctx, out = exc.n_prompt_tokens, exc.n_ctx, exc.max_tokens or 0
+    if n is None or ctx is None:
+        return fallback
+    what = "prompt" if path.startswith(("/v1/completions", "/v1/embeddings")) else "messages"
+    if out <= 0:
+        return (f"This model's maximum context length is {ctx} tokens. However, your {what} resulted in {n} "
+                f"tokens. Please reduce the length of the {what}.")
+    return (f"This model's maximum context length is {ctx} tokens. However, you requested {n + out} tokens "
+            f"({n} in the {what}, {out} in the completion). Please reduce the length of the {what} or completion.")
 
 
 def is_openai_path(path: str) -> bool:
@@ -177,7 +205,7 @@ def error_event(exc: BaseException, openai: bool = False) -> dict:
 def error_response(exc: BaseException, openai: bool = False, path: str = "") -> JSONResponse:
     """The error answer for ``exc`` (``path``: the request's, for the shape of its API)."""
     status, message, etype, headers = describe_exception(exc)
-    return SafeJSONResponse(shaped(path, _exception_body(exc, status, message, etype, openai)), status_code=status,
+    return SafeJSONResponse(shaped(path, _exception_body(exc, status, message, etype, openai, path)), status_code=status,
                             headers=headers)
 
 

@@ -10,8 +10,9 @@ constraints, tenants and metrics. Errors on these routes take Anthropic's shape
 Stream: ``message_start``, ``ping``, then per content block ``content_block_start``,
 ``content_block_delta`` (``text_delta`` / ``input_json_delta``) and ``content_block_stop`` with
 indices 0, 1, ... in order (text first, then one block per tool call), ``message_delta``
-(``stop_reason``, ``stop_sequence``, usage) and ``message_stop``; each event has an ``event:``
-line naming its type. An error after the first event is an ``error`` event.
+(``stop_reason``, ``stop_sequence`` and the whole usage: input, cache read / creation and output
+tokens, as Anthropic sends it) and ``message_stop``; each event has an ``event:`` line naming its
+type. An error after the first event is an ``error`` event.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ async def messages(request: Request, body: MessagesRequest, ctx: Context = Depen
         reason, seq = stop_reason(result, calls, stops)
         out.append(named_event("message_delta", {"type": "message_delta",
                                                  "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                 "usage": {"output_tokens": len(result.token_ids)}}))
+                                                 # the whole usage, as Anthropic sends it (ChatAnthropic
+                                                 # reads a stream's usage from this event only)
+                                                 "usage": message_usage(info, len(result.token_ids))}))
         out.append(named_event("message_stop", {"type": "message_stop"}))
         return out
 

@@ -36,12 +36,13 @@ class Limits:
         if total > self.max_context:
             raise ContextLengthError(
                 f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) = {total} exceeds the context "
-                f"length {self.max_context}", n_prompt_tokens=n_tokens, n_ctx=self.max_context)
+                f"length {self.max_context}", n_prompt_tokens=n_tokens, n_ctx=self.max_context,
+                max_tokens=max_tokens or 0)
         if self.kv.pages_for(total - 1) > self.kv.num_pages:  # the last sampled token never needs KV
             raise ContextLengthError(
                 f"{what} ({n_tokens} tokens) + max_tokens ({max_tokens or 0}) does not fit the KV cache "
                 f"({self.capacity_tokens()} tokens)", n_prompt_tokens=n_tokens,
-                n_ctx=min(self.max_context, self.capacity_tokens()))
+                n_ctx=min(self.max_context, self.capacity_tokens()), max_tokens=max_tokens or 0)
 
     def fits(self, n_tokens: int, max_tokens: int | None) -> bool:
         try:
