@@ -1,0 +1,627 @@
+"""Synthetic GGUF files: test models of any size, no downloads.
+
+:func:`write_gguf` writes a random-weight Llama / Qwen2 / Qwen3 model as a GGUF
+file that llama.cpp and opencoti both load, with the bundled SmolLM2 tokenizer
+(every ``tokenizer.*`` key copied from the bundled GGUF, so the vocabulary has
+49152 entries = the rows of ``token_embd``). Quantized tensors are generated
+directly as ggml blocks (random quants, random fp16 scales, valid 6-bit k-quant
+sub-block scales), never by quantizing floats, so an 8B Q4_K_M file takes
+seconds plus the disk write, and the data is streamed tensor by tensor (peak
+memory: one chunk of one tensor).
+
+Scales are chosen so every weight has mean 0 and std ~ 1/sqrt(fan_in), so
+activations stay sane through the layers; RMSNorm weights are F32 around 1.0,
+biases F32 small. ``head_scale`` is (about) the std of the output logits: the
+output weight is scaled by it (untied), or, for a tied head (the head IS the
+embedding), ``output_norm``'s weight is — so the next-token distribution is
+peaked like a real model's instead of flat.
+
+Same arguments -> byte-identical file (each tensor has its own random stream
+seeded from ``seed`` and the tensor's name).
+
+Note for readers comparing against HF checkpoints: llama-architecture GGUF
+files store the rows of ``attn_q`` / ``attn_k`` in llama.cpp's rotary order (the
+HF converter permutes them). For random weights that is just a fixed
+permutation, so nothing here applies it; a loader that un-permutes gets a
+different (equally random) model that is still the same function as llama.cpp's.
+
+Only numpy, gguf and the standard library are used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+MIXES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_K_M")
+VOCAB_SIZE = 49152  # the bundled SmolLM2 tokenizer
+RMS_EPS = 1e-5
+DEFAULT_HEAD_SCALE = 10.0
+CHUNK_BYTES = 32 << 20  # generate at most this much tensor data at a time
+
+# GGML type ids and block geometry: (block elements, block bytes)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
+              Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
+          Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+# llama-quantize's fallbacks when a row (ne[0]) is not a multiple of the block size
+FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
+# general.file_type (llama_ftype) per mix
+FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(arch="llama", hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, tied=True),
+    "135m": dict(arch="llama", hidden=576, layers=30, ffn=1536, heads=9, kv_heads=3, tied=True,
+                 context=8192, rope_theta=100000.0),
+    "1b": dict(arch="llama", hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, tied=True,
+               context=131072, rope_theta=500000.0, rope_scaling=("llama3", 32.0, 1.0, 4.0, 8192)),
+    "3b": dict(arch="llama", hidden=3072, layers=28, ffn=8192, heads=24, kv_heads=8, tied=True,
+               context=131072, rope_theta=500000.0, rope_scaling=("llama3", 32.0, 1.0, 4.0, 8192)),
+    "8b": dict(arch="llama", hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, tied=False,
+               context=131072, rope_theta=500000.0, rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192)),
+}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of the file: its GGUF name, numpy-order shape (rows, cols), ggml type and how to fill it."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int
+    kind: str  # "weight" (std sigma, zero mean) | "norm" (around `scale`) | "bias" | "rope_freqs"
+    sigma: float = 0.0
+    scale: float = 1.0
+
+    @property
+    def nbytes(self) -> int:
+        per, size = BLOCKS[self.qtype]
+        n = int(np.prod(self.shape))
+        return n // per * size
+
+
+# ---------------------------------------------------------------------------
+# the bundled tokenizer's metadata (a small, fast reader of the GGUF KV section)
+# ---------------------------------------------------------------------------
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+              10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf_kv(path: str | os.PathLike) -> list[tuple[str, int, Any, int | None]]:
+    """Every metadata key of a GGUF file as ``(key, value type, value, array sub type)``.
+
+    A plain parser of the KV section (GGUF v2/v3): about 0.1 s for a 49k-token
+    vocabulary, where ``gguf.GGUFReader`` takes seconds.
+    """
+    size = 8 << 20
+    while True:
+        with open(path, "rb") as f:
+            buf = f.read(size)
+        try:
+            return _parse_kv(buf, str(path))
+        except (struct.error, IndexError, UnicodeDecodeError, _Truncated):
+            if len(buf) < size:  # the whole file was read: it is broken
+                raise ValueError(f"{path}: truncated or corrupt GGUF metadata") from None
+            size *= 4
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _parse_kv(buf: bytes, path: str) -> list[tuple[str, int, Any, int | None]]:
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file")
+    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    pos = 24
+
+    def string(p: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, p)
+        if p + 8 + n > len(buf):
+            raise _Truncated
+        return buf[p + 8:p + 8 + n].decode("utf-8"), p + 8 + n
+
+    out: list[tuple[str, int, Any, int | None]] = []
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if vtype == _STRING:
+            value, pos = string(pos)
+            out.append((key, vtype, value, None))
+        elif vtype == _ARRAY:
+            sub, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if sub == _STRING:
+                items = []
+                for _ in range(count):
+                    s, pos = string(pos)
+                    items.append(s)
+                value = items
+            elif sub in _NP_SCALAR:
+                dt = np.dtype(_NP_SCALAR[sub])
+                if pos + count * dt.itemsize > len(buf):
+                    raise _Truncated
+                arr = np.frombuffer(buf, dtype=dt, count=count, offset=pos)
+                value = [bool(x) for x in arr] if sub == 7 else arr.tolist()
+                pos += count * dt.itemsize
+            else:
+                raise ValueError(f"{path}: nested arrays in key {key!r} are not supported")
+            out.append((key, vtype, value, sub))
+        elif vtype in _SCALAR:
+            (value,) = struct.unpack_from(_SCALAR[vtype], buf, pos)
+            pos += struct.calcsize(_SCALAR[vtype])
+            out.append((key, vtype, value, None))
+        else:
+            raise ValueError(f"{path}: unknown GGUF value type {vtype} for key {key!r}")
+    return out
+
+
+@lru_cache(maxsize=4)
+def _tokenizer_kv_cached(path: str) -> tuple[tuple[str, int, Any, int | None], ...]:
+    kv = tuple(item for item in read_gguf_kv(path) if item[0].startswith("tokenizer."))
+    tokens = next((v for k, _, v, _ in kv if k == "tokenizer.ggml.tokens"), None)
+    if tokens is None:
+        raise ValueError(f"{path} has no tokenizer.ggml.tokens")
+    return kv
+
+
+def tokenizer_kv(path: str | os.PathLike | None = None) -> tuple[tuple[str, int, Any, int | None], ...]:
+    """The ``tokenizer.*`` metadata of ``path`` (default: the bundled SmolLM2 GGUF), cached per process."""
+    if path is None:
+        from .loader import bundled_gguf_path  # the only opencoti import, and only when needed
+
+        path = bundled_gguf_path()
+    return _tokenizer_kv_cached(str(Path(path).resolve()))
+
+
+# ---------------------------------------------------------------------------
+# random ggml blocks
+# ---------------------------------------------------------------------------
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    words = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(words)))
+
+
+def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    raw = rng.bit_generator.random_raw((n + 7) // 8)
+    return np.asarray(raw, dtype="<u8").view(np.uint8)[:n]
+
+
+def _unit(col: np.ndarray) -> np.ndarray:
+    """Two random bytes per row -> float64 uniform in [0, 1)."""
+    return (col[:, 0].astype(np.float64) + 256.0 * col[:, 1]) / 65536.0
+
+
+# per-block scale spread: d = base * u, u uniform in [0.75, 1.25); E[u^2] = 1 + 1/48
+_U_RMS = math.sqrt(1.0 + 1.0 / 48.0)
+# E[(q - center)^2] for uniform random quants
+_EQ2 = {Q4_0: 21.5, Q4_1: 21.25, Q5_0: 85.5, Q5_1: 85.25, Q8_0: 5461.5, Q4_K: 21.25, Q5_K: 85.25, Q6_K: 341.5}
+_SC_K_RMS = math.sqrt(47.5 ** 2 + (32 ** 2 - 1) / 12)  # 6-bit sub-block scales uniform in 32..63
+_SC_6_RMS = math.sqrt(63.5 ** 2 + (64 ** 2 - 1) / 12)  # Q6_K int8 scales: +-(32..95)
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _sign(col: np.ndarray) -> np.ndarray:
+    return np.where(col & 1, -1.0, 1.0)
+
+
+def _fill_blocks(qtype: int, blocks: np.ndarray, sigma: float) -> None:
+    """Turn rows of random bytes (one ggml block each) into valid blocks of weights with std ``sigma``.
+
+    The quant payload stays random (any bit pattern is a valid quant); the
+    scales are overwritten, their randomness taken from the bytes they replace.
+    """
+    if qtype in (Q4_0, Q5_0, Q8_0):  # w = d * (q - center), d of random sign: zero mean
+        base = sigma / (math.sqrt(_EQ2[qtype]) * _U_RMS)
+        d = base * (0.75 + 0.5 * _unit(blocks[:, 0:2])) * _sign(blocks[:, 2])
+        blocks[:, 0:2] = _fp16(d)
+    elif qtype in (Q4_1, Q5_1):  # w = d * q + m, m = -center * d: zero mean
+        base = sigma / (math.sqrt(_EQ2[qtype]) * _U_RMS)
+        d = (base * (0.75 + 0.5 * _unit(blocks[:, 0:2]))).astype(np.float16)
+        center = 7.5 if qtype == Q4_1 else 15.5
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:4] = _fp16(-center * d.astype(np.float64))
+    elif qtype in (Q4_K, Q5_K):  # w = d*sc*q - dmin*m, m = sc and dmin = center * d: w = d*sc*(q - center)
+        base = sigma / (math.sqrt(_EQ2[qtype]) * _SC_K_RMS * _U_RMS)
+        d = (base * (0.75 + 0.5 * _unit(blocks[:, 0:2]))).astype(np.float16)
+        center = 7.5 if qtype == Q4_K else 15.5
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:4] = _fp16(center * d.astype(np.float64))
+        sc = 32 + (blocks[:, 4:12] & 31)  # 8 sub-block scales (= mins), 6-bit
+        packed = np.empty((blocks.shape[0], 12), dtype=np.uint8)
+        packed[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+        packed[:, 4:8] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+        packed[:, 8:12] = (sc[:, 4:8] & 15) | ((sc[:, 4:8] & 15) << 4)
+        blocks[:, 4:16] = packed
+    elif qtype == Q6_K:  # w = d * sc * (q - 32), sc int8 of random sign: zero mean
+        base = sigma / (math.sqrt(_EQ2[qtype]) * _SC_6_RMS * _U_RMS)
+        d = base * (0.75 + 0.5 * _unit(blocks[:, 208:210]))
+        raw = blocks[:, 192:208]
+        sc = (32 + (raw >> 2).astype(np.int16)) * np.where(raw & 1, -1, 1).astype(np.int16)  # +-(32..95)
+        blocks[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+        blocks[:, 208:210] = _fp16(d)
+    else:
+        raise ValueError(f"no block generator for ggml type {qtype}")
+
+
+def _tensor_chunks(plan: TensorPlan, seed: int, rope_factors: np.ndarray | None) -> Iterator[bytes | np.ndarray]:
+    """The tensor's data, in order, in chunks of at most about CHUNK_BYTES."""
+    rng = _rng(seed, plan.name)
+    n = int(np.prod(plan.shape))
+    if plan.kind == "rope_freqs":
+        assert rope_factors is not None
+        yield rope_factors.astype("<f4")
+        return
+    if plan.kind == "norm":
+        yield (plan.scale * (1.0 + 0.1 * (rng.random(n) - 0.5))).astype("<f4")
+        return
+    if plan.kind == "bias":
+        yield (plan.sigma * rng.standard_normal(n)).astype("<f4")
+        return
+    rows, cols = plan.shape
+    if plan.qtype in (F16, F32):
+        dt = "<f2" if plan.qtype == F16 else "<f4"
+        step = max(1, CHUNK_BYTES // (cols * 4))
+        for r in range(0, rows, step):
+            m = min(step, rows - r)
+            yield (plan.sigma * rng.standard_normal(m * cols, dtype=np.float32)).astype(dt)
+        return
+    per, size = BLOCKS[plan.qtype]
+    row_bytes = cols // per * size
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for r in range(0, rows, step):
+        m = min(step, rows - r)
+        blocks = _random_bytes(rng, m * row_bytes).reshape(-1, size)
+        _fill_blocks(plan.qtype, blocks, plan.sigma)
+        yield blocks
+
+
+# ---------------------------------------------------------------------------
+# the model plan
+# ---------------------------------------------------------------------------
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quantize's choice of layers that get more bits in the *_M mixes."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _weight_type(mix: str, role: str, i_layer: int, n_layers: int, cols: int, tied: bool) -> int:
+    """The ggml type llama-quantize would pick for a 2-D weight (plain mixes are pure: one type)."""
+    if mix == "F16":
+        return F16
+    if mix in ("Q8_0", "Q4_0", "Q4_1"):
+        qtype = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}[mix]
+        return qtype if cols % 32 == 0 else F16
+    base = Q5_K if mix == "Q5_K_M" else Q4_K
+    if role == "output" or (role == "token_embd" and tied):
+        # llama-quantize: the output (and a tied embedding) gets Q6_K, or Q8_0 for odd row sizes
+        return Q6_K if cols % 256 == 0 else Q8_0
+    qtype = base
+    if role == "attn_v":
+        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_layer, n_layers):
+            qtype = Q6_K
+        elif mix == "Q4_K_S" and i_layer < 4:
+            qtype = Q5_K
+    elif role == "ffn_down":
+        if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_layer, n_layers):
+            qtype = Q6_K
+        elif mix == "Q4_K_S" and i_layer < n_layers // 8:
+            qtype = Q5_K
+    if cols % 256 != 0:  # tensor_type_fallback
+        qtype = FALLBACK[qtype]
+        if cols % 32 != 0:
+            qtype = F16
+    return qtype
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's convert_hf_to_gguf.py computes it (head_dim/2 F32 factors)."""
+    freqs = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    out = []
+    for freq in freqs.astype(np.float32):
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0,
+           f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def normalize_rope_scaling(rope_scaling: Any) -> tuple | None:
+    """Validate ``rope_scaling``: None, ("linear", factor) or ("llama3", factor, low, high, original_context)."""
+    if rope_scaling is None:
+        return None
+    _check(isinstance(rope_scaling, (tuple, list)) and len(rope_scaling) >= 1,
+           f"rope_scaling must be None, ('linear', factor) or ('llama3', factor, low_freq_factor, "
+           f"high_freq_factor, original_context), got {rope_scaling!r}")
+    kind = rope_scaling[0]
+    if kind == "linear":
+        _check(len(rope_scaling) == 2, f"linear rope_scaling is ('linear', factor), got {rope_scaling!r}")
+        factor = float(rope_scaling[1])
+        _check(factor > 0, f"rope scaling factor must be > 0, got {factor}")
+        return ("linear", factor)
+    if kind == "llama3":
+        _check(len(rope_scaling) == 5, "llama3 rope_scaling is ('llama3', factor, low_freq_factor, "
+               f"high_freq_factor, original_context), got {rope_scaling!r}")
+        factor, low, high = (float(x) for x in rope_scaling[1:4])
+        original = _positive_int("original_context", rope_scaling[4])
+        _check(factor > 0 and low > 0 and high > low,
+               f"llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor, got {rope_scaling!r}")
+        return ("llama3", factor, low, high, original)
+    raise ValueError(f"unknown rope_scaling type {kind!r} (expected 'linear' or 'llama3')")
+
+
+def plan_tensors(*, arch: str, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int, head_dim: int,
+                 tied: bool, mix: str, qkv_bias: bool, rope_freqs: bool, head_scale: float,
+                 vocab: int = VOCAB_SIZE) -> list[TensorPlan]:
+    """The file's tensors in order, with types and scales (names as llama.cpp expects them)."""
+    plans: list[TensorPlan] = []
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+
+    def weight(name: str, role: str, i: int, rows: int, cols: int, sigma: float | None = None) -> None:
+        qtype = _weight_type(mix, role, i, layers, cols, tied)
+        plans.append(TensorPlan(name, (rows, cols), qtype, "weight",
+                                sigma=(1.0 / math.sqrt(cols)) if sigma is None else sigma))
+
+    weight("token_embd.weight", "token_embd", -1, vocab, hidden)
+    if rope_freqs:
+        plans.append(TensorPlan("rope_freqs.weight", (head_dim // 2,), F32, "rope_freqs"))
+    for i in range(layers):
+        p = f"blk.{i}."
+        plans.append(TensorPlan(p + "attn_norm.weight", (hidden,), F32, "norm"))
+        weight(p + "attn_q.weight", "attn_q", i, q_out, hidden)
+        weight(p + "attn_k.weight", "attn_k", i, kv_out, hidden)
+        weight(p + "attn_v.weight", "attn_v", i, kv_out, hidden)
+        if qkv_bias:
+            for nm, n in (("attn_q", q_out), ("attn_k", kv_out), ("attn_v", kv_out)):
+                plans.append(TensorPlan(p + nm + ".bias", (n,), F32, "bias", sigma=0.1))
+        if arch == "qwen3":
+            plans.append(TensorPlan(p + "attn_q_norm.weight", (head_dim,), F32, "norm"))
+            plans.append(TensorPlan(p + "attn_k_norm.weight", (head_dim,), F32, "norm"))
+        weight(p + "attn_output.weight", "attn_output", i, hidden, q_out)
+        plans.append(TensorPlan(p + "ffn_norm.weight", (hidden,), F32, "norm"))
+        weight(p + "ffn_gate.weight", "ffn_gate", i, ffn, hidden)
+        weight(p + "ffn_up.weight", "ffn_up", i, ffn, hidden)
+        weight(p + "ffn_down.weight", "ffn_down", i, hidden, ffn)
+    plans.append(TensorPlan("output_norm.weight", (hidden,), F32, "norm", scale=head_scale if tied else 1.0))
+    if not tied:
+        weight("output.weight", "output", -1, vocab, hidden, sigma=head_scale / math.sqrt(hidden))
+    return plans
+
+
+# ---------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------
+
+
+def _add_kv(writer: Any, key: str, vtype: int, value: Any, sub: int | None) -> None:
+    import gguf
+
+    vt = gguf.GGUFValueType(vtype)
+    if vt == gguf.GGUFValueType.ARRAY:
+        try:
+            writer.add_key_value(key, value, vt, sub_type=gguf.GGUFValueType(sub))
+        except TypeError:  # older gguf: no sub_type; the type comes from the first element
+            writer.add_key_value(key, value, vt)
+    else:
+        writer.add_key_value(key, value, vt)
+
+
+def write_gguf(
+    path: str | os.PathLike,
+    *,
+    arch: str = "llama",
+    hidden: int = 256,
+    layers: int = 2,
+    ffn: int = 512,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    context: int = 4096,
+    rope_theta: float = 10000.0,
+    rope_scaling: tuple | None = None,
+    qkv_bias: bool = False,
+    tied: bool = True,
+    mix: str = "Q4_K_M",
+    seed: int = 0,
+    head_scale: float = DEFAULT_HEAD_SCALE,
+    name: str | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Write a random-weight model as a GGUF file at ``path``; returns a summary (sha256, bytes, types).
+
+    ``arch``: "llama" | "qwen2" (always q/k/v biases) | "qwen3" (per-head q/k RMSNorm;
+    ``head_dim`` may differ from hidden/heads). ``rope_scaling``: None,
+    ``("linear", factor)`` or ``("llama3", factor, low_freq_factor, high_freq_factor,
+    original_context)`` (llama only; written as ``rope_freqs.weight``). ``mix``: one of
+    :data:`MIXES`; the k-quant mixes imitate llama-quantize's per-tensor choices (and its
+    fallbacks for rows that are not a multiple of 256); F16/Q8_0/Q4_0/Q4_1 are pure.
+    ``head_scale``: about the std of the output logits. Raises ValueError on bad arguments.
+    """
+    import gguf
+
+    _check(arch in ARCHITECTURES, f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    _check(mix in MIXES, f"mix must be one of {', '.join(MIXES)}, got {mix!r}")
+    hidden = _positive_int("hidden", hidden)
+    layers = _positive_int("layers", layers)
+    ffn = _positive_int("ffn", ffn)
+    heads = _positive_int("heads", heads)
+    kv_heads = heads if kv_heads is None else _positive_int("kv_heads", kv_heads)
+    context = _positive_int("context", context)
+    seed = int(seed)
+    _check(0 <= seed < 2 ** 63, f"seed must be a non-negative integer, got {seed}")
+    _check(heads % kv_heads == 0, f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None:
+        _check(hidden % heads == 0, f"hidden ({hidden}) must be a multiple of heads ({heads}), or give head_dim")
+        head_dim = hidden // heads
+    head_dim = _positive_int("head_dim", head_dim)
+    _check(head_dim % 2 == 0, f"head_dim must be even (rotary pairs), got {head_dim}")
+    _check(math.isfinite(rope_theta) and rope_theta > 0, f"rope_theta must be > 0, got {rope_theta}")
+    _check(math.isfinite(head_scale) and head_scale > 0, f"head_scale must be > 0, got {head_scale}")
+    rope_scaling = normalize_rope_scaling(rope_scaling)
+    if arch == "qwen2":
+        qkv_bias = True
+    _check(not (arch == "qwen3" and qkv_bias), "qwen3 has no q/k/v biases (qkv_bias=True is only for llama / qwen2)")
+    _check(not (rope_scaling and rope_scaling[0] == "llama3" and arch != "llama"),
+           "llama3 rope scaling (rope_freqs.weight) is only read by llama.cpp's llama architecture")
+    if mix == "F16" or mix.endswith("_0") or mix.endswith("_1"):
+        _check(hidden % 32 == 0 and ffn % 32 == 0 and (heads * head_dim) % 32 == 0,
+               f"{mix}: hidden, ffn and heads*head_dim must be multiples of 32")
+    else:
+        _check(hidden % 32 == 0 and ffn % 32 == 0 and (heads * head_dim) % 32 == 0,
+               f"{mix}: hidden, ffn and heads*head_dim must be multiples of 32 "
+               "(rows that are not multiples of 256 fall back to Q5_0/Q5_1/Q8_0 like llama-quantize)")
+
+    tok_kv = tokenizer_kv(tokenizer_from)
+    vocab = len(next(v for k, _, v, _ in tok_kv if k == "tokenizer.ggml.tokens"))
+    rope_factors = None
+    if rope_scaling and rope_scaling[0] == "llama3":
+        rope_factors = llama3_rope_factors(head_dim, rope_theta, *rope_scaling[1:])
+    plans = plan_tensors(arch=arch, hidden=hidden, layers=layers, ffn=ffn, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, tied=tied, mix=mix, qkv_bias=qkv_bias,
+                         rope_freqs=rope_factors is not None, head_scale=float(head_scale), vocab=vocab)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    if gguf.Keys.General.ARCHITECTURE not in writer.kv_data[0]:
+        writer.add_architecture()
+    writer.add_type("model") if hasattr(writer, "add_type") else None
+    writer.add_name(name or f"synthetic-{arch}-{hidden}x{layers}-{mix}-seed{seed}")
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    if arch == "qwen3" or head_dim != hidden // heads or hidden % heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(vocab)
+        writer.add_rope_dimension_count(head_dim)
+    if rope_scaling and rope_scaling[0] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling[1])
+    writer.add_file_type(FILE_TYPES[mix])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, vtype, value, sub in tok_kv:
+        _add_kv(writer, key, vtype, value, sub)
+
+    for plan in plans:
+        writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
+                               raw_dtype=gguf.GGMLQuantizationType(plan.qtype))
+    digest = hashlib.sha256()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0] if isinstance(writer.fout, list) else writer.fout
+        fout.flush()
+        align = writer.data_alignment
+        # everything so far, hashed from the file (the writer produced it), then the data as we write it
+        with open(tmp, "rb") as f:
+            head = f.read()
+        digest.update(head)
+        pos = len(head)
+
+        def emit(data: bytes | memoryview) -> None:
+            nonlocal pos
+            fout.write(data)
+            digest.update(data)
+            pos += len(data)
+
+        for k, plan in enumerate(plans):
+            emit(b"\0" * (-pos % align))
+            start = pos
+            for chunk in _tensor_chunks(plan, seed, rope_factors):
+                emit(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+            if pos - start != plan.nbytes:
+                raise AssertionError(f"{plan.name}: wrote {pos - start} bytes, planned {plan.nbytes}")
+            if progress and (k % 16 == 0 or k == len(plans) - 1):
+                progress(f"{k + 1}/{len(plans)} tensors, {pos / 2**20:.0f} MiB")
+        emit(b"\0" * (-pos % align))
+        fout.flush()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    types: dict[str, int] = {}
+    for plan in plans:
+        types[TYPE_NAMES[plan.qtype]] = types.get(TYPE_NAMES[plan.qtype], 0) + 1
+    return {
+        "path": str(path),
+        "sha256": digest.hexdigest(),
+        "bytes": pos,
+        "tensors": len(plans),
+        "types": types,
+        "vocab": vocab,
+        "head_dim": head_dim,
+    }
+
+
+def preset_args(preset: str) -> dict[str, Any]:
+    """The generator arguments of a named preset (a copy)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
+    return dict(PRESETS[preset])
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+__all__: Sequence[str] = (
+    "ARCHITECTURES", "MIXES", "PRESETS", "DEFAULT_HEAD_SCALE", "write_gguf", "preset_args", "plan_tensors",
+    "tokenizer_kv", "read_gguf_kv", "llama3_rope_factors", "use_more_bits", "sha256_file",
+)
