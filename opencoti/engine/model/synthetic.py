@@ -34,10 +34,12 @@ import hashlib
 import math
 import os
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,7 +48,7 @@ MIXES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_K_M")
 VOCAB_SIZE = 49152  # the bundled SmolLM2 tokenizer
 RMS_EPS = 1e-5
 DEFAULT_HEAD_SCALE = 8.0  # top-1 probability: median ~0.65-0.7, 10th percentile ~0.3 (measured, see tests)
-CHUNK_BYTES = 32 << 20  # generate at most this much tensor data at a time
+CHUNK_BYTES = 16 << 20  # generate at most this much tensor data at a time
 
 # GGML type ids and block geometry: (block elements, block bytes)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14
@@ -295,36 +297,37 @@ def _fill_blocks(qtype: int, blocks: np.ndarray, sigma: float) -> None:
         raise ValueError(f"no block generator for ggml type {qtype}")
 
 
-def _tensor_chunks(plan: TensorPlan, seed: int, rope_factors: np.ndarray | None) -> Iterator[bytes | np.ndarray]:
-    """The tensor's data, in order, in chunks of at most about CHUNK_BYTES."""
-    rng = _rng(seed, plan.name)
-    n = int(np.prod(plan.shape))
+def _chunk_rows(plan: TensorPlan) -> list[tuple[int, int]]:
+    """The tensor's data as (first row, rows) chunks of at most about CHUNK_BYTES (one chunk for 1-D)."""
+    if len(plan.shape) == 1:
+        return [(0, 1)]
+    rows, cols = plan.shape
+    per, size = BLOCKS[plan.qtype]
+    row_bytes = max(cols // per * size, cols * 4 if plan.qtype == F16 else 0)  # F16 rows are drawn as float32
+    step = max(1, CHUNK_BYTES // row_bytes)
+    return [(r, min(step, rows - r)) for r in range(0, rows, step)]
+
+
+def _chunk(plan: TensorPlan, seed: int, index: int, rows: int, rope_factors: np.ndarray | None) -> np.ndarray:
+    """Chunk ``index`` of the tensor's data (``rows`` rows); each chunk has its own random stream,
+    so chunks can be made in parallel and the bytes do not depend on how many threads made them."""
+    rng = _rng(seed, f"{plan.name}#{index}")
     if plan.kind == "rope_freqs":
         assert rope_factors is not None
-        yield rope_factors.astype("<f4")
-        return
-    if plan.kind == "norm":
-        yield (plan.scale * (1.0 + 0.1 * (rng.random(n) - 0.5))).astype("<f4")
-        return
-    if plan.kind == "bias":
-        yield (plan.sigma * rng.standard_normal(n)).astype("<f4")
-        return
-    rows, cols = plan.shape
+        return rope_factors.astype("<f4")
+    if plan.kind in ("norm", "bias"):
+        n = int(np.prod(plan.shape))
+        if plan.kind == "norm":
+            return (plan.scale * (1.0 + 0.1 * (rng.random(n) - 0.5))).astype("<f4")
+        return (plan.sigma * rng.standard_normal(n)).astype("<f4")
+    cols = plan.shape[1]
     if plan.qtype in (F16, F32):
-        dt = "<f2" if plan.qtype == F16 else "<f4"
-        step = max(1, CHUNK_BYTES // (cols * 4))
-        for r in range(0, rows, step):
-            m = min(step, rows - r)
-            yield (plan.sigma * rng.standard_normal(m * cols, dtype=np.float32)).astype(dt)
-        return
+        values = plan.sigma * rng.standard_normal(rows * cols, dtype=np.float32)
+        return values.astype("<f2" if plan.qtype == F16 else "<f4")
     per, size = BLOCKS[plan.qtype]
-    row_bytes = cols // per * size
-    step = max(1, CHUNK_BYTES // row_bytes)
-    for r in range(0, rows, step):
-        m = min(step, rows - r)
-        blocks = _random_bytes(rng, m * row_bytes).reshape(-1, size)
-        _fill_blocks(plan.qtype, blocks, plan.sigma)
-        yield blocks
+    blocks = _random_bytes(rng, rows * (cols // per) * size).reshape(-1, size)
+    _fill_blocks(plan.qtype, blocks, plan.sigma)
+    return blocks
 
 
 # ---------------------------------------------------------------------------
@@ -497,6 +500,7 @@ def write_gguf(
     name: str | None = None,
     tokenizer_from: str | os.PathLike | None = None,
     progress: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Write a random-weight model as a GGUF file at ``path``; returns a summary (sha256, bytes, types).
 
@@ -506,7 +510,8 @@ def write_gguf(
     original_context)`` (llama only; written as ``rope_freqs.weight``). ``mix``: one of
     :data:`MIXES`; the k-quant mixes imitate llama-quantize's per-tensor choices (and its
     fallbacks for rows that are not a multiple of 256); F16/Q8_0/Q4_0/Q4_1 are pure.
-    ``head_scale``: about the std of the output logits. Raises ValueError on bad arguments.
+    ``head_scale``: about the std of the output logits. ``threads``: chunks made in parallel
+    (default: the CPU count, at most 4; the bytes do not depend on it). Raises ValueError on bad arguments.
     """
     import gguf
 
@@ -600,16 +605,30 @@ def write_gguf(
             digest.update(data)
             pos += len(data)
 
-        for k, plan in enumerate(plans):
-            emit(b"\0" * (-pos % align))
-            start = pos
-            for chunk in _tensor_chunks(plan, seed, rope_factors):
-                emit(memoryview(np.ascontiguousarray(chunk)).cast("B"))
-            if pos - start != plan.nbytes:
-                raise AssertionError(f"{plan.name}: wrote {pos - start} bytes, planned {plan.nbytes}")
-            if progress and (k % 16 == 0 or k == len(plans) - 1):
+        def write(job: tuple) -> None:  # in file order, on this thread
+            k, plan, i, last, future = job
+            if i == 0:
+                emit(b"\0" * (-pos % align))
+            emit(memoryview(np.ascontiguousarray(future.result())).cast("B"))
+            if last and progress and (k % 16 == 0 or k == len(plans) - 1):
                 progress(f"{k + 1}/{len(plans)} tensors, {pos / 2**20:.0f} MiB")
+
+        workers = max(1, min(4, threads if threads is not None else (os.cpu_count() or 1)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # numpy, hashing and writes release the GIL
+            ahead: deque = deque()  # at most workers + 1 chunks in memory
+            for k, plan in enumerate(plans):
+                chunks = _chunk_rows(plan)
+                for i, (_, rows) in enumerate(chunks):
+                    future = pool.submit(_chunk, plan, seed, i, rows, rope_factors)
+                    ahead.append((k, plan, i, i == len(chunks) - 1, future))
+                    while len(ahead) > workers + 1 or (ahead and ahead[0][-1].done()):
+                        write(ahead.popleft())
+            while ahead:
+                write(ahead.popleft())
         emit(b"\0" * (-pos % align))
+        planned = -(-len(head) // align) * align + sum(-(-p.nbytes // align) * align for p in plans)
+        if pos != planned:
+            raise AssertionError(f"wrote {pos} bytes, planned {planned}")
         fout.flush()
         writer.close()
         os.replace(tmp, path)
