@@ -9,7 +9,9 @@ text; ``tool_use`` blocks (assistant) -> tool calls; ``tool_result`` blocks (use
 ``reasoning_content``; ``tools`` (``input_schema``) -> function tools; ``tool_choice``
 (auto / any / tool / none, ``disable_parallel_tool_use``); ``stop_sequences``; ``temperature``,
 ``top_p``, ``top_k``; ``output_config.format`` (json_schema: the constraint engine). ``metadata``
-and ``thinking`` are accepted (the model has no thinking mode).
+and ``thinking`` are accepted (the model has no thinking mode), the values Anthropic refuses are
+refused here too (a tool without ``input_schema``, ``budget_tokens`` under 1024 or not below
+``max_tokens``, ``max_tokens`` under 1).
 Image and document blocks are refused (400): the model reads text only. The PolyKV fields
 (``pool_id``, ``session_id``, ``cache_salt``, ...) may be sent as extra fields.
 """
@@ -22,6 +24,7 @@ from typing import Any, Union
 
 from pydantic import Field
 
+from ..engine.checks import check_schema_depth, is_int
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.chat.tool_calls import ToolCall
@@ -36,8 +39,7 @@ class MessagesRequest(PolyKVFields):
 
     model: str | None = None
     messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each")
-    max_tokens: int | None = Field(None, description="tokens to generate at most (default: the server's)",
-                                   json_schema_extra=field_range(1))
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's)")
     system: Union[str, list[Any], None] = Field(None, description="a string or text blocks")
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -47,7 +49,9 @@ class MessagesRequest(PolyKVFields):
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = Field(None, description="{\"type\": \"enabled\", \"budget_tokens\": >= 1024} "
+                                                           "or {\"type\": \"disabled\"}: accepted (the model has no "
+                                                           "thinking mode)")
     output_config: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"json_schema\", "
                                                                    "\"schema\": {...}}}: structured output")
     output_format: dict[str, Any] | None = Field(None, description="the earlier name of output_config.format")
@@ -153,7 +157,16 @@ def _tools(tools: list | None) -> list[dict] | None:
         if t.get("type") not in (None, "custom"):
             raise InvalidRequestError(f"{where}: server tool {t.get('type')!r} is not supported; give client tools "
                                       "(name, description, input_schema)")
-        fn: dict[str, Any] = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object"}}
+        name, schema = t.get("name"), t.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"{where}.name: a tool needs a name (a non-empty string)")
+        if schema is None:
+            raise InvalidRequestError(f"{where}.input_schema: Field required (a tool's input is described by a JSON "
+                                      "schema, e.g. {\"type\": \"object\", \"properties\": {...}})")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{where}.input_schema must be a JSON schema object, got {type(schema).__name__}")
+        check_schema_depth(schema, f"{where}.input_schema")
+        fn: dict[str, Any] = {"name": name, "parameters": schema}
         if t.get("description") is not None:
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
@@ -180,6 +193,31 @@ def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
     raise InvalidRequestError(f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
+def check_thinking(thinking: dict | None, max_tokens: int | None) -> None:
+    """Refuse a ``thinking`` setting Anthropic refuses (the model has no thinking mode: a valid one is
+    accepted and changes nothing)."""
+    if thinking is None:
+        return
+    kind = thinking.get("type")
+    if kind in ("disabled", "adaptive"):
+        return
+    if kind != "enabled":
+        raise InvalidRequestError(f"thinking.type must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+    budget = thinking.get("budget_tokens")
+    if not is_int(budget):
+        raise InvalidRequestError("thinking.budget_tokens: an integer is required when thinking is enabled, got "
+                                  f"{budget!r}")
+    if budget < MIN_THINKING_BUDGET:
+        raise InvalidRequestError(f"thinking.budget_tokens: Input should be greater than or equal to "
+                                  f"{MIN_THINKING_BUDGET} (got {budget})")
+    if max_tokens is not None and max_tokens <= budget:
+        raise InvalidRequestError(f"max_tokens must be greater than thinking.budget_tokens (got max_tokens {max_tokens}, "
+                                  f"budget_tokens {budget})")
+
+
 def _response_format(body: MessagesRequest) -> dict | None:
     """Anthropic's structured output (``output_config.format``) as the chat's json_schema response_format."""
     fmt = (body.output_config or {}).get("format") or body.output_format
@@ -194,6 +232,7 @@ def chat_request(body: MessagesRequest, pool_header: int | None = None) -> ChatC
     """The chat completion a Messages request stands for (``pool_header``: the x-pool-id header)."""
     if not body.messages:
         raise InvalidRequestError("messages: at least one message is required")
+    check_thinking(body.thinking, body.max_tokens)
     messages: list[dict] = []
     if body.system:
         messages.append({"role": "system", "content": _texts(body.system, "system")})

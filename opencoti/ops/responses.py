@@ -6,7 +6,8 @@ Translated: ``input`` (a string, or items: messages with ``input_text`` / ``outp
 ``function_call`` and ``function_call_output`` items; ``reasoning`` items are skipped),
 ``instructions`` (a system message, not carried to the next turn, as OpenAI does), function
 ``tools`` and ``tool_choice``, ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
-``top_p``, ``text.format`` (``json_schema`` / ``json_object``: the constraint engine), and
+``top_p``, ``text.format`` (``json_schema`` / ``json_object``: the constraint engine), ``include``
+(OpenAI's values are accepted; none adds anything, the model has no tools or reasoning to show), and
 ``previous_response_id``: the conversation of a stored response (``store``, default true) is put
 before the new input, so its KV, still in the prefix cache, is reused (``usage.input_tokens_details
 .cached_tokens`` says how much). Image and file inputs are refused (400): the model reads text only.
@@ -18,10 +19,11 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import Field
 
+from ..engine.checks import check_schema_depth
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.chat.tool_calls import ToolCall
@@ -35,6 +37,12 @@ class ResponseNotFoundError(InvalidRequestError):
     """``previous_response_id`` names no stored response (HTTP 400, as OpenAI answers)."""
 
 
+# what OpenAI's ``include`` may name (anything else is a 400 there too)
+IncludeValue = Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                       "file_search_call.results", "message.input_image.image_url", "message.output_text.logprobs",
+                       "reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results"]
+
+
 class ResponsesRequest(PolyKVFields):
     """OpenAI's ``POST /v1/responses`` body (unknown fields are ignored)."""
 
@@ -44,7 +52,8 @@ class ResponsesRequest(PolyKVFields):
     tools: list[Any] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, json_schema_extra=field_range(1))
+    max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the "
+                                                                  "server's)")
     temperature: float | None = Field(None, json_schema_extra=field_range(0, 100))
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     text: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"text\" | \"json_object\" | "
@@ -55,6 +64,8 @@ class ResponsesRequest(PolyKVFields):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
+    include: list[IncludeValue] | None = Field(None, description="extra output OpenAI can add (accepted; nothing "
+                                                                 "is added)")
     timings_per_token: bool = Field(False, description="llama.cpp: timings on every streamed delta")
     return_progress: bool = Field(False, description="llama.cpp: prompt progress events while streaming")
 
@@ -164,6 +175,10 @@ def _tools(tools: list | None) -> list[dict] | None:
             kind = t.get("type") if isinstance(t, dict) else None
             raise InvalidRequestError(f"tools[{i}]: only function tools are supported, got {kind!r}")
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        if "parameters" in fn:
+            if not isinstance(fn["parameters"], dict):
+                raise InvalidRequestError(f"tools[{i}].parameters must be a JSON schema object")
+            check_schema_depth(fn["parameters"], f"tools[{i}].parameters")
         out.append({"type": "function", "function": fn})
     return out
 

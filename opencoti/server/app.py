@@ -21,8 +21,8 @@ from .. import __version__
 from ..engine import Engine
 from .config import ServerConfig
 from .errors import SafeJSONResponse, install_handlers
-from .middleware import (PUBLIC_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware,
-                         RequestMetricsMiddleware)
+from .middleware import (PUBLIC_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, BodyTimeout, RequestGuardMiddleware,
+                         RequestMetricsMiddleware, UnexpectedErrorMiddleware)
 from .cors import LocalhostCorsMiddleware
 from .openapi import install_openapi
 from .routes_anthropic import router as anthropic_router
@@ -80,6 +80,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     app.state.route_methods = [(r.path_regex, frozenset(r.methods)) for router in routers for r in router.routes
                                if getattr(r, "methods", None)]
 
+    # innermost: a bug's exception is a 500 that keeps the connection (the body limit answers its own timeout)
+    app.add_middleware(UnexpectedErrorMiddleware, passthrough=(BodyTimeout,))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
     if config.tenant_keys:
         app.add_middleware(TenantKeyMiddleware, keys=config.tenant_keys, metrics_key=config.metrics_key)

@@ -1,19 +1,23 @@
 """Pure ASGI middleware: API key, body limit and timeout, request guard (Host, Origin, JSON bodies),
-request metrics."""
+request metrics, unexpected errors. Every error they answer takes the shape of the request's API
+(Anthropic's on /v1/messages, ``errors.shaped``)."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import json
+import logging
 import secrets
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import gcpause
 from .cors import origin_is_localhost
-from .errors import error_body, shaped
+from .errors import error_body, error_response, shaped
 from .metrics import ServerMetrics
+
+log = logging.getLogger("opencoti.server")
 
 LARGE_BODY = 1 << 20  # bodies from this size on are handled with automatic GC paused (gcpause)
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -21,10 +25,9 @@ METRICS_PATH = "/metrics"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/"})  # the page holds no data
 
 
-async def send_error(send, status: int, message: str, etype: str, headers: list | None = None,
-                     path: str = "") -> None:
-    """Answer an ASGI request with the error body of ``path``'s API (before any app code ran)."""
-    body = json.dumps(shaped(path, error_body(status, message, etype))).encode()
+async def send_error(send, scope, status: int, message: str, etype: str, headers: list | None = None) -> None:
+    """Answer an ASGI request with the error body of its API (``scope``'s path; before any app code ran)."""
+    body = json.dumps(shaped(scope.get("path", ""), error_body(status, message, etype))).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 + (headers or [])})
@@ -53,8 +56,8 @@ class ApiKeyMiddleware:
         if not metrics_ok and (given is None or not secrets.compare_digest(given, self.key)):
             msg = "Invalid API Key" if given is not None else \
                 "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'"
-            return await send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")],
-                                     path=scope["path"])
+            return await send_error(send, scope, 401, msg, "authentication_error",
+                                    [(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
 
 
@@ -83,10 +86,10 @@ class BodyLimitMiddleware:
                 try:
                     n = length = int(v)
                 except ValueError:
-                    return await send_error(send, 400, "invalid Content-Length", "invalid_request_error")
+                    return await send_error(send, scope, 400, "invalid Content-Length", "invalid_request_error")
                 if n > self.limit:
-                    return await send_error(send, 413, f"request body of {n} bytes exceeds the limit of "
-                                                        f"{self.limit} bytes", "invalid_request_error")
+                    return await send_error(send, scope, 413, f"request body of {n} bytes exceeds the limit of "
+                                                               f"{self.limit} bytes", "invalid_request_error")
         seen = 0
         limit = self.limit
         deadline = asyncio.get_running_loop().time() + self.timeout_s
@@ -124,8 +127,8 @@ class BodyLimitMiddleware:
             return await self.app(scope, limited_receive, tracked_send)
         except BodyTimeout:
             if not started:
-                await send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
-                                  "invalid_request_error", [(b"connection", b"close")])
+                await send_error(send, scope, 408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                 "invalid_request_error", [(b"connection", b"close")])
         finally:
             if large:
                 gcpause.leave()
@@ -151,20 +154,20 @@ class RequestGuardMiddleware:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
         if self.allowed_hosts is not None and not self._host_ok(host_name(host)):
-            return await send_error(send, 400, f"Host {host!r} is not allowed: the server answers only "
-                                                "loopback names (start it with --allowed-host NAME to add one)",
-                                     "invalid_request_error")
+            return await send_error(send, scope, 400, f"Host {host!r} is not allowed: the server answers only "
+                                                       "loopback names (start it with --allowed-host NAME to add one)",
+                                    "invalid_request_error")
         method = scope["method"]
         origin = headers.get("origin")
         if method in self.UNSAFE and origin is not None and not self._origin_ok(origin, host):
-            return await send_error(send, 403, f"cross-site request refused: Origin {origin!r} is not this "
-                                                "server (allow it with --cors-origin)", "permission_error")
+            return await send_error(send, scope, 403, f"cross-site request refused: Origin {origin!r} is not this "
+                                                       "server (allow it with --cors-origin)", "permission_error")
         if method in self.UNSAFE and _has_body(headers):
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
             if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
                 got = f"got {ctype!r}" if ctype else "got no Content-Type"
-                return await send_error(send, 415, "request bodies must be JSON, sent with 'Content-Type: "
-                                                    f"application/json' ({got})", "invalid_request_error")
+                return await send_error(send, scope, 415, "request bodies must be JSON, sent with 'Content-Type: "
+                                                           f"application/json' ({got})", "invalid_request_error")
         return await self.app(scope, receive, send)
 
     def _host_ok(self, name: str) -> bool:
@@ -222,3 +225,34 @@ class RequestMetricsMiddleware:
             handler = getattr(route, "path", None) or "other"
             method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"  # bounded label values
             self.metrics.http_requests.labels(handler, method, str(status[0])).inc()
+
+
+class UnexpectedErrorMiddleware:
+    """An exception no handler answers (a bug) becomes a 500 in the API's shape, and the connection
+    stays usable. Starlette's own handler of ``Exception`` answers the 500 too, but then raises the
+    exception again for the server to log, and uvicorn closes the connection: the client's next
+    request on it (keep-alive) was reset. Here the exception is logged and answered, not raised
+    again, unless the answer had already started (a cut answer can only end with the connection).
+    Installed innermost, so the metrics, CORS and body-limit middleware see the 500 like any answer."""
+
+    def __init__(self, app, passthrough: tuple[type[BaseException], ...] = ()):
+        self.app = app
+        self.passthrough = passthrough  # what an outer middleware answers itself (a body timeout)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            if started or isinstance(exc, self.passthrough):
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await error_response(exc, path=scope.get("path", ""))(scope, receive, send)

@@ -94,13 +94,14 @@ class TenantKeyMiddleware:
         if scope["path"] == METRICS_PATH and digest is not None and (tenant is not None or digest == self.metrics_key):
             if digest == self.metrics_key:
                 return await self.app(scope, receive, send)  # the operator: no tenant, every series
-            return await send_error(send, 403, "/metrics shows every tenant's pools and sessions: it answers the "
-                                                "metrics key (--metrics-key) only, not a tenant's key",
-                                     "permission_error")
+            return await send_error(send, scope, 403, "/metrics shows every tenant's pools and sessions: it answers "
+                                                       "the metrics key (--metrics-key) only, not a tenant's key",
+                                    "permission_error")
         if tenant is None:
             msg = "Invalid API Key" if given is not None else \
                 "missing API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'"
-            return await send_error(send, 401, msg, "authentication_error", [(b"www-authenticate", b"Bearer")])
+            return await send_error(send, scope, 401, msg, "authentication_error",
+                                    [(b"www-authenticate", b"Bearer")])
         scope.setdefault("state", {})["tenant"] = tenant
         return await self.app(scope, receive, send)
 

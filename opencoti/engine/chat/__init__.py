@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..checks import check_schema_depth
 from ..errors import InvalidRequestError
 from .tool_calls import ToolChoice, format_tool_call_text, parse_tool_choice, tool_choice_prefill, tool_names, \
     tools_system_text
@@ -226,8 +227,10 @@ def normalize_tools(tools: Any) -> list[dict] | None:
         _require_str(fn.get("name"), f"{where}.function.name", non_empty=True)
         if fn.get("description") is not None:
             _require_str(fn["description"], f"{where}.function.description")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object")
+        if fn.get("parameters") is not None:
+            if not isinstance(fn["parameters"], dict):
+                raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object")
+            check_schema_depth(fn["parameters"], f"{where}.function.parameters")  # whatever tool_choice is
         out.append({**tool, "type": "function"})
     return out or None
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from .close import CLOSE_HORIZON, CloseWatch
 from .sat import check_satisfiable
+from ..checks import check_schema_depth, schema_too_deep
 from ..errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -64,8 +65,11 @@ def schema_dict(schema: Any, what: str) -> dict | bool:
             schema = json.loads(schema)
         except ValueError as exc:
             raise InvalidRequestError(f"{what} is not valid JSON: {exc}") from None
+        except RecursionError:  # (nested far deeper than the limit)
+            raise schema_too_deep(what) from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(f"{what} must be a JSON object, got {type(schema).__name__}")
+    check_schema_depth(schema, what)  # before anything walks it (every walk recurses once per level)
     try:
         text = json.dumps(schema)
     except (TypeError, ValueError) as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checks import MAX_SCHEMA_DEPTH
 from ..errors import InvalidRequestError
 
 _MAX_PASSES = 64
@@ -45,7 +46,7 @@ class _Sat:
         self.refs: set[str] = set()
 
     def check(self, schema: Any, depth: int = 0) -> bool:
-        if depth > 200 or schema is True or not isinstance(schema, (dict, bool)):
+        if depth > MAX_SCHEMA_DEPTH or schema is True or not isinstance(schema, (dict, bool)):
             return True  # (too deep to judge: the grammar compiler has its own limits)
         if schema is False:
             return False
