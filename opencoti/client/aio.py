@@ -74,6 +74,9 @@ class AsyncPolyKVClient(ClientBase):
     async def model_name(self) -> str:
         return (await self._call("models"))["data"][0]["id"]
 
+    async def model_info(self) -> dict:
+        return (await self._call("models"))["data"][0]
+
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return (await self._call("tokenize", body={"content": text, "add_special": add_special}))["tokens"]
 

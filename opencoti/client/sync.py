@@ -77,6 +77,15 @@ class PolyKVClient(ClientBase):
         """The id of the served model."""
         return self._call("models")["data"][0]["id"]
 
+    def model_info(self, *, timeout: float | None = None) -> dict:
+        """The served model's entry of ``GET /v1/models``: ``id`` and ``meta`` (``n_ctx``: the most
+        tokens one request, prompt and answer, may use; ``n_ctx_train``, ``n_vocab``, ...).
+        ``timeout``: seconds for one try, without retries (None: the client's timeout and retries)."""
+        if timeout is None or not self.is_http:
+            return self._call("models")["data"][0]
+        # one try; a caller's http client keeps its own timeout settings
+        return self.transport.call("models", timeout=timeout if self._owns_http else None)["data"][0]
+
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of ``text``."""
         return self._call("tokenize", body={"content": text, "add_special": add_special})["tokens"]

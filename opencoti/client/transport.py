@@ -104,11 +104,13 @@ class HttpTransport(_HttpBase):
         if self.owns_http:
             self.http.close()
 
-    def call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None) -> Any:
+    def call(self, name: str, path: dict | None = None, query: dict | None = None, body: Any = None,
+             timeout: float | None = None) -> Any:
+        """One request (``timeout``: seconds for this one, instead of the client's)."""
         method, url, json_body, params = _request(name, path, query, body)
         try:
             r = self.http.request(method, self.base_url + url, json=json_body, params=params, headers=self.headers,
-                                  **self.timeout_kw)
+                                  **({"timeout": timeout} if timeout is not None else self.timeout_kw))
         except httpx.TransportError as e:
             raise _map_transport_error(e, self.base_url, method, url) from e
         if r.status_code >= 400:

@@ -13,6 +13,7 @@ The message converters live in ``convert`` and the parameter rules in ``params``
 
 from __future__ import annotations
 
+import asyncio
 from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
@@ -35,11 +36,13 @@ from ..client import AsyncPolyKVClient, ChatChunk, GenerationInfo, OpencotiError
 from .convert import (chunk_from_event, convert_message_to_dict, convert_messages, format_tool_choice,  # noqa: F401
                       parse_json_answer, response_metadata, usage_metadata)
 from . import params
-from .params import build_extra, client_params, model_profile, split_call_kwargs
+from .params import build_extra, client_params, model_profile, served_model_facts, split_call_kwargs
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
 DEFAULT_MAX_TOKENS = 1024
 """Tokens an answer may have at most unless ``max_tokens`` says otherwise (``None``: no limit)."""
+PROFILE_TIMEOUT_S = 2.0
+"""The longest wait for the server's model facts (for the profile) while a model over HTTP is made."""
 
 
 class OpencotiChatModel(BaseChatModel):
@@ -152,6 +155,7 @@ class OpencotiChatModel(BaseChatModel):
     _sync: PolyKVClient | None = PrivateAttr(default=None)
     _async: AsyncPolyKVClient | None = PrivateAttr(default=None)
     _served_name: str | None = PrivateAttr(default=None)
+    _profile_complete: bool = PrivateAttr(default=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -222,7 +226,45 @@ class OpencotiChatModel(BaseChatModel):
         return {"api_key": "OPENCOTI_API_KEY"}
 
     def _resolve_model_profile(self) -> ModelProfile | None:
-        return model_profile(self.engine)
+        """The profile, with the served model's name and context: from an in-process engine that is
+        loaded, else asked of the server once (``GET /v1/models``, a short timeout, no retries); what
+        is not known yet (a server not up, an engine still loading) is filled in before the first call."""
+        if self.engine is not None:
+            return model_profile(self.engine)
+        return model_profile(served=self._served_info(quick=True))
+
+    def _served_info(self, quick: bool = False) -> dict | None:
+        """The server's ``GET /v1/models`` entry of the served model (None when it cannot be read;
+        ``quick``: one try of at most ``PROFILE_TIMEOUT_S``)."""
+        try:
+            timeout = min(self.timeout or PROFILE_TIMEOUT_S, PROFILE_TIMEOUT_S) if quick else None
+            return self.polykv_client.model_info(timeout=timeout)
+        except Exception:  # noqa: BLE001 - a profile is optional: what is missing is asked again later
+            return None
+
+    def _complete_profile(self, served: dict | None) -> None:
+        """Fill in the served model's name and context where the profile lacks them: from the engine
+        once it has loaded, or from ``served`` (the server's ``GET /v1/models`` entry; None: not read)."""
+        profile = self.profile
+        if profile is None or "max_input_tokens" in profile:
+            self._profile_complete = True
+            return
+        if self.engine is None and served is None:
+            return  # the server did not answer: asked again before the next call
+        facts = served_model_facts(self.engine, served)
+        if facts:
+            self.profile = {**facts, **profile}  # type: ignore[assignment]
+        # a server that does not say its context is not asked again; an engine still loading is
+        self._profile_complete = self.engine is None or "max_input_tokens" in facts
+
+    def _ensure_profile(self) -> None:
+        if not self._profile_complete:
+            self._complete_profile(None if self.engine is not None else self._served_info(quick=True))
+
+    async def _aensure_profile(self) -> None:
+        if not self._profile_complete:
+            served = None if self.engine is not None else await asyncio.to_thread(self._served_info, True)
+            self._complete_profile(served)
 
     def served_model_name(self) -> str | None:
         """The served model's id (asked once; None when the server cannot be reached)."""
@@ -328,6 +370,7 @@ class OpencotiChatModel(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         req, own = self._request(messages, stop, kwargs)
+        self._ensure_profile()
         client = self.polykv_client
         msgs = req.pop("messages")
         info: GenerationInfo | None = None
@@ -356,6 +399,7 @@ class OpencotiChatModel(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         req, own = self._request(messages, stop, kwargs)
+        await self._aensure_profile()
         client = self.async_polykv_client
         msgs = req.pop("messages")
         info: GenerationInfo | None = None

@@ -126,17 +126,41 @@ def build_extra(cls: type, values: Any) -> Any:
     return values
 
 
-def model_profile(engine: Any) -> ModelProfile:
+def model_profile(engine: Any = None, served: dict | None = None) -> ModelProfile:
     """What the model can do (LangChain's model profile): text in and out, tool calling with
-    ``tool_choice`` and streamed tool calls; the context size when an in-process engine is loaded."""
+    ``tool_choice`` and streamed tool calls, structured output; and what the engine says of the
+    served model (``served_model_facts``): its name and context (``max_input_tokens``, which
+    ``SummarizationMiddleware`` sizes its retry and its ``("fraction", f)`` limits by), from an
+    in-process ``engine`` once it is loaded, or from ``served``, the server's ``GET /v1/models`` entry."""
     profile = ModelProfile(text_inputs=True, image_inputs=False, audio_inputs=False, video_inputs=False,
                            pdf_inputs=False, text_outputs=True, image_outputs=False, audio_outputs=False,
                            video_outputs=False, tool_calling=True, tool_choice=True, tool_call_streaming=True,
                            structured_output=STRUCTURED_OUTPUT, temperature=True, open_weights=True,
                            reasoning_output=False)
-    if engine is not None and getattr(engine, "ready", True) and not engine.is_closed:
-        profile["max_input_tokens"] = engine.max_context
+    profile.update(served_model_facts(engine, served))  # type: ignore[typeddict-item]
     return profile
+
+
+def served_model_facts(engine: Any = None, served: dict | None = None) -> dict:
+    """``name``, ``max_input_tokens`` and ``max_output_tokens`` of the served model: from an
+    in-process ``engine`` that is loaded (a ``LazyEngine`` still loading gives nothing yet) or from
+    ``served`` (a ``GET /v1/models`` entry: ``id``, ``meta.n_ctx``); {} when neither tells."""
+    if engine is not None:
+        if not getattr(engine, "ready", True) or engine.is_closed:
+            return {}
+        name, n_ctx = engine.model_name, min(engine.max_context, engine.kv.num_pages * engine.kv.page_size)
+    elif isinstance(served, dict):
+        meta = served.get("meta") if isinstance(served.get("meta"), dict) else {}
+        name, n_ctx = served.get("id"), meta.get("n_ctx", meta.get("n_ctx_train"))
+    else:
+        return {}
+    facts: dict[str, Any] = {}
+    if isinstance(name, str) and name:
+        facts["name"] = name
+    if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0:
+        # a prompt may fill the context; an answer what the prompt leaves of it
+        facts["max_input_tokens"] = facts["max_output_tokens"] = n_ctx
+    return facts
 
 
 _CLIENT_PARAMS: frozenset[str] | None = None

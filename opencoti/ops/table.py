@@ -70,7 +70,9 @@ def _models(ctx: Context) -> dict:
     return {"object": "list", "data": [{
         "id": ctx.model_name, "object": "model", "created": int(ctx.started), "owned_by": "opencoti",
         "aliases": sorted({ctx.model_name, eng.model_name}),  # the names requests may use for this model
-        "meta": {"n_ctx_train": eng.max_context, "n_vocab": eng.tokenizer.vocab_size, "page_size": eng.kv.page_size,
+        # n_ctx: the most tokens one request (prompt + answer) may use: the context, or the KV cache if smaller
+        "meta": {"n_ctx_train": eng.max_context, "n_ctx": min(eng.max_context, eng.kv.num_pages * eng.kv.page_size),
+                 "n_vocab": eng.tokenizer.vocab_size, "page_size": eng.kv.page_size,
                  "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", "")},
     }]}
 

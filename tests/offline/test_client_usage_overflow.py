@@ -131,3 +131,117 @@ def test_langchain_clients_raise_context_overflow(server, engine):
             llm.invoke(_too_long(engine))
         with pytest.raises(ContextOverflowError):
             list(llm.stream(_too_long(engine)))
+
+
+# ============================================================================ the model profile
+CTX = 512  # a small context, so that a history overflows it quickly
+
+
+@pytest.fixture
+def small_engine(make_engine):
+    return make_engine(max_context=CTX)
+
+
+def _serve(engine, port: int):
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    return srv, t
+
+
+def _facts(profile) -> dict:
+    return {k: profile.get(k) for k in ("name", "max_input_tokens", "tool_calling", "tool_choice", "structured_output")}
+
+
+def test_profile_holds_the_served_context_on_both_transports(small_engine):
+    from opencoti.langgraph import OpencotiChatModel
+
+    want = {"name": small_engine.model_name, "max_input_tokens": CTX, "tool_calling": True, "tool_choice": True,
+            "structured_output": True}
+    assert _facts(OpencotiChatModel(engine=small_engine).profile) == want
+    with TestClient(create_app(small_engine), raise_server_exceptions=False) as tc:
+        assert _facts(OpencotiChatModel(base_url="http://testserver", http_client=tc).profile) == want
+        assert tc.get("/v1/models").json()["data"][0]["meta"]["n_ctx"] == CTX
+    # a server that is not up yet when the model is made: its facts come with the first call
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    model = OpencotiChatModel(base_url=f"http://127.0.0.1:{port}", max_tokens=2)
+    assert time.monotonic() - t0 < 2.0 and "max_input_tokens" not in model.profile
+    srv, t = _serve(small_engine, port)
+    try:
+        model.invoke("Hi")
+        assert _facts(model.profile) == want
+    finally:
+        srv.should_exit = True
+        t.join(10)
+
+
+def test_profile_of_a_loading_engine_is_filled_by_the_first_call(small_engine):
+    import asyncio
+
+    from opencoti.langgraph import OpencotiChatModel
+    from opencoti.langgraph.lazy import LazyEngine
+
+    for use in ("sync", "async"):
+        loaded = threading.Event()
+        lazy = LazyEngine(lambda: loaded.wait(30) and small_engine, "loading")
+        model = OpencotiChatModel(engine=lazy, max_tokens=2)
+        assert "max_input_tokens" not in model.profile and model.profile["tool_calling"]  # made at once
+        loaded.set()
+        if use == "sync":
+            model.invoke("Hi")
+        else:
+            asyncio.run(model.ainvoke("Hi"))
+        assert model.profile["max_input_tokens"] == CTX and model.profile["name"] == small_engine.model_name
+
+
+def _history(n_pairs: int) -> list:
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    msgs: list = []
+    for i in range(n_pairs):
+        msgs += [HumanMessage(f"Note {i}: " + "the quick brown fox jumps over the lazy dog " * 3), AIMessage(f"Ok {i}.")]
+    return msgs
+
+
+@pytest.mark.parametrize("transport", ["in-process", "http"])
+def test_summarization_middleware_recovers_an_overflowing_conversation(small_engine, transport):
+    """A conversation far beyond the context: the fraction trigger (which needs the profile) fires, the
+    summary prompt overflows, and the retry sized by ``max_input_tokens`` fits; the agent answers."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import SummarizationMiddleware
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from opencoti.langgraph import OpencotiChatModel
+
+    tc = TestClient(create_app(small_engine), raise_server_exceptions=False)
+    with tc:
+        model = (OpencotiChatModel(engine=small_engine, temperature=0, max_tokens=8) if transport == "in-process"
+                 else OpencotiChatModel(base_url="http://testserver", http_client=tc, temperature=0, max_tokens=8))
+        overflows: list[str] = []
+
+        class Watch(SummarizationMiddleware):
+            def _overflow_retry_prompt(self, messages):
+                overflows.append("summary prompt overflowed")
+                return super()._overflow_retry_prompt(messages)
+
+        mw = Watch(model, trigger=("fraction", 0.8), keep=("messages", 2), trim_tokens_to_summarize=None,
+                   summary_prompt="Summarize this conversation in one sentence.\n\n{messages}",
+                   token_counter=model.get_num_tokens_from_messages)
+        msgs = _history(14) + [HumanMessage("What was note 6 about?")]
+        n = model.get_num_tokens_from_messages(msgs)
+        assert n > 2 * CTX + 100  # half of the history (the retry without a profile) still overflows
+        with pytest.raises(ContextOverflowError):
+            model.invoke(msgs)
+        out = create_agent(model, tools=[], middleware=[mw]).invoke({"messages": msgs})
+    assert overflows == ["summary prompt overflowed"]
+    first = out["messages"][0]
+    assert isinstance(first, HumanMessage) and "summary" in first.text.lower()
+    assert isinstance(out["messages"][-1], AIMessage) and out["messages"][-1].usage_metadata["output_tokens"] > 0
+    assert len(out["messages"]) == 4  # the summary, the two kept messages and the answer
