@@ -251,7 +251,13 @@ _SC_6_RMS = math.sqrt(63.5 ** 2 + (64 ** 2 - 1) / 12)  # Q6_K int8 scales: +-(32
 
 
 def _fp16(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return _half(x).view(np.uint8).reshape(-1, 2)
+
+
+def _half(x: np.ndarray) -> np.ndarray:
+    """float64 -> float16 through float32: both casts round to nearest even in hardware (F16C) and in
+    numpy's software path alike, so the bits do not depend on the CPU."""
+    return x.astype(np.float32).astype(np.float16)
 
 
 def _sign(col: np.ndarray) -> np.ndarray:
@@ -270,13 +276,13 @@ def _fill_blocks(qtype: int, blocks: np.ndarray, sigma: float) -> None:
         blocks[:, 0:2] = _fp16(d)
     elif qtype in (Q4_1, Q5_1):  # w = d * q + m, m = -center * d: zero mean
         base = sigma / (math.sqrt(_EQ2[qtype]) * _U_RMS)
-        d = (base * (0.75 + 0.5 * _unit(blocks[:, 0:2]))).astype(np.float16)
+        d = _half(base * (0.75 + 0.5 * _unit(blocks[:, 0:2])))
         center = 7.5 if qtype == Q4_1 else 15.5
         blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
         blocks[:, 2:4] = _fp16(-center * d.astype(np.float64))
     elif qtype in (Q4_K, Q5_K):  # w = d*sc*q - dmin*m, m = sc and dmin = center * d: w = d*sc*(q - center)
         base = sigma / (math.sqrt(_EQ2[qtype]) * _SC_K_RMS * _U_RMS)
-        d = (base * (0.75 + 0.5 * _unit(blocks[:, 0:2]))).astype(np.float16)
+        d = _half(base * (0.75 + 0.5 * _unit(blocks[:, 0:2])))
         center = 7.5 if qtype == Q4_K else 15.5
         blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
         blocks[:, 2:4] = _fp16(center * d.astype(np.float64))
@@ -297,13 +303,19 @@ def _fill_blocks(qtype: int, blocks: np.ndarray, sigma: float) -> None:
         raise ValueError(f"no block generator for ggml type {qtype}")
 
 
+def _triangular(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Zero-mean, unit-std values from two uniforms: plain float64 arithmetic, so the same bits on any
+    CPU (``standard_normal`` takes exp/log from the platform's math library in its tails)."""
+    return (rng.random(n) + rng.random(n) - 1.0) * math.sqrt(6.0)
+
+
 def _chunk_rows(plan: TensorPlan) -> list[tuple[int, int]]:
     """The tensor's data as (first row, rows) chunks of at most about CHUNK_BYTES (one chunk for 1-D)."""
     if len(plan.shape) == 1:
         return [(0, 1)]
     rows, cols = plan.shape
     per, size = BLOCKS[plan.qtype]
-    row_bytes = max(cols // per * size, cols * 4 if plan.qtype == F16 else 0)  # F16 rows are drawn as float32
+    row_bytes = max(cols // per * size, cols * 16 if plan.qtype in (F16, F32) else 0)  # drawn as 2 float64
     step = max(1, CHUNK_BYTES // row_bytes)
     return [(r, min(step, rows - r)) for r in range(0, rows, step)]
 
@@ -319,11 +331,11 @@ def _chunk(plan: TensorPlan, seed: int, index: int, rows: int, rope_factors: np.
         n = int(np.prod(plan.shape))
         if plan.kind == "norm":
             return (plan.scale * (1.0 + 0.1 * (rng.random(n) - 0.5))).astype("<f4")
-        return (plan.sigma * rng.standard_normal(n)).astype("<f4")
+        return (plan.sigma * _triangular(rng, n)).astype("<f4")
     cols = plan.shape[1]
     if plan.qtype in (F16, F32):
-        values = plan.sigma * rng.standard_normal(rows * cols, dtype=np.float32)
-        return values.astype("<f2" if plan.qtype == F16 else "<f4")
+        values = plan.sigma * _triangular(rng, rows * cols)
+        return _half(values) if plan.qtype == F16 else values.astype("<f4")
     per, size = BLOCKS[plan.qtype]
     blocks = _random_bytes(rng, rows * (cols // per) * size).reshape(-1, size)
     _fill_blocks(plan.qtype, blocks, plan.sigma)
@@ -372,12 +384,14 @@ def _weight_type(mix: str, role: str, i_layer: int, n_layers: int, cols: int, ti
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
                         high_freq_factor: float, original_context: int) -> np.ndarray:
     """``rope_freqs.weight`` as llama.cpp's convert_hf_to_gguf.py computes it (head_dim/2 F32 factors)."""
-    freqs = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    # float64 with math.pow (not numpy's SIMD float32 pow, which can differ by an ulp between CPUs):
+    # the same bytes everywhere, within float32 rounding of the converter's torch.float32 values
+    freqs = [1.0 / math.pow(theta, i / head_dim) for i in range(0, head_dim, 2)]
     low_wavelen = original_context / low_freq_factor
     high_wavelen = original_context / high_freq_factor
     out = []
-    for freq in freqs.astype(np.float32):
-        wavelen = 2 * math.pi / float(freq)
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
         if wavelen < high_wavelen:
             out.append(1.0)
         elif wavelen > low_wavelen:
