@@ -1,5 +1,6 @@
-"""The input embedding of a GGUF model held in the file's Q8_0 blocks: rows bit for bit those of the
-fp32 table the conversion wrote, a quarter of its bytes, the same logits, the same errors."""
+"""The input embedding of a GGUF model held in the file's own blocks (Q8_0, or any type): rows bit for
+bit those of the fp32 table gguf's decoder gives, a fraction of its bytes, the same logits, the same
+errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from opencoti.engine.model import weights
-from opencoti.engine.model.embedding import Q8Embedding, gguf_q8_embedding
+from opencoti.engine.model.embedding import BlockEmbedding, Q8Embedding
 from opencoti.engine.model.llama import LlamaForward
 
 from gguf import GGMLQuantizationType as GT
@@ -74,7 +75,7 @@ def bundled():
 @pytest.mark.bundled
 def test_bundled_embedding_bit_identical_and_smaller(bundled, monkeypatch, tmp_path):
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")  # each format's first kernel: no per-shape timing
-    table = bundled.state_dict["model.embed_tokens.weight"]
+    table = bundled.state_dict["model.embed_tokens.weight"].dequantize()  # gguf's decoder, the whole table
     v, k = table.shape
     # an empty timing cache of its own: timings other runs left in the shared one may give the head 16 bits
     model = weights.build_forward(bundled, weights="int8", dtype=torch.float32, device="cpu", max_positions=64,
@@ -96,13 +97,24 @@ def test_bundled_embedding_bit_identical_and_smaller(bundled, monkeypatch, tmp_p
     assert torch.equal(model.dense_logits(ids), dense.dense_logits(ids))
 
 
-@pytest.mark.bundled
-def test_a_table_that_differs_keeps_the_float_path(bundled, caplog):
-    table = bundled.state_dict["model.embed_tokens.weight"].clone()
-    table[123, 45] += 1e-3
-    assert gguf_q8_embedding(bundled.source_gguf, table, "cpu") is None
-    assert "keeping the float table" in caplog.text
-    assert gguf_q8_embedding(bundled.source_gguf, table[:, :64], "cpu") is None  # another shape
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_0", "F16"])
+def test_block_rows_are_the_decoded_rows(type_name):
+    """Any other type stays in its blocks; each row looked up is what gguf's decoder gives for it."""
+    from gguf_blocks import random_blocks
+
+    v, k = 12, 256
+    w = (torch.randn(v, k, generator=torch.Generator().manual_seed(1)) * 0.3).numpy()
+    blocks = random_blocks(type_name, v, k, seed=1) if type_name != "F16" else w.astype(np.float16).view(np.uint8)
+    table = torch.from_numpy(quants.dequantize(blocks, GT[type_name]).astype(np.float32).reshape(v, k))
+    emb = BlockEmbedding(torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8).reshape(v, -1)), type_name, k,
+                         torch.float32)
+    assert emb.shape == (v, k) and emb.nbytes == blocks.nbytes
+    assert torch.equal(emb.index_select(0, torch.tensor([3, 0, 3, 11])), table[[3, 0, 3, 11]])
+    assert torch.equal(emb[5], table[5]) and torch.equal(emb.dense(), table)
+    with pytest.raises(IndexError):
+        emb.index_select(0, torch.tensor([v]))
+    with pytest.raises(ValueError, match="dim 0"):
+        emb.index_select(1, torch.tensor([0]))
 
 
 def test_models_without_a_gguf_keep_the_float_table():

@@ -310,35 +310,59 @@ def tiny_gguf(tmp_path):
     return path, original
 
 
-def test_gguf_conversion_round_trip(tiny_gguf, tmp_path):
+def test_gguf_read_in_place_round_trip(tiny_gguf, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from opencoti.engine.model.gguf_weights import GGUFWeight
+    from opencoti.engine.model.weights import build_forward
 
     path, original = tiny_gguf
     lines: list[str] = []
     m = load_model(str(path), cache_dir=str(tmp_path / "c"), progress=lines.append)
-    assert any("converting GGUF" in line for line in lines)
-    assert m.name == "tiny-llama" and m.architecture == "llama"
+    assert any("reading the config and tokenizer" in line for line in lines)
+    assert m.name == "tiny-llama" and m.architecture == "llama" and m.source_gguf == path
     assert m.model_dir.parent == tmp_path / "c" / "models" and m.model_dir.name.startswith("tiny-llama-")
     assert sorted(p.name for p in m.model_dir.parent.iterdir()) == [m.model_dir.name]  # no temp dirs left
-    # q/k come back un-permuted; tied embeddings stay tied and lm_head is not stored
+    # the cache holds the config and tokenizer only: no weights, nothing near the file's size
+    cached = {p.name for p in m.model_dir.iterdir()}
+    assert not any(n.endswith((".safetensors", ".bin", ".gguf")) for n in cached), cached
+    assert sum(p.stat().st_size for p in m.model_dir.iterdir()) < path.stat().st_size
+    # q/k come back un-permuted; tied embeddings stay tied and lm_head is not read
     assert set(m.state_dict) == set(original.state_dict)
     for name, tensor in original.state_dict.items():
-        assert torch.equal(m.state_dict[name], tensor), name
+        assert isinstance(m.state_dict[name], GGUFWeight)
+        assert torch.equal(m.state_dict[name].dequantize(), tensor), name
     assert not getattr(AutoConfig.from_pretrained(m.model_dir), "quantization_config", None)
+    assert m.hf_config.tie_word_embeddings
     assert m.tokenizer.eos_token_ids == (258, 256)
     assert m.tokenizer.encode("hi <|im_end|>") == original.tokenizer.encode("hi <|im_end|>")
     assert m.tokenizer.chat_template == original.tokenizer.chat_template
-    # the converted dir is a plain HF dir: transformers gives the original model's logits
-    converted = AutoModelForCausalLM.from_pretrained(m.model_dir).eval()
+    # our forward over the file's tensors gives the original model's logits (transformers as reference)
+    model = build_forward(m, weights="fp32", dtype=torch.float32, device="cpu", max_positions=64,
+                          adapt_threads=False, cache_dir=str(tmp_path / "c"))
     reference = AutoModelForCausalLM.from_pretrained(original.model_dir).eval()
-    ids = torch.tensor([original.tokenizer.encode("tiny gguf")])
+    ids = torch.tensor(original.tokenizer.encode("tiny gguf"))
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, reference(ids).logits)
+        torch.testing.assert_close(model.dense_logits(ids), reference(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
 
     lines.clear()
     again = load_model(path, cache_dir=str(tmp_path / "c"), progress=lines.append)
     assert again.model_dir == m.model_dir
-    assert not any("converting" in line for line in lines)
+    assert not any("reading the config" in line for line in lines)
+
+
+def test_gguf_with_a_tensor_of_the_wrong_shape_is_refused(tmp_path):
+    """A file whose tensors disagree with its own metadata is refused naming them, before any forward."""
+    original = load_model("tiny:llama:7")
+    broken = LoadedModel(hf_config=original.hf_config, tokenizer=original.tokenizer, model_dir=None, name="b",
+                         architecture="llama",
+                         state_dict={**original.state_dict,
+                                     "model.layers.1.mlp.down_proj.weight":
+                                         original.state_dict["model.layers.1.mlp.down_proj.weight"][:, :-16]})
+    path = tmp_path / "broken.gguf"
+    write_tiny_gguf(path, broken)
+    with pytest.raises(ModelLoadError, match="blk|down_proj"):
+        load_model(path, cache_dir=str(tmp_path / "c"))
 
 
 def test_interrupted_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch):

@@ -22,6 +22,8 @@ from opencoti.engine.model import autotune, choose, kernels, qformats, threads, 
 from opencoti.engine.model.loader import tiny_model
 from opencoti.engine.model.qformats import Int4Weight
 
+from gguf_blocks import random_blocks
+
 import gguf
 from gguf import GGMLQuantizationType as GT
 from gguf import quants
@@ -93,8 +95,10 @@ def test_gguf_other_types_have_no_exact_int4_form():
     torch.testing.assert_close(qformats.gguf_dequantize("Q8_0", blocks, 2, 32), torch.ones(2, 32), atol=1e-4, rtol=0)
 
 
-def test_gguf_int4_weights_undo_llama_cpp_rotary_order(tmp_path):
-    """q/k rows of a llama GGUF come back in HF order, exactly as transformers permutes them."""
+def test_gguf_weights_undo_llama_cpp_rotary_order(tmp_path):
+    """q/k rows of a llama GGUF come back in HF order, exactly as transformers permutes them, in every
+    form the forward reads them (int4 blocks, int8 rows, fp32)."""
+    from opencoti.engine.model.gguf_weights import gguf_state
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     loaded = tiny_model("llama")  # 4 heads, 2 kv heads, head_dim 16, hidden 64
@@ -112,15 +116,21 @@ def test_gguf_int4_weights_undo_llama_cpp_rotary_order(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    got = weights.gguf_int4_weights(path, cfg)
+    got = gguf_state(path, cfg)
     proc = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
     for name, hf, n in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 64),
                         ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 32),
                         ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", 32)):
         deq = qformats.gguf_dequantize("Q4_1", raw[name], n, 64).numpy()
         expected = proc.process(deq, name).weights
-        assert isinstance(got[hf], Int4Weight)
-        assert torch.equal(got[hf].dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
+        want = torch.from_numpy(np.ascontiguousarray(expected))
+        assert tuple(got[hf].shape) == (n, 64)
+        assert isinstance(got[hf].to_int4(), qformats.Q4Blocks)
+        assert torch.equal(got[hf].to_int4().dequantize(), want)
+        assert torch.equal(got[hf].dequantize(), want)
+        assert torch.equal(got[hf].dequantize_rows(3, 9), want[3:9])  # a chunk of rows, permuted alike
+        w8 = got[hf].to_int8()
+        assert (w8.dequantize() - want).abs().max() <= w8.scale.max() / 2 + 1e-6
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -351,8 +361,9 @@ def test_auto_picks_the_cheapest_measured_format_that_passes_the_gate(monkeypatc
 
 def test_auto_keeps_a_quiet_choice_and_measures_a_disturbed_one_again(monkeypatch, tmp_path):
     monkeypatch.setattr(weights, "AUTO_MIN_BYTES", 0)
-    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0,
-                                                                   "top1_agreement": 1.0})
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0, "kl": 0.0,
+                                                                   "top1_agreement": 1.0,
+                                                                   "top1_agreement_clear": 1.0})
     kw = dict(weights="auto", dtype=torch.float32, device="cpu", max_positions=300, adapt_threads=False,
               cache_dir=str(tmp_path))
     calls = []
@@ -381,8 +392,9 @@ def test_auto_choice_follows_the_weights_not_the_name(monkeypatch, tmp_path):
     one measured choice; other weights (another seed) are measured on their own."""
     calls, kw = _counting_auto(monkeypatch, tmp_path)
     monkeypatch.setattr(choose, "others_load", lambda *a: 0.0)
-    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0,
-                                                                   "top1_agreement": 1.0})
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0, "kl": 0.0,
+                                                                   "top1_agreement": 1.0,
+                                                                   "top1_agreement_clear": 1.0})
     a, b, other = tiny_model("llama"), tiny_model("llama"), tiny_model("llama", seed=1)
     a.name, b.name = "model.Q4_1", "model"
     assert weights.build_forward(a, **kw).weights == "int4" and len(calls) == 1
@@ -444,8 +456,9 @@ def test_auto_over_saved_kv_keeps_its_format_until_a_quiet_measurement_says_othe
     """A restart over a state directory whose KV files int8 computed: a disturbed last measurement
     (int4) is not redone (its answer could switch formats under the files); a kept quiet one wins."""
     calls, kw = _counting_auto(monkeypatch, tmp_path)
-    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0,
-                                                                   "top1_agreement": 1.0})
+    monkeypatch.setattr(weights, "gate_metrics", lambda *a, **k: {"passed": True, "ppl_ratio": 1.0, "kl": 0.0,
+                                                                   "top1_agreement": 1.0,
+                                                                   "top1_agreement_clear": 1.0})
     monkeypatch.setattr(choose, "busy_now", lambda cpus, window_s=0.5: None)
     monkeypatch.setattr(choose, "others_load", lambda *a: 1.9)
     first = weights.build_forward(tiny_model("llama"), **kw)
@@ -597,3 +610,51 @@ def test_layers_prefer_the_native_kernel_where_decode_steps_can_run_fused(dtype,
     want = {"int4": "native_q4", "int8": "native_q8"}
     assert [p for _, p in asked[:3]] == ([want["int4"], want["int8"], None] if fused else [None, None, None])
     assert asked[3] == (head, None)  # the head never runs in the fused call
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_rows_become_native_blocks_by_moving_bytes(type_name):
+    """Q4_0 / Q4_1 rows are the native int4 layout byte for byte (the same values); Q4_K's sub-block
+    scales and offsets are rounded to fp16: each value within 2^-11 of the block's scale and offset."""
+    n, k = 6, 512
+    raw = random_blocks(type_name, n, k, seed=3)
+    want = torch.from_numpy(quants.dequantize(raw, GT[type_name]).astype(np.float32).reshape(n, k))
+    blocks = qformats.gguf_to_q4_blocks(type_name, raw, n, k)
+    assert blocks.shape == (n, k) and tuple(blocks.blocks.shape) == (n, k // 32 * 20)
+    got = blocks.dequantize()
+    if type_name == "Q4_K":
+        assert (got - want).abs().max() <= 2 ** -10 * want.abs().max()
+    else:
+        assert torch.equal(got, want)
+    # the native kernel takes them as they are, and computes what it computes from the unpacked weight
+    from opencoti.engine import native
+    if native.lib() is not None:
+        xs = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+        direct = kernels.build("native_q4", blocks, None, act_dtype=torch.float32, device="cpu")
+        repacked = kernels.build("native_q4", blocks.to_int4(), None, act_dtype=torch.float32, device="cpu")
+        if type_name != "Q4_K":  # (Q4_K's offsets round differently through the fp32 unpacked form)
+            assert torch.equal(direct.blocks, repacked.blocks)
+        torch.testing.assert_close(direct(xs), xs @ got.T, atol=1e-3, rtol=1e-3)
+    # fused rows (q/k/v, gate/up) stay blocks
+    both = qformats.cat_rows([blocks, blocks])
+    assert isinstance(both, qformats.Q4Blocks) and both.shape == (2 * n, k)
+    with pytest.raises(ValueError, match="no exact int4"):
+        qformats.gguf_to_q4_blocks("Q6_K", raw, n, k)
+
+
+def test_gate_near_ties_cannot_fail_a_format():
+    """Positions where the reference's top two are within GATE_CLEAR_MARGIN do not count for top-1;
+    the KL divergence weighs them by probability, so a flipped near-tie costs almost nothing."""
+    ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    ref = torch.zeros(6, 8)
+    ref[:, 2], ref[:, 3] = 3.0, 2.999  # near ties everywhere
+    flipped = ref.clone()
+    flipped[:, 3] = 3.001  # every greedy token flips
+    m = weights.gate_metrics(ref, flipped, ids, 256)
+    assert m["top1_agreement"] == 0.0 and m["clear_positions"] == 0
+    assert m["kl"] < 1e-5 and m["passed"], m
+    # a clear position that flips fails it
+    ref[0, 2] = 8.0
+    flipped[0, 2], flipped[0, 5] = 0.0, 8.0
+    m = weights.gate_metrics(ref, flipped, ids, 256)
+    assert m["clear_positions"] == 1 and m["top1_agreement_clear"] == 0.0 and not m["passed"]

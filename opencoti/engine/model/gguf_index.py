@@ -30,6 +30,7 @@ class GGUFTensor:
     shape: tuple[int, ...]   # GGUF order: shape[0] is the length of a row
     type_name: str           # ggml type, e.g. "Q4_1", "F32"
     data: np.ndarray         # its bytes (uint8, read-only view of the file)
+    offset: int = 0          # of its first byte in the file
 
 
 class GGUFIndex:
@@ -83,7 +84,7 @@ class GGUFIndex:
             if at + nbytes > len(self._mm):
                 raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
             data = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=at)
-            self.tensors.append(GGUFTensor(name, dims, qtype.name, data))
+            self.tensors.append(GGUFTensor(name, dims, qtype.name, data, at))
 
     @property
     def architecture(self) -> str:

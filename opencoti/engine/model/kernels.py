@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .qformats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from .qformats import Int4Weight, Int8Weight, Q4Blocks, quantize_int4, quantize_int8
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 
@@ -166,12 +166,15 @@ class NativeQ4(_NativeKernel):
 
     name, fmt = "native_q4", "int4"
 
-    def __init__(self, w4: Int4Weight, bias, act_dtype: torch.dtype):
+    def __init__(self, w4: "Int4Weight | Q4Blocks", bias, act_dtype: torch.dtype):
         self._attach(act_dtype)
         n, k = w4.shape
-        if w4.group != 32 or k % 32:
-            raise RuntimeError(f"native_q4 needs groups of 32 inputs, got {w4.group} (K={k})")
-        self.blocks = pack_q4_blocks(w4)
+        if isinstance(w4, Q4Blocks):  # already in this kernel's layout (a GGUF's 4-bit rows)
+            self.blocks = w4.blocks.contiguous()
+        else:
+            if w4.group != 32 or k % 32:
+                raise RuntimeError(f"native_q4 needs groups of 32 inputs, got {w4.group} (K={k})")
+            self.blocks = pack_q4_blocks(w4)
         self._init(n, k, self.blocks.numel(), None if bias is None else bias.float().contiguous())
         self._op = self.ops.q4_matmul.default
 
@@ -275,6 +278,8 @@ def to_format(weight, fmt: str):
     if fmt == "int8":
         return weight if isinstance(weight, Int8Weight) else quantize_int8(_float(weight))
     if fmt == "int4":
+        if isinstance(weight, Q4Blocks):
+            return weight.to_int4()
         return weight if isinstance(weight, Int4Weight) else quantize_int4(_float(weight))
     w = _float(weight)
     return w.to(torch.bfloat16) if fmt == "bf16" else w
@@ -302,7 +307,7 @@ def build(name: str, weight, bias: torch.Tensor | None, *, act_dtype: torch.dtyp
     if name == "native_q4":
         if device.type != "cpu":
             raise RuntimeError("native_q4 runs on CPU")
-        return NativeQ4(to_format(weight, "int4"), bias, act_dtype)
+        return NativeQ4(weight if isinstance(weight, Q4Blocks) else to_format(weight, "int4"), bias, act_dtype)
     if name == "native_q8":
         if device.type != "cpu":
             raise RuntimeError("native_q8 runs on CPU")

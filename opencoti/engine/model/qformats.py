@@ -53,6 +53,79 @@ class Int4Weight:
         return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
 
 
+@dataclass
+class Q4Blocks:
+    """int4 weights already in the native kernel's layout (``kernels.pack_q4_blocks``): uint8
+    ``[N, K/32 * 20]``, per row K/32 x 16 bytes of nibbles (byte j: value j low, j + 16 high), then
+    K/32 fp16 scales d, then K/32 fp16 offsets m, ``W = d * q + m``. What a GGUF's Q4_0 / Q4_1 / Q4_K
+    rows become by moving bytes (``gguf_to_q4_blocks``), without a one-byte-per-value copy."""
+
+    blocks: torch.Tensor
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.blocks.shape[0]), self.k)
+
+    def to_int4(self) -> Int4Weight:
+        n, k = self.shape
+        nb = k // 32
+        nib = self.blocks[:, :nb * 16].reshape(n, nb, 16)
+        q = torch.cat([nib & 0x0F, nib >> 4], -1).reshape(n, k)
+        dm = self.blocks[:, nb * 16:].contiguous().view(torch.float16).float().reshape(n, 2, nb)
+        d, m = dm[:, 0].contiguous(), dm[:, 1]
+        return Int4Weight(q.contiguous(), d, (m + 8.0 * d).contiguous(), 32)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.to_int4().dequantize()
+
+
+def gguf_to_q4_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> Q4Blocks:
+    """GGUF Q4_0 / Q4_1 / Q4_K rows (uint8 ``[n, row bytes]``) in the native int4 layout. Q4_0 and Q4_1
+    are moved byte for byte (exact: Q4_0's offset ``-8 d`` is a power-of-two multiple of ``d``); a Q4_K
+    sub-block's scale ``d * sc`` and offset ``-dmin * m`` (an fp16 times a 6-bit integer) are rounded to
+    fp16, a relative error of at most 2^-11 on each (a 4-bit step is 1/15 of a block's range)."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
+    nb = k // 32
+    out = np.empty((n, nb * 20), np.uint8)
+    nib = out[:, :nb * 16].reshape(n, nb, 16)
+    d_out = out[:, nb * 16:nb * 18].view(np.float16).reshape(n, nb)
+    m_out = out[:, nb * 18:].view(np.float16).reshape(n, nb)
+    if type_name in ("Q4_0", "Q4_1"):
+        bs = 18 if type_name == "Q4_0" else 20
+        blocks = raw.reshape(n, nb, bs)
+        nib[:] = blocks[..., bs - 16:]
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb)
+        d_out[:] = d
+        m_out[:] = (-8.0 * d.astype(np.float32)).astype(np.float16) if type_name == "Q4_0" else \
+            blocks[..., 2:4].copy().view(np.float16).reshape(n, nb)
+        return Q4Blocks(torch.from_numpy(out), k)
+    if type_name != "Q4_K":
+        raise ValueError(f"GGUF type {type_name} has no exact int4 form")
+    ns = k // 256
+    blocks = raw.reshape(n, ns, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, ns, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc_raw = blocks[..., 4:16]
+    sc = np.empty((n, ns, 8), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = sc_raw[..., 0:4] & 63
+    mn[..., :4] = sc_raw[..., 4:8] & 63
+    sc[..., 4:] = (sc_raw[..., 8:12] & 0x0F) | ((sc_raw[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4)
+    with np.errstate(over="ignore"):
+        d_out[:] = (d * sc).astype(np.float16).reshape(n, nb)
+        m_out[:] = (-(dmin * mn)).astype(np.float16).reshape(n, nb)
+    if not (np.isfinite(d_out).all() and np.isfinite(m_out).all()):
+        raise ValueError("Q4_K scales out of fp16 range")
+    qs = blocks[..., 16:].reshape(n, ns, 4, 32)  # 4 chunks of 32 bytes: sub-block 2c low nibbles, 2c+1 high
+    lo, hi = qs[..., :16], qs[..., 16:]
+    sub = nib.reshape(n, ns, 4, 2, 16)
+    sub[..., 0, :] = (lo & 0x0F) | ((hi & 0x0F) << 4)
+    sub[..., 1, :] = (lo >> 4) | (hi & 0xF0)
+    return Q4Blocks(torch.from_numpy(out), k)
+
+
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Symmetric per-output-channel int8 (round to nearest; an all-zero row gets scale 1)."""
     w = w.detach().float()
@@ -76,7 +149,7 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
     return Int4Weight(q.contiguous(), scale.contiguous(), (lo + 8.0 * scale).contiguous(), group)
 
 
-def cat_rows(parts: list) -> "Int8Weight | Int4Weight | torch.Tensor":
+def cat_rows(parts: list) -> "Int8Weight | Int4Weight | Q4Blocks | torch.Tensor":
     """Concatenate weights along the output dimension (fused q/k/v, gate/up); all of one kind."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
@@ -85,6 +158,12 @@ def cat_rows(parts: list) -> "Int8Weight | Int4Weight | torch.Tensor":
         raise TypeError("cannot fuse weights of different formats")
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    if isinstance(first, Q4Blocks):
+        if len(parts) == 1:
+            return first
+        if any(p.k != first.k for p in parts):
+            raise TypeError("cannot fuse int4 weights with different input sizes")
+        return Q4Blocks(torch.cat([p.blocks for p in parts]), first.k)
     if any(p.group != first.group for p in parts):
         raise TypeError("cannot fuse int4 weights with different group sizes")
     return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),

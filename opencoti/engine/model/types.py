@@ -13,7 +13,7 @@ from ..chat.tokenizer import Tokenizer
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Bump when the layout of a converted directory changes: old caches are then ignored.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: config and tokenizer only; the weights are read from the GGUF
 MARKER_FILE = "opencoti-model.json"  # written last; a directory without it is not a model we made
 
 Progress = Callable[[str], None]

@@ -36,11 +36,10 @@ import torch
 
 from . import kernels
 from .autotune import Autotuner
-from .embedding import gguf_q8_embedding
+from .embedding import gguf_embedding
 from .gate_text import GATE_TEXT
-from .gguf_index import GGUFIndex
+from .gguf_weights import GGUFWeight
 from .llama import LlamaForward, ModelDims, default_head_format
-from .qformats import EXACT_INT4_TYPES, gguf_block_to_int4, permute_rows
 from .threads import ThreadAdapter
 
 log = logging.getLogger("opencoti.engine")
@@ -48,12 +47,13 @@ log = logging.getLogger("opencoti.engine")
 WEIGHT_FORMATS = ("auto",) + kernels.FORMATS
 AUTO_MIN_BYTES = 64 << 20
 GATE_TOKENS = 256
-GATE_PPL_TOLERANCE = 0.03
+GATE_KL_MAX = 0.03  # nats per position (about the old 3 % perplexity tolerance)
 GATE_TOP1_MIN = 0.95
-
-_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+GATE_CLEAR_MARGIN = 0.1  # reference top-1 minus top-2 probability for a position's greedy token to count
+# auto on a GGUF file considers the formats whose weights take at most this x the file's bytes
+GGUF_MEMORY_FACTOR = 1.25
+# the gate's fp32 reference is built only when its weights take at most this share of available memory
+GATE_REFERENCE_SHARE = 0.25
 
 
 def check_format(weights: str) -> str:
@@ -78,47 +78,30 @@ def release_memory(collect: bool = True) -> bool:
     return bool(trim(0))
 
 
-def gguf_int4_weights(path: str | Path, hf_config) -> dict[str, object]:
-    """HF name -> ``Int4Weight`` for every projection of a GGUF file stored as Q4_0/Q4_1/Q4_K.
-
-    llama-architecture files keep q/k rows in llama.cpp's rotary order; they are put back in HF
-    order (the permutation transformers applies when it dequantizes them)."""
-    index = GGUFIndex(path)
-    arch = index.architecture
-    dims = ModelDims.from_hf_config(hf_config)
-    out: dict[str, object] = {}
-    for t in index.tensors:
-        parts = t.name.split(".")
-        if t.type_name not in EXACT_INT4_TYPES:
-            continue
-        if t.name == "output.weight":
-            hf = "lm_head.weight"
-        elif t.name == "token_embd.weight":
-            hf = "model.embed_tokens.weight"
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES and parts[3] == "weight":
-            hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
-        else:
-            continue
-        k, n = int(t.shape[0]), int(t.shape[1])
-        w = gguf_block_to_int4(t.type_name, t.data, n, k)
-        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
-            heads = dims.num_heads if parts[-2] == "attn_q" else dims.num_kv_heads
-            w = permute_rows(w, torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1))
-        out[hf] = w
-    return out
-
-
 def gate_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, top1_positions: int) -> dict:
-    """Perplexity of both on ``ids`` (teacher forcing), their ratio, and the share of the first
-    ``top1_positions`` positions where the greedy (argmax) token is the same."""
+    """What a weight format changes in the next-token distributions of ``ids`` (teacher forcing), against
+    ``ref_logits``: the mean KL divergence ``KL(ref || format)`` in nats (every position, weighted by
+    probability: near-ties cannot flip it), perplexity of both and their ratio, and the share of the
+    first ``top1_positions`` positions where the greedy token is the same, counted only where the
+    reference's top-1 probability beats its second by at least :data:`GATE_CLEAR_MARGIN` (a near tie is
+    a coin toss for any format, the file's own included). Passes with KL <= :data:`GATE_KL_MAX` and
+    clear-margin agreement >= :data:`GATE_TOP1_MIN`."""
+    F = torch.nn.functional
     targets = ids[1:].to(ref_logits.device)
-    ppl_ref = math.exp(torch.nn.functional.cross_entropy(ref_logits[:-1].float(), targets).item())
-    ppl = math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), targets).item())
-    n = min(top1_positions, logits.shape[0])
-    agree = (ref_logits[:n].argmax(-1) == logits[:n].argmax(-1)).float().mean().item()
-    return {"ppl_fp32": ppl_ref, "ppl": ppl, "ppl_ratio": ppl / ppl_ref, "top1_agreement": agree,
-            "tokens": int(ids.shape[0]), "top1_positions": n,
-            "passed": ppl / ppl_ref <= 1 + GATE_PPL_TOLERANCE and agree >= GATE_TOP1_MIN}
+    ref, cand = ref_logits.float(), logits.float().to(ref_logits.device)
+    ppl_ref = math.exp(F.cross_entropy(ref[:-1], targets).item())
+    ppl = math.exp(F.cross_entropy(cand[:-1], targets).item())
+    ref_lp, cand_lp = F.log_softmax(ref, -1), F.log_softmax(cand, -1)
+    kl = (ref_lp.exp() * (ref_lp - cand_lp)).sum(-1).mean().item()
+    n = min(top1_positions, cand.shape[0])
+    top2 = ref_lp[:n].exp().topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= GATE_CLEAR_MARGIN
+    same = ref[:n].argmax(-1) == cand[:n].argmax(-1)
+    agree_clear = same[clear].float().mean().item() if bool(clear.any()) else 1.0
+    return {"kl": kl, "ppl_ref": ppl_ref, "ppl": ppl, "ppl_ratio": ppl / ppl_ref,
+            "top1_agreement": same.float().mean().item(), "top1_agreement_clear": agree_clear,
+            "clear_positions": int(clear.sum()), "tokens": int(ids.shape[0]), "top1_positions": n,
+            "passed": kl <= GATE_KL_MAX and agree_clear >= GATE_TOP1_MIN}
 
 
 def _cache_file(cache_dir) -> Path | None:
@@ -147,23 +130,18 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     tuner = Autotuner(device, dtype, _cache_file(cache_dir))
     hf, state = loaded.hf_config, loaded.state_dict
     gguf_path = getattr(loaded, "source_gguf", None)
-    int4_src: dict | None = None
-    # a GGUF's Q8_0 embedding rows (a quarter of the fp32 table, the same rows), shared by every format built
-    embedding = None if gguf_path is None else gguf_q8_embedding(
-        gguf_path, state["model.embed_tokens.weight"].to(dtype), device)
+    embed_src = state["model.embed_tokens.weight"]
+    # a GGUF's embedding stays in the file's own blocks (rows decoded when looked up), shared by every format built
+    embedding = gguf_embedding(embed_src, dtype, device) if isinstance(embed_src, GGUFWeight) else None
 
     chooser = kernel_chooser(tuner, hf, device, dtype)
 
     def make(fmt: str) -> LlamaForward:
-        nonlocal int4_src
-        quantized = None
-        if fmt == "int4" and gguf_path is not None:
-            if int4_src is None:
-                int4_src = gguf_int4_weights(gguf_path, hf)
-            quantized = int4_src
-        return LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
-                            quantized=quantized, choose_kernel=chooser, threads=threads,
-                            head_format=head_format(tuner, fmt, hf), embedding=embedding)
+        model = LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
+                             choose_kernel=chooser, threads=threads, head_format=head_format(tuner, fmt, hf),
+                             embedding=embedding)
+        release_memory()  # the tensors read and converted one at a time: hand their pages back
+        return model
 
     choice: dict = {"requested": weights}
     if weights != "auto":
@@ -173,6 +151,8 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     else:
         model = _auto(loaded, make, tuner, device, say, choice, saved_kv or {})
     tuner.save()
+    if gguf_path is not None:
+        _memory_against_file(model, Path(gguf_path), choice, say)
     model.weights_choice = choice
     info = model.weights_info
     msg = (f"weights: {model.weights} ({choice['reason']}); {info['weight_bytes'] / 1e6:.1f} MB per step; "
@@ -259,7 +239,7 @@ def _gate(fmt: str, entry: str, tuner: Autotuner, make, reference) -> tuple[dict
     m = _rounded(gate_metrics(ref_logits, model.dense_logits(ids), ids, GATE_TOKENS))
     # the same text through the projections one row at a time: the kernels decode steps use
     dec = _rounded(gate_metrics(ref_logits, model.dense_logits(ids, rows_per_call=1), ids, GATE_TOKENS))
-    m["decode_path"] = {k: dec[k] for k in ("ppl_ratio", "top1_agreement", "passed")}
+    m["decode_path"] = {k: dec[k] for k in ("kl", "top1_agreement_clear", "passed")}
     m["passed"] = m["passed"] and dec["passed"]
     tuner.remember(entry, m)
     return m, (model if m["passed"] else None)
@@ -282,11 +262,22 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
     say("auto weights: choosing the kernels of each format (cached per machine) ...")
     sigs = {}
     chooser = kernel_chooser(tuner, hf, device, tuner.act_dtype)  # the one make() uses
-    for f in kernels.FORMATS:  # a format no kernel here serves (e.g. int4 on some torch builds) is left out
+    own, formats = None, kernels.FORMATS
+    if getattr(loaded, "source_gguf", None) is not None:  # only the formats that fit the file's size are timed
+        own, formats = _gguf_candidates(loaded, device, choice, say)
+    for f in formats:  # a format no kernel here serves (e.g. int4 on some torch builds) is left out
         try:
             sigs[f] = _kernel_signature(tuner, f, counts, hf, chooser)
         except (RuntimeError, ValueError) as exc:
             log.info("auto weights: %s is not available here: %s", f, exc)
+    if own is not None:
+        if not sigs:
+            raise RuntimeError(f"no kernel here serves the formats that fit {loaded.source_gguf} ({', '.join(formats)})")
+        if len(sigs) == 1:
+            fmt = next(iter(sigs))
+            choice["reason"] = (f"auto: {fmt}, the file's own precision (" + _own_summary(choice) + "); the only "
+                                f"format whose weights fit in {GGUF_MEMORY_FACTOR}x the file's size")
+            return make(fmt)
     fingerprint = _fingerprint(loaded)
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     sig_hash = hashlib.sha256(repr(sorted(sigs.items())).encode()).hexdigest()[:12]
@@ -330,6 +321,9 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
         say(f"auto weights: the last measurement was disturbed ({kept.get('disturbed')}); measuring again")
     ref_state: dict = {}
 
+    reference_mb = _resident_mb(loaded, "fp32") if own is not None else 0.0
+    reference_ok = own is None or reference_mb <= GATE_REFERENCE_SHARE * _available_mb()
+
     def reference():
         if not ref_state:
             say("auto weights: building the fp32 reference for the accuracy gate ...")
@@ -344,14 +338,29 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
     for fmt in kernels.FORMATS:
         if fmt == "fp32" or fmt not in sigs:
             continue
+        if fmt == own and not reference_ok:  # the file's own blocks need no gate for the weights
+            gate[fmt] = {"passed": True, "exempt": "the file's own blocks; the fp32 reference "
+                         f"({reference_mb:.0f} MB) does not fit in {GATE_REFERENCE_SHARE:.0%} of available memory"}
+            models[fmt] = make(fmt)
+            continue
+        if not reference_ok:
+            gate[fmt] = {"passed": False, "reason": f"not checked: the fp32 reference ({reference_mb:.0f} MB) does not "
+                         f"fit in {GATE_REFERENCE_SHARE:.0%} of available memory"}
+            continue
         gate[fmt], model = _gate(fmt, f"gate2 {fingerprint} {fmt} {sigs[fmt]} native={native.build_id()}", tuner,
                                  make, reference)
+        if fmt == own and not gate[fmt]["passed"]:  # reported, not held against the file's own blocks
+            gate[fmt] = {**gate[fmt], "passed": True, "exempt": "the file's own blocks"}
+            model = model or make(fmt)
         if model is None:
-            say(f"auto weights: {fmt} fails the accuracy gate (ppl x{gate[fmt]['ppl_ratio']:.3f}, "
-                f"top-1 {gate[fmt]['top1_agreement']:.1%})")
+            say(f"auto weights: {fmt} fails the accuracy gate (KL {gate[fmt]['kl']:.4f} nats, "
+                f"top-1 {gate[fmt]['top1_agreement_clear']:.1%} where the reference is clear)")
         else:
             models[fmt] = model
-    models["fp32"] = ref_state.pop("model", None) or make("fp32")
+    if "fp32" in sigs:
+        models["fp32"] = ref_state.pop("model", None) or make("fp32")
+    ref_state.clear()
+    release_memory()
     choice["gate"] = gate
     say(f"auto weights: timing real decode and prefill steps of {', '.join(models)} ...")
     cpu0, t0 = choose.cpu_seconds(), time.perf_counter()
@@ -370,7 +379,8 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
         log.warning("auto weights: measured under load (%s); using %s, %s", why, fmt,
                     "kept after %d disturbed measurements" % attempts if keep else "measuring again at the next start")
     g = gate.get(fmt)
-    acc = (f" (ppl x{g['ppl_ratio']:.3f}, top-1 agreement {g['top1_agreement']:.1%} vs fp32)" if g else "")
+    acc = (f" (KL {g['kl']:.4f} nats vs fp32, top-1 agreement {g['top1_agreement_clear']:.1%} where fp32 is "
+           "clear)" if g and "kl" in g else "")
     choice["reason"] = (f"auto: {fmt} ran the reference agent turn fastest ({times[fmt].cost() * 1e3:.1f} ms; "
                         f"decode {1 / times[fmt].decode_1:.0f} tok/s alone) of the formats passing the accuracy "
                         f"gate{acc}")
@@ -386,11 +396,113 @@ def _fingerprint(loaded) -> str:
     same GGUF served as ``--model file.gguf`` and as the bundled model (two names) is one model and
     gets one choice."""
     h = hashlib.sha256(loaded.hf_config.to_json_string(use_diff=False).encode())
-    h.update(b"gguf" if getattr(loaded, "source_gguf", None) is not None else b"dir")
+    h.update(b"gguf2" if getattr(loaded, "source_gguf", None) is not None else b"dir")
     state = loaded.state_dict
     names = ["model.embed_tokens.weight"] + sorted(n for n in state if n.startswith("model.layers.0.")
                                                      and n.endswith("proj.weight"))
     for name in names:
         h.update(name.encode())
-        h.update(state[name].reshape(-1)[:4096].float().contiguous().numpy().tobytes())
+        t = state[name]
+        if isinstance(t, GGUFWeight):
+            h.update(f"{t.type_name}".encode() + t.sample())
+        else:
+            h.update(t.reshape(-1)[:4096].float().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------- GGUF sources
+_BYTES_PER_VALUE = {"int4": 20 / 32, "fp32": 4.0, "bf16": 2.0}  # native_q4 blocks: 16 B nibbles + fp16 d, m
+
+
+def _format_bytes(weight, fmt: str) -> float:
+    """Bytes ``weight`` (a ``GGUFWeight`` projection) takes in ``fmt`` as ``gguf_format`` builds it."""
+    n, k = weight.shape
+    if fmt == "int4" and not weight.is_exact_int4:
+        fmt = "int8"
+    return n * k * (1.0 + 4.0 / k) if fmt == "int8" else n * k * _BYTES_PER_VALUE[fmt]
+
+
+def _projection_sources(loaded) -> list:
+    state, hf = loaded.state_dict, loaded.hf_config
+    names = [n for n in state if n.endswith("_proj.weight")]
+    head = "lm_head.weight" if "lm_head.weight" in state and not getattr(hf, "tie_word_embeddings", False) \
+        else "model.embed_tokens.weight"
+    return [state[n] for n in names] + [state[head]]
+
+
+def _resident_mb(loaded, fmt: str) -> float:
+    """MB of weights a GGUF model holds in ``fmt``: its projections and head in the format, its
+    embedding in the file's own blocks."""
+    sources = _projection_sources(loaded)
+    embed = loaded.state_dict["model.embed_tokens.weight"]
+    return (sum(_format_bytes(w, fmt) for w in sources) + embed.nbytes) / 1e6
+
+
+def _available_mb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024 * 1.048576
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
+def own_format(loaded) -> str:
+    """The format that holds a GGUF file's projections at their own precision: int4 when the 4-bit
+    types carry most of the weights (Q4_0/Q4_1/Q4_K, the rest in int8), int8 for 5- to 8-bit files,
+    bf16 for 16-bit, fp32 for 32-bit."""
+    sources = _projection_sources(loaded)
+    total = sum(w.numel() for w in sources)
+    by_bits: dict[int, int] = {}
+    for w in sources:
+        by_bits[w.bits] = by_bits.get(w.bits, 0) + w.numel()
+    if sum(v for b, v in by_bits.items() if b <= 4) * 2 >= total:
+        return "int4"
+    top = max(by_bits, key=lambda b: by_bits[b])
+    return "int8" if top <= 8 else ("bf16" if top <= 16 else "fp32")
+
+
+def _gguf_candidates(loaded, device, choice: dict, say) -> tuple[str, tuple[str, ...]]:
+    """``auto`` on a GGUF file: the file's own format and the others whose weights fit in
+    :data:`GGUF_MEMORY_FACTOR` x the file's bytes (a format that would multiply memory is never chosen
+    silently: it is not a candidate at all)."""
+    file_mb = Path(loaded.source_gguf).stat().st_size / 1e6
+    own = own_format(loaded)
+    sizes = {f: round(_resident_mb(loaded, f), 1) for f in kernels.FORMATS}
+    served = [f for f in kernels.FORMATS if kernels.candidates(f, device)]
+    fits = tuple(f for f in served if sizes[f] <= GGUF_MEMORY_FACTOR * file_mb or f == own)
+    if own not in fits:  # no kernel for the file's own format here: the smallest that has one
+        own = min(served, key=lambda f: sizes[f])
+        fits = (own,)
+    types: dict[str, int] = {}
+    for w in _projection_sources(loaded):
+        types[w.type_name] = types.get(w.type_name, 0) + 1
+    choice.update(own_format=own, file_mb=round(file_mb, 1), weights_mb=sizes,
+                  file_tensor_types=dict(sorted(types.items())), candidates=list(fits))
+    say(f"auto weights: {own} holds the file's own precision; candidates within "
+        f"{GGUF_MEMORY_FACTOR}x the file ({file_mb:.0f} MB): {', '.join(fits)}")
+    return own, fits
+
+
+def _memory_against_file(model: LlamaForward, path: Path, choice: dict, say) -> None:
+    """Record the bytes the model's tensors hold against the GGUF file's; above
+    :data:`GGUF_MEMORY_FACTOR` x the file, say so loudly (log warning, progress line, ``/props``)."""
+    held = model.tensor_bytes()
+    total = sum(held.values())
+    file_bytes = path.stat().st_size
+    choice["memory"] = {"tensors_mb": round(total / 1e6, 1), "file_mb": round(file_bytes / 1e6, 1),
+                        "ratio": round(total / file_bytes, 3), "by_item_mb": {k: round(v / 1e6, 1) for k, v in held.items()}}
+    if total > GGUF_MEMORY_FACTOR * file_bytes:
+        msg = (f"weights: {model.weights} holds {total / 1e6:.0f} MB of tensors for a {file_bytes / 1e6:.0f} MB GGUF file "
+               f"({total / file_bytes:.1f}x); pass --weights int4 (the file's own blocks where they are 4-bit) to stay "
+               "near the file's size")
+        choice["memory_warning"] = msg
+        log.warning(msg)
+        say("WARNING: " + msg)
+
+
+def _own_summary(choice: dict) -> str:
+    types = ", ".join(f"{n} x {t}" for t, n in choice.get("file_tensor_types", {}).items())
+    return f"projections {types}; {choice['weights_mb'][choice['own_format']]:.0f} MB of weights for a " \
+           f"{choice['file_mb']:.0f} MB file"
