@@ -27,12 +27,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .store import fsync_dir
+from .files import HEADER, MAGIC, fsync_dir, read_header
 
 log = logging.getLogger("opencoti.engine.persist")
 
-MAGIC = b"OPENCOTI-KV1\n"
-HEADER = 4096
 CHECKSUM = "crc32"  # of the bytes after the header (K, V, the stored tokens)
 
 # bf16 travels as raw 16-bit words; int8 is q8 pages (kv/q8.py: head_dim + 4 bytes per vector, its scale included)
@@ -112,20 +110,6 @@ def save_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, 
     """Write the KV of positions ``[start, end)`` held in ``page_table``; returns the bytes written."""
     k, v = snapshot_kv(kv, page_table, start, end)
     return write_kv(path, k, v, start, tokens)
-
-
-def read_header(path: str | os.PathLike) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER)
-    except OSError:
-        return None
-    if not raw.startswith(MAGIC):
-        return None
-    try:
-        return json.loads(raw[len(MAGIC):].split(b"\n", 1)[0])
-    except ValueError:
-        return None
 
 
 def saved_weight_formats(*dirs: str | os.PathLike) -> dict[str, int]:
@@ -224,8 +208,10 @@ class KvWriter:
         self._q.put(item)
 
     def save(self, path: Path, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int],
-             identity: dict | None = None) -> None:
-        self._put(("save", path, k, v, start, list(tokens), identity))
+             identity: dict | None = None, extra: dict | None = None) -> None:
+        """Write the file (``identity``: the header's ``kv``; ``extra``: more header fields)."""
+        head = {**(extra or {}), **({} if identity is None else {"kv": identity})}
+        self._put(("save", path, k, v, start, list(tokens), head))
 
     def drop(self, path: Path) -> None:
         self._put(("drop", path))
@@ -250,7 +236,7 @@ class KvWriter:
                 return
             try:
                 if item[0] == "save":
-                    write_kv(*item[1:6], extra=None if item[6] is None else {"kv": item[6]})
+                    write_kv(*item[1:6], extra=item[6] or None)
                 elif item[0] == "drop":
                     item[1].unlink(missing_ok=True)
                 else:

@@ -10,10 +10,14 @@ directory that a running server holds.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
+from .files import KV_DIR
 from .store import StateStore
+
+log = logging.getLogger("opencoti.engine.persist")
 
 
 def prune(state_dir: str | Path, *, older_than_s: float, dry_run: bool = False) -> dict:
@@ -42,7 +46,11 @@ def prune(state_dir: str | Path, *, older_than_s: float, dry_run: bool = False) 
                 for pid in removed:
                     store.delete_pool(pid)
             for pid in removed:
-                (store.dir / "kv" / f"{pid}.kv").unlink(missing_ok=True)
+                path = store.dir / KV_DIR / f"{pid}.kv"
+                if path.exists():
+                    log.info("state: removing %s/%s: pool %d was pruned (unpinned, unused, created more than %g s "
+                             "ago)", KV_DIR, path.name, pid, older_than_s)
+                path.unlink(missing_ok=True)
         return {"state_dir": str(store.dir), "dry_run": dry_run, "pools_removed": sorted(removed),
                 "pools_kept": sorted(set(children) - set(removed)), "sessions": len(snap.sessions)}
     finally:

@@ -84,7 +84,9 @@ class SessionKv:
         self.files.pop(name, None)
         self._make_room(size)
         k, v = kvfile.snapshot_kv(kv, seq.page_table, 0, n)
-        self.writer.save(self._path(name), k, v, 0, seq.tokens[:n], self.identity)
+        # the header names the session's pool: its id counts into the high-water mark (files.py)
+        self.writer.save(self._path(name), k, v, 0, seq.tokens[:n], self.identity,
+                         extra=None if s.pool_id is None else {"pool_id": s.pool_id})
         self.files[name] = [size, time.monotonic(), s.session_id]
         self._written[s.session_id] = key
         self.stats["written"] += 1
@@ -94,6 +96,8 @@ class SessionKv:
         for name, (nbytes, _, sid) in sorted(self.files.items(), key=lambda kv: kv[1][1]):
             if used + size <= self.budget:
                 break
+            log.debug("state: removing the session KV file of %r: the files are over their disk budget "
+                      "(%.0f MiB), the least recently written go first", sid, self.budget / 2**20)
             self.writer.drop(self._path(name))
             del self.files[name]
             self._written.pop(sid, None)
@@ -116,11 +120,17 @@ class SessionKv:
         by_name = {file_name(s.session_id): s for s in sessions}
         for f in self.dir.iterdir():
             if f.suffix != ".kv" or f.name not in by_name:  # half-written, or its session is gone
+                why = "half-written (the process stopped while writing it)" if f.suffix != ".kv" else \
+                    "no stored session has it (the session was released, or the database was lost)"
+                log.warning("state: removing the session KV file %s: %s", f.name, why)
                 f.unlink(missing_ok=True)
                 continue
             self.files[f.name] = [f.stat().st_size, f.stat().st_mtime - time.time() + time.monotonic(),
                                   by_name[f.name].session_id]
         if not self.enabled:
+            if self.files:
+                log.info("state: removing %d session KV files: session KV files are off (a budget of 0 MiB)",
+                         len(self.files))
             for name in list(self.files):
                 self._path(name).unlink(missing_ok=True)
             self.files.clear()

@@ -13,7 +13,10 @@ The database is created whole (under a temporary name, then renamed), so a datab
 but is empty (0 bytes) or holds no opencoti tables was damaged: it is an error, never a fresh
 start, and nothing in the directory is touched. The id high-water mark is also kept in a file of
 its own (``next_pool_id``, written before the database), so even a lost database cannot make ids
-come back: a new one continues above the mark.
+come back: a new one continues above the mark. At every open the mark is the highest of every
+source: the database's mark and the ids in its tables, the mark file, and the pool ids the files
+of the directory name (``files.pool_ids_in_files``: KV files, session KV files); it is written
+back to the database and the mark file before anything else runs (before any file is removed).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import OpencotiError
+from .files import fsync_dir, pool_ids_in_files
 
 SCHEMA_VERSION = 1
 DB_NAME = "state.sqlite3"
@@ -133,9 +137,11 @@ class StateStore:
         self.db = None
         try:
             self._mark = read_mark(self.dir)
+            in_files = pool_ids_in_files(self.dir)
             path = self.dir / DB_NAME
-            if not path.exists():
-                self._create(path)
+            created = not path.exists()
+            if created:
+                self._create(path, in_files)
             elif path.stat().st_size == 0:
                 raise StateDirError(f"the state database {path} exists but is empty (0 bytes): it was damaged. "
                                     "Starting from zero would hand out pool ids again; restore it from a backup, "
@@ -151,6 +157,7 @@ class StateStore:
                     if stmt.strip():
                         self.db.execute(stmt)
                 self._check_meta(identity or {})
+                self._raise_mark(in_files, created)
         except sqlite3.Error as e:
             self.close()
             raise StateDirError(f"cannot open the state database in {self.dir}: {e}; nothing in it was changed. "
@@ -160,11 +167,13 @@ class StateStore:
             raise
 
     # ---------------------------------------------------------------- open / close
-    def _create(self, path: Path) -> None:
+    def _create(self, path: Path, in_files: dict[str, int]) -> None:
         """A new database, whole or not at all: built under a temporary name, then renamed."""
-        if self._mark > 1 or (self.dir / "kv").is_dir():
-            log.warning("state: %s has no database but an id mark (%d) or KV files: the database was lost; "
-                        "starting with no pools, ids continue above the mark", self.dir, self._mark)
+        if self._mark > 1 or in_files or (self.dir / "kv").is_dir():
+            start = max(self._mark, max(in_files.values(), default=0) + 1)
+            log.warning("state: %s has no database but %s: the database was lost; starting with no pools, pool "
+                        "ids continue from %d (above every id the mark file and the files name)", self.dir,
+                        _describe_sources(self._mark, in_files), start)
         tmp = path.with_name(path.name + ".new")
         tmp.unlink(missing_ok=True)
         db = sqlite3.connect(str(tmp), isolation_level=None)
@@ -182,6 +191,22 @@ class StateStore:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(self.dir)
+
+    def _raise_mark(self, in_files: dict[str, int], created: bool) -> None:
+        """Make the high-water mark (the database's and the mark file) the highest of every source:
+        the database's mark, the ids in its tables, the mark file, the ids ``in_files`` (inside the
+        open transaction)."""
+        db = self.db
+        stored = int(db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
+        in_tables = max(db.execute("SELECT COALESCE(MAX(pool_id), 0) FROM pools").fetchone()[0],
+                        db.execute("SELECT COALESCE(MAX(pool_id), 0) FROM sessions").fetchone()[0]) + 1
+        top = max(stored, self._mark, in_tables, max(in_files.values(), default=0) + 1)
+        if top > max(stored, self._mark) and not created:  # (a new database: _create said why already)
+            where = "its tables" if in_tables == top else _describe_sources(0, in_files)
+            log.warning("state: %s: %s name pool id %d, above the id marks (database %d, mark file %d): pool ids "
+                        "continue from %d", self.dir, where, top - 1, stored, self._mark, top)
+        if top > stored or top > self._mark:
+            self.reserve_pool_ids(top)
 
     def _check_tables(self, path: Path) -> None:
         names = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -341,15 +366,11 @@ def write_mark(directory: Path, next_id: int) -> None:
     fsync_dir(directory)
 
 
-def fsync_dir(d: Path) -> None:
-    """Make a rename in ``d`` durable (where the platform allows it)."""
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _describe_sources(mark: int, in_files: dict[str, int], most: int = 4) -> str:
+    """``an id mark (5) and files naming pool ids (kv/7.kv: 7, ...)`` for a log line (``mark`` 1: none)."""
+    parts = [f"an id mark ({mark})"] if mark > 1 else []
+    if in_files:
+        named = sorted(in_files.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name}: {pid}" for name, pid in named[:most])
+        parts.append(f"files naming pool ids ({shown}{', ...' if len(named) > most else ''})")
+    return " and ".join(parts) or "a KV directory"

@@ -25,6 +25,7 @@ from ..kv.pools import Pool, Residency
 from ..core.requests import Session
 from ..polykv.view import PolyKVView
 from . import kvfile
+from .files import KV_DIR, SESSION_KV_DIR, kv_file_pool_id
 from .session_kv import DEFAULT_BUDGET_MIB, SessionKv
 from .store import PoolRecord, SessionRecord, StateStore
 
@@ -67,7 +68,7 @@ class Persister:
         self.core = core
         self.kv_identity = kv_identity  # written into every KV file; a file of another identity is not loaded
         self.admission = admission  # the engine's admission controller (policy dicts), optional
-        self.kv_dir = store.dir / "kv"
+        self.kv_dir = store.dir / KV_DIR
         self.kv_files = kv_files
         if kv_files:
             self.kv_dir.mkdir(exist_ok=True)
@@ -77,7 +78,7 @@ class Persister:
         self.kv_rejected: list[int] = []  # pools whose KV file failed its checksum (recomputed instead)
         self.kv_writer = kvfile.KvWriter()
         # named sessions' KV files (session_kv.py), within their disk budget
-        self.session_kv = SessionKv(store.dir / "session_kv", core, self.kv_writer, kv_identity,
+        self.session_kv = SessionKv(store.dir / SESSION_KV_DIR, core, self.kv_writer, kv_identity,
                                     int(session_kv_budget_mib * 2**20) if kv_files else 0)
         self._reserved = 0
         self._dirty_sessions: set[str] = set()
@@ -242,7 +243,7 @@ class Persister:
                 self._pools[op[1].pool_id] = op[2]
             elif kind == "delete":
                 self._pools.pop(op[1], None)
-                self._drop_kv_file(op[1])
+                self._drop_kv_file(op[1], "the pool was released")
             elif kind == "sdel":
                 self._sessions.pop(op[1], None)
                 self.session_kv.drop(op[1])
@@ -293,7 +294,7 @@ class Persister:
     def _save_pinned_kv(self) -> None:
         want = self._pinned_closure()
         for pid in list(self._kv_saved - want):
-            self._drop_kv_file(pid)
+            self._drop_kv_file(pid, "the pool is no longer pinned (nor an ancestor of a pinned pool)")
         for pid in sorted(want - self._kv_saved):
             pool = self.core.tree.pools.get(pid)
             if pool is None or pool.residency != Residency.RESIDENT or pid not in self._pools:
@@ -302,9 +303,10 @@ class Persister:
             self.kv_writer.save(self._kv_path(pid), k, v, pool.branch_pos, pool.tokens, self.kv_identity)
             self._kv_saved.add(pid)
 
-    def _drop_kv_file(self, pool_id: int) -> None:
+    def _drop_kv_file(self, pool_id: int, why: str) -> None:
         self._kv_saved.discard(pool_id)
         if self.kv_files:
+            log.debug("state: removing %s/%d.kv: %s", KV_DIR, pool_id, why)
             self.kv_writer.drop(self._kv_path(pool_id))
 
     def _load_pinned_kv(self) -> int:
@@ -312,9 +314,12 @@ class Persister:
         as free pages allow; the rest stays evicted (recomputed on first use)."""
         n = 0
         closure = self._pinned_closure()
-        for f in self.kv_dir.glob("*.kv*"):  # half-written files, files of pools gone or no longer pinned
-            stem, _, ext = f.name.partition(".")
-            if ext != "kv" or not stem.isdigit() or int(stem) not in closure:
+        # half-written files, files of pools gone or no longer pinned: removed, each with its reason
+        # (their ids are in the high-water mark already: StateStore counted every file name)
+        for f in self.kv_dir.glob("*.kv*"):
+            why = self._stray_kv_file(f.name, closure)
+            if why is not None:
+                log.warning("state: removing %s/%s: %s", KV_DIR, f.name, why)
                 f.unlink(missing_ok=True)
         for pid in sorted(closure):
             pool = self.core.tree.pools[pid]
@@ -330,6 +335,21 @@ class Persister:
             if self.load_pool_kv(pool):
                 n += 1
         return n
+
+    def _stray_kv_file(self, name: str, closure: set[int]) -> str | None:
+        """Why the file ``kv/<name>`` is not kept at a restart (None: it is the KV of a pinned pool or
+        of an ancestor of one)."""
+        pid = kv_file_pool_id(name)
+        if pid is None:
+            return "not a KV file of a pool (its name is not <pool id>.kv)"
+        if name.endswith(".tmp"):
+            return f"a half-written KV file of pool {pid} (the process stopped while writing it)"
+        if pid in closure:
+            return None
+        if pid not in self.core.tree.pools:
+            return (f"pool {pid} is not in the state database (it was released, or the database was lost): "
+                    "its KV cannot be used without its tokens")
+        return f"pool {pid} is not pinned (only pinned pools and their ancestors keep KV files)"
 
     def load_pool_kv(self, pool: Pool) -> bool:
         """Make an evicted pool (whose parent is resident) resident from its KV file. False when
@@ -357,7 +377,7 @@ class Persister:
                 log.warning("state: the KV file of pool %d is not used (%s); its KV is recomputed and the "
                             "file written again", pool.pool_id, problem)
                 self.kv_rejected.append(pool.pool_id)
-                self._drop_kv_file(pool.pool_id)
+                self._drop_kv_file(pool.pool_id, problem)
             return False
         tables.advance(pool.seq, n - d)
         self.core.polykv.pool_loaded(pool)
@@ -380,7 +400,7 @@ class Persister:
 
         def rewrite():
             for pid in corrupt:
-                self._drop_kv_file(pid)
+                self._drop_kv_file(pid, "its content does not match its checksum")
             self._save_pinned_kv()
         if corrupt:
             on_step(rewrite)
