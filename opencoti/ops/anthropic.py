@@ -194,6 +194,7 @@ def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
 
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")  # Anthropic's thinking configurations
 
 
 def check_thinking(thinking: dict | None, max_tokens: int | None) -> None:
@@ -202,10 +203,10 @@ def check_thinking(thinking: dict | None, max_tokens: int | None) -> None:
     if thinking is None:
         return
     kind = thinking.get("type")
-    if kind in ("disabled", "adaptive"):
+    if kind in THINKING_TYPES and kind != "enabled":
         return
     if kind != "enabled":
-        raise InvalidRequestError(f"thinking.type must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+        raise InvalidRequestError(f"thinking.type must be one of {', '.join(THINKING_TYPES)}, got {kind!r}")
     budget = thinking.get("budget_tokens")
     if not is_int(budget):
         raise InvalidRequestError("thinking.budget_tokens: an integer is required when thinking is enabled, got "

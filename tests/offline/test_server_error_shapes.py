@@ -213,7 +213,8 @@ def test_anthropic_values_anthropic_refuses_are_400(client, engine, extra, match
 
 
 def test_anthropic_thinking_accepted_when_valid(client):
-    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}, {"type": "adaptive"},
+                     {"type": "between_tools"}):
         r = client.post("/v1/messages/count_tokens", json={"max_tokens": 2048, "messages": USER, "thinking": thinking})
         assert r.status_code == 200, r.text
 
