@@ -176,12 +176,12 @@ def gguf_state(path: str | Path, hf_config) -> dict[str, GGUFWeight]:
     """HF parameter name -> :class:`GGUFWeight` for every tensor the forward reads (nothing is read
     from the tensors themselves). Raises ValueError on a tensor whose shape does not fit the config."""
     from .gguf_index import GGUFIndex
-    from .llama import ModelDims
 
     path = Path(path)
     index = GGUFIndex(path)
     arch = index.architecture
-    dims = ModelDims.from_hf_config(hf_config)
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
     state: dict[str, GGUFWeight] = {}
     for t in index.tensors:
         name = hf_name(t.name)
@@ -193,7 +193,7 @@ def gguf_state(path: str | Path, hf_config) -> dict[str, GGUFWeight]:
         perm = None
         kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
         if arch == "llama" and kind in ("attn_q", "attn_k") and len(shape) == 2:
-            heads = dims.num_heads if kind == "attn_q" else dims.num_kv_heads
+            heads = num_heads if kind == "attn_q" else num_kv_heads
             n = shape[0]
             if n % (2 * heads):
                 raise ValueError(f"{t.name}: {n} rows do not split into {heads} rotary heads")
