@@ -226,11 +226,25 @@ def ensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, *,
     remap: dict[int, int] = {}
     made: list[int] = []
     tkey = _transport(client)
+    # first without the lock, reading only: the pools are there as recorded (the common case), so
+    # parallel branches do not wait for each other; a re-creation is planned again under the lock
+    gen = _plan(specs, pid, remap, made, tkey)
+    result: Any = None
+    try:
+        while True:
+            op, kw = gen.send(result)
+            if op != "pool":
+                break
+            result = _sync_op(client, op, kw)
+    except StopIteration as stop:
+        return stop.value, _update(state, specs, remap, made)
+    gen.close()
+    remap.clear()
     with _GUARD:
         lock = _LOCKS.setdefault(tkey, threading.Lock())
     with lock:
         gen = _plan(specs, pid, remap, made, tkey)
-        result: Any = None
+        result = None
         try:
             while True:
                 op, kw = gen.send(result)
@@ -250,12 +264,24 @@ async def aensure_pool(client: Any, state: dict, pool_id: Optional[int] = None, 
     remap: dict[int, int] = {}
     made: list[int] = []
     tkey = _transport(client)
+    gen = _plan(specs, pid, remap, made, tkey)  # first without the lock, reading only (see ensure_pool)
+    result: Any = None
+    try:
+        while True:
+            op, kw = gen.send(result)
+            if op != "pool":
+                break
+            result = await _async_op(client, op, kw)
+    except StopIteration as stop:
+        return stop.value, _update(state, specs, remap, made)
+    gen.close()
+    remap.clear()
     lkey = (tkey, id(asyncio.get_running_loop()))
     with _GUARD:
         lock = _ALOCKS.setdefault(lkey, asyncio.Lock())
     async with lock:
         gen = _plan(specs, pid, remap, made, tkey)
-        result: Any = None
+        result = None
         try:
             while True:
                 op, kw = gen.send(result)

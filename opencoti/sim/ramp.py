@@ -228,7 +228,7 @@ def run_ramp(profile: StepProfile, policy: str, seed: int, cfg: RampConfig | Non
 
 class GateDriver:
     """``CapacityGateNode``'s decision (with a ``SpawnPacer``), driven on the simulated engine: the
-    gate's own decision steps (capacity report, pacer turn, settled check, claim) with the capacity
+    gate's own decision steps (capacity report, pacer turn, sessions seen, settled check, claim) with the capacity
     reports of the simulated controller, as an in-process client would hand them over."""
 
     def __init__(self, adm, pool_id: int):
@@ -253,8 +253,11 @@ class GateDriver:
                     result = self.Capacity(**self.adm.capacity(step[1], expected_tokens=step[2]))
                 elif step[0] == "acquire":
                     result = self.pacer.acquire(step[1], 0.0)
+                elif step[0] == "seen":  # spawned sessions the engine has not seen yet: the gate holds
+                    result = self.pacer.wait_seen(step[1], 0.0)
                 elif step[0] == "claim":
                     self.claimed = step[2]
+                    self.pacer.mark_spawned(step[1], step[2])
                 else:
                     raise RuntimeError(f"unexpected gate step {step!r} with on_hold='route'")
         except StopIteration as stop:
@@ -266,8 +269,8 @@ class GateDriver:
         """The spawned session was submitted: the pacer's claim ends once the engine knows it."""
         if self.claimed is not None:
             assert self.adm.capacity(self.pool_id, session_id=sid)["known_session"]
+            self.pacer.mark_seen(self.pool_id, self.claimed)
             self.claimed = None
-            self.pacer.release(self.pool_id)
 
 
 def wall_bound(profile: StepProfile, cfg: RampConfig, extra: int = 1) -> dict:

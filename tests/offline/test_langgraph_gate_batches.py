@@ -226,3 +226,95 @@ def test_a_failing_capacity_report_gives_back_the_pools_turn(engine):
         steps.throw(ConnectionError("server gone"))
     assert pacer.acquire(7, 0.0), "the pool's turn was not given back"
     pacer.release(7)
+
+
+# ============================================================================ start times
+STEP_S = 0.4  # a slow engine step (the bundled model's prefill on a busy machine)
+
+
+def slow_steps(engine, monkeypatch, seconds: float = STEP_S) -> None:
+    """Every engine step takes ``seconds`` more: a call to the engine made while a worker's step runs
+    waits for it, so gates that reach the engine one after the other start their workers apart."""
+    step = engine.core.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine.core, "step", slow)
+
+
+def start_spread(model, pool_id: int, pacer: SpawnPacer, n: int = 6) -> list[float]:
+    started: list[float] = []
+    out = fan_out(model, pacer, started=started).invoke({"tasks": [f"task {i}" for i in range(n)], "pool_id": pool_id})
+    assert sorted(out["results"]) == [f"task {i}" for i in range(n)]
+    first = min(started)
+    return sorted(round(t - first, 3) for t in started)
+
+
+def test_six_workers_without_a_floor_start_at_once(engine, monkeypatch):
+    """No floor: nothing to pace, so the six gates admit at once and the six workers start within one
+    engine step of each other, as they do without gates (the gates used to reach the engine one after
+    the other, a step apart: starts 0.02 ... 1.45 s on the bundled model)."""
+    model = OpencotiChatModel(engine=engine, temperature=0, max_tokens=4)
+    client = model.polykv_client
+    pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
+    slow_steps(engine, monkeypatch)
+    pacer = SpawnPacer()
+    spread = start_spread(model, pool.pool_id, pacer)
+    assert spread[-1] < STEP_S * 0.75, spread
+    assert [e["decision"] for e in pacer.log] == ["spawn"] * 6, pacer.log
+    client.release_pool(pool.pool_id)
+
+
+def test_parallel_checks_of_a_recorded_pool_do_not_queue(engine, monkeypatch):
+    """``ensure_pool`` on a pool the state records, from six branches while the engine is busy: each
+    check waits for the step running then, all at once (they used to take a lock in turn: a step each)."""
+    from opencoti.langgraph import ensure_pool, track_pool
+
+    client = OpencotiChatModel(engine=engine).polykv_client
+    system = [{"role": "system", "content": SYSTEM}]
+    pool = client.create_pool(messages=system)
+    state = {**track_pool(pool, messages=system), "pool_id": pool.pool_id}
+    slow_steps(engine, monkeypatch)
+    busy = engine.stream(engine.tokenize("busy"), params=SamplingParams.greedy(40, ignore_eos=True))
+    runner = threading.Thread(target=lambda: [None for _ in busy])
+    runner.start()
+    time.sleep(STEP_S / 2)  # a step is running
+    done: list[float] = []
+    t0 = time.monotonic()
+
+    def check():
+        assert ensure_pool(client, state) == (pool.pool_id, {})
+        done.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=check) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    busy.close()
+    runner.join(30)
+    assert len(done) == 6 and max(done) < 2 * STEP_S, sorted(done)
+    client.release_pool(pool.pool_id)
+
+
+def test_six_workers_far_above_the_floor_start_at_once(engine, monkeypatch):
+    """A floor far below what six sessions get, measured: the first spawn opens a batch and the five
+    other gates take their places without waiting for each other's sessions to reach the server,
+    so the six start within one engine step (they used to start a step or more apart each)."""
+    warm_forecast(engine, 6)
+    model = OpencotiChatModel(engine=engine, temperature=0, max_tokens=4)
+    client = model.polykv_client
+    pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
+    client.set_admission(pool.pool_id, target_tps_per_session=1.0, settle_tokens=1_000_000, settle_max_ms=20_000)
+    assert client.capacity(pool.pool_id).tps_headroom_sessions >= 12
+    slow_steps(engine, monkeypatch)
+    pacer = SpawnPacer()
+    spread = start_spread(model, pool.pool_id, pacer)
+    spawns = [e for e in pacer.log if e["decision"] == "spawn"]
+    assert len(spawns) == 6 and sum(e["batch"] for e in spawns) == 5, pacer.log
+    assert spread[-1] < STEP_S * 0.75, spread
+    # the next decision on its own report waits until the server has seen all six
+    assert pacer.wait_seen(pool.pool_id, 10.0) and pacer.unseen(pool.pool_id) == 0
+    client.release_pool(pool.pool_id)

@@ -4,7 +4,6 @@ SpawnPacer's claim watcher (sync thread and async task) run by them."""
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -87,28 +86,26 @@ def _held(pacer: SpawnPacer, pool_id: int) -> bool:
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_claim_keeps_the_turn_until_the_session_is_known(fail):
+def test_claim_counts_the_session_unseen_until_it_is_known(fail):
+    """A claim does not hold the pool's turn (the gates of a batch spawn at once); the session counts
+    as unseen, which a gate deciding on a report of its own waits out, until the server knows it."""
     pacer = SpawnPacer(claim_timeout_s=5, claim_poll_s=0.01)
     server = _Server(known_after=3, fail=fail)
-    assert pacer.acquire(3, 0)
     pacer.claim(ClientPair(server, None), 3, "s")
-    deadline = time.monotonic() + 5
-    while _held(pacer, 3) and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert not _held(pacer, 3)
+    assert pacer.wait_seen(3, 5.0) and pacer.unseen(3) == 0
     assert server.calls == (1 if fail else 3)  # a failing server ends the wait at once
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_aclaim_keeps_the_turn_until_the_session_is_known(fail):
+def test_aclaim_counts_the_session_unseen_until_it_is_known(fail):
     pacer = SpawnPacer(claim_timeout_s=5, claim_poll_s=0.01)
     server = _AsyncServer(known_after=3, fail=fail)
 
     async def run():
-        assert pacer.acquire(3, 0)
         pacer.aclaim(ClientPair(None, server), 3, "s")
-        assert _held(pacer, 3)
+        assert pacer.unseen(3) == 1 and not _held(pacer, 3)
         await asyncio.gather(*pacer._tasks)
-        return _held(pacer, 3)
-    assert asyncio.run(run()) is False
+        return pacer.unseen(3)
+    assert asyncio.run(run()) == 0
     assert server.calls == (1 if fail else 3)
