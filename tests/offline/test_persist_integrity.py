@@ -151,3 +151,34 @@ def test_the_mark_file_wins_when_it_is_higher(make_engine, tmp_path):
     (state / MARK_NAME).write_text("x\n")
     with pytest.raises(StateDirError, match="id mark .* is damaged"):
         make_engine(state_dir=str(state))
+
+
+def test_two_swapped_kv_files_are_named_with_why_and_listed_as_rejected(make_engine, tmp_path, caplog):
+    """Issue 49 (7): the same engine, two KV files swapped: the log names each file and why (it holds
+    the KV of the other pool), not "does not match this engine"; both pools are rejected_at_load."""
+    state = tmp_path / "state"
+    eng = make_engine(state_dir=str(state))
+    a = eng.create_pool(tokens=ROOT, pinned=True).pool_id
+    b = eng.create_pool(tokens=[t + 100 for t in ROOT], pinned=True).pool_id
+    eng.shutdown()
+    fa, fb = state / "kv" / f"{a}.kv", state / "kv" / f"{b}.kv"
+    da, db = fa.read_bytes(), fb.read_bytes()
+    fa.write_bytes(db)
+    fb.write_bytes(da)
+    with caplog.at_level(logging.WARNING, logger="opencoti.engine.persist"):
+        eng = make_engine(state_dir=str(state))
+    assert "does not match this engine" not in caplog.text
+    for mine, theirs in ((a, b), (b, a)):
+        assert (f"kv/{mine}.kv is not used: it holds the KV of other tokens than the pool's (another prefix) "
+                f"(its header says it holds the KV of pool {theirs}: the file was swapped or renamed)") in caplog.text
+    assert eng.persister.stats["kv_loaded_pools"] == 0
+    report = call(Context(eng), "integrity")
+    assert report["ok"] and sorted(report["kv_files"]["rejected_at_load"]) == sorted([a, b])
+
+
+def test_a_kv_file_of_another_engine_says_what_differs():
+    head = {"start": 0, "tokens": kvfile.tokens_digest(ROOT), "kv": {"model": "m", "weights": "int4", "kv_dtype": "q8"}}
+    why = kvfile.mismatch(head, 0, ROOT, {"model": "m", "weights": "fp32", "kv_dtype": "q8"})
+    assert why == "it was computed by weights 'int4' (this engine: 'fp32')"
+    assert kvfile.mismatch(head, 0, ROOT, head["kv"]) is None
+    assert "unreadable" in kvfile.mismatch(None, 0, ROOT, None)

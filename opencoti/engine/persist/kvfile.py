@@ -127,8 +127,27 @@ def saved_weight_formats(*dirs: str | os.PathLike) -> dict[str, int]:
 def header_matches(head: dict | None, start: int, tokens: Sequence[int], identity: dict | None) -> bool:
     """Whether a header names KV of ``tokens`` from ``start`` computed by ``identity`` (a header
     without the identity asked for does not match: its KV may come from other weights)."""
-    return (head is not None and head.get("start") == start and head.get("tokens") == tokens_digest(tokens)
-            and (identity is None or head.get("kv") == identity))
+    return mismatch(head, start, tokens, identity) is None
+
+
+def mismatch(head: dict | None, start: int, tokens: Sequence[int], identity: dict | None) -> str | None:
+    """Why a header does not name KV of ``tokens`` from ``start`` computed by ``identity`` (None: it
+    does), in words for the log: the file's own pool id (when its header has one) tells a swapped
+    or renamed file from KV computed by another model, weight format or KV dtype."""
+    if head is None:
+        return "its header is unreadable (not a KV file, or cut short)"
+    owner = head.get("pool_id")
+    of = f" (its header says it holds the KV of pool {owner}: the file was swapped or renamed)" \
+        if isinstance(owner, int) else ""
+    if head.get("start") != start:
+        return f"it starts at position {head.get('start')!r}, the pool's own KV at {start}{of}"
+    if head.get("tokens") != tokens_digest(tokens):
+        return f"it holds the KV of other tokens than the pool's (another prefix){of}"
+    if identity is not None and head.get("kv") != identity:
+        theirs = head.get("kv") if isinstance(head.get("kv"), dict) else {}
+        diff = [f"{k} {theirs.get(k)!r} (this engine: {identity[k]!r})" for k in identity if theirs.get(k) != identity[k]]
+        return "it was computed by " + (", ".join(diff) if diff else "an engine that did not record its identity")
+    return None
 
 
 def matches(path: str | os.PathLike, start: int, tokens: Sequence[int], identity: dict | None) -> bool:

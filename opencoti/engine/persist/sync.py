@@ -75,7 +75,7 @@ class Persister:
         self._pools: dict[int, tuple] = {}  # stored pool id -> (pinned, label, admission)
         self._sessions: dict[str, tuple] = {}  # stored session id -> (pool_id, len(tokens), id(seq))
         self._kv_saved: set[int] = set()  # pool ids whose KV file is written (or queued)
-        self.kv_rejected: list[int] = []  # pools whose KV file failed its checksum (recomputed instead)
+        self.kv_rejected: list[int] = []  # pools whose KV file was not used at start (checksum, swapped, other engine)
         self.kv_writer = kvfile.KvWriter()
         # named sessions' KV files (session_kv.py), within their disk budget
         self.session_kv = SessionKv(store.dir / SESSION_KV_DIR, core, self.kv_writer, kv_identity,
@@ -300,7 +300,8 @@ class Persister:
             if pool is None or pool.residency != Residency.RESIDENT or pid not in self._pools:
                 continue
             k, v = kvfile.snapshot_kv(self.core.kv, pool.seq.page_table, pool.branch_pos, pool.prefix_len)
-            self.kv_writer.save(self._kv_path(pid), k, v, pool.branch_pos, pool.tokens, self.kv_identity)
+            self.kv_writer.save(self._kv_path(pid), k, v, pool.branch_pos, pool.tokens, self.kv_identity,
+                                extra={"pool_id": pid})
             self._kv_saved.add(pid)
 
     def _drop_kv_file(self, pool_id: int, why: str) -> None:
@@ -325,10 +326,13 @@ class Persister:
             pool = self.core.tree.pools[pid]
             path = self._kv_path(pid)
             if path.exists():
-                if kvfile.matches(path, pool.branch_pos, pool.tokens, self.kv_identity):
+                why = kvfile.mismatch(kvfile.read_header(path), pool.branch_pos, pool.tokens, self.kv_identity)
+                if why is None:
                     self._kv_saved.add(pid)
-                else:  # written for other tokens, another model, weight format or KV dtype: recomputed
-                    log.warning("state: the KV file of pool %d does not match this engine; it is recomputed", pid)
+                else:  # written for other tokens (a swapped file), another model, weight format or KV dtype
+                    log.warning("state: %s/%s is not used: %s; the KV of pool %d is recomputed and the file "
+                                "written again", KV_DIR, path.name, why, pid)
+                    self.kv_rejected.append(pid)
                     path.unlink(missing_ok=True)  # (and written again once the pool is resident)
             if pool.parent is not None and pool.parent.residency != Residency.RESIDENT:
                 continue
