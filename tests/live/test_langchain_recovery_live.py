@@ -17,6 +17,7 @@ from langchain.agents.middleware import SummarizationMiddleware
 from langchain_core.exceptions import ContextOverflowError
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
 
 pytestmark = pytest.mark.bundled
 
@@ -64,8 +65,6 @@ def model(request, small_engine, server):
         return OpencotiChatModel(engine=small_engine, temperature=0, max_tokens=32)
     if request.param == "http":
         return OpencotiChatModel(base_url=server, temperature=0, max_tokens=32)
-    from langchain_openai import ChatOpenAI
-
     return ChatOpenAI(base_url=server + "/v1", api_key="unused", model="opencoti", temperature=0, max_tokens=32,
                       max_retries=0)
 
@@ -81,6 +80,9 @@ def history(n_pairs: int) -> list:
 def test_context_overflow_is_langchains(model):
     with pytest.raises(ContextOverflowError):
         model.invoke("word " * (CTX + 50))
+    if not isinstance(model, ChatOpenAI):  # the profile holds the served context, on both transports
+        assert model.profile["max_input_tokens"] == CTX
+        SummarizationMiddleware(model, trigger=("fraction", 0.8))  # needs the profile
 
 
 def test_summarization_middleware_recovers_from_an_overflowing_summary(model):

@@ -163,6 +163,10 @@ def test_langchain_chat_models(base, make):
     again = llm.invoke("Say hello.")  # now from the prefix cache, as the stream's prompt is
     chunks = list(llm.stream("Say hello."))
     assert len(chunks) > 1 and "".join(c.text for c in chunks) == again.text
+    streamed = sum(chunks[1:], chunks[0]).usage_metadata  # ChatAnthropic reads it from message_delta alone
+    assert streamed["input_tokens"] == again.usage_metadata["input_tokens"] > 0, streamed
+    if make is chat_anthropic:
+        assert streamed["input_token_details"]["cache_read"] > 0, streamed  # the same prompt, from the cache
     for choice in ("get_weather", "any"):
         call = llm.bind_tools([get_weather], tool_choice=choice).invoke("What is the weather in Oslo?")
         assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
