@@ -152,7 +152,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
         model = _auto(loaded, make, tuner, device, say, choice, saved_kv or {})
     tuner.save()
     if gguf_path is not None:
-        _memory_against_file(model, Path(gguf_path), choice, say)
+        _memory_against_file(model, loaded, choice, say)
     model.weights_choice = choice
     info = model.weights_info
     msg = (f"weights: {model.weights} ({choice['reason']}); {info['weight_bytes'] / 1e6:.1f} MB per step; "
@@ -449,10 +449,10 @@ def _available_mb() -> float:
 
 
 def own_format(loaded) -> str:
-    """The format that holds a GGUF file's projections at their own precision: int4 when the 4-bit
-    types carry most of the weights (Q4_0/Q4_1/Q4_K, the rest in int8), int8 for 5- to 8-bit files,
+    """The format that holds a GGUF file's layer projections at their own precision: int4 when the 4-bit
+    types carry most of their weights (Q4_0/Q4_1/Q4_K, the rest in int8), int8 for 5- to 8-bit files,
     bf16 for 16-bit, fp32 for 32-bit."""
-    sources = _projection_sources(loaded)
+    sources = _projection_sources(loaded)[:-1]  # the layers' projections (the head has its own rule)
     total = sum(w.numel() for w in sources)
     by_bits: dict[int, int] = {}
     for w in sources:
@@ -485,18 +485,21 @@ def _gguf_candidates(loaded, device, choice: dict, say) -> tuple[str, tuple[str,
     return own, fits
 
 
-def _memory_against_file(model: LlamaForward, path: Path, choice: dict, say) -> None:
-    """Record the bytes the model's tensors hold against the GGUF file's; above
-    :data:`GGUF_MEMORY_FACTOR` x the file, say so loudly (log warning, progress line, ``/props``)."""
+def _memory_against_file(model: LlamaForward, loaded, choice: dict, say) -> None:
+    """Record the bytes the model's tensors hold against the GGUF file's (``choice["memory"]``, in
+    ``/props``). A format other than the file's own precision that holds more than
+    :data:`GGUF_MEMORY_FACTOR` x the file (``auto`` never chooses one) says so loudly (log warning, progress line, ``choice["memory_warning"]``), with what the file's own would hold."""
     held = model.tensor_bytes()
     total = sum(held.values())
-    file_bytes = path.stat().st_size
+    file_bytes = Path(loaded.source_gguf).stat().st_size
+    own = choice.get("own_format") or own_format(loaded)
     choice["memory"] = {"tensors_mb": round(total / 1e6, 1), "file_mb": round(file_bytes / 1e6, 1),
-                        "ratio": round(total / file_bytes, 3), "by_item_mb": {k: round(v / 1e6, 1) for k, v in held.items()}}
-    if total > GGUF_MEMORY_FACTOR * file_bytes:
-        msg = (f"weights: {model.weights} holds {total / 1e6:.0f} MB of tensors for a {file_bytes / 1e6:.0f} MB GGUF file "
-               f"({total / file_bytes:.1f}x); pass --weights int4 (the file's own blocks where they are 4-bit) to stay "
-               "near the file's size")
+                        "ratio": round(total / file_bytes, 3), "own_format": own,
+                        "by_item_mb": {k: round(v / 1e6, 1) for k, v in held.items()}}
+    if model.weights != own and total > GGUF_MEMORY_FACTOR * file_bytes:
+        msg = (f"weights: {model.weights} holds {total / 1e6:.0f} MB of tensors for a {file_bytes / 1e6:.0f} MB GGUF "
+               f"file ({total / file_bytes:.1f}x); the file's own precision ({own}, --weights {own}) would hold about "
+               f"{_resident_mb(loaded, own):.0f} MB")
         choice["memory_warning"] = msg
         log.warning(msg)
         say("WARNING: " + msg)
