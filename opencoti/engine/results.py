@@ -76,6 +76,9 @@ class PoolInfo:
     cache_hits: int = 0
     label: str = ""
     release_in_s: float | None = None  # a release deferred by the grace TTL: seconds until it takes effect
+    # sessions of released descendants that keep this pool's KV (auto-pinned while they do):
+    # {session_id, pool_id, state, expires_in_s}
+    held_by: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -47,6 +47,13 @@ class Pool(_Model):
     """Attached sessions: ``{session_id, suffix_n_tokens, marginal_kv_bytes, tps_ewma, state, ...}``."""
     label: str = ""
     """A free-form label given at creation."""
+    release_in_s: float | None = None
+    """A release deferred by the grace TTL: seconds until it takes effect (None: none asked)."""
+    held_by: list[dict[str, Any]] = Field(default_factory=list)
+    """Sessions of released descendant pools that keep this pool's KV (it stays auto-pinned while
+    they do): ``{session_id, pool_id, state, expires_in_s}`` (``expires_in_s``: an idle anonymous
+    session's remaining TTL; None: busy, or named, kept until released). ``DELETE
+    /polykv/pools/{id}?cascade=sessions`` ends them."""
     subtree: list["Pool"] = Field(default_factory=list)
     """Descendant pools (filled by ``pool(id)`` only)."""
 
@@ -62,6 +69,12 @@ class PoolTree(_Model):
     """KV pages held by pools and sessions (pages only the prefix cache holds: ``kv_pages_cache``)."""
     kv_pages_total: int = 0
     """KV pages in the cache."""
+    kv_memory: dict[str, Any] = Field(default_factory=dict)
+    """The KV store's memory: ``reserved_bytes`` (the cap), ``resident_bytes`` (CPU: pages written at
+    least once; they stay resident when freed), ``used_bytes``, ``touched_pages``, ``allocation``."""
+    released_pools: list[dict[str, Any]] = Field(default_factory=list)
+    """Released pools whose KV sessions still read (not in the pool budget; their pages count in
+    ``kv_pages_used`` until those sessions end): ``{pool_id, parent, prefix_len, own_kv_bytes, held_by}``."""
     kv_pages_cache: int = 0
     """Pages only the prefix cache holds: reusable, evicted first (LRU, leaves first) when memory is needed."""
     cache_kv_bytes: int = 0

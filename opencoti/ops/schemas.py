@@ -316,6 +316,9 @@ class _Query(BaseModel):
 class ReleasePoolQuery(_Query):
     immediate: bool = Field(False, description="release now instead of after the pool's grace TTL (pending "
                                                "releases of its children go first)")
+    cascade: Literal["sessions"] | NoNull = Field(None, description="'sessions': first end the sessions that keep "
+                                                  "the pool's KV (its own and its descendants', released ones "
+                                                  "included: held_by / released_pools in the listing)")
 
 
 class CapacityQuery(_Query):

@@ -111,6 +111,8 @@ def _props(ctx: Context) -> dict:
             "max_pools": cfg.max_pools, "page_size": eng.kv.page_size, "kv_pages_total": eng.kv.num_pages,
             "kv_budget_tokens": eng.kv.num_pages * eng.kv.page_size, "max_context": eng.max_context,
             "kv_dtype": eng.kv.dtype_name, "kv_bytes_per_token": eng.kv.page_bytes // eng.kv.page_size,
+            # reserved (the cap) vs resident vs used KV bytes: docs/http-api.md, sizing the KV cache
+            "kv_memory": eng.kv.memory(),
             "max_running": cfg.max_running,
             "floor_default": {"target_tps_per_session": defaults.target_tps_per_session},
             "admission_defaults": defaults.as_dict(),
@@ -177,12 +179,16 @@ def _pool(ctx: Context, pool_id: int) -> dict:
 
 def _release_pool(ctx: Context, pool_id: int, query: ReleasePoolQuery) -> dict:
     eng = ctx.engine
-    eng.release_pool(pool_id, immediate=query.immediate)
+    ended = None
+    if query.cascade == "sessions":
+        ended = {"ended_sessions": eng.release_pool(pool_id, immediate=query.immediate, cascade_sessions=True)}
+    else:
+        eng.release_pool(pool_id, immediate=query.immediate)
     try:  # deferred by the grace TTL: the pool lives on (attachable) until release_in_s
         release_in_s = eng.pool(pool_id).release_in_s
     except PoolNotFoundError:
         release_in_s = None  # released now
-    return {"pool_id": pool_id, "released": True, "release_in_s": release_in_s}
+    return {"pool_id": pool_id, "released": True, "release_in_s": release_in_s, **(ended or {})}
 
 
 def _flush_pool(ctx: Context, pool_id: int) -> dict:

@@ -53,6 +53,13 @@ class _EngineCollector:
              st["prefix_cache"]["cache_pages"]),
             ("opencoti:prefix_cache_hit_rate", "Prompt tokens reused from cached KV / prompt tokens (lifetime)",
              st["prefix_cache"]["hit_rate"]),
+            *(() if "kv_memory" not in st else (
+                ("opencoti:kv_cache_bytes_reserved", "KV bytes reserved at start: the cap the KV cache can grow to",
+                 st["kv_memory"]["reserved_bytes"]),
+                ("opencoti:kv_cache_bytes_resident", "KV bytes resident in memory (CPU: pages written at least "
+                 "once; they stay resident when freed)", st["kv_memory"]["resident_bytes"]),
+                ("opencoti:kv_cache_bytes_used", "KV bytes of the pages in use (the prefix cache's included)",
+                 st["kv_memory"]["used_bytes"]))),
         ):
             g = GaugeMetricFamily(name, help_)
             g.add_metric([], value)

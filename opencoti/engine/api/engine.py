@@ -281,10 +281,12 @@ class Engine:
         """End the idle sessions attached to the pool; returns how many."""
         return self.pool_api.flush(pool_id)
 
-    def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
+    def release_pool(self, pool_id: int, *, immediate: bool = False, cascade_sessions: bool = False) -> list[str]:
         """Release a pool (leaves first). Within its grace TTL the release is deferred until the
-        grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now."""
-        self.pool_api.release(pool_id, immediate)
+        grace ends (the pool stays attachable meanwhile); ``immediate`` releases it now.
+        ``cascade_sessions`` first ends the sessions that keep its KV (its own and those of its
+        descendants, released ones included: ``held_by`` in the listing). Returns the ended session ids."""
+        return self.pool_api.release(pool_id, immediate, cascade_sessions)
 
     def compact_session(self, session_id: str, ancestor_pool_id: int, *, tokens: Seq[int] | None = None,
                         text: str | None = None, messages: list[dict] | None = None,

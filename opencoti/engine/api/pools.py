@@ -12,7 +12,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..errors import InvalidRequestError, SessionBusyError
+from ..errors import InvalidRequestError, PoolBusyError, SessionBusyError
+from ..kv.pools import Residency
 from ..polykv import status
 from ..results import PoolInfo
 
@@ -119,8 +120,25 @@ class PoolAPI:
     def flush(self, pool_id: int) -> int:
         return self.run(self.core.polykv.flush_pool, pool_id)
 
-    def release(self, pool_id: int, immediate: bool) -> None:
-        self.run(self.core.polykv.release_pool, pool_id, immediate)
+    def release(self, pool_id: int, immediate: bool, cascade_sessions: bool = False) -> list[str]:
+        """Release the pool; ``cascade_sessions``: first end the sessions that keep its KV (those of
+        its subtree, released descendants included; a request in flight is cancelled). Returns
+        the ended session ids."""
+        def go() -> list[str]:
+            kv = self.core.polykv
+            pool = kv.tree.get(pool_id)
+            if not cascade_sessions:
+                kv.release_pool(pool_id, immediate)
+                return []
+            live = [c.pool_id for c in pool.children if c.residency != Residency.RELEASED and c.release_at is None]
+            if live:  # nothing ended before the release is known to go through
+                raise PoolBusyError(f"pool {pool_id} has child pools {live}; release them first (leaves first)")
+            ended = [s.session_id for s in kv.holding_sessions(pool)]
+            for sid in ended:
+                self.core.release_session(sid)
+            kv.release_pool(pool_id, immediate)
+            return ended
+        return self.run(go)
 
     def compact(self, session_id: str, ancestor_pool_id: int, toks: list[int] | None, branch_pos: int | None,
                 release_old: bool) -> dict:

@@ -102,6 +102,8 @@ class TenantEngine:
         changes = {}
         if hasattr(info, "sessions"):
             changes["sessions"] = self._out(info.sessions)
+        if hasattr(info, "held_by"):
+            changes["held_by"] = self._out(info.held_by)
         if hasattr(info, "children"):
             owned = self._owned()
             changes["children"] = [c for c in info.children if c in owned]
@@ -159,6 +161,8 @@ class TenantEngine:
         for p in mine:
             p["children"] = [c for c in p["children"] if c in owned]
         st["pools"] = self._out(mine)
+        # released pools kept by this tenant's sessions only (others' sessions are dropped by _out)
+        st["released_pools"] = [r for r in self._out(st.get("released_pools", [])) if r["held_by"]]
         by_id = {p["pool_id"]: p for p in mine}
 
         def depth(p) -> int:

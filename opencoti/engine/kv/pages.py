@@ -56,6 +56,10 @@ class PagePool:
         # a zero-copy slice instead of gathering them every layer.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_sorted = True
+        # pages written at least once: on CPU (zeros_on_demand) the memory they made resident stays
+        # resident after they are freed, so the process grows toward the budget as the cache fills
+        self._touched = bytearray(num_pages)
+        self.num_touched = 0
 
     # ---- sizes -------------------------------------------------------------------------
     @staticmethod
@@ -71,6 +75,20 @@ class PagePool:
     @property
     def page_bytes(self) -> int:
         return self.page_size * self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def memory(self) -> dict:
+        """The KV store's memory: ``reserved_bytes`` (the cap: every page of the budget, address space
+        taken at start), ``resident_bytes`` (memory it holds now: on CPU the pages written at least
+        once, since the OS commits them on first write and they stay committed when freed; on an
+        accelerator the whole reservation, allocated at start), ``used_bytes`` (pages in use now,
+        the prefix cache's included) and ``allocation`` (``on_demand`` | ``at_start``)."""
+        reserved = self.num_pages * self.page_bytes
+        on_demand = self.device.type == "cpu"
+        return {"reserved_bytes": reserved,
+                "resident_bytes": self.num_touched * self.page_bytes if on_demand else reserved,
+                "used_bytes": self.num_used * self.page_bytes,
+                "touched_pages": self.num_touched if on_demand else self.num_pages,
+                "allocation": "on_demand" if on_demand else "at_start"}
 
     @property
     def num_free(self) -> int:
@@ -97,8 +115,12 @@ class PagePool:
             self._free.sort(reverse=True)
             self._free_sorted = True
         pages = [self._free.pop() for _ in range(n)]
+        touched = self._touched
         for p in pages:
             self.refcount[p] = 1
+            if not touched[p]:
+                touched[p] = 1
+                self.num_touched += 1
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:

@@ -373,6 +373,22 @@ class PolyKV:
                 n += 1
         return n
 
+    def holding_sessions(self, pool: Pool) -> list[Session]:
+        """Sessions attached to ``pool`` or to any of its descendants, live or released (a released
+        pool's KV lives while they read it): what keeps its KV."""
+        out, todo = [], [pool]
+        while todo:
+            p = todo.pop(0)
+            out += [self.sessions[sid] for sid in sorted(p.sessions) if sid in self.sessions]
+            todo.extend(p.children)
+        return out
+
+    def session_expires_in(self, s: Session, now: float) -> float | None:
+        """Seconds until an idle anonymous session expires (None: busy, or named: it lives until released)."""
+        if not s.anonymous or not s.is_idle:
+            return None
+        return round(max(0.0, s.last_access + self.config.session_ttl_s - now), 3)
+
     def release_pool(self, pool_id: int, immediate: bool = False) -> None:
         """Release a pool (leaves first). One rule, whatever happened before: the release waits out
         the grace TTL (``pool_grace_ttl_s``, counted from now, or from the end of the last request in
@@ -412,7 +428,10 @@ class PolyKV:
             if self.decoding_on(pool):
                 due = max(due, now + self.config.pool_grace_ttl_s)
             due = pool.release_at = max(due, pool.grace_until)
-            busy = pool.live_children or self.decoding_on(pool) or pool.residency == Residency.MATERIALIZING
+            # a released child kept by its sessions does not hold the release back (as in release_pool):
+            # the pool is released now, its KV lives on while those sessions read it (``released_pools``)
+            kids = [c for c in pool.children if c.residency not in (Residency.EVICTED, Residency.RELEASED)]
+            busy = kids or self.decoding_on(pool) or pool.residency == Residency.MATERIALIZING
             if now >= due and not busy:
                 self._unlink(pool)
                 self._expire_with_pool(pool)

@@ -24,6 +24,33 @@ def session_info(kv: PolyKV, s: Session, max_context: int) -> dict:
     }
 
 
+def holder_info(kv: PolyKV, s: Session, now: float) -> dict:
+    """A session that keeps a pool's KV: where it is attached and until when (``expires_in_s``: an
+    idle anonymous session's TTL; None: busy, or named, kept until released)."""
+    return {"session_id": s.session_id, "pool_id": s.pool_id, "state": s.state.value,
+            "expires_in_s": kv.session_expires_in(s, now)}
+
+
+def held_by(kv: PolyKV, pool: Pool, now: float, released_only: bool) -> list[dict]:
+    """The sessions keeping ``pool``'s KV: of released descendants only (``released_only``: the
+    others are listed with their own pools), or all of its subtree's."""
+    out = []
+    for s in kv.holding_sessions(pool):
+        at = kv.session_pool(s)
+        if not released_only or (at is not None and at.residency == Residency.RELEASED):
+            out.append(holder_info(kv, s, now))
+    return out
+
+
+def released_pools(kv: PolyKV, now: float) -> list[dict]:
+    """Released pools whose KV sessions still read (of theirs or of released descendants): not in
+    the pool budget, their pages counted in ``kv_pages_used`` until those sessions end."""
+    pb = kv.kv.page_bytes
+    return [{"pool_id": p.pool_id, "parent": p.parent.pool_id if p.parent else None, "prefix_len": p.prefix_len,
+             "own_kv_bytes": len(p.seq.owned_pages) * pb, "held_by": held_by(kv, p, now, False)}
+            for p in sorted(kv.tree.released.values(), key=lambda p: p.pool_id)]
+
+
 def pool_info(kv: PolyKV, pool: Pool, max_context: int) -> PoolInfo:
     now = time.monotonic()
     own = len(pool.seq.owned_pages) * kv.kv.page_bytes
@@ -40,7 +67,8 @@ def pool_info(kv: PolyKV, pool: Pool, max_context: int) -> PoolInfo:
         orphaned_pin=pool.pinned and not pool.sessions and not kids,
         last_access_ts=pool.last_access, children=[c.pool_id for c in kids], sessions=sessions,
         rematerialized=pool.rematerializations > 0, cache_hits=pool.cache_hits, label=pool.label,
-        release_in_s=None if pool.release_at is None else max(0.0, max(pool.release_at, pool.grace_until) - now))
+        release_in_s=None if pool.release_at is None else max(0.0, max(pool.release_at, pool.grace_until) - now),
+        held_by=held_by(kv, pool, now, True) if pool.children else [])
 
 
 def kv_accounting(kv: PolyKV) -> tuple[int, int, int]:
@@ -75,7 +103,8 @@ def stats(kv: PolyKV, counters: dict, running: int, waiting: int) -> dict:
     return {**counters, "kv_pages_used": used, "kv_pages_cache": cache_only,
             "kv_pages_total": kv.kv.num_pages, "sessions": len(kv.sessions),
             "running": running, "waiting": waiting,
-            "prefix_cache": cache_status(kv, counters, cache_only, cache_owned)}
+            "prefix_cache": cache_status(kv, counters, cache_only, cache_owned),
+            "kv_memory": kv.kv.memory()}
 
 
 def pools_status(kv: PolyKV, counters: dict, max_context: int) -> dict:
@@ -87,6 +116,7 @@ def pools_status(kv: PolyKV, counters: dict, max_context: int) -> dict:
         "tree_depth": tree.depth(),
         "pools_used": tree.num_used,
         "pools_max": tree.max_pools,
+        "released_pools": released_pools(kv, time.monotonic()),
         # the design's names: a session here is a page table, not a sequence slot, so only pools use ids
         "seq_ids_used": tree.num_used,
         "seq_ids_max": tree.max_pools,
@@ -98,6 +128,7 @@ def pools_status(kv: PolyKV, counters: dict, max_context: int) -> dict:
         "cache_hit_rate": cache["hit_rate"],
         "page_size": kv.page_size,
         "prefix_cache": cache,
+        "kv_memory": pages.memory(),  # reserved (the cap) / resident / used bytes
     }
 
 
