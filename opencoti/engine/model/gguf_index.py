@@ -9,6 +9,7 @@ reads the header with ``struct`` and steps over the arrays it does not need (~0.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 import struct
@@ -34,8 +35,9 @@ class GGUFTensor:
 
 
 class GGUFIndex:
-    """The header of a GGUF file: ``metadata`` (scalars and strings; arrays are skipped) and
-    ``tensors``. Raises ``ValueError`` on a file that is not a little-endian GGUF v2/v3 file."""
+    """The header of a GGUF file: ``metadata`` (scalars and strings; arrays are skipped), ``tensors``
+    and ``tokenizer_digest`` (a hash of every ``tokenizer.*`` key and value as stored: files that share
+    a tokenizer share it). Raises ``ValueError`` on a file that is not a little-endian GGUF v2/v3 file."""
 
     def __init__(self, path: str | Path):
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -55,12 +57,17 @@ class GGUFIndex:
             raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
         self.metadata: dict[str, object] = {}
+        tokenizer = hashlib.sha256()
         for _ in range(n_kv):
+            at = self._off
             key = self._string()
             vtype = self._scalar("<I")
             value = self._value(vtype)
+            if key.startswith("tokenizer."):  # the tokenizer's keys and values, as stored
+                tokenizer.update(self._mm[at:self._off])
             if value is not None:
                 self.metadata[key] = value
+        self.tokenizer_digest = tokenizer.hexdigest()[:16]
         infos = []
         for _ in range(n_tensors):
             name = self._string()

@@ -22,7 +22,6 @@ Nothing is ever downloaded.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import json
@@ -233,28 +232,21 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 def _convert_gguf_into(gguf_path: Path, out: Path, name: str, say: Progress) -> None:
-    """Write the GGUF's config, generation config and tokenizer (transformers' GGUF readers) into
-    ``out``. No weights: they are read from the GGUF file at every start."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Write the GGUF's config (read from its header: :func:`config_from_gguf`), generation config and
+    tokenizer into ``out``. No weights: they are read from the GGUF file at every start. The tokenizer
+    is converted by transformers once per distinct tokenizer (``<cache>/tokenizers/<digest>``: every
+    quantization of a model, and every generated test model, shares one), the slow part of a first
+    start (gguf-py's reader builds an object per vocabulary entry: ~10-20 s for 49,152 tokens)."""
     from transformers import __version__ as transformers_version
 
-    folder, file = str(gguf_path.parent), gguf_path.name
+    from .gguf_index import GGUFIndex
+
     say("reading the GGUF config and tokenizer ...")
-    try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-        config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    except Exception as exc:  # transformers raises many types for a bad file
-        raise ModelLoadError(f"transformers could not read the config or tokenizer of {gguf_path}: {exc}") from exc
-    _fill_from_gguf(config, gguf_path)
-    # The GGUF quantization_config would make from_pretrained(out) expect a GGUF file.
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    config.architectures = [_CAUSAL_LM_CLASSES.get(config.model_type, "LlamaForCausalLM")]
+    index = GGUFIndex(gguf_path)
+    config = config_from_gguf(index)
     config.save_pretrained(str(out))
     _generation_config_from(config).save_pretrained(str(out))
-
-    hf_tokenizer.save_pretrained(str(out))
-    _check_saved_tokenizer(hf_tokenizer, out)
+    _tokenizer_into(gguf_path, index.tokenizer_digest, out, say)
 
     marker = {
         "converter_version": CONVERTER_VERSION,
@@ -262,36 +254,114 @@ def _convert_gguf_into(gguf_path: Path, out: Path, name: str, say: Progress) -> 
         "architecture": config.model_type,
         "source": str(gguf_path),
         "tokenizer": "hf",
+        "tokenizer_digest": index.tokenizer_digest,
         "transformers_version": transformers_version,
     }
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _fill_from_gguf(config, gguf_path: Path) -> None:
-    """What the config must say that transformers' GGUF reader leaves out or guesses: tied embeddings
-    (a file without ``output.weight``), the vocabulary size (the rows of ``token_embd``), the head
-    dimension (``<arch>.attention.key_length``), the q/k/v biases of a llama file, and llama3-style
-    RoPE frequency factors (the ``rope_freqs`` tensor, which llama.cpp divides the frequencies by)."""
-    from .gguf_index import GGUFIndex
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
-    index = GGUFIndex(gguf_path)
+
+def _tokenizer_into(gguf_path: Path, digest: str, out: Path, say: Progress) -> None:
+    """The file's tokenizer saved into ``out``: copied from the tokenizer cache when a file with the same
+    tokenizer keys was read before, else converted by transformers (and kept in the cache)."""
+    from transformers import AutoTokenizer
+
+    shared = out.parent.parent / "tokenizers" / digest
+    if (shared / "tokenizer_config.json").is_file():
+        for f in shared.iterdir():
+            if f.name in _TOKENIZER_FILES:
+                shutil.copy2(f, out / f.name)
+        return
+    say("converting the GGUF tokenizer (once per tokenizer) ...")
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise ModelLoadError(f"transformers could not read the tokenizer of {gguf_path}: {exc}") from exc
+    hf_tokenizer.save_pretrained(str(out))
+    _check_saved_tokenizer(hf_tokenizer, out)
+    try:
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest}-", dir=shared.parent))
+        for f in out.iterdir():
+            if f.name in _TOKENIZER_FILES:
+                shutil.copy2(f, tmp / f.name)
+        _make_readable(tmp)
+        os.rename(tmp, shared)
+    except OSError:  # another process kept it first, or a read-only cache: the model's own copy is enough
+        shutil.rmtree(locals().get("tmp", shared.parent / ".none"), ignore_errors=True)
+
+
+# GGUF metadata key (after "<arch>.") -> config attribute, as transformers' GGUF reader maps them
+_CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+                "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
+                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "attention.key_length": "head_dim"}
+_TOKEN_IDS = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
+              "tokenizer.ggml.padding_token_id": "pad_token_id", "tokenizer.ggml.unknown_token_id": "unk_token_id"}
+
+
+def config_from_gguf(index) -> Any:
+    """The transformers config of a GGUF file (a ``GGUFIndex``), from its header alone: the sizes, RoPE
+    (base, linear / YaRN scaling, llama3-style frequency factors from ``rope_freqs``), tied embeddings
+    (no ``output.weight``), the vocabulary (the rows of ``token_embd``), biases and token ids. Equal to
+    what transformers' GGUF reader gives for the supported architectures (tested), in milliseconds."""
+    from transformers import AutoConfig
+
     arch = index.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    meta = index.metadata
+    model_type = arch
+    if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        model_type = "mistral"  # llama.cpp writes Mistral models as llama (transformers reads them so too)
+    kw: dict[str, Any] = {}
+    for key, attr in _CONFIG_KEYS.items():
+        if f"{arch}.{key}" in meta:
+            kw[attr] = meta[f"{arch}.{key}"]
+    for key, attr in _TOKEN_IDS.items():
+        if key in meta:
+            kw[attr] = meta[key]
+    missing = [a for a in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads") if a not in kw]
+    if missing:
+        raise ModelLoadError(f"the GGUF header has no {', '.join(missing)} ({arch}.* keys)")
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    kw.setdefault("max_position_embeddings", 4096)
+    kw.setdefault("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3") else 1e-5)
+    if kw.get("head_dim") == kw["hidden_size"] // kw["num_attention_heads"] and arch != "qwen3":
+        kw.pop("head_dim")
+    rope: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 1e6 if arch in ("qwen2", "qwen3")
+                                                         else 10000.0))}
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if scaling in ("linear", "yarn") and factor and float(factor) != 1.0:
+        rope.update(rope_type=scaling, factor=float(factor))
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if scaling == "yarn" and original:
+            rope["original_max_position_embeddings"] = int(original)
+    elif scaling not in (None, "none", "linear", "yarn"):
+        raise ModelLoadError(f"RoPE scaling {scaling!r} of the GGUF file is not supported (linear, yarn)")
+    kw["rope_parameters"] = rope
     tensors = {t.name: t for t in index.tensors}
-    config.tie_word_embeddings = "output.weight" not in tensors
-    embd = tensors.get("token_embd.weight")
-    if embd is not None:
-        config.vocab_size = int(embd.shape[1])
-    key_length = index.metadata.get(f"{arch}.attention.key_length")
-    if isinstance(key_length, int) and key_length > 0:
-        config.head_dim = key_length
+    kw["tie_word_embeddings"] = "output.weight" not in tensors
+    if "token_embd.weight" in tensors:
+        kw["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
-        config.attention_bias = True
+        kw["attention_bias"] = True
+    config = AutoConfig.for_model(model_type, **kw)
     freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
-        values = np.frombuffer(freqs.data.tobytes(), dtype=np.float32) if freqs.type_name == "F32" else None
-        if values is None:
-            raise ModelLoadError(f"{gguf_path}: rope_freqs has type {freqs.type_name} (expected F32)")
-        config.rope_freq_factors = [float(v) for v in values]
+        if freqs.type_name != "F32":
+            raise ModelLoadError(f"rope_freqs has type {freqs.type_name} (expected F32)")
+        config.rope_freq_factors = [float(v) for v in np.frombuffer(freqs.data.tobytes(), dtype=np.float32)]
+    config.architectures = [_CAUSAL_LM_CLASSES.get(model_type, "LlamaForCausalLM")]
+    name = meta.get("general.name")
+    if isinstance(name, str):
+        config._model_name_or_path = name  # where transformers' GGUF reader puts general.name
+    return config
 
 
 def _generation_config_from(config):

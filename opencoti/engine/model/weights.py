@@ -488,7 +488,8 @@ def _gguf_candidates(loaded, device, choice: dict, say) -> tuple[str, tuple[str,
 def _memory_against_file(model: LlamaForward, loaded, choice: dict, say) -> None:
     """Record the bytes the model's tensors hold against the GGUF file's (``choice["memory"]``, in
     ``/props``). A format other than the file's own precision that holds more than
-    :data:`GGUF_MEMORY_FACTOR` x the file (``auto`` never chooses one) says so loudly (log warning, progress line, ``choice["memory_warning"]``), with what the file's own would hold."""
+    :data:`GGUF_MEMORY_FACTOR` x the file (``auto`` never chooses one) says so loudly (log warning,
+    progress line, ``choice["memory_warning"]``), with what the file's own would hold."""
     held = model.tensor_bytes()
     total = sum(held.values())
     file_bytes = Path(loaded.source_gguf).stat().st_size
