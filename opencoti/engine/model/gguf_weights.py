@@ -136,10 +136,29 @@ class GGUFWeight:
         return gguf_to_q4_blocks(self.type_name, self.raw(), n, k)
 
     def to_int8(self) -> Int8Weight:
-        """Per-row int8 (symmetric), quantized from the decoded rows a chunk at a time."""
+        """Per-row int8 (symmetric), quantized from the decoded rows: by the native operator
+        (``gguf_to_q8_rows``, from the raw rows, the same bits) for the types it decodes where the
+        library is built, else a chunk of rows at a time with gguf's decoder and ``quantize_int8``."""
         from .qformats import quantize_int8
 
         n, k = self.shape
+        ggml_type = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+                     "BF16": 30}.get(self.type_name)  # ggml's type ids
+        if ggml_type is not None:
+            from .. import native  # here, not at the top: engine/native imports model/loader
+
+            ops = native.lib()
+            if ops is not None:
+                if self.row_perm is not None or self.nbytes <= CHUNK_BYTES:  # (permuted rows: read whole)
+                    q, scale = ops.gguf_to_q8_rows(torch.from_numpy(self.raw()), ggml_type, k)
+                    return Int8Weight(q, scale)
+                q = torch.empty((n, k), dtype=torch.int8)
+                scale = torch.empty(n, dtype=torch.float32)
+                step = max(1, CHUNK_BYTES // self.row_bytes)  # the file's bytes a chunk, not the whole tensor's
+                for r0 in range(0, n, step):
+                    r1 = min(n, r0 + step)
+                    q[r0:r1], scale[r0:r1] = ops.gguf_to_q8_rows(torch.from_numpy(self.raw(r0, r1)), ggml_type, k)
+                return Int8Weight(q, scale)
         q = torch.empty((n, k), dtype=torch.int8)
         scale = torch.empty(n, dtype=torch.float32)
         step = self._chunk_rows()

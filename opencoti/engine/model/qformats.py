@@ -84,8 +84,17 @@ def gguf_to_q4_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> Q4Bloc
     """GGUF Q4_0 / Q4_1 / Q4_K rows (uint8 ``[n, row bytes]``) in the native int4 layout. Q4_0 and Q4_1
     are moved byte for byte (exact: Q4_0's offset ``-8 d`` is a power-of-two multiple of ``d``); a Q4_K
     sub-block's scale ``d * sc`` and offset ``-dmin * m`` (an fp16 times a 6-bit integer) are rounded to
-    fp16, a relative error of at most 2^-11 on each (a 4-bit step is 1/15 of a block's range)."""
+    fp16, a relative error of at most 2^-11 on each (a 4-bit step is 1/15 of a block's range). The native
+    operator (``gguf_q4_blocks``) does it where the library is built, else numpy."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
+    ggml_type = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12}.get(type_name)  # ggml's type ids
+    if ggml_type is not None:
+        from .. import native  # here, not at the top: engine/native imports model/loader
+
+        ops = native.lib()
+        if ops is not None:  # the same bytes as the numpy code below (tests/offline/test_native_gguf.py)
+            rows = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+            return Q4Blocks(ops.gguf_q4_blocks(rows, ggml_type, k), k)
     nb = k // 32
     out = np.empty((n, nb * 20), np.uint8)
     nib = out[:, :nb * 16].reshape(n, nb, 16)

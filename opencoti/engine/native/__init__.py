@@ -78,9 +78,15 @@ def _cpu_signature() -> str:
 
 
 def _build_dir() -> Path:
-    from ..model.loader import cache_root
+    """``<cache root>/native``, the cache root found as ``model.loader.cache_root`` finds it (``$OPENCOTI_CACHE``,
+    else the user cache dir) without importing the loader: the loader imports the GGUF readers, which use
+    these operators (no import cycle; tests/offline/test_native_gguf.py checks the two agree)."""
+    env = os.environ.get("OPENCOTI_CACHE")
+    if env:
+        return Path(env).expanduser() / "native"
+    import platformdirs
 
-    return cache_root() / "native"
+    return Path(platformdirs.user_cache_dir("opencoti")) / "native"
 
 
 def _torch_flags() -> list[str]:

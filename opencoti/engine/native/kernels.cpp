@@ -1294,6 +1294,180 @@ inline void rms_norm(const float* x, const float* w, int64_t T, int64_t n, float
     }
 }
 
+// ---------------------------------------------------------------------------------------- GGUF rows
+// GGUF (ggml) tensor rows as a model file is read: Q4_0 / Q4_1 / Q4_K rows moved into the int4 layout
+// above (as qformats.gguf_to_q4_blocks does), and rows of several types decoded to fp32 and quantized to
+// int8 per row (qformats.quantize_int8 of gguf-py's dequantize). Both give the Python code's bits: the
+// same fp32 operations in the same order (a product is rounded before the add that follows it, never
+// fused into an FMA), fp16 by round to nearest even (numpy's astype(float16)).
+enum GgmlType : int {
+    kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8, kGgmlQ4_K = 12, kGgmlQ5_K = 13,
+    kGgmlQ6_K = 14, kGgmlBF16 = 30
+};
+
+// Values and bytes of one block of a type; false for a type these kernels do not decode.
+inline bool ggml_block(int type, int64_t* values, int64_t* bytes) {
+    switch (type) {
+        case kGgmlF32: *values = 1; *bytes = 4; return true;
+        case kGgmlF16: *values = 1; *bytes = 2; return true;
+        case kGgmlBF16: *values = 1; *bytes = 2; return true;
+        case kGgmlQ4_0: *values = 32; *bytes = 18; return true;
+        case kGgmlQ4_1: *values = 32; *bytes = 20; return true;
+        case kGgmlQ8_0: *values = 32; *bytes = 34; return true;
+        case kGgmlQ4_K: *values = 256; *bytes = 144; return true;
+        case kGgmlQ5_K: *values = 256; *bytes = 176; return true;
+        case kGgmlQ6_K: *values = 256; *bytes = 210; return true;
+        default: return false;
+    }
+}
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+
+// The floats at p are in memory, rounded, before the code after this runs: the product written before
+// it cannot be fused with the add after it (g++ contracts a * b + c into an FMA by default; gguf-py's
+// numpy rounds the product first).
+inline void round_products(float* p) { __asm__ __volatile__("" : : "r"(p) : "memory"); }
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// One GGUF row of k values of ``type`` to fp32, as gguf-py's dequantize computes it.
+void gguf_decode_row(int type, const uint8_t* row, int64_t k, float* out) {
+    switch (type) {
+        case kGgmlF32: std::memcpy(out, row, k * sizeof(float)); return;
+        case kGgmlF16: for (int64_t i = 0; i < k; ++i) out[i] = half_to_float(load_u16(row + 2 * i)); return;
+        case kGgmlBF16:
+            for (int64_t i = 0; i < k; ++i) out[i] = to_float(bf16{load_u16(row + 2 * i)});
+            return;
+        case kGgmlQ4_0:  // d * (q - 8)
+            for (int64_t b = 0; b < k / 32; ++b) {
+                const uint8_t* blk = row + b * 18;
+                const float d = half_to_float(load_u16(blk));
+                float* o = out + b * 32;
+                for (int j = 0; j < 16; ++j) {
+                    o[j] = d * (float)((int)(blk[2 + j] & 0x0F) - 8);
+                    o[j + 16] = d * (float)((int)(blk[2 + j] >> 4) - 8);
+                }
+            }
+            return;
+        case kGgmlQ4_1:  // (d * q) + m
+            for (int64_t b = 0; b < k / 32; ++b) {
+                const uint8_t* blk = row + b * 20;
+                const float d = half_to_float(load_u16(blk)), m = half_to_float(load_u16(blk + 2));
+                float* o = out + b * 32;
+                for (int j = 0; j < 16; ++j) {
+                    o[j] = d * (float)(blk[4 + j] & 0x0F);
+                    o[j + 16] = d * (float)(blk[4 + j] >> 4);
+                }
+                round_products(o);
+                for (int j = 0; j < 32; ++j) o[j] += m;
+            }
+            return;
+        case kGgmlQ8_0:  // q * d
+            for (int64_t b = 0; b < k / 32; ++b) {
+                const uint8_t* blk = row + b * 34;
+                const float d = half_to_float(load_u16(blk));
+                for (int j = 0; j < 32; ++j) out[b * 32 + j] = (float)(int8_t)blk[2 + j] * d;
+            }
+            return;
+        case kGgmlQ4_K:  // (d * sc) * q - (dmin * m) per sub-block of 32
+        case kGgmlQ5_K:
+            for (int64_t s = 0; s < k / 256; ++s) {
+                const uint8_t* blk = row + s * (type == kGgmlQ4_K ? 144 : 176);
+                const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
+                const uint8_t* qh = blk + 16;                                   // Q5_K: 32 bytes of high bits
+                const uint8_t* qs = blk + (type == kGgmlQ4_K ? 16 : 48);        // 128 bytes of nibbles
+                for (int j = 0; j < 8; ++j) {
+                    uint8_t sc, mn;
+                    scale_min_k4(j, blk + 4, &sc, &mn);
+                    const float dl = d * (float)sc, ml = dmin * (float)mn;
+                    const uint8_t* q = qs + (j / 2) * 32;
+                    const int shift = (j & 1) * 4;
+                    float* o = out + s * 256 + j * 32;
+                    if (type == kGgmlQ4_K) {
+                        for (int i = 0; i < 32; ++i) o[i] = dl * (float)((q[i] >> shift) & 0x0F);
+                    } else {
+                        for (int i = 0; i < 32; ++i)
+                            o[i] = dl * (float)(((q[i] >> shift) & 0x0F) | (((qh[i] >> j) & 1) << 4));
+                    }
+                    round_products(o);
+                    for (int i = 0; i < 32; ++i) o[i] -= ml;
+                }
+            }
+            return;
+        case kGgmlQ6_K:  // (d * sc) * (q - 32) per group of 16
+            for (int64_t s = 0; s < k / 256; ++s) {
+                const uint8_t* blk = row + s * 210;
+                const uint8_t* ql = blk;
+                const uint8_t* qh = blk + 128;
+                const int8_t* sc = (const int8_t*)(blk + 192);
+                const float d = half_to_float(load_u16(blk + 208));
+                // each half of 128 values: 4 runs of 32 (value 32 c + l: ql[l + 32 (c & 1)]'s nibble c / 2,
+                // qh[l]'s bits 2 c, 2 c + 1), each of two groups of 16 with their own scale
+                for (int h = 0; h < 2; ++h)
+                    for (int c = 0; c < 4; ++c)
+                        for (int g = 0; g < 2; ++g) {
+                            const int at = h * 128 + c * 32 + g * 16;
+                            const float dl = d * (float)sc[at / 16];
+                            const uint8_t* l4 = ql + h * 64 + (c & 1) * 32 + g * 16;
+                            const uint8_t* h2 = qh + h * 32 + g * 16;
+                            float* o = out + s * 256 + at;
+                            for (int i = 0; i < 16; ++i) {
+                                const int q = (((l4[i] >> (4 * (c >> 1))) & 0x0F) | (((h2[i] >> (2 * c)) & 3) << 4)) - 32;
+                                o[i] = dl * (float)q;
+                            }
+                        }
+            }
+            return;
+        default: return;
+    }
+}
+
+// k fp32 values as int8 with one scale: amax / 127 (1 when all are 0), q = round-half-even(w / scale)
+// clamped to +-127 (qformats.quantize_int8: fp32 division).
+void quantize_row_int8(const float* w, int64_t k, int8_t* q, float* scale) {
+    float amax = 0.f;
+    int64_t i = 0;
+#if OC_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m8 = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(w + i)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m8);
+    for (float v : lanes) amax = std::max(amax, v);
+#endif
+    for (; i < k; ++i) amax = std::max(amax, std::fabs(w[i]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    i = 0;
+#if OC_AVX2
+    const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; i + 32 <= k; i += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(w + i + 8 * j), sv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        }
+        // the packs interleave per 128-bit lane: dwords v0[0:4] v1[0:4] v2[0:4] v3[0:4] v0[4:8] ...
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(b, order));
+    }
+#endif
+    for (; i < k; ++i) q[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(w[i] / s)));
+    *scale = s;
+}
+
+
 }  // namespace
 
 extern "C" {
@@ -1489,6 +1663,87 @@ void oc_q8_dequant(const int8_t* src, int64_t rows, int64_t D, float* dst, int n
 #endif
         for (; i < D; ++i) o[i] = (float)v[i] * s;
     }
+}
+
+// Bytes of one GGUF row of k values of ggml type ``type``; -1 when these kernels do not decode the type
+// or k is not a whole number of its blocks.
+int64_t oc_gguf_row_bytes(int type, int64_t k) {
+    int64_t values, bytes;
+    if (!ggml_block(type, &values, &bytes) || k <= 0 || k % values) return -1;
+    return k / values * bytes;
+}
+
+// n GGUF rows of k values of Q4_0 (2), Q4_1 (3) or Q4_K (12) (oc_gguf_row_bytes each, contiguous) into
+// the int4 layout, uint8 [n, k/32 * 20], as qformats.gguf_to_q4_blocks moves them: Q4_0 / Q4_1 byte
+// for byte (Q4_0's offset -8 d computed in fp32, rounded to fp16), Q4_K's sub-block scale d * sc and
+// offset -(dmin * m) computed in fp32 and rounded to fp16. Returns how many Q4_K scales or offsets
+// overflow fp16 (inf: the caller refuses the tensor); -1 for another type.
+int64_t oc_gguf_q4_blocks(const uint8_t* raw, int type, int64_t n, int64_t k, uint8_t* out, int nt) {
+    if (type != kGgmlQ4_0 && type != kGgmlQ4_1 && type != kGgmlQ4_K) return -1;
+    const int64_t rb = oc_gguf_row_bytes(type, k), nb = k / 32;
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : bad) if (n * k >= (1 << 16))
+    for (int64_t r = 0; r < n; ++r) {
+        const uint8_t* src = raw + r * rb;
+        uint8_t* nib = out + r * nb * 20;
+        uint8_t* dp = nib + nb * 16;
+        uint8_t* mp = nib + nb * 18;
+        if (type != kGgmlQ4_K) {
+            const int64_t bs = type == kGgmlQ4_0 ? 18 : 20;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = src + b * bs;
+                std::memcpy(nib + b * 16, blk + bs - 16, 16);
+                std::memcpy(dp + b * 2, blk, 2);
+                if (type == kGgmlQ4_0) store_u16(mp + b * 2, float_to_half(-8.f * half_to_float(load_u16(blk))));
+                else std::memcpy(mp + b * 2, blk + 2, 2);
+            }
+            continue;
+        }
+        for (int64_t s = 0; s < k / 256; ++s) {
+            const uint8_t* blk = src + s * 144;
+            const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
+            for (int j = 0; j < 8; ++j) {
+                uint8_t sc, mn;
+                scale_min_k4(j, blk + 4, &sc, &mn);
+                const uint16_t dh = float_to_half(d * (float)sc), mh = float_to_half(-(dmin * (float)mn));
+                bad += (dh & 0x7C00) == 0x7C00;
+                bad += (mh & 0x7C00) == 0x7C00;
+                store_u16(dp + (s * 8 + j) * 2, dh);
+                store_u16(mp + (s * 8 + j) * 2, mh);
+            }
+            // 4 chunks of 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones; the layout's
+            // byte i of a sub-block holds its value i (low) and i + 16 (high)
+            const uint8_t* qs = blk + 16;
+            uint8_t* o = nib + s * 8 * 16;
+            for (int c = 0; c < 4; ++c) {
+                const uint8_t* lo = qs + c * 32;
+                const uint8_t* hi = lo + 16;
+                for (int i = 0; i < 16; ++i) {
+                    o[(2 * c) * 16 + i] = (uint8_t)((lo[i] & 0x0F) | ((hi[i] & 0x0F) << 4));
+                    o[(2 * c + 1) * 16 + i] = (uint8_t)((lo[i] >> 4) | (hi[i] & 0xF0));
+                }
+            }
+        }
+    }
+    return bad;
+}
+
+// n GGUF rows of k values of ``type`` (oc_gguf_row_bytes each, contiguous) decoded to fp32 as gguf-py's
+// dequantize computes them, then per row int8 q [n, k] and fp32 scale [n] as qformats.quantize_int8
+// computes them. Returns 0, or -1 for a type it does not decode.
+int oc_gguf_to_q8_rows(const uint8_t* raw, int type, int64_t n, int64_t k, int8_t* q, float* scale, int nt) {
+    const int64_t rb = oc_gguf_row_bytes(type, k);
+    if (rb < 0) return -1;
+#pragma omp parallel num_threads(nt) if (n * k >= (1 << 16))
+    {
+        std::vector<float> w(k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r) {
+            gguf_decode_row(type, raw + r * rb, k, w.data());
+            quantize_row_int8(w.data(), k, q + r * k, scale + r);
+        }
+    }
+    return 0;
 }
 
 // kv_type: the cache's element type (0 fp32, 1 fp16, 2 bf16, 3 q8).

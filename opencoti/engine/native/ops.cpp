@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 
 #ifndef OC_OPS_NS
 #define OC_OPS_NS opencoti
@@ -513,6 +514,44 @@ void decode_layers_cascade(const Tensor& x, at::TensorList in_norms, at::TensorL
                               v_cache, q_rows, page_idx, kv_lens, num_heads, scale, groups);
 }
 
+// ---------------------------------------------------------------------------------------- GGUF rows
+// raw: uint8 [n, row bytes], n GGUF rows of ggml type ``type`` of k values each.
+void check_gguf_rows(const Tensor& raw, int64_t type, int64_t k, bool meta) {
+    int64_t values, bytes;
+    TORCH_CHECK(ggml_block((int)type, &values, &bytes), "type ", type, " is not a GGUF type these kernels decode "
+                "(ggml ids 0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16)");
+    TORCH_CHECK(k > 0 && k % values == 0, "k must be a positive multiple of type ", type, "'s block of ", values,
+                " values, got ", k);
+    check_tensor(raw, "raw", ScalarType::Byte, meta);
+    check_dim(raw, "raw", 2);
+    check_size(raw, "raw", 1, k / values * bytes, "the bytes of a row of k values");
+}
+
+template <bool kMeta>
+Tensor gguf_q4_blocks(const Tensor& raw, int64_t type, int64_t k) {
+    TORCH_CHECK(type == kGgmlQ4_0 || type == kGgmlQ4_1 || type == kGgmlQ4_K, "type must be a GGUF type with an "
+                "exact int4 form: 2 (Q4_0), 3 (Q4_1) or 12 (Q4_K), got ", type);
+    check_gguf_rows(raw, type, k, kMeta);
+    Tensor out = at::empty({raw.size(0), k / 32 * kQ4Block}, raw.options());
+    if (!kMeta && raw.size(0) > 0) {
+        const int64_t bad = oc_gguf_q4_blocks(raw.data_ptr<uint8_t>(), (int)type, raw.size(0), k,
+                                              out.data_ptr<uint8_t>(), at::get_num_threads());
+        TORCH_CHECK_VALUE(bad == 0, "Q4_K scales out of fp16 range (", bad, " sub-block scales or offsets)");
+    }
+    return out;
+}
+
+template <bool kMeta>
+std::tuple<Tensor, Tensor> gguf_to_q8_rows(const Tensor& raw, int64_t type, int64_t k) {
+    check_gguf_rows(raw, type, k, kMeta);
+    Tensor q = at::empty({raw.size(0), k}, raw.options().dtype(ScalarType::Char));
+    Tensor scale = at::empty({raw.size(0)}, raw.options().dtype(ScalarType::Float));
+    if (!kMeta && raw.size(0) > 0)
+        oc_gguf_to_q8_rows(raw.data_ptr<uint8_t>(), (int)type, raw.size(0), k, q.data_ptr<int8_t>(),
+                           scale.data_ptr<float>(), at::get_num_threads());
+    return {q, scale};
+}
+
 // ---------------------------------------------------------------------------------------- knobs
 int64_t abi_version() { return oc_abi_version(); }
 int64_t simd() { return oc_simd(); }
@@ -549,6 +588,8 @@ OC_LIBRARY(OC_OPS_NS, m) {
     m.def("q8_matmul(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
     m.def("kv_store(Tensor(a!) dst, Tensor src) -> ()");
     m.def("q8_dequant(Tensor src) -> Tensor");
+    m.def("gguf_q4_blocks(Tensor raw, int type, int k) -> Tensor");
+    m.def("gguf_to_q8_rows(Tensor raw, int type, int k) -> (Tensor, Tensor)");
     m.def("paged_decode(Tensor q, Tensor q_rows, Tensor k_cache, Tensor v_cache, Tensor page_idx, Tensor kv_lens, "
           "float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
     m.def("cascade_groups(Tensor q, Tensor k_cache, Tensor v_cache, Tensor group_page_ptr, Tensor group_pages, "
@@ -574,6 +615,8 @@ OC_LIBRARY(OC_OPS_NS, m) {
     m.impl("q8_matmul", &oc_ops::q8_matmul<meta>);                       \
     m.impl("kv_store", &oc_ops::kv_store<meta>);                         \
     m.impl("q8_dequant", &oc_ops::q8_dequant<meta>);                     \
+    m.impl("gguf_q4_blocks", &oc_ops::gguf_q4_blocks<meta>);             \
+    m.impl("gguf_to_q8_rows", &oc_ops::gguf_to_q8_rows<meta>);           \
     m.impl("paged_decode", &oc_ops::paged_decode<meta>);                 \
     m.impl("cascade_groups", &oc_ops::cascade_groups<meta>);             \
     m.impl("decode_layer", &oc_ops::decode_layer<meta>);                 \
