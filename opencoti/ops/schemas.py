@@ -32,7 +32,10 @@ StopField = Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)
 # long lists fail fast: validation stops at a list's first bad element (pydantic would otherwise
 # report every element that does not fit each branch of a union: millions of errors for one body)
 _FAIL_FAST = Field(fail_fast=True)
-TokenIds = Annotated[list[int], _FAIL_FAST]
+# a token id: the OpenAPI document bounds it by the served model's vocabulary (server/openapi.py
+# fills "maximum" where "x-token-id" is); an id outside it is a 400
+TOKEN_ID_SCHEMA = {"minimum": 0, "x-token-id": True}
+TokenIds = Annotated[list[Annotated[int, Field(json_schema_extra=TOKEN_ID_SCHEMA)]], _FAIL_FAST]
 Strings = Annotated[list[str], _FAIL_FAST]
 PromptField = Union[str, TokenIds, Strings, Annotated[list[TokenIds], _FAIL_FAST]]
 LlamaPrompts = Annotated[list[Union[str, TokenIds, dict[str, Any]]], _FAIL_FAST]
@@ -40,7 +43,7 @@ MAX_PROMPTS = 64  # prompts in one completion request (a list: one result per pr
 # what the generation routes accept (pydantic's own schema would allow "" and []): an empty
 # prompt, alone or in a list, is a 400
 _TEXT = {"type": "string", "minLength": 1}
-_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+_IDS = {"type": "array", "items": {"type": "integer", **TOKEN_ID_SCHEMA}, "minItems": 1}
 PROMPT_SCHEMA = {"anyOf": [
     _TEXT, _IDS,
     {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_PROMPTS},
@@ -88,7 +91,67 @@ SURROGATE_MESSAGE = "{where} holds a lone UTF-16 surrogate: strings must be vali
 surrogates_checked: contextvars.ContextVar[bool] = contextvars.ContextVar("surrogates_checked", default=False)
 
 
+def _int_kinds(t: Any) -> set:
+    """What an annotation holds, flattened: ``int``, ``float``, ``("list", int)``, ... (Annotated,
+    Optional and unions opened)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(t)
+    if origin is Annotated:
+        return _int_kinds(typing.get_args(t)[0])
+    if origin in (Union, types.UnionType):
+        return set().union(*(_int_kinds(a) for a in typing.get_args(t)))
+    if origin is list:
+        args = typing.get_args(t)
+        return {("list", k) for k in _int_kinds(args[0])} if args else {list}
+    return {t}
+
+
+_INTEGRAL: dict[type, dict[str, str]] = {}
+
+
+def _integral_fields(cls: type[BaseModel]) -> dict[str, str]:
+    """Keys (names and aliases) of the fields that hold integers and no float: "int" or "list"."""
+    out = _INTEGRAL.get(cls)
+    if out is None:
+        out = {}
+        for name, f in cls.model_fields.items():
+            kinds = _int_kinds(f.annotation)
+            kind = ("int" if int in kinds and float not in kinds else
+                    "list" if ("list", int) in kinds and ("list", float) not in kinds else None)
+            if kind is not None:
+                out[name] = kind
+                if f.alias:
+                    out[f.alias] = kind
+        _INTEGRAL[cls] = out
+    return out
+
+
+def _integral(v: Any) -> Any:
+    return int(v) if type(v) is float and v.is_integer() and abs(v) < 2**63 else v
+
+
 class _Input(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, data: Any) -> Any:
+        """JSON Schema's ``integer`` holds 19.0 (a number without a fraction; the OpenAPI document
+        says ``integer``): an integer field takes it as 19, as JSON parsers that read every number
+        as a float send it. 19.5 stays a 400."""
+        if not isinstance(data, dict):
+            return data
+        fields = _integral_fields(cls)
+        changed = None
+        for k in fields.keys() & data.keys():
+            v = data[k]
+            new = (_integral(v) if fields[k] == "int" else
+                   [_integral(x) for x in v] if isinstance(v, list) and any(type(x) is float for x in v) else v)
+            if new is not v:
+                changed = dict(data) if changed is None else changed
+                changed[k] = new
+        return data if changed is None else changed
+
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
@@ -248,7 +311,11 @@ def _exactly_one(*names: str) -> dict:
 class _PrefixSource(_Strict):
     """Exactly one of ``tokens`` / ``text`` / ``messages`` (+ ``tools``) / ``from_session``."""
 
-    model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages", "from_session"))
+    # tools go with messages (they are rendered with them): a body with tools and no messages is a 400
+    model_config = ConfigDict(json_schema_extra={
+        **_exactly_one("tokens", "text", "messages", "from_session"),
+        "if": {"required": ["tools"], "properties": {"tools": {"not": {"type": "null"}}}},
+        "then": {"required": ["messages"], "properties": {"messages": {"not": {"type": "null"}}}}})
     tokens: TokenIds | None = Field(None, description="the full prefix [0, L) as token ids",
                                     json_schema_extra=NON_EMPTY)
     text: str | None = Field(None, description="the full prefix as raw text (tokenized without specials)",
@@ -309,8 +376,9 @@ NoNull = SkipJsonSchema[None]
 
 
 class _Query(BaseModel):
-    # query strings are text: numbers are parsed (lax), unknown parameters ignored
-    model_config = ConfigDict(extra="ignore")
+    # query strings are text: numbers are parsed (lax); an unknown parameter is a 400 (the document
+    # lists every parameter a route takes: one it does not know would be ignored silently)
+    model_config = ConfigDict(extra="forbid")
 
 
 class ReleasePoolQuery(_Query):

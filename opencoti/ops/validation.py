@@ -33,7 +33,8 @@ def validate_query(model: type[M], data: dict | None) -> M:
     try:
         return model.model_validate(data or {})
     except ValidationError as e:
-        raise InvalidRequestError(validation_message(e.errors())) from None
+        raise InvalidRequestError(validation_message([{**err, "loc": ("query", *err.get("loc", ()))}
+                                                      for err in e.errors()])) from None
 
 
 MAX_PROBLEMS = 8  # problems named in one message (the rest are counted)
@@ -55,6 +56,9 @@ def validation_message(errors: list[dict]) -> str:
             continue
         if etype == "missing" and not loc:
             parts.append("a JSON request body is required")
+            continue
+        if etype == "extra_forbidden" and tuple(err.get("loc", ()))[:1] == ("query",) and loc:
+            parts.append(f"unknown query parameter {loc[-1]!r}")
             continue
         if len(loc) >= 2 and ("[" in loc[-1] or loc[-1] in ("str", "int", "float", "bool", "dict", "list")):
             # one error per member of a union type: report them as one "expected one of"

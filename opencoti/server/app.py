@@ -69,7 +69,8 @@ def create_app(engine: Engine | None = None, *, engine_factory: Callable[[], Eng
     app.state.server = state
     install_handlers(app)
     install_openapi(app, auth=bool(config.api_key or config.tenant_keys), public_paths=PUBLIC_PATHS,
-                    operator_only=frozenset({"/metrics"}) if config.tenant_keys else frozenset())
+                    operator_only=frozenset({"/metrics"}) if config.tenant_keys else frozenset(),
+                    vocab_size=lambda: getattr(getattr(state.engine, "core", None), "vocab_size", None))
     routers = [operations_router(), generate_router, anthropic_router, responses_router, stream_router,
                monitor_router, dashboard_router]
     # off: GET /metrics answers 501 (llama.cpp's answer without --metrics) and nothing is collected for it

@@ -3,6 +3,8 @@ request is a 400 in llama.cpp's shape), 401 and a bearer scheme when a key is re
 
 from __future__ import annotations
 
+from typing import Callable
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
@@ -15,8 +17,23 @@ def _error(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": _ERROR_REF}}}
 
 
+def _bound_token_ids(node, vocab_size: int) -> None:
+    """Every token id schema (``x-token-id``) gets the served model's last id as its maximum."""
+    if isinstance(node, dict):
+        if node.get("x-token-id") is True:
+            node["maximum"] = vocab_size - 1
+        for v in node.values():
+            _bound_token_ids(v, vocab_size)
+    elif isinstance(node, list):
+        for v in node:
+            _bound_token_ids(v, vocab_size)
+
+
 def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str],
-                    operator_only: frozenset[str] = frozenset()) -> None:
+                    operator_only: frozenset[str] = frozenset(),
+                    vocab_size: Callable[[], int | None] = lambda: None) -> None:
+    """``vocab_size``: the served model's vocabulary (None while it loads: the document is then made
+    again on the next call, not kept)."""
     def openapi() -> dict:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -39,7 +56,10 @@ def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str],
             schemas.pop(unused, None)
         if auth:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        app.openapi_schema = doc
+        vocab = vocab_size()
+        if vocab is not None:
+            _bound_token_ids(doc, vocab)
+            app.openapi_schema = doc
         return doc
 
     app.openapi = openapi

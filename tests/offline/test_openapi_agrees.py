@@ -74,6 +74,9 @@ REFUSED = [
     ("POST", "/polykv/pools/{pool_id}/admission", "/polykv/pools/{pid}/admission", {"settle_max_ms": 0}, None),
     ("GET", "/polykv/events", "/polykv/events", None, {"pool_id": "null"}),  # a query value, never null
     ("GET", "/polykv/tps", "/polykv/tps", None, {"once": "1", "interval_ms": "10"}),
+    ("POST", "/polykv/pools", "/polykv/pools", {"from_session": "s", "tools": []}, None),  # tools need messages
+    ("POST", "/detokenize", "/detokenize", {"tokens": [1, 100_000]}, None),  # beyond the model's vocabulary
+    ("POST", "/v1/completions", "/v1/completions", {"prompt": [1, -1], "max_tokens": 1}, None),
 ]
 
 
@@ -117,6 +120,39 @@ def test_what_the_schema_accepts_the_server_accepts(client):
         assert r.status_code == 200, (concrete, body, r.status_code, r.text[:300])
 
 
+# numbers without a fraction are integers in JSON Schema (the document says "integer"): 19.0 is taken
+INTEGRAL = [
+    ("/completion", {"prompt": "x", "n_predict": 1.0, "n_probs": 19.0, "seed": 3.0}),
+    ("/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 1.0, "logprobs": 2.0}),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 1.0, "logprobs": True, "top_logprobs": 2.0, "n": 1.0}),
+    ("/v1/messages", {"model": "m", "messages": MSG, "max_tokens": 1.0, "top_k": 3.0}),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 16.0}),
+    ("/polykv/pools", {"tokens": [float(t) for t in SYS]}),
+    ("/detokenize", {"tokens": [1.0, 2.0]}),
+]
+
+
+def test_integral_numbers_are_integers_as_the_document_says(client):
+    doc = client.get("/openapi.json").json()
+    for path, body in INTEGRAL:
+        assert schema_accepts(doc, "POST", path, body), (path, body)
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, body, r.status_code, r.text[:300])
+    r = client.post("/completion", json={"prompt": "x", "n_predict": 1, "n_probs": 19.5})
+    assert r.status_code == 400 and "n_probs" in r.text  # a fraction is still refused (as by the schema)
+    assert not schema_accepts(doc, "POST", "/completion", {"prompt": "x", "n_probs": 19.5})
+    assert client.post("/completion", json={"prompt": "x", "n_predict": True}).status_code == 400  # a bool is no number
+
+
+def test_an_unknown_query_parameter_is_refused_where_a_route_takes_parameters(client):
+    pid = client.post("/polykv/pools", json={"tokens": SYS}).json()["pool_id"]
+    for method, path in [("GET", "/polykv/events"), ("GET", "/polykv/tps/history"),
+                         ("GET", f"/polykv/pools/{pid}/capacity"), ("DELETE", f"/polykv/pools/{pid}")]:
+        r = client.request(method, path, params={"immediat": "true"})
+        assert r.status_code == 400 and "unknown query parameter 'immediat'" in r.text, (path, r.text)
+    assert client.get(f"/polykv/pools/{pid}").status_code == 200  # (the DELETE above changed nothing)
+
+
 def test_tps_events_are_declared_as_snapshots(client):
     ok = client.get("/openapi.json").json()["paths"]["/polykv/tps"]["get"]["responses"]["200"]["content"]
     assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/TpsSnapshot"}
@@ -124,33 +160,38 @@ def test_tps_events_are_declared_as_snapshots(client):
 
 
 # ============================================================================ a bounded schemathesis run
-# The control plane and the text utilities (the generation routes take seconds per case: their
-# schema cases are the explicit ones above). Every check schemathesis has for a response, plus:
-# a request the schema refuses must be refused (400), one it accepts on these routes must not be.
-FUZZED = ("/health", "/v1/models", "/props", "/slots", "/tokenize", "/detokenize", "/polykv/")
+# Every operation of the document (the generation routes too: a tiny model answers in milliseconds)
+# with every check schemathesis has (its default: all registered checks). positive_data_acceptance
+# (a request the schema accepts must not be refused) holds on the operations in POSITIVE; on the
+# others validity depends on more than a schema can say (token ids within this model's vocabulary,
+# what its chat template accepts (pools made of messages too), a grammar's syntax, a stored response or stream id), so there a 400
+# is allowed for a schema-valid request, and every other check still holds. /infill answers 501 on
+# a model without fill-in-the-middle tokens (as llama.cpp's server does): not a server error here.
 POSITIVE = {"GET /polykv/pools", "GET /polykv/pools/{pool_id}", "GET /polykv/events", "GET /polykv/tps/history",
             "GET /polykv/pools/{pool_id}/admission", "POST /polykv/pools/{pool_id}/admission",
             "GET /polykv/pools/{pool_id}/capacity", "GET /polykv/integrity", "POST /polykv/pools/{pool_id}/pin",
-            "GET /props", "GET /health", "GET /v1/models", "GET /slots"}
-CHECKS = [not_a_server_error, st_checks.status_code_conformance, st_checks.content_type_conformance,
-          st_checks.response_schema_conformance, st_checks.negative_data_rejection]
-EXAMPLES = 3  # cases per operation: ~30 operations, 15-80 s depending on the machine's load
+            "POST /polykv/pools/{pool_id}/unpin", "POST /polykv/pools/{pool_id}/evict",
+            "POST /polykv/pools/{pool_id}/flush", "DELETE /polykv/pools/{pool_id}",
+            "DELETE /polykv/sessions/{session_id}",
+            "POST /tokenize", "GET /props", "GET /health", "GET /v1/models", "GET /slots", "GET /metrics",
+            "GET /polykv/tps", "GET /v1/responses/{response_id}"}
+EXAMPLES = 3  # cases per operation: ~40 operations, 40-90 s depending on the machine's load
 
 
 def test_schemathesis_finds_no_disagreement(app):
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     ops = [r.ok() for r in schema.get_all_operations()]
-    ops = [op for op in ops if op.path.startswith(FUZZED) and op.label != "GET /polykv/tps"]  # (an SSE stream)
-    assert len(ops) >= 20
+    assert len(ops) >= 35
     failures: list[str] = []
     for op in ops:
-        checks = CHECKS + ([st_checks.positive_data_acceptance] if op.label in POSITIVE else [])
+        excluded = ([] if op.label in POSITIVE else [st_checks.positive_data_acceptance]) + (
+            [not_a_server_error] if op.label == "POST /infill" else [])
 
         @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
         @given(case=op.as_strategy())
         def run(case):
-            case.call_and_validate(checks=checks)
+            case.call_and_validate(excluded_checks=excluded)  # every registered check but those
 
         try:
             run()
