@@ -38,7 +38,8 @@ class MessagesRequest(PolyKVFields):
     """Anthropic's ``POST /v1/messages`` body (unknown fields are ignored)."""
 
     model: str | None = None
-    messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each")
+    messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each",
+                                json_schema_extra={"minItems": 1})  # (an empty list is a 400)
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's)")
     system: Union[str, list[Any], None] = Field(None, description="a string or text blocks")
     stop_sequences: list[str] | None = None

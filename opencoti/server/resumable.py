@@ -119,7 +119,7 @@ router = APIRouter()
                                                        "offset, then follow it live",
             responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
                        **error_responses((400, 404))})
-async def stream_get(request: Request, conv_id: str = Query("", description="the X-Conversation-Id"),
+async def stream_get(request: Request, conv_id: str = Query(..., description="the X-Conversation-Id", min_length=1),
                      offset: int = Query(0, alias="from", ge=0, description="byte offset to start from")):
     if not conv_id:
         raise ApiError(400, "Missing conversation id (conv_id)", "invalid_request_error")
@@ -135,7 +135,7 @@ async def stream_get(request: Request, conv_id: str = Query("", description="the
 
 @router.delete("/v1/stream", tags=["llama.cpp"], status_code=204, responses=error_responses((400,)),
                summary="stop a resumable stream's generation and forget its events")
-async def stream_delete(request: Request, conv_id: str = Query("", description="the X-Conversation-Id")):
+async def stream_delete(request: Request, conv_id: str = Query(..., description="the X-Conversation-Id", min_length=1)):
     if not conv_id:
         raise ApiError(400, "Missing conversation id (conv_id)", "invalid_request_error")
     buf = _streams.pop((request_tenant(request), conv_id), None)

@@ -77,6 +77,9 @@ REFUSED = [
     ("POST", "/polykv/pools", "/polykv/pools", {"from_session": "s", "tools": []}, None),  # tools need messages
     ("POST", "/detokenize", "/detokenize", {"tokens": [1, 100_000]}, None),  # beyond the model's vocabulary
     ("POST", "/v1/completions", "/v1/completions", {"prompt": [1, -1], "max_tokens": 1}, None),
+    ("POST", "/v1/messages", "/v1/messages", {"messages": [], "max_tokens": 1}, None),
+    ("GET", "/v1/stream", "/v1/stream", None, {}),  # conv_id is required
+    ("DELETE", "/v1/stream", "/v1/stream", None, {"conv_id": ""}),
 ]
 
 
@@ -174,7 +177,8 @@ POSITIVE = {"GET /polykv/pools", "GET /polykv/pools/{pool_id}", "GET /polykv/eve
             "POST /polykv/pools/{pool_id}/flush", "DELETE /polykv/pools/{pool_id}",
             "DELETE /polykv/sessions/{session_id}",
             "POST /tokenize", "GET /props", "GET /health", "GET /v1/models", "GET /slots", "GET /metrics",
-            "GET /polykv/tps", "GET /v1/responses/{response_id}"}
+            "GET /polykv/tps", "GET /v1/responses/{response_id}", "POST /detokenize", "GET /v1/stream",
+            "DELETE /v1/stream"}
 EXAMPLES = 3  # cases per operation: ~40 operations, 40-90 s depending on the machine's load
 
 
