@@ -42,6 +42,7 @@ from opencoti.engine.model import synthetic as syn  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "arch_reference.json"
 POSITIONS = 64
+TOP_K = 5  # llama.cpp's top-5 (ids and log-probabilities) per position, for diagnosing misses
 TEXT = ("The quick brown fox jumps over the lazy dog while the river runs quietly past the old mill. "
         "Scientists measured the temperature of the water every morning for three weeks, and the "
         "results surprised everyone who had expected a steady decline. In the evening, the village "
@@ -73,6 +74,18 @@ CASES: list[dict] = [
     {"name": "qwen3_hd96_q8_0", "what": "qwen3: head_dim 96 (neither hidden/heads nor the HF default 128), untied, Q8_0",
      "gen": dict(arch="qwen3", hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, head_dim=96, tied=False,
                  rope_theta=1000000.0, mix="Q8_0", seed=18)},
+    # F16 weights: llama.cpp multiplies in F16 without quantizing the activations to 8 bits, so its
+    # logits are within ~0.01 of an exact forward and the top-1 can be compared strictly
+    {"name": "llama3_rope_f16", "what": "llama, llama3 rope scaling, untied, GQA 4:1, F16 (strict: no 8-bit activations)",
+     "gen": dict(arch="llama", hidden=256, layers=2, ffn=768, heads=4, kv_heads=1, tied=False,
+                 rope_theta=500000.0, rope_scaling=("llama3", 8.0, 1.0, 4.0, 64), mix="F16", seed=19),
+     "control": {"rope_scaling": None}},
+    {"name": "qwen3_hd96_f16", "what": "qwen3, head_dim 96, tied, F16 (strict: no 8-bit activations)",
+     "gen": dict(arch="qwen3", hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, head_dim=96, tied=True,
+                 rope_theta=1000000.0, mix="F16", seed=20)},
+    {"name": "qwen2_f16", "what": "qwen2 (biases), tied, F16 (strict: no 8-bit activations)",
+     "gen": dict(arch="qwen2", hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, tied=True,
+                 rope_theta=1000000.0, mix="F16", seed=21)},
     {"name": "llama_quantize_q4km", "what": "llama, tied, F16 quantized by the real llama-quantize to Q4_K_M",
      "gen": dict(arch="llama", hidden=256, layers=4, ffn=768, heads=4, kv_heads=2, tied=True,
                  mix="F16", seed=17),
@@ -130,14 +143,26 @@ class Server:
         return _post(self.url + "/tokenize", {"content": text, "add_special": False})["tokens"]
 
     def next_token(self, prefix: list[int]) -> dict:
-        """llama.cpp's raw (pre-sampling) top-2 for the token after ``prefix``."""
-        r = _post(self.url + "/completion", {
-            "prompt": prefix, "n_predict": 1, "n_probs": 2, "temperature": 0, "cache_prompt": False,
-            "post_sampling_probs": False, "samplers": ["top_k"], "top_k": 1, "seed": 0,
-        })
-        item = r["completion_probabilities"][0]
-        top = item["top_logprobs"]
-        return {"sampled": item["id"], "top": [t["id"] for t in top[:2]], "logprobs": [t["logprob"] for t in top[:2]]}
+        """llama.cpp's raw (pre-sampling) top-2 for the token after ``prefix``.
+
+        llama-server holds back a token that ends in an incomplete UTF-8 character (a byte token)
+        and then returns no probabilities for it; ``return_tokens`` still names the sampled token
+        (greedy: the raw top-1), and asking again with that token banned by ``logit_bias`` (a
+        sampler: the raw probabilities are unchanged) samples another one and returns the raw top-2.
+        """
+        body = {"prompt": prefix, "n_predict": 1, "n_probs": TOP_K, "temperature": 0, "cache_prompt": False,
+                "post_sampling_probs": False, "samplers": ["top_k"], "top_k": 1, "seed": 0, "return_tokens": True}
+        r = _post(self.url + "/completion", body)
+        sampled = r["tokens"][0]
+        banned: list[int] = []
+        while not r.get("completion_probabilities"):
+            banned.append(r["tokens"][0])
+            if len(banned) > 8:
+                raise RuntimeError(f"no probabilities for prefix of {len(prefix)} tokens")
+            r = _post(self.url + "/completion", {**body, "logit_bias": [[t, False] for t in banned]})
+        top = r["completion_probabilities"][0]["top_logprobs"]
+        return {"sampled": sampled, "top": [t["id"] for t in top], "logprobs": [t["logprob"] for t in top],
+                "held_back": len(banned)}
 
 
 def run_server_checks(binary: Path, model: Path, ids: list[int] | None, log: Path) -> dict:
@@ -152,18 +177,21 @@ def run_server_checks(binary: Path, model: Path, ids: list[int] | None, log: Pat
         server.close()
     top1 = [r["top"][0] for r in rows]
     lp = [r["logprobs"] for r in rows]
-    margins = [math.exp(a) - math.exp(b) for a, b in lp]
-    p1 = sorted(math.exp(a) for a, _ in lp)
+    margins = [math.exp(x[0]) - math.exp(x[1]) for x in lp]
+    p1 = sorted(math.exp(x[0]) for x in lp)
     return {
         "ids": ids,
         "top1": top1,
-        "top2": [r["top"][1] for r in rows],
-        "logprobs": [[round(a, 6), round(b, 6)] for a, b in lp],
         "margins": [round(m, 6) for m in margins],
+        "gaps": [round(x[0] - x[1], 6) for x in lp],
+        "top5": [r["top"] for r in rows],
+        "top5_logprobs": [[round(v, 6) for v in x] for x in lp],
         "sampled_equals_top1": all(r["sampled"] == r["top"][0] for r in rows),
+        "utf8_held_back_at": [i for i, r in enumerate(rows) if r["held_back"]],
         "peakedness": {"top1_prob_median": round(p1[len(p1) // 2], 4), "top1_prob_p10": round(p1[len(p1) // 10], 4),
                        "top1_prob_p90": round(p1[(9 * len(p1)) // 10], 4),
                        "margin_median": round(sorted(margins)[len(margins) // 2], 4),
+                       "gap_median_nats": round(sorted(x[0] - x[1] for x in lp)[len(lp) // 2], 4),
                        "margins_below_1e-3": sum(m < 1e-3 for m in margins)},
     }
 
@@ -280,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "about": "llama.cpp's raw top-1 next token for each prefix ids[:i+1], i < 64, of synthetic GGUF models "
                  "(scripts/arch_reference.py; checked by tests/offline/test_arch_agreement.py). margins: p(top1) - "
-                 "p(top2) from llama-server's n_probs (post_sampling_probs false: softmax of the raw logits).",
+                 "p(top2), gaps: logp(top1) - logp(top2), top5/top5_logprobs: llama-server's n_probs 5 "
+                 "(post_sampling_probs false: log-softmax of the raw logits).",
         "text": TEXT,
         "ids": ids,
         "positions": POSITIONS,
