@@ -42,6 +42,11 @@ _ERRORS = error_responses((400, 404, 409, 429, 503))
 _SSE = {"content": {"text/event-stream": {"schema": {"type": "string"},
                                          "example": "data: {...}\n\ndata: [DONE]\n\n"}},
         "description": "JSON, or server-sent events when stream is true"}
+# llama.cpp's own routes end a stream with the chunk that says "stop": true, never "data: [DONE]"
+_LLAMA_SSE = {"content": {"text/event-stream": {"schema": {"type": "string"},
+                                               "example": "data: {...}\n\ndata: {..., \"stop\": true}\n\n"}},
+              "description": "JSON, or server-sent events when stream is true: one data: line per chunk, the "
+                             "last with \"stop\": true (no data: [DONE], as llama.cpp's server)"}
 
 
 def info_headers(info: RequestInfo) -> dict[str, str]:
@@ -83,7 +88,7 @@ def _llama_probs(ctx: Context, d, post: bool = False) -> dict:
 
 # ============================================================================ POST /completion (llama.cpp)
 @router.post("/completion", tags=["llama.cpp"], summary="llama.cpp completion (streaming with stream=true)",
-             responses={200: _SSE, **_ERRORS})
+             responses={200: _LLAMA_SSE, **_ERRORS})
 @router.post("/completions", include_in_schema=False)
 async def completion(request: Request, body: CompletionRequest, ctx: Context = Depends(get_ctx),
                      state: ServerState = Depends(get_state)):
@@ -421,7 +426,7 @@ def fim_tokens(ctx: Context) -> tuple[int, int, int] | None:
 
 
 @router.post("/infill", tags=["llama.cpp"], summary="llama.cpp fill-in-the-middle (models with FIM tokens)",
-             responses={200: _SSE, **error_responses((400, 501))})
+             responses={200: _LLAMA_SSE, **error_responses((400, 501))})
 async def infill(request: Request, ctx: Context = Depends(get_ctx), state: ServerState = Depends(get_state)):
     fim = fim_tokens(ctx)
     if fim is None:

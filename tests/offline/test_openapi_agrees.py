@@ -156,6 +156,18 @@ def test_an_unknown_query_parameter_is_refused_where_a_route_takes_parameters(cl
     assert client.get(f"/polykv/pools/{pid}").status_code == 200  # (the DELETE above changed nothing)
 
 
+def test_each_stream_ends_as_its_document_says(client):
+    """llama.cpp's /completion (and /infill) end with the "stop": true chunk, OpenAI's with data: [DONE]."""
+    doc = client.get("/openapi.json").json()
+    for path, body in [("/completion", {"prompt": "x", "n_predict": 2, "stream": True}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}),
+                       ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "stream": True})]:
+        sse = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+        text = client.post(path, json=body).text
+        assert text.endswith("data: [DONE]\n\n") == sse["example"].endswith("data: [DONE]\n\n"), (path, text[-80:])
+    assert "[DONE]" not in doc["paths"]["/infill"]["post"]["responses"]["200"]["content"]["text/event-stream"]["example"]
+
+
 def test_tps_events_are_declared_as_snapshots(client):
     ok = client.get("/openapi.json").json()["paths"]["/polykv/tps"]["get"]["responses"]["200"]["content"]
     assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/TpsSnapshot"}
