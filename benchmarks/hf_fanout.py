@@ -102,12 +102,11 @@ class _TokenClock:
 def load_transformers(model_dir, dtype_name: str):
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+
+    from opencoti.engine.model.loader import transformers_reference
 
     transformers.utils.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype_name))
-    model.eval()
-    return model
+    return transformers_reference(model_dir, getattr(torch, dtype_name))  # a GGUF's directory: from the file
 
 
 # ============================================================================ transformers

@@ -21,8 +21,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def reference(bundled_model):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(bundled_model.model_dir), dtype=torch.float32).eval()
+    from opencoti.engine.model.loader import transformers_reference
+    return transformers_reference(bundled_model.model_dir, torch.float32)
 
 
 @pytest.mark.parametrize("chat", range(len(CHATS)))

@@ -364,6 +364,22 @@ def config_from_gguf(index) -> Any:
     return config
 
 
+def transformers_reference(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """The transformers model of a model directory, as the reference logits of tests and benchmarks
+    (never the serving path): a HF directory loads as it is; the directory of a GGUF file (config and
+    tokenizer only) loads from that file, which transformers dequantizes (memory: the model in ``dtype``)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    source = _read_marker(model_dir).get("source")
+    if source and str(source).lower().endswith(".gguf") and not _weight_files(model_dir, "model.safetensors"):
+        gguf = Path(source)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return model.eval()
+
+
 def _generation_config_from(config):
     from transformers import GenerationConfig
 

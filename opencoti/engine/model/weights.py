@@ -98,7 +98,7 @@ def gate_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tens
     clear = (top2[:, 0] - top2[:, 1]) >= GATE_CLEAR_MARGIN
     same = ref[:n].argmax(-1) == cand[:n].argmax(-1)
     agree_clear = same[clear].float().mean().item() if bool(clear.any()) else 1.0
-    return {"kl": kl, "ppl_ref": ppl_ref, "ppl": ppl, "ppl_ratio": ppl / ppl_ref,
+    return {"kl": kl, "ppl_fp32": ppl_ref, "ppl": ppl, "ppl_ratio": ppl / ppl_ref,
             "top1_agreement": same.float().mean().item(), "top1_agreement_clear": agree_clear,
             "clear_positions": int(clear.sum()), "tokens": int(ids.shape[0]), "top1_positions": n,
             "passed": kl <= GATE_KL_MAX and agree_clear >= GATE_TOP1_MIN}
@@ -137,9 +137,11 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     chooser = kernel_chooser(tuner, hf, device, dtype)
 
     def make(fmt: str) -> LlamaForward:
+        head = head_format(tuner, fmt, hf)
+        if head == "bf16" and gguf_path is not None and not _head_16bit_fits(loaded, fmt):
+            head = default_head_format(fmt)  # faster, but a 16-bit head would take the model past the file's size
         model = LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
-                             choose_kernel=chooser, threads=threads, head_format=head_format(tuner, fmt, hf),
-                             embedding=embedding)
+                             choose_kernel=chooser, threads=threads, head_format=head, embedding=embedding)
         release_memory()  # the tensors read and converted one at a time: hand their pages back
         return model
 
@@ -436,6 +438,14 @@ def _resident_mb(loaded, fmt: str) -> float:
     sources = _projection_sources(loaded)
     embed = loaded.state_dict["model.embed_tokens.weight"]
     return (sum(_format_bytes(w, fmt) for w in sources) + embed.nbytes) / 1e6
+
+
+def _head_16bit_fits(loaded, fmt: str) -> bool:
+    """Whether a GGUF model in ``fmt`` stays within :data:`GGUF_MEMORY_FACTOR` x the file with a 16-bit
+    output head instead of an 8-bit one."""
+    head = _projection_sources(loaded)[-1]
+    extra = head.numel() * (2.0 - 1.0) / 1e6
+    return _resident_mb(loaded, fmt) + extra <= GGUF_MEMORY_FACTOR * Path(loaded.source_gguf).stat().st_size / 1e6
 
 
 def _available_mb() -> float:
