@@ -20,7 +20,6 @@ from opencoti.engine import EngineConfig
 from opencoti.engine.errors import InvalidRequestError
 from opencoti.engine.model import autotune, choose, kernels, qformats, threads, weights
 from opencoti.engine.model.loader import tiny_model
-from opencoti.engine.model.qformats import Int4Weight
 
 from gguf_blocks import random_blocks
 
