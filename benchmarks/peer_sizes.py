@@ -107,7 +107,11 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per decode request")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build and cache one)")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    p.add_argument("--table-only", action="store_true", help="only rebuild peer_sizes.json from the per-file results")
     args = p.parse_args()
+    if args.table_only:
+        print(f"wrote {size_table()}")
+        return 0
     if args.quick:
         args.rounds, args.tokens = 1, 16
     from opencoti.engine.model.loader import bundled_gguf_path
@@ -177,7 +181,51 @@ def main() -> int:
         "servers": info, "raw": raw, "median": med, "ratio": ratios, "machine": machine,
         "load_before": before}, args.out)
     print(f"wrote {path}")
+    if args.out is None:
+        print(f"wrote {size_table()}")
     return 0
+
+
+def size_table() -> Path:
+    """``peer_sizes.json``: one row per model file measured on this machine (its newest
+    ``peer_sizes_<stem>.json``), the ratios of each, for the docs' size table."""
+    import json
+
+    rows, notes, runs = [], [], []
+    found = []
+    for f in sorted(common.results_dir().glob("peer_sizes_*.json")):
+        d = json.loads(f.read_text())
+        found.append((d["config"]["gguf_mib"], f.name, d))
+    for _, name, d in sorted(found, key=lambda x: x[0]):
+        r, m = d["ratio"], d["median"]
+        o, ll = m["opencoti"], m["llama.cpp"]
+        weights = (d.get("servers", {}).get("opencoti") or {}).get("weights")
+
+        def cell(w: str, digits: int = 2) -> str:
+            if o.get(w) is None or ll.get(w) is None:
+                return "-"
+            x = r.get(w)
+            return f"{o[w]:.{digits}f} / {ll[w]:.{digits}f} = {x:.2f}x" + ("" if x is None or x >= 1 else " LOSE")
+
+        rows.append([d["config"]["gguf"], f"{d['config']['gguf_mib']:.0f}", weights or "?", cell("decode_1"),
+                     cell("sessions_8"), cell("prefill_1000", 1), cell("rss_after_mib", 0), cell("rss_peak_mib", 0),
+                     cell("ready_first_s", 1), cell("ready_s", 1), str(d["config"]["rounds"])])
+        runs.append({"file": name, "time": d.get("time"), "load_before": d.get("load_before"),
+                     "load_at_end": d.get("load_at_end"), "commit": (d.get("machine") or {}).get("git")})
+        lost = [w for w, x in r.items() if x is not None and x < 1]
+        if lost:
+            notes.append(f"{d['config']['gguf']}: opencoti loses on {', '.join(lost)} (ratios below 1).")
+    payload = {"config": {"threads": found[0][2]["config"]["threads"] if found else None,
+                          "llama_server_flags": LLAMA_FLAGS, "opencoti_flags": OPENCOTI_FLAGS},
+               "runs": runs, "machine": common.machine_info(),
+               "report": {"headers": ["GGUF file", "MiB", "opencoti weights", "decode 1 tok/s (ours / llama.cpp)",
+                                      "8 sessions tok/s", "prefill 1,000 tok/s", "RSS after work MiB",
+                                      "peak RSS MiB", "ready, first start s", "ready, later s", "rounds"],
+                          "rows": rows,
+                          "notes": ["Ratios > 1: opencoti better (tok/s ours / theirs; MiB and seconds theirs / ours). "
+                                    "Speculation off on both sides, 16,384 fp16 KV tokens on both, medians of the "
+                                    "rounds; each file's raw rounds are in peer_sizes_<file>.json."] + notes}}
+    return common.write_json("peer_sizes", payload)
 
 
 def _start(name: str, gguf: str, threads: int, llama_bin: Path, cache: str | None) -> peer.Server:

@@ -257,7 +257,7 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
     hf = loaded.hf_config
     shapes = _projection_shapes(hf)
     fp32_bytes = sum(n * k * 4 for n, k in shapes)
-    if fp32_bytes < AUTO_MIN_BYTES:
+    if fp32_bytes < AUTO_MIN_BYTES and getattr(loaded, "source_gguf", None) is None:  # a GGUF keeps its precision
         choice["reason"] = f"auto: {fp32_bytes / 2**20:.1f} MiB of fp32 projection weights stay in cache"
         return make("fp32")
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
