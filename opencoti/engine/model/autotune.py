@@ -31,6 +31,7 @@ log = logging.getLogger("opencoti.engine")
 
 STREAM_BYTES = 48 << 20  # synthetic weights per timing pass: more than a typical L3
 MAX_COPIES = 16
+TIMED_FP32_BYTES = 64 << 20  # rows of a shape timed at most: this many bytes of its weights in fp32
 BATCHES = (1, 8, 128)  # two decode batch sizes and a prefill chunk
 PRUNE_FACTOR = 4.0  # slower than this x the fastest at one batch size: not timed at the larger ones
 # a kernel a caller prefers (``choose(prefer=...)``: the native kernel, whose use by every layer lets a
@@ -133,6 +134,12 @@ class Autotuner:
         """Best-of-``rounds`` seconds per call at each batch size; the candidates take turns within
         each round, so a burst of load from elsewhere hits them alike."""
         gen = torch.Generator().manual_seed(n * 131 + k)
+        # a large shape (a model's output head: 49152 x 4096 is 805 MB in fp32) is timed on a slice of
+        # its rows and the times scaled by the rows: every candidate kernel is held at once, so timing
+        # the whole matrix took more memory at start than the model's weights (the peak of a first start)
+        rows = min(n, max(64, TIMED_FP32_BYTES // (4 * k) // 64 * 64))
+        scale = n / rows
+        n = rows
         built: dict[str, list] = {}
         for name in order:
             try:
@@ -164,7 +171,7 @@ class Autotuner:
                     best[name][i] = min(best[name][i], (time.perf_counter() - t0) / len(built[name]))
             fastest = min(best[name][i] for name in alive)
             alive = [name for name in alive if best[name][i] <= PRUNE_FACTOR * fastest]
-        return best
+        return {name: [t * scale for t in ts] for name, ts in best.items()}
 
     def remembered(self, entry: str):
         """A value stored with :meth:`remember` for this machine (e.g. an accuracy-gate result)."""
