@@ -199,7 +199,8 @@ def stream(url: str, path: str, body: dict) -> dict:
     tokens = None
     if final and final.get("timings"):
         tokens = final["timings"].get("predicted_n")
-    return {"sent": t_send, "first": first, "last": last, "chunks": n_chunks, "tokens": tokens or n_chunks}
+    return {"sent": t_send, "first": first, "last": last, "chunks": n_chunks, "tokens": tokens or n_chunks,
+            "final": final}
 
 
 def decode_rate(res: dict) -> float:

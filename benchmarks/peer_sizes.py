@@ -70,26 +70,7 @@ def w_prefill(url: str, nonce: str) -> float:
                                             "temperature": 0, "cache_prompt": False})
     final = res.get("final") or {}
     n = (final.get("timings") or {}).get("prompt_n")
-    return (n or 0) / (res["first"] - res["sent"])
-
-
-def stream_with_final(url: str, path: str, body: dict) -> dict:
-    t_send = time.perf_counter()
-    first = last = None
-    final = None
-    n = 0
-    for ev in peer.sse_events(url, path, body):
-        text = ev.get("content")
-        if text:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            n += 1
-        if ev.get("timings") or ev.get("stop"):
-            final = ev
-    tokens = ((final or {}).get("timings") or {}).get("predicted_n") or n
-    return {"sent": t_send, "first": first or time.perf_counter(), "last": last, "chunks": n, "final": final,
-            "tokens": tokens}
+    return (n or 0) / ((res["first"] or time.perf_counter()) - res["sent"])
 
 
 def run_round(srv: peer.Server, args, rnd: int) -> dict:
@@ -118,7 +99,6 @@ def main() -> int:
     from opencoti.engine.model.loader import bundled_gguf_path
     from opencoti.engine.model.threads import usable_cpus
 
-    peer.stream = stream_with_final  # the final event's timings (prompt_n) are kept
     gguf = args.model or str(bundled_gguf_path())
     threads = args.threads or usable_cpus()
     llama_bin = Path(args.llama_server) if args.llama_server else peer.build_llama_server()
