@@ -109,8 +109,22 @@ class Prepared:
     extra: dict = field(default_factory=dict)
 
 
+def _is_mixed(prompt) -> bool:
+    """A list of token ids and texts (llama.cpp's ``[12, "text", 34]``): one prompt."""
+    return (isinstance(prompt, list) and any(type(p) is int for p in prompt)
+            and any(isinstance(p, str) for p in prompt))
+
+
 def _completion_prompt(ctx: Context, prompt) -> tuple[list[int], str | None]:
-    """(tokens, text) of a completion prompt: a string, token ids, or a one-element list of either."""
+    """(tokens, text) of a completion prompt: a string, token ids, ids and texts mixed (each text
+    tokenized where it stands, as llama.cpp does), or a one-element list of any of them."""
+    if isinstance(prompt, list) and len(prompt) == 1 and _is_mixed(prompt[0]):
+        prompt = prompt[0]
+    if _is_mixed(prompt):
+        tokens: list[int] = []
+        for p in prompt:
+            tokens.extend(ctx.engine.tokenize(p) if isinstance(p, str) else (p,))
+        return tokens, None
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise InvalidRequestError(f"one prompt per request is supported, got {len(prompt)}; "
@@ -198,8 +212,9 @@ class ChatTurn:
         return (content, *self._calls_and_reason(calls, result))
 
     def _calls_and_reason(self, calls, result) -> tuple[list[ToolCall], str]:
-        if self.prompt.choice.mode == "required":  # a forced call: the same call written twice is one call
-            calls = distinct_calls(calls)
+        # the same call (name and arguments) written twice in one turn is one call, whatever tool_choice and
+        # parallel_tool_calls say: a small model repeating itself is not making parallel calls
+        calls = distinct_calls(calls)
         if self.single_call:
             calls = calls[:1]
         if calls and result.stop_reason != "length":

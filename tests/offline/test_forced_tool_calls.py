@@ -88,3 +88,43 @@ def test_forced_choice_written_twice_is_one_call(engine, monkeypatch, stream, ch
         r = client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [CITY], "tool_choice": choice})
         cities = [json.loads(c["function"]["arguments"])["city"] for c in r.json()["choices"][0]["message"]["tool_calls"]]
     assert cities == ["Paris", "Rome"]
+
+
+ANTHROPIC_CITY = {"name": "get_weather", "description": "Weather in a city.",
+                  "input_schema": CITY["function"]["parameters"]}
+RESPONSES_CITY = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+                  "parameters": CITY["function"]["parameters"]}
+
+
+def _calls_of(api: str, r) -> list[dict]:
+    """(name, arguments as a JSON value) of each tool call in an answer of ``api``."""
+    body = r.json()
+    if api == "chat":
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in body["choices"][0]["message"]["tool_calls"] or []]
+    if api == "messages":
+        return [(b["name"], b["input"]) for b in body["content"] if b["type"] == "tool_use"]
+    return [(o["name"], json.loads(o["arguments"])) for o in body["output"] if o["type"] == "function_call"]
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_repeated_call_is_one_call_on_every_api(engine, monkeypatch, api, choice):
+    # a turn where the model wrote the same call twice (its arguments laid out differently) and then
+    # another one: with the default parallel_tool_calls the repeat is dropped, the distinct call kept
+    twice = CALL + "\n" + CALL.replace('{"city": "Paris"}', '{"city":"Paris"}') + "\n" + CALL.replace("Paris", "Rome")
+    script(monkeypatch, engine, [twice], stop_reason="eos")
+    if api == "chat":
+        url, body = "/v1/chat/completions", {"messages": CHAT, "tools": [CITY], "tool_choice": choice}
+    elif api == "messages":
+        url, body = "/v1/messages", {"messages": CHAT[1:], "system": CHAT[0]["content"], "max_tokens": 64,
+                                     "tools": [ANTHROPIC_CITY], "tool_choice": {"type": choice.replace("required", "any")}}
+    else:
+        url, body = "/v1/responses", {"input": CHAT[1]["content"], "instructions": CHAT[0]["content"],
+                                      "tools": [RESPONSES_CITY], "tool_choice": choice}
+    if choice == "required":  # the forced prefill is already written: the script is what follows it
+        script(monkeypatch, engine, ['{"city": "Paris"}}\n</tool_call>\n' + twice], stop_reason="eos")
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        r = client.post(url, json=body)
+    assert r.status_code == 200, r.text
+    assert _calls_of(api, r) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
