@@ -5,13 +5,14 @@ becomes a Message.
 
 What is translated: ``system`` (a string or text blocks) -> a system message; ``text`` blocks ->
 text; ``tool_use`` blocks (assistant) -> tool calls; ``tool_result`` blocks (user) -> tool messages
-(``is_error`` prefixes the content with "Error: "); ``thinking`` blocks -> the message's
-``reasoning_content``; ``tools`` (``input_schema``) -> function tools; ``tool_choice``
-(auto / any / tool / none, ``disable_parallel_tool_use``); ``stop_sequences``; ``temperature``,
+(``is_error`` prefixes the content with "Error: "); ``thinking`` blocks -> ``<think>`` text before
+the assistant's answer (``thinking_text``: rendered and counted, as a reasoning template does);
+``tools`` (``input_schema``) -> function tools; ``tool_choice`` (auto / any / tool / none,
+``disable_parallel_tool_use``); ``stop_sequences``; ``temperature``,
 ``top_p``, ``top_k``; ``output_config.format`` (json_schema: the constraint engine). ``metadata``
 and ``thinking`` are accepted (the model has no thinking mode), the values Anthropic refuses are
-refused here too (a tool without ``input_schema``, ``budget_tokens`` under 1024 or not below
-``max_tokens``, ``max_tokens`` under 1).
+refused here too (a missing ``max_tokens`` or one under 1, a tool without ``input_schema``,
+``budget_tokens`` under 1024 or not below ``max_tokens``).
 Image and document blocks are refused (400): the model reads text only. The PolyKV fields
 (``pool_id``, ``session_id``, ``cache_salt``, ...) may be sent as extra fields.
 """
@@ -40,7 +41,7 @@ class MessagesRequest(PolyKVFields):
     model: str | None = None
     messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each",
                                 json_schema_extra={"minItems": 1})  # (an empty list is a 400)
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the server's)")
+    max_tokens: int = Field(..., ge=1, description="tokens to generate at most (required, as Anthropic requires it)")
     system: Union[str, list[Any], None] = Field(None, description="a string or text blocks")
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -60,6 +61,8 @@ class MessagesRequest(PolyKVFields):
 
 class CountTokensRequest(MessagesRequest):
     """``POST /v1/messages/count_tokens``: a Messages body without ``max_tokens``."""
+
+    max_tokens: int | None = Field(None, ge=1, description="not needed to count (checked when given)")
 
 
 def _refuse_media(kind: str, where: str) -> None:
@@ -100,6 +103,17 @@ def _tool_result(block: dict, where: str) -> dict:
     return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
 
 
+THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
+
+
+def thinking_text(thinking: str) -> str:
+    """An assistant turn's ``thinking`` as the text before its answer, in the form reasoning models write
+    and their chat templates read back (``<think>\n...\n</think>\n\n``; a template that renders
+    reasoning splits it off the content itself, one that does not renders it as the model's own text):
+    it is part of the prompt, so ``count_tokens`` counts it. Empty thinking adds nothing."""
+    return THINK_OPEN + thinking + THINK_CLOSE if thinking else ""
+
+
 def _message(i: int, m: Any) -> list[dict]:
     """One Anthropic message -> the OpenAI messages it stands for (tool results become tool messages,
     before the user's own text)."""
@@ -130,17 +144,15 @@ def _message(i: int, m: Any) -> list[dict]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, bw))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            if isinstance(block.get("thinking"), str):
+            if isinstance(block.get("thinking"), str):  # a redacted block's text is encrypted: nothing to render
                 reasoning.append(block["thinking"])
         else:
             texts.append(_block_text(block, bw))
     out: list[dict] = list(results)
     if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        msg: dict[str, Any] = {"role": "assistant", "content": thinking_text("".join(reasoning)) + "".join(texts)}
         if calls:
             msg["tool_calls"] = calls
-        if reasoning:
-            msg["reasoning_content"] = "".join(reasoning)
         out.append(msg)
     elif texts or not results:
         out.append({"role": "user", "content": "".join(texts)})

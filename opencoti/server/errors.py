@@ -86,12 +86,13 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 def anthropic_error(body: dict) -> dict:
-    """An error body in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (the
-    status stays in ``error.code``)."""
+    """An error body (llama.cpp's shape, ``error.code`` the status) in Anthropic's shape, exactly
+    ``{"type": "error", "error": {"type", "message"}}``: Anthropic's type for the status, no other
+    field (the status is the response's; llama.cpp's ``code`` and context fields are left out)."""
     err = body.get("error", {})
     status = err.get("code") if isinstance(err.get("code"), int) else 400
     etype = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {**err, "type": etype}}
+    return {"type": "error", "error": {"type": etype, "message": str(err.get("message", ""))}}
 
 
 def shaped(path: str, body: dict) -> dict:

@@ -92,12 +92,15 @@ def test_anthropic_route_words_the_overflow_as_anthropic(client, engine):
     r = client.post("/v1/messages", json={"max_tokens": 4, "messages": [{"role": "user", "content": _too_long(engine)}]})
     body = r.json()
     assert r.status_code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    n = body["error"]["n_prompt_tokens"]
+    assert set(body["error"]) == {"type", "message"}  # Anthropic's shape exactly (no llama.cpp fields)
+    n = client.post("/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": _too_long(engine)}]})
+    n = n.json()["input_tokens"]
     assert body["error"]["message"] == f"prompt is too long: {n} tokens > {engine.max_context} maximum"
     # the prompt alone fits, with max_tokens it does not: the room left for the prompt is the maximum
     short = {"max_tokens": engine.max_context, "messages": [{"role": "user", "content": "Hi"}]}
+    n = client.post("/v1/messages/count_tokens", json=short).json()["input_tokens"]
     err = client.post("/v1/messages", json=short).json()["error"]
-    assert err["message"].startswith(f"prompt is too long: {err['n_prompt_tokens']} tokens > 0 maximum")
+    assert err["message"].startswith(f"prompt is too long: {n} tokens > 0 maximum")
 
 
 def test_openai_routes_word_the_overflow_as_openai(client, engine):

@@ -42,7 +42,7 @@ def anthropic_error(r, status: int, etype: str, match: str = "") -> dict:
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == etype, body
     assert isinstance(body["error"]["message"], str) and match in body["error"]["message"], body
-    assert "error" not in body["error"]  # not the OpenAI shape inside
+    assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}, body  # exactly Anthropic's
     return body
 
 
