@@ -38,7 +38,9 @@ TOKEN_ID_SCHEMA = {"minimum": 0, "x-token-id": True}
 TokenIds = Annotated[list[Annotated[int, Field(json_schema_extra=TOKEN_ID_SCHEMA)]], _FAIL_FAST]
 Strings = Annotated[list[str], _FAIL_FAST]
 PromptField = Union[str, TokenIds, Strings, Annotated[list[TokenIds], _FAIL_FAST]]
-LlamaPrompts = Annotated[list[Union[str, TokenIds, dict[str, Any]]], _FAIL_FAST]
+# llama.cpp: token ids and texts in one sequence, one prompt (the texts tokenized where they stand)
+MixedPrompt = Annotated[list[Union[Annotated[int, Field(json_schema_extra=TOKEN_ID_SCHEMA)], str]], _FAIL_FAST]
+LlamaPrompts = Annotated[list[Union[str, TokenIds, dict[str, Any], MixedPrompt]], _FAIL_FAST]
 MAX_PROMPTS = 64  # prompts in one completion request (a list: one result per prompt)
 # what the generation routes accept (pydantic's own schema would allow "" and []): an empty
 # prompt, alone or in a list, is a 400
@@ -49,9 +51,13 @@ PROMPT_SCHEMA = {"anyOf": [
     {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_PROMPTS},
     {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]}
 _PROMPT_OBJECT = {"type": "object", "properties": {"prompt_string": _TEXT}, "required": ["prompt_string"]}
+# ids and texts mixed (llama.cpp's [12, "text", 34]): a list holding a number is one prompt
+_MIXED = {"type": "array", "items": {"anyOf": [{"type": "integer", **TOKEN_ID_SCHEMA}, {"type": "string"}]},
+          "contains": {"type": "integer"}, "minItems": 1}
 LLAMA_PROMPT_SCHEMA = {"anyOf": [
-    _TEXT, _IDS, _PROMPT_OBJECT,
-    {"type": "array", "items": {"anyOf": [_TEXT, _IDS, _PROMPT_OBJECT]}, "minItems": 1, "maxItems": MAX_PROMPTS}]}
+    _TEXT, _IDS, _PROMPT_OBJECT, _MIXED,
+    {"type": "array", "items": {"anyOf": [_TEXT, _IDS, _PROMPT_OBJECT, _MIXED]}, "minItems": 1,
+     "maxItems": MAX_PROMPTS}]}
 NON_EMPTY = {"minItems": 1}
 MESSAGES = {"minItems": 1, "items": MESSAGE_SCHEMA}  # what the chat template renderer accepts
 MAX_TOP_LOGPROBS = 20  # SamplingParams' limit
@@ -218,9 +224,10 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields, PolyKVFields):
     """llama.cpp's ``POST /completion``."""
 
-    prompt: Union[PromptField, dict[str, Any], LlamaPrompts] = Field(
-        ..., description="text, token ids, {\"prompt_string\": text}, or a list of them (one result per prompt, "
-                         "each with its index; streamed with stream); none may be empty",
+    prompt: Union[PromptField, dict[str, Any], LlamaPrompts, MixedPrompt] = Field(
+        ..., description="text, token ids, token ids and texts mixed in one list ([12, \"text\", 34]: one prompt), "
+                         "{\"prompt_string\": text}, or a list of them (one result per prompt, each with its index; "
+                         "streamed with stream); none may be empty",
         json_schema_extra=LLAMA_PROMPT_SCHEMA)
     n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)")
     max_tokens: int | None = Field(None, description="alias of n_predict")

@@ -65,7 +65,10 @@ class Runs:
         return self.results
 
     def done(self) -> None:
-        self.tracker.done(self.results[0] if all(r is not None for r in self.results) else None)
+        whole = all(r is not None for r in self.results)
+        if whole:
+            self.tracker.also(self.results[1:])
+        self.tracker.done(self.results[0] if whole else None)
 
     async def aclose(self) -> None:
         for c in self.runs:

@@ -166,8 +166,9 @@ def progress_timings(info: RequestInfo, processed: int, prompt_ms: float) -> dic
 
 
 def split_prompts(prompt) -> list:
-    """llama.cpp's prompt forms -> one prompt (text or token ids) per result: a list of prompts,
-    token ids, or ``{"prompt_string": text}`` (multimodal data is not supported)."""
+    """llama.cpp's prompt forms -> one prompt (text, token ids, or ids and texts mixed) per result: a
+    list of prompts, token ids, ids and texts mixed, or ``{"prompt_string": text}`` (multimodal data is
+    not supported)."""
     def one(p):
         if isinstance(p, dict):
             if p.get("multimodal_data"):
@@ -178,9 +179,9 @@ def split_prompts(prompt) -> list:
                 raise ApiError(400, "a prompt object needs a \"prompt_string\" string", "invalid_request_error")
             return text
         return p
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return [one(p) for p in prompt]
-    return [one(prompt)]
+    if isinstance(prompt, list) and prompt and not any(type(p) is int for p in prompt):
+        return [one(p) for p in prompt]  # a list holding no number is a list of prompts (llama.cpp's rule)
+    return [one(prompt)]  # text, token ids, or ids and texts mixed: one prompt
 
 
 def pick_fields(out: dict, fields: list[str]) -> dict:

@@ -27,8 +27,10 @@ metrics_off_router = APIRouter()  # with --no-metrics: GET /metrics answers 501,
 @metrics_router.get("/metrics", tags=["llama.cpp"], summary="Prometheus text exposition",
                     response_class=PlainTextResponse)
 def metrics(state: ServerState = Depends(get_state)):
+    # llama.cpp's header: when the server started (Unix seconds), so a scraper can tell a restart
     return PlainTextResponse(state.metrics.render(state.engine if state.is_ready else None),
-                             media_type=CONTENT_TYPE_LATEST)
+                             media_type=CONTENT_TYPE_LATEST,
+                             headers={"Process-Start-Time-Unix": str(state.metrics.t_start)})
 
 
 @metrics_off_router.get("/metrics", include_in_schema=False)

@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (408 after; default 30)")
     p.add_argument("--no-metrics", action="store_true",
-                   help="no GET /metrics (it answers 404) and no Prometheus series collected for it "
-                        "(default: on)")
+                   help="no GET /metrics (it answers 501 not_supported_error, as llama.cpp without --metrics) "
+                        "and no Prometheus series collected for it (default: on)")
     p.add_argument("--metrics-key", default=os.environ.get("OPENCOTI_METRICS_KEY"), metavar="KEY",
                    help="a key that opens GET /metrics only (a Prometheus scraper); with --api-keys-file the only "
                         "key /metrics answers, since it shows every tenant (default: $OPENCOTI_METRICS_KEY)")

@@ -102,6 +102,14 @@ class Tracker:
         if result is not None:
             self.m.e2e.observe(time.perf_counter() - self.t0)
             self.m.request_success.labels(result.stop_reason).inc()
+            self.m.llamacpp.add(result.timings)
+
+    def also(self, results) -> None:
+        """Other generations of the same request (its other choices or prompts): llama.cpp's series count
+        each one's tokens."""
+        if self.open:
+            for r in results:
+                self.m.llamacpp.add(r.timings)
 
 
 class Generation:

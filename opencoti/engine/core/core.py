@@ -129,6 +129,7 @@ class EngineCore:
             stats.num_tokens = out.num_tokens
             stats.num_decode = len(decoding)
             stats.num_draft = sum(decoding) - len(decoding)
+            stats.num_drafted = sum(1 for n in decoding if n > 1)
             stats.num_prefill_tokens = stats.num_tokens - sum(decoding)
             stats.ctx_tokens = sum(len(job.seq.tokens) for job, _ in batch)  # attended over (after the step)
         stats.total_s = time.perf_counter() - t0

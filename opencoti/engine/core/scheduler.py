@@ -29,11 +29,12 @@ Batch = list  # [(job, number of tokens to compute this step)]
 
 
 class StepStats:
-    __slots__ = ("num_tokens", "num_seqs", "num_decode", "num_draft", "num_prefill_tokens", "ctx_tokens", "model_s",
-                 "total_s")
+    __slots__ = ("num_tokens", "num_seqs", "num_decode", "num_draft", "num_drafted", "num_prefill_tokens", "ctx_tokens",
+                 "model_s", "total_s")
 
     def __init__(self):
         self.num_tokens = self.num_seqs = self.num_decode = self.num_draft = self.num_prefill_tokens = 0
+        self.num_drafted = 0  # sequences that verified a draft in the step
         self.ctx_tokens = 0
         self.model_s = self.total_s = 0.0
 

@@ -86,7 +86,9 @@ class Metrics:
         self.aggregate = RateWindow(self.cfg.aggregate_window_s)
         self.prefill = RateWindow(self.cfg.aggregate_window_s)
         self._step_tokens = 0
-        self.totals = {"decode_steps": 0, "prefill_tokens_computed": 0, "generated_tokens": 0}
+        # model_steps / step_seqs / draft_verifications: llama.cpp's n_decode, n_busy_slots, spec_decode_num_drafts
+        self.totals = {"decode_steps": 0, "prefill_tokens_computed": 0, "generated_tokens": 0, "model_steps": 0,
+                       "step_seqs": 0, "draft_verifications": 0}
         self.pool_counters: dict[int, dict] = {}
         self.history: deque[dict] = deque(maxlen=self.cfg.global_history_len)
         self.session_history: OrderedDict[str, deque] = OrderedDict()
@@ -174,6 +176,10 @@ class Metrics:
             self.totals["prefill_tokens_computed"] += stats.num_prefill_tokens
         if stats.num_seqs and stats.num_decode:
             self.totals["decode_steps"] += 1
+        if stats.num_seqs:
+            self.totals["model_steps"] += 1
+            self.totals["step_seqs"] += stats.num_seqs
+            self.totals["draft_verifications"] += getattr(stats, "num_drafted", 0)
         if now - self._last_hist >= self.cfg.history_interval_s:
             self._last_hist = now
             self._sample_history(now)
