@@ -2,7 +2,7 @@
 
 ``llama-server`` is built once from the ``llama-cpp-python`` sdist on the package registry (its
 vendored llama.cpp: CMake Release, native CPU, no curl, no prebuilt web UI, only the
-``llama-server`` target; ~20 min on 2 cores the first time) and cached under
+``llama-server`` and ``llama-quantize`` targets; ~20 min on 2 cores the first time) and cached under
 ``<opencoti cache>/peer/llama-cpp-python-<version>/``. ``--llama-server PATH`` uses another binary.
 
 Both servers load the bundled SmolLM2-135M-Instruct Q4_1 GGUF with ``--threads`` threads (default:
@@ -74,7 +74,7 @@ def peer_dir() -> Path:
 def build_llama_server() -> Path:
     """The cached llama-server binary, built from the registry's sdist the first time."""
     out = peer_dir() / "bin" / "llama-server"
-    if out.exists():
+    if out.exists() and (out.parent / "llama-quantize").exists():
         return out
     legacy = peer_dir().parent / f"{SDIST}-{SDIST_VERSION}" / "build" / "bin"
     if (legacy / "llama-server").exists():  # a build made by hand with the same commands
@@ -94,8 +94,8 @@ def build_llama_server() -> Path:
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
-                   check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j",
+                    str(os.cpu_count() or 2)], check=True)
     _install(build / "bin", out)
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -105,7 +105,9 @@ def _install(bin_dir: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     for lib in bin_dir.glob("*.so*"):  # shared ggml/llama libraries, when built shared
         shutil.copy2(lib, out.parent / lib.name)
-    shutil.copy2(bin_dir / "llama-server", out)
+    for tool in ("llama-server", "llama-quantize"):  # llama-quantize makes k-quant test models (scripts/)
+        if (bin_dir / tool).exists():
+            shutil.copy2(bin_dir / tool, out.parent / tool)
     return out
 
 

@@ -16,7 +16,7 @@ the ids, the top-1 ids, log-probabilities and margins, llama.cpp's version and t
 sha256 and compares opencoti's teacher-forced top-1 with llama.cpp's. The GGUF files themselves
 are not kept (``--work`` holds them while the script runs).
 
-    .venv/bin/python scripts/arch_reference.py --bin /work/llama-build/build/bin [--opencoti]
+    .venv/bin/python scripts/arch_reference.py [--bin DIR] [--opencoti]
 """
 
 from __future__ import annotations
@@ -237,12 +237,19 @@ def dump(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bin", type=Path, default=Path("/work/llama-build/build/bin"), help="llama.cpp binaries")
+    ap.add_argument("--bin", type=Path, default=None,
+                    help="a folder with llama-server and llama-quantize (default: built once from the registry's "
+                         "llama-cpp-python sources and cached, as benchmarks/peer_llamacpp.py does)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/arch_reference"), help="GGUF files and server logs")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--only", nargs="*", help="case names (default: all)")
     ap.add_argument("--opencoti", action="store_true", help="also print opencoti's agreement (fp32 and int4)")
     args = ap.parse_args(argv)
+    if args.bin is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from peer_llamacpp import build_llama_server
+
+        args.bin = build_llama_server().parent
     server_bin, quantize_bin = args.bin / "llama-server", args.bin / "llama-quantize"
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OPENCOTI_CACHE", str(args.work / "cache"))
