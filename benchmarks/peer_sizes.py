@@ -192,9 +192,20 @@ def size_table() -> Path:
                      cell("ready_first_s", 1), cell("ready_s", 1), str(d["config"]["rounds"])])
         runs.append({"file": name, "time": d.get("time"), "load_before": d.get("load_before"),
                      "load_at_end": d.get("load_at_end"), "commit": (d.get("machine") or {}).get("git")})
+        git = (d.get("machine") or {}).get("git") or {}
+        notes.append(f"{d['config']['gguf']}: commit `{(git.get('commit') or '?')[:10]}`"
+                     f"{' + uncommitted changes' if git.get('dirty') else ''}, {d.get('time')}, load average "
+                     f"{(d.get('load_before') or {}).get('loadavg', ['?'])[0]:.2f} before the run.")
         lost = [w for w, x in r.items() if x is not None and x < 1]
         if lost:
             notes.append(f"{d['config']['gguf']}: opencoti loses on {', '.join(lost)} (ratios below 1).")
+    for f in sorted(common.results_dir().glob("earlier_peer_sizes_*.json")):  # runs a newer one replaced
+        d = json.loads(f.read_text())
+        r = d["ratio"]
+        git = (d.get("machine") or {}).get("git") or {}
+        notes.append(f"An earlier run of {d['config']['gguf']} (`{f.name}`, commit `{(git.get('commit') or '?')[:10]}`, "
+                     f"{d.get('time')}): decode 1 {r.get('decode_1') or 0:.2f}x, 8 sessions {r.get('sessions_8') or 0:.2f}x, "
+                     f"prefill {r.get('prefill_1000') or 0:.2f}x, peak RSS {r.get('rss_peak_mib') or 0:.2f}x.")
     payload = {"config": {"threads": found[0][2]["config"]["threads"] if found else None,
                           "llama_server_flags": LLAMA_FLAGS, "opencoti_flags": OPENCOTI_FLAGS},
                "runs": runs, "machine": common.machine_info(),
