@@ -140,10 +140,8 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
         head = head_format(tuner, fmt, hf)
         if head == "bf16" and gguf_path is not None and not _head_16bit_fits(loaded, fmt):
             head = default_head_format(fmt)  # faster, but a 16-bit head would take the model past the file's size
-        model = LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
-                             choose_kernel=chooser, threads=threads, head_format=head, embedding=embedding)
-        release_memory()  # the tensors read and converted one at a time: hand their pages back
-        return model
+        return LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
+                            choose_kernel=chooser, threads=threads, head_format=head, embedding=embedding)
 
     choice: dict = {"requested": weights}
     if weights != "auto":
