@@ -6,6 +6,7 @@ template's first tokens)."""
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,12 +23,15 @@ def _fanout_block() -> str:
     return blocks[0].code
 
 
-def test_the_fanout_example_reuses_the_whole_pool(engine):
+def test_the_fanout_example_reuses_the_whole_pool(engine, monkeypatch):
     system_text = "You are a terse research assistant."
-    ns = {"engine": engine, "c": PolyKVClient(engine=engine), "SYSTEM": system_text,
-          "system": [{"role": "system", "content": system_text}],
-          "model": OpencotiChatModel(engine=engine, temperature=0, max_tokens=48)}
-    exec(compile(_fanout_block(), "docs/langgraph.md (fan-out)", "exec"), ns)
-    out = ns["out"]
+    # a module of its own, as the doc's script is: the state classes' annotations resolve in it
+    mod = types.ModuleType("docs_langgraph_fanout")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    mod.__dict__.update({"engine": engine, "c": PolyKVClient(engine=engine), "SYSTEM": system_text,
+                         "system": [{"role": "system", "content": system_text}],
+                         "model": OpencotiChatModel(engine=engine, temperature=0, max_tokens=48)})
+    exec(compile(_fanout_block(), "docs/langgraph.md (fan-out)", "exec"), mod.__dict__)
+    out = mod.out
     assert len(out["results"]) == 2
     assert all(whole for _, whole in out["results"]), out["results"]  # cache_read >= the pool's prefix_len
