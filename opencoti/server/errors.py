@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,9 +38,22 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """Every error answer (llama.cpp's shape)."""
+    """Every error answer (llama.cpp's shape), but on the Anthropic routes."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="Anthropic's error type: invalid_request_error, authentication_error, "
+                                  "not_found_error, rate_limit_error, overloaded_error, api_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """An error answer on the Anthropic routes (/v1/messages*): Anthropic's shape, exactly."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 _DESCRIPTIONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown id",

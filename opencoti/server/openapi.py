@@ -1,5 +1,6 @@
 """``/openapi.json`` as the server really answers: the error schema instead of FastAPI's 422 (a bad
-request is a 400 in llama.cpp's shape), 401 and a bearer scheme when a key is required."""
+request is a 400 in llama.cpp's shape; Anthropic's shape on /v1/messages*), 401 and a bearer scheme
+when a key is required."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Callable
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .errors import ErrorResponse
+from .errors import ANTHROPIC_PATHS, AnthropicErrorResponse, ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 
 
 def _error(description: str) -> dict:
@@ -39,9 +41,10 @@ def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str],
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        if "ErrorResponse" not in schemas:
-            schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schemas["ErrorResponse"].pop("$defs", {}))
+        for name, model in (("ErrorResponse", ErrorResponse), ("AnthropicErrorResponse", AnthropicErrorResponse)):
+            if name not in schemas:
+                schemas[name] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schemas[name].pop("$defs", {}))
         for path, item in doc.get("paths", {}).items():
             for method, op in item.items():
                 responses = op.setdefault("responses", {})
@@ -52,6 +55,10 @@ def install_openapi(app: FastAPI, auth: bool, public_paths: frozenset[str],
                     op["security"] = [{"bearer": []}]
                 if path in operator_only:
                     responses.setdefault("403", _error("a tenant's key: this route answers the operator's key only"))
+                if path.startswith(ANTHROPIC_PATHS):  # errors there take Anthropic's shape
+                    for status, resp in responses.items():
+                        if str(status)[:1] in "45" and "content" in resp:
+                            resp["content"] = {"application/json": {"schema": _ANTHROPIC_ERROR_REF}}
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
         if auth:
