@@ -39,7 +39,9 @@ TokenIds = Annotated[list[Annotated[int, Field(json_schema_extra=TOKEN_ID_SCHEMA
 Strings = Annotated[list[str], _FAIL_FAST]
 PromptField = Union[str, TokenIds, Strings, Annotated[list[TokenIds], _FAIL_FAST]]
 # llama.cpp: token ids and texts in one sequence, one prompt (the texts tokenized where they stand)
-MixedPrompt = Annotated[list[Union[Annotated[int, Field(json_schema_extra=TOKEN_ID_SCHEMA)], str]], _FAIL_FAST]
+# (strict: true or 1.5 beside a text is no token id)
+MixedPrompt = Annotated[list[Union[Annotated[int, Field(strict=True, json_schema_extra=TOKEN_ID_SCHEMA)],
+                                   Annotated[str, Field(strict=True, min_length=1)]]], _FAIL_FAST]
 LlamaPrompts = Annotated[list[Union[str, TokenIds, dict[str, Any], MixedPrompt]], _FAIL_FAST]
 MAX_PROMPTS = 64  # prompts in one completion request (a list: one result per prompt)
 # what the generation routes accept (pydantic's own schema would allow "" and []): an empty
@@ -52,7 +54,7 @@ PROMPT_SCHEMA = {"anyOf": [
     {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]}
 _PROMPT_OBJECT = {"type": "object", "properties": {"prompt_string": _TEXT}, "required": ["prompt_string"]}
 # ids and texts mixed (llama.cpp's [12, "text", 34]): a list holding a number is one prompt
-_MIXED = {"type": "array", "items": {"anyOf": [{"type": "integer", **TOKEN_ID_SCHEMA}, {"type": "string"}]},
+_MIXED = {"type": "array", "items": {"anyOf": [{"type": "integer", **TOKEN_ID_SCHEMA}, _TEXT]},
           "contains": {"type": "integer"}, "minItems": 1}
 LLAMA_PROMPT_SCHEMA = {"anyOf": [
     _TEXT, _IDS, _PROMPT_OBJECT, _MIXED,

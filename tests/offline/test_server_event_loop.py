@@ -117,14 +117,16 @@ def test_large_bodies_validated_off_the_loop_answer_as_small_ones(engine):
             assert r.status_code == 200 and r.json() == {"tokens": list(b"hello")}, r.text
             r = c.post("/tokenize", json={"content": 5, **extra})
             assert r.status_code == 400 and "content" in r.json()["error"]["message"], r.text
-            r = c.post("/completion", json={"prompt": [1, 2, "x"], "n_predict": 1, **extra})
+            r = c.post("/completion", json={"prompt": [1, 2, None], "n_predict": 1, **extra})
             assert r.status_code == 400 and "prompt" in r.json()["error"]["message"], r.text
+            r = c.post("/completion", json={"prompt": [1, 2, "x"], "n_predict": 1, **extra})  # ids and text: one prompt
+            assert r.status_code == 200 and r.json()["tokens_evaluated"] == 3, r.text
             r = c.post("/polykv/pools", json={"tokens": [], **extra})
             assert r.status_code == 400, r.text
             r = c.post("/completion", json={"prompt": [1, 2, 3], "n_predict": 1, "temperature": 0, **extra})
             assert r.status_code == 200 and r.json()["tokens_evaluated"] == 3, r.text
-        small = c.post("/completion", json={"prompt": [1, 2, "x"], "n_predict": 1}).json()
-        large = c.post("/completion", json={"prompt": [1, 2, "x"], "n_predict": 1, "padding": pad}).json()
+        small = c.post("/completion", json={"prompt": [1, 2, None], "n_predict": 1}).json()
+        large = c.post("/completion", json={"prompt": [1, 2, None], "n_predict": 1, "padding": pad}).json()
         assert small == large
         # a large prompt of ids: validated in the thread, answered like any other
         ids = [65] * (INLINE_BYTES // 3)
@@ -172,13 +174,13 @@ def test_long_id_lists_validated_in_steps_give_the_same_models_and_errors():
     field = _body_field("/completion")
     # errors, also of long lists of ids with an element that is not one (they stand in as [first, that
     # one]): the same errors, with the same indexes and inputs, as when pydantic validates all of it
-    mixed = [("/completion", {"prompt": ids + ["x"]}), ("/completion", {"prompt": ids[:7] + [True] + ids}),
+    mixed = [("/completion", {"prompt": ids + [None]}), ("/completion", {"prompt": ids[:7] + [True] + ids}),
              ("/completion", {"prompt": [ids, ids[:3] + [None] + ids], "n_predict": 1}),
              ("/completion", {"prompt": [ids + [1.5], "a"]}), ("/completion", {"prompt": ids + [[1]], "stop": 5}),
              ("/v1/completions", {"prompt": ids + ["x"], "max_tokens": 1}), ("/detokenize", {"tokens": ids + ["7"]}),
              ("/polykv/pools", {"tokens": ids[:1] + [-1.0] + ids, "label": "x"})]
     for path, body in [("/completion", b) for b in ({"prompt": ids, "temperature": "hot"},
-                                                    {"prompt": ids[:100] + ["x"]}, {"prompt": [ids, 5]},
+                                                    {"prompt": ids[:100] + [None]}, {"prompt": [ids, 5]},
                                                     {"prompt": ids, "n_predict": 1, "stop": ids})] + mixed:
         field = _body_field(path)
         raw = json.dumps(body).encode()
@@ -233,9 +235,9 @@ def test_error_answers_to_large_bodies_stay_short(engine):
     n = LARGE_BODY // 3
     ids = [65] * n
     cases = [("/completion", {"prompt": ids, "n_predict": 1}, ["exceeds the context"]),
-             ("/completion", {"prompt": ids + ["x"], "n_predict": 1}, [f"prompt.list[int].{n}:", '(got "x")']),
+             ("/completion", {"prompt": ids + [None], "n_predict": 1}, [f"prompt.list[int].{n}:", "(got null)"]),
              ("/completion", {"prompt": ids[:7] + [True] + ids}, ["prompt.list[int].7:", "(got true)"]),
-             ("/completion", {"prompt": ["x"] * n + [5]}, [f"prompt.list[str].{n}:", "(got 5)"]),
+             ("/completion", {"prompt": ["x"] * n + [None]}, [f"prompt.list[str].{n}:", "(got null)"]),
              ("/detokenize", {"tokens": ids + [None]}, [f"tokens.{n}:", "(got null)"]),
              ("/detokenize", {"tokens": ids + [10**6]}, ["token id 1000000 outside the vocabulary"]),
              ("/polykv/pools", {"tokens": ids + ["x"]}, [f"tokens.{n}:"]),
