@@ -178,7 +178,7 @@ def test_long_id_lists_validated_in_steps_give_the_same_models_and_errors():
              ("/completion", {"prompt": [ids, ids[:3] + [None] + ids], "n_predict": 1}),
              ("/completion", {"prompt": [ids + [1.5], "a"]}), ("/completion", {"prompt": ids + [[1]], "stop": 5}),
              ("/v1/completions", {"prompt": ids + ["x"], "max_tokens": 1}), ("/detokenize", {"tokens": ids + ["7"]}),
-             ("/polykv/pools", {"tokens": ids[:1] + [-1.0] + ids, "label": "x"})]
+             ("/polykv/pools", {"tokens": ids[:1] + [-1.5] + ids, "label": "x"})]  # (-1.0 is a whole number: an id)
     for path, body in [("/completion", b) for b in ({"prompt": ids, "temperature": "hot"},
                                                     {"prompt": ids[:100] + [None]}, {"prompt": [ids, 5]},
                                                     {"prompt": ids, "n_predict": 1, "stop": ids})] + mixed:
