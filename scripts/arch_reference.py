@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import socket
@@ -202,14 +201,12 @@ def llama_cpp_version(binary: Path) -> str:
     return "; ".join(lines) or (out.stdout + out.stderr).strip()[:200]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _machine_cpu() -> str:
+    """The CPU as the benchmarks record it (benchmarks/common.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import common
+
+    return common.machine_info()["cpu"]
 
 
 def jsonable_gen(gen: dict) -> dict:
@@ -322,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "positions": POSITIONS,
         "llama_cpp": llama_cpp_version(server_bin),
         "server_command": "llama-server -m FILE -t 2 -c 512 -np 1 --port P",
-        "cpu": cpu_model(),
+        "cpu": _machine_cpu(),
         "generator": "opencoti.engine.model.synthetic.write_gguf",
         "cases": results,
     }
