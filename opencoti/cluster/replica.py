@@ -203,15 +203,19 @@ class EngineReplica:
         self.aliases[logical_id] = info.pool_id
         return info.as_dict()
 
-    def drop_copy(self, logical_id: int, immediate: bool = False, route: dict | None = None) -> bool:
+    def drop_copy(self, logical_id: int, immediate: bool = False, cascade_sessions: bool = False,
+                  route: dict | None = None) -> list[str] | None:
+        """Release this replica's copy of pool ``logical_id`` as ``DELETE /polykv/pools/{id}`` asked
+        (``immediate``; ``cascade_sessions``: first end the sessions that keep the copy's KV).
+        Returns the ended session ids ([] without cascade), or None when no copy is held here."""
         local = self.aliases.pop(logical_id, None)
         if local is None:
-            return False
+            return None
         try:
-            self.engine.release_pool(local, immediate=bool(immediate))
+            return list(self.engine.release_pool(local, immediate=bool(immediate),
+                                                 cascade_sessions=bool(cascade_sessions)) or [])
         except Exception:  # noqa: BLE001 - already gone
-            pass
-        return True
+            return []
 
 
 _ADMISSION_KEYS = ("target_tps_per_session", "mode", "on_saturation", "guarantee_min_sessions", "settle_tokens",

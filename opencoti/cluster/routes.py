@@ -103,41 +103,64 @@ async def capacity(request: Request, pool_id: int):
 @ingress_app.api_route("/polykv/pools/{pool_id}", methods=["GET", "DELETE"], tags=["PolyKV"])
 async def pool(request: Request, pool_id: int):
     ing = _ingress()
-    immediate = False
+    query = None
     if request.method == "DELETE":  # checked before any copy is dropped (nothing half-done)
         try:
-            immediate = validate_query(ReleasePoolQuery, dict(request.query_params)).immediate
+            query = validate_query(ReleasePoolQuery, dict(request.query_params))
         except OpencotiError as e:
             return error_response(400, str(e), "invalid_request_error")
     await ing.sync_copies()
     holders = POLICY.holders(pool_id)
     primary = tag_of(pool_id)
+    ended: list[str] = []  # sessions the copies ended (?cascade=sessions)
     if len(holders) < 2 or primary not in holders:
-        if request.method == "DELETE" and pool_id in POLICY.copies:
-            await _drop_copies(ing, pool_id, immediate)
-        return await ing.forward(request, Hint(pool_id=pool_id), b"")
+        if query is not None and pool_id in POLICY.copies:
+            ended = await _drop_copies(ing, pool_id, query)
+        resp = await ing.forward(request, Hint(pool_id=pool_id), b"")  # the query string travels with it
+        if not ended:
+            return resp
+        st, _, body = await _read(resp)
+        obj = _loads(body)
+        if st == 200 and isinstance(obj, dict):
+            obj["ended_sessions"] = list(obj.get("ended_sessions") or []) + ended
+            return JSONResponse(obj)
+        return Response(body, status_code=st, media_type="application/json")
     try:
         st, h, body = await ing.collect(ing.replica_request(request, b""), Hint(tag=primary))
     except ReplicaError as e:
         return error_response(e.status, e.message, e.etype, e.headers)
     obj = _loads(body)
-    if request.method == "DELETE" and st == 200:
-        await _drop_copies(ing, pool_id, immediate)
+    if query is not None and st == 200:
+        ended = await _drop_copies(ing, pool_id, query)
     if st == 200 and isinstance(obj, dict):
         obj["replica"] = primary
         obj["copies"] = [{"replica": t, "pool_id": p} for t, p in sorted(holders.items())]
+        if query is not None and query.cascade == "sessions":  # the primary's and every copy's ended sessions
+            obj["ended_sessions"] = list(obj.get("ended_sessions") or []) + ended
         return JSONResponse(obj)
     return Response(body, status_code=st, media_type="application/json")
 
 
-async def _drop_copies(ing: ClusterIngress, pool_id: int, immediate: bool = False) -> None:
+async def _read(resp: Response) -> tuple[int, dict, bytes]:
+    """A forwarded (streaming) answer read whole."""
+    chunks = [c async for c in resp.body_iterator] if isinstance(resp, StreamingResponse) else [resp.body]
+    return resp.status_code, dict(resp.headers), b"".join(c.encode() if isinstance(c, str) else bytes(c) for c in chunks)
+
+
+async def _drop_copies(ing: ClusterIngress, pool_id: int, query: ReleasePoolQuery) -> list[str]:
+    """Release every copy of the pool as the DELETE asked (``immediate``, ``cascade=sessions``);
+    returns the sessions the copies ended."""
+    ended: list[str] = []
+    cascade = query.cascade == "sessions"
     for t, local in list(POLICY.copies.get(pool_id, {}).items()):
         try:
-            await ing.call("drop_copy", Hint(tag=t), pool_id, immediate)
+            got = await ing.call("drop_copy", Hint(tag=t), pool_id, bool(query.immediate), cascade)
         except Exception:  # noqa: BLE001 - a dead replica's copy is gone anyway
-            pass
+            continue
+        ended.extend(got or [])
     await ing.registry.drop_pool.remote(pool_id)
     POLICY.drop_pool(pool_id)
+    return ended
 
 
 @ingress_app.post("/polykv/pools/{pool_id}/{op}", tags=["PolyKV"])
