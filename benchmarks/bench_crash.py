@@ -6,9 +6,15 @@ back.
 Each round starts the server on one state directory (kept across rounds), checks the restored state
 against what the client was told before the previous kill, then runs a random mix of operations
 (create a root pool, fork one, stream a greedy completion on one, release a leaf) and kills the
-server at a random instant inside the round's target operation (the targets cycle through the
-four kinds, so every kind is cut ``--rounds / 4`` times): after a random number of other operations,
-the target starts and the kill comes a random fraction of that kind's measured duration later.
+server at a random instant inside the round's target operation: after a random number of other
+operations the target runs again and again, and the kill comes a random fraction of that kind's
+measured request time (the HTTP request alone, median of the earlier ones) after one request is
+sent, so it lands while the server handles it (a request answered before that instant is let go and
+the next one is cut). The targets cycle through ``TARGETS``: pinned pool
+creations and forks (the operations that write the database and a KV file before answering, half
+the forks pinned) in two rounds of three, then streams, releases and unpinned creations. The kill
+instant is recorded as the request in flight then (``landed``): ``--min-landed`` kills (20 by
+default) must land during a fork or a pinned creation.
 
 Checked after every restart:
 
@@ -42,7 +48,9 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 from bench_soak import start_server  # noqa: E402
 from common import fmt, log, print_table  # noqa: E402
 
-KINDS = ("create", "fork", "stream", "release")
+KINDS = ("create", "create_pinned", "fork", "stream", "release")
+TARGETS = ("create_pinned", "fork", "stream", "create_pinned", "fork", "release", "create_pinned", "fork", "create")
+WRITES = ("create_pinned", "fork", "fork_pinned")  # what --min-landed counts
 SUFFIX_WORDS = " and then the agent answered the question about".split()
 
 
@@ -55,6 +63,20 @@ class Journal:
         self.seen: set[int] = set()
         self.refs: dict[int, dict] = {}  # pinned pool id -> {"prompt": [...], "tokens": [...]}
         self.in_flight: tuple[str, int | None] | None = None  # (kind, pool id) of the op at the kill
+        self.request: str | None = None  # the HTTP request being answered now (create_pinned, fork_pinned, ...)
+        self.request_t0 = 0.0
+        self.request_s: dict[str, list[float]] = {}  # each kind's request times (the kill is timed by them)
+
+    def send(self, what: str, fn):
+        """One HTTP request, its kind marked while it is in flight (the killer reads it)."""
+        self.request_t0 = time.perf_counter()
+        self.request = what
+        try:
+            r = fn()
+        finally:
+            self.request = None
+        self.request_s.setdefault(what, []).append(time.perf_counter() - self.request_t0)
+        return r
 
 
 class Round:
@@ -65,12 +87,16 @@ class Round:
         return [self.rng.choice(self.vocab) for _ in range(n)]
 
     # ---- the operations (each records what it was told, once it was told) ----------------------
-    def create(self) -> None:
-        pinned = self.rng.random() < 0.6
+    def create(self, pinned: bool | None = None) -> None:
+        pinned = self.rng.random() < 0.6 if pinned is None else pinned
         tokens = self.toks(self.rng.choice((24, 40, 56)))
         self.j.in_flight = ("create", None)
-        r = self.http.post("/polykv/pools", json={"tokens": tokens, "pinned": pinned})
+        r = self.j.send("create_pinned" if pinned else "create",
+                        lambda: self.http.post("/polykv/pools", json={"tokens": tokens, "pinned": pinned}))
         self._created(r, tokens, None, 0, pinned)
+
+    def create_pinned(self) -> None:
+        self.create(pinned=True)
 
     def known(self) -> list[int]:
         """Pools whose tokens the client knows (not one whose creation was cut and still came back)."""
@@ -83,9 +109,10 @@ class Round:
         parent = self.j.pools[pid]
         branch = parent["prefix_len"] if self.rng.random() < 0.5 else self.rng.randrange(1, parent["prefix_len"])
         tokens = parent["tokens"][:branch] + self.toks(self.rng.choice((8, 16)))
-        pinned = self.rng.random() < 0.4
+        pinned = self.rng.random() < 0.5
         self.j.in_flight = ("fork", pid)
-        r = self.http.post(f"/polykv/pools/{pid}/fork", json={"tokens": tokens, "branch_pos": branch, "pinned": pinned})
+        r = self.j.send("fork_pinned" if pinned else "fork", lambda: self.http.post(
+            f"/polykv/pools/{pid}/fork", json={"tokens": tokens, "branch_pos": branch, "pinned": pinned}))
         self._created(r, tokens, pid, branch, pinned)
 
     def _created(self, r, tokens, parent, branch, pinned) -> None:
@@ -106,8 +133,9 @@ class Round:
         self.j.seen.add(pid)
 
     def complete(self, pid: int, prompt: list[int]) -> list[int]:
-        r = self.http.post("/completion", json={"prompt": prompt, "pool_id": pid, "n_predict": self.args.n_predict,
-                                                "temperature": 0, "ignore_eos": True, "return_tokens": True})
+        r = self.j.send("complete", lambda: self.http.post("/completion", json={
+            "prompt": prompt, "pool_id": pid, "n_predict": self.args.n_predict, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True}))
         if r.status_code != 200:
             raise RuntimeError(f"completion answered {r.status_code}: {r.text[:300]}")
         return r.json()["tokens"]
@@ -118,11 +146,13 @@ class Round:
         pid = self.rng.choice(self.known())
         prompt = self.j.pools[pid]["tokens"] + self.toks(6)
         self.j.in_flight = ("stream", pid)
-        with self.http.stream("POST", "/completion", json={"prompt": prompt, "pool_id": pid, "stream": True,
-                                                          "n_predict": self.args.n_predict * 2, "temperature": 0,
-                                                          "ignore_eos": True}) as r:
-            for _ in r.iter_lines():
-                pass
+        def run():
+            with self.http.stream("POST", "/completion", json={"prompt": prompt, "pool_id": pid, "stream": True,
+                                                              "n_predict": self.args.n_predict * 2, "temperature": 0,
+                                                              "ignore_eos": True}) as r:
+                for _ in r.iter_lines():
+                    pass
+        self.j.send("stream", run)
         self.j.in_flight = None
 
     def release(self) -> None:
@@ -132,7 +162,7 @@ class Round:
             return self.create()
         pid = self.rng.choice(leaves)
         self.j.in_flight = ("release", pid)
-        r = self.http.delete(f"/polykv/pools/{pid}", params={"immediate": "true"})
+        r = self.j.send("release", lambda: self.http.delete(f"/polykv/pools/{pid}", params={"immediate": "true"}))
         if r.status_code != 200:
             raise RuntimeError(f"release answered {r.status_code}: {r.text[:300]}")
         self.j.pools.pop(pid)
@@ -201,7 +231,9 @@ def main() -> int:
 
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model to serve (default: the bundled one)")
-    p.add_argument("--rounds", type=int, default=24, help="kills (at least 20 for the committed result)")
+    p.add_argument("--rounds", type=int, default=36, help="kills (at least 20 for the committed result)")
+    p.add_argument("--min-landed", type=int, default=20,
+                   help="kills that must land during a fork or a pinned creation (the run fails with fewer)")
     p.add_argument("--max-live", type=int, default=8, help="live pools at most (the client releases above)")
     p.add_argument("--max-refs", type=int, default=4, help="pinned pools whose answers are checked")
     p.add_argument("--n-predict", type=int, default=6)
@@ -218,8 +250,7 @@ def main() -> int:
     args.failures = {k: [] for k in ("pools_lost", "pools_changed", "ids_reused", "unknown_pools", "wrong_answers",
                                      "integrity")}
     j = Journal()
-    durations: dict[str, list[float]] = {k: [] for k in KINDS}
-    rounds, cut = [], Counter()
+    rounds, cut, landed_on = [], Counter(), Counter()
     vocab: list[int] = []
     t_start = time.perf_counter()
     for n in range(args.rounds + 1):  # the last start only checks
@@ -249,14 +280,28 @@ def main() -> int:
             proc.wait(timeout=60)
             rounds.append(rep)
             break
-        target = KINDS[n % len(KINDS)]
+        target = TARGETS[n % len(TARGETS)]
         warm = rng.randrange(0, 4)
         killed = threading.Event()
+        landed: list = []
+        kill_rng = random.Random(rng.random())  # the killer thread's own (the client's rng stays in step)
 
         def killer(kind: str) -> None:
-            d = sorted(durations[kind])
-            typical = d[len(d) // 2] if d else 0.5
-            time.sleep(rng.uniform(0.0, 1.5 * typical))  # mostly inside the target operation
+            # a request of the target's kind (fork: pinned or not) in flight, then a random fraction
+            # of that kind's typical request time after it was sent (that request still unanswered)
+            kinds = ("fork", "fork_pinned") if kind == "fork" else (kind,)
+            times = sorted(t for k in kinds for t in j.request_s.get(k, []))
+            typical = times[len(times) // 2] if times else 0.05
+            for _ in range(200):  # a request answered before its instant: the next one is cut instead
+                while True:
+                    what, t0 = j.request, j.request_t0
+                    if what in kinds:
+                        break
+                    time.sleep(0.0005)
+                time.sleep(max(0.0, t0 + kill_rng.uniform(0.0, typical) - time.perf_counter()))
+                if j.request == what and j.request_t0 == t0:
+                    break
+            landed.append(j.request)  # (None: answered before the kill: between requests)
             proc.send_signal(signal.SIGKILL)
             killed.set()
 
@@ -264,15 +309,11 @@ def main() -> int:
         try:
             for _ in range(warm):
                 kind = rnd.pick()
-                t_op = time.perf_counter()
                 getattr(rnd, kind)()
-                durations[kind].append(time.perf_counter() - t_op)
                 ops.append(kind)
             threading.Thread(target=killer, args=(target,), daemon=True).start()
             while not killed.is_set():  # the target kind again and again until the kill cuts one
-                t_op = time.perf_counter()
                 getattr(rnd, target if len(j.pools) < args.max_live or target == "release" else "release")()
-                durations[target].append(time.perf_counter() - t_op)
                 ops.append(target)
         except (httpx.HTTPError, RuntimeError) as e:
             if not killed.is_set():
@@ -284,18 +325,27 @@ def main() -> int:
         http.close()
         in_flight = j.in_flight[0] if j.in_flight else "between operations"
         cut[in_flight] += 1
-        rep.update({"target": target, "ops": ops, "killed_during": in_flight, "live_pools": len(j.pools)})
+        hit = landed[0] if landed and landed[0] else "between requests"
+        landed_on[hit] += 1
+        rep.update({"target": target, "ops": ops, "killed_during": in_flight, "landed": hit,
+                    "live_pools": len(j.pools)})
         rounds.append(rep)
         log(f"round {n}: {rep}")
     failures = args.failures
-    summary = {"kills": args.rounds, "killed_during": dict(cut), "pools_created": len(j.seen),
+    on_writes = sum(landed_on[k] for k in WRITES)
+    summary = {"kills": args.rounds, "killed_during": dict(cut), "landed": dict(landed_on),
+               "kills_during_forks_and_pinned_creates": on_writes,
+               "request_ms_median": {k: round(1000 * sorted(v)[len(v) // 2], 1) for k, v in sorted(j.request_s.items())},
+               "pools_created": len(j.seen),
                "pools_released": len(j.released), "live_pools_at_end": len(j.pools),
                "answers_checked": sum(r.get("answers_checked", 0) for r in rounds),
                "answers_from_kv_files": sum(r.get("answers_from_kv_files", 0) for r in rounds),
                **{k: len(v) for k, v in failures.items()}, "seconds": round(time.perf_counter() - t_start, 1)}
     print_table(["check", "value"], [(k, fmt(v) if not isinstance(v, dict) else str(v)) for k, v in summary.items()],
                 title="crash consistency (kill -9 at random instants)")
-    ok = not any(failures.values())
+    ok = not any(failures.values()) and on_writes >= args.min_landed
+    if on_writes < args.min_landed:
+        log(f"only {on_writes} kills landed during a fork or a pinned creation (--min-landed {args.min_landed})")
     path = common.write_json("crash", {"machine": machine, "load_before": load_before, "args": {
         k: v for k, v in vars(args).items() if k != "failures"}, "summary": summary, "failures": failures,
         "rounds": rounds, "ok": ok}, out=args.out)
