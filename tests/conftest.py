@@ -46,12 +46,21 @@ def engine(make_engine):
 
 
 @pytest.fixture(scope="session")
-def scalar_lib(tmp_path_factory):
+def scalar_lib():
     """The native library built without AVX2/FMA/F16C: the portable code a user on another CPU runs. Its
-    typed operators (``torch.ops.opencoti_x<key>``, beside the default build's ``torch.ops.opencoti``)."""
+    typed operators (``torch.ops.opencoti_x<key>``, beside the default build's ``torch.ops.opencoti``).
+
+    Built once per machine, not once per test worker and run: ``native.build`` names the file by a hash of
+    the sources, the flags, the compiler, the CPU and torch (a changed kernel is a new file, built again),
+    writes it atomically (two workers may build it at once) and finds it already built otherwise; it is
+    kept in ``<native cache>/tests-scalar``, where the builds of earlier sources are removed."""
     from opencoti.engine import native
 
-    path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), tmp_path_factory.mktemp("scalar"))
+    out_dir = native._build_dir() / "tests-scalar"
+    path = native.build(("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"), out_dir)
+    for old in out_dir.glob("opencoti_kernels-*.so"):  # a process that maps an older one keeps its pages
+        if old != path:
+            old.unlink(missing_ok=True)
     ops = native.load(path)
     assert ops.simd() == 0
     return ops
