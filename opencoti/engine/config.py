@@ -168,6 +168,15 @@ class EngineConfig:
         nothing persists; see docs/persistence.md).
     session_kv_budget_mib: disk the named sessions' KV files may use in ``state_dir`` (the least
         recently written go first; 0: sessions come back without KV and recompute).
+    kv_disk_budget_mib: disk the KV tier may use: pages reclaimed from RAM (sessions', pools' and the
+        prefix cache's) are written there and read back instead of recomputed (docs/persistence.md).
+        None (the default): on where a state directory or ``kv_disk_dir`` exists, with
+        ``DEFAULT_KV_DISK_BUDGET_MIB`` capped at half the disk space free at start; 0: off (reclaimed
+        KV is dropped and recomputed). It needs the prefix cache (the tier keeps its pages).
+    kv_disk_dir: where the tier's files go (default: ``<state_dir>/kv_tier``; emptied at start).
+    kv_idle_spill_s: a session with no request in flight for longer than this leaves RAM before the
+        prefix cache's pages and before sessions idle for less (which go before pools; running
+        requests are preempted only after all of them).
     prefix_cache: share the KV of any cached prefix automatically (requests without a pool or a
         session id included); finished requests leave their full pages as evictable cache.
     session_ttl_s: an idle session nobody named (created without session_id) ends after this many
@@ -201,6 +210,9 @@ class EngineConfig:
     debug_checks: bool = False
     state_dir: str | None = None
     session_kv_budget_mib: float = 1024.0
+    kv_disk_budget_mib: float | None = None
+    kv_disk_dir: str | None = None
+    kv_idle_spill_s: float = 1.0
     prefix_cache: bool = True
     session_ttl_s: float = 300.0
     speculative: str = "ngram"
@@ -244,6 +256,12 @@ class EngineConfig:
         _check(_is_int(self.pool_id_base) and 0 <= self.pool_id_base < 2**53 - 2**32,
                f"pool_id_base must be an integer in [0, 2**53 - 2**32), got {self.pool_id_base!r}")
         _check(isinstance(self.prefix_cache, bool), "prefix_cache must be a boolean")
+        _check(self.kv_disk_budget_mib is None or (_is_number(self.kv_disk_budget_mib) and self.kv_disk_budget_mib >= 0),
+               f"kv_disk_budget_mib must be a number >= 0 or None (auto), got {self.kv_disk_budget_mib!r}")
+        _check(self.kv_disk_dir is None or (isinstance(self.kv_disk_dir, str) and self.kv_disk_dir.strip() != ""),
+               f"kv_disk_dir must be a directory path or None, got {self.kv_disk_dir!r}")
+        _check(_is_number(self.kv_idle_spill_s) and self.kv_idle_spill_s >= 0,
+               f"kv_idle_spill_s must be a number >= 0, got {self.kv_idle_spill_s!r}")
         _check(self.speculative in SPECULATIVE_MODES, f"speculative must be ngram|off, got {self.speculative!r}")
         _check(_is_int(self.speculative_max) and 1 <= self.speculative_max <= 64,
                f"speculative_max must be an integer in [1, 64], got {self.speculative_max!r}")

@@ -82,6 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk the named sessions' KV may use in the state directory, so that a session's next "
                         "turn after a restart reads its cache (least recently written dropped first; 0: off; "
                         "default 1024)")
+    p.add_argument("--kv-disk-budget-mib", type=float, default=None, metavar="MIB",
+                   help="disk the KV tier may use: KV pages reclaimed from RAM (idle sessions', pools', the prefix "
+                        "cache's) are written there and read back instead of recomputed (0: off, reclaimed KV is "
+                        "recomputed; default: on where a state directory exists, 4096 MiB capped at half the disk "
+                        "space free at start). See docs/persistence.md")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="where the KV tier's files go (default: kv_tier/ in the state directory; emptied at start)")
+    p.add_argument("--kv-idle-spill-s", type=float, default=1.0, metavar="S",
+                   help="a session with no request in flight for longer than this leaves RAM first when pages run "
+                        "short, before the prefix cache's pages (default 1.0)")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="one '<tenant> <key>' per line: each key a tenant that sees only its own pools and "
                         "sessions (docs/persistence.md); not with --api-key")
@@ -141,6 +151,8 @@ def run(args) -> int:
             prefix_cache=args.prefix_cache == "on", session_ttl_s=args.session_ttl,
             state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights,
             kv_dtype=args.kv_dtype, session_kv_budget_mib=args.session_kv_budget_mib, speculative=args.speculative,
+            kv_disk_budget_mib=args.kv_disk_budget_mib, kv_disk_dir=args.kv_disk_dir,
+            kv_idle_spill_s=args.kv_idle_spill_s,
             speculative_max=args.draft_max, seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),

@@ -75,6 +75,12 @@ class NoPrefixCache:
     def num_cache_only() -> int:
         return 0
 
+    @staticmethod
+    def kv_location(seq, spilled_keys=()) -> dict:
+        """Simulated KV is in RAM while a session holds some (no tier)."""
+        n = seq.num_cached
+        return {"kv_location": "ram" if n else "none", "kv_ram_tokens": n, "kv_disk_tokens": 0}
+
 
 @dataclass
 class SimQueues:

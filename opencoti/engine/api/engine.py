@@ -27,6 +27,7 @@ from .build import build_parts, resolve_device, resolve_dtype
 from .pools import PoolAPI
 from ..polykv import status
 from ..persist.sync import open_state
+from ..persist.tier import open_tier
 from ..results import GenerationResult, PoolInfo
 from .streams import AsyncTokenStream, TokenStream
 from ..chat.tokenizer import first_bad_id
@@ -97,6 +98,7 @@ class Engine:
         self.model_name = self.loaded.name
         # config.state_dir: restore the stored pools and sessions, keep in sync
         self.persister = open_state(self, admission=self.admission_controller)
+        self.kv_tier = open_tier(self)  # reclaimed KV goes to disk and comes back (None: dropped, recomputed)
         self.pool_api = PoolAPI(self.core, run=self.run_on_step_thread, tokenize=self.tokenize,
                                 apply_chat_template=self.apply_chat_template, metrics=self.metrics,
                                 page_bytes=self.kv.page_bytes)
@@ -186,6 +188,8 @@ class Engine:
         self.core.fail_all(EngineClosedError("engine shut down"))
         self.admission_controller.close(EngineClosedError("engine shut down"))  # requests held by admission
         self.persister.close()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         while True:
             try:
                 cmd = self._cmds.get_nowait()

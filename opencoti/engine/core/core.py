@@ -69,7 +69,7 @@ class EngineCore:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
                          "evicted_sessions": 0, "evicted_pools": 0, "preemptions": 0,
-                         "auto_prefix_tokens": 0, "expired_sessions": 0}
+                         "auto_prefix_tokens": 0, "expired_sessions": 0, "tier_read_pages": 0}
         # Observability hooks, called on the step thread: (event, data) with events
         # submit {job}, token {job, now}, finish {job}, materialized {pool}, step {stats}.
         self.listeners: list[Callable[[str, dict], None]] = []

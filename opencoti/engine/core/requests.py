@@ -62,6 +62,9 @@ class Session:
         self.job: "Job | None" = None
         self.last_access = time.monotonic()
         self.created = time.monotonic()
+        # the prefix-index keys of the pages its KV was in when memory pressure took them (PolyKV.reclaim):
+        # where they are now (RAM cache, disk tier, nowhere) is where its KV is
+        self.spilled_keys: list[bytes] = []
 
     @property
     def state(self) -> SessionState:

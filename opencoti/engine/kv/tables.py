@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, Sequence as Seq
 
+import torch
+
 from ..core.requests import Sequence, Session
 from .pages import PagePool
-from .prefix_index import Match, PrefixIndex, Tail
+from .prefix_index import Entry, Match, PrefixIndex, Tail
 
 
 class Reclaimer(Protocol):
@@ -35,6 +37,25 @@ class Reclaimer(Protocol):
 
     def __call__(self, num_pages: int, keep: Session | None = None) -> int:
         """Free at least ``num_pages`` pages if it can, never those of ``keep``; the pages freed."""
+        ...
+
+
+class Tier(Protocol):
+    """A second tier for the KV of evicted cache pages (``persist/tier.py``: the disk). Pages leave
+    through ``spill`` as they are evicted and come back through ``fetch`` before a match."""
+
+    def spill(self, kv: PagePool, chains: list[list[Entry]]) -> None:
+        """Keep the KV of these evicted pages (runs of index entries, each the parent of the next);
+        called before their pages are freed. Must not block (it may drop them instead)."""
+        ...
+
+    def has(self, key: bytes) -> bool:
+        """Whether the tier holds the page of this chained key."""
+        ...
+
+    def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv: PagePool):
+        """``(k, v)``, ``[L, n, page_size, H, D]`` each, of the longest checked run of ``keys`` it
+        can deliver (``n`` may be less than asked); None: none."""
         ...
 
 
@@ -51,6 +72,9 @@ class KVTables:
         self.reclaim = reclaim
         self.index: PrefixIndex | None = PrefixIndex(kv.page_size) if prefix_cache else None
         self.evicted_pages = 0  # cache pages evicted (lifetime)
+        # the disk tier (persist/tier.py) evicted pages go to and come back from; None: they are dropped
+        self.tier: Tier | None = None
+        self.promoted_pages = 0  # pages read back from the tier (lifetime)
 
     # ---- capacity ----------------------------------------------------------------------
     def _reserve(self, n: int, keep: Session | None = None) -> bool:
@@ -232,15 +256,90 @@ class KVTables:
         """Free up to ``num_pages`` cache-only pages, least recently used leaves first."""
         if self.index is None or num_pages <= 0:
             return 0
-        freed = 0
+        freed: list[int] = []
+        chains: list[list[Entry]] = []
+        ends: dict[int, list[Entry]] = {}  # id(an entry) -> the chain waiting for it as its head's parent
         for item in self.index.eviction_order(self.kv.refcount):
             self.index.remove(item)
-            self.kv.decref([item.page])
-            freed += 1
-            if freed >= num_pages:
+            if self.tier is not None and isinstance(item, Entry):  # leaves first: a chain grows at its head
+                chain = ends.pop(id(item), None)
+                if chain is None:
+                    chain = []
+                    chains.append(chain)
+                chain.insert(0, item)
+                ends[id(item.parent)] = chain
+            freed.append(item.page)
+            if len(freed) >= num_pages:
                 break
-        self.evicted_pages += freed
-        return freed
+        if chains and self.tier is not None:
+            self.tier.spill(self.kv, chains)  # before the pages are freed (it copies them)
+        self.kv.decref(freed)
+        self.evicted_pages += len(freed)
+        return len(freed)
+
+    def promote(self, tokens: Seq[int], salt_root: bytes, limit: int, keys: list[bytes]) -> int:
+        """Bring back from the tier the pages that continue the resident match of ``tokens[:limit]``
+        (``keys``: their chained page keys), as cache pages listed in the index, so the match that
+        follows shares them. Only as many as pages can be had for (reclaiming others); a page the
+        tier cannot deliver checked is computed instead. Returns the pages brought back."""
+        tier, index, ps = self.tier, self.index, self.page_size
+        if tier is None or index is None or not keys:
+            return 0
+        m = index.match(tokens, salt_root, min(limit, len(keys) * ps), keys)
+        i = len(m.pages)
+        j = i
+        while j < len(keys) and (j + 1) * ps <= limit and keys[j] not in index.entries and tier.has(keys[j]):
+            j += 1
+        if j == i:
+            return 0
+        node = index.entries[keys[i - 1]] if i else index.root(salt_root)
+        got = tier.fetch(keys[i:j], [tuple(tokens[x * ps:(x + 1) * ps]) for x in range(i, j)], node.key, self.kv)
+        if got is None:
+            return 0
+        k, v = got
+        held = list(m.pages)
+        self.kv.incref(held)  # the match stays resident while pages are reclaimed for what follows it
+        try:
+            n = k.shape[1]
+            if not self._reserve(n):
+                n = min(n, self.kv.num_free)
+            if n <= 0:
+                return 0
+            pages = self.kv.allocate(n)
+        finally:
+            self.kv.decref(held)
+        idx = torch.tensor(pages, dtype=torch.long, device=self.kv.k_cache.device)
+        self.kv.k_cache.index_copy_(1, idx, k[:, :n].to(self.kv.k_cache.device))
+        self.kv.v_cache.index_copy_(1, idx, v[:, :n].to(self.kv.v_cache.device))
+        added = 0
+        for x, page in enumerate(pages):
+            e = index.add(keys[i + x], node, page, tuple(tokens[(i + x) * ps:(i + x + 1) * ps]))
+            if e is None:  # (a collision: cannot happen for keys the index does not list) the rest goes
+                self.kv.decref(pages[x:])
+                break
+            node = e  # the index holds the page's one reference: a cache page
+            added += 1
+        self.promoted_pages += added
+        return added
+
+    def kv_location(self, seq: Sequence, spilled_keys: Seq[bytes] = ()) -> dict:
+        """Where a session's KV lives: ``kv_location`` "ram" (its own pages, or its pages all in the
+        prefix cache), "disk" (some of it only in the tier) or "none" (recomputed when it comes back),
+        and the tokens of each (``kv_ram_tokens``, ``kv_disk_tokens``). ``spilled_keys``: the page
+        keys of the KV it had before memory pressure took its pages (``Session.spilled_keys``)."""
+        if seq.num_cached:
+            return {"kv_location": "ram", "kv_ram_tokens": seq.num_cached, "kv_disk_tokens": 0}
+        ram = disk = 0
+        entries = self.index.entries if self.index is not None else {}
+        for key in spilled_keys:  # a prefix: the pages after a missing one cannot be used
+            if key in entries:
+                ram += 1
+            elif self.tier is not None and self.tier.has(key):
+                disk += 1
+            else:
+                break
+        where = "disk" if disk else "ram" if ram else "none"
+        return {"kv_location": where, "kv_ram_tokens": ram * self.page_size, "kv_disk_tokens": disk * self.page_size}
 
     def num_cache_only(self) -> int:
         """Pages only the index holds (all of them can be evicted, leaves first)."""

@@ -266,6 +266,8 @@ class Metrics:
             "generated_tokens": meter.total_tokens if meter is not None else 0,
             "ttft_ms": self.ttft_ms.get(s.session_id),
             "state": s.state.value,
+            # RAM, disk (the KV tier) or nowhere, and the tokens of each
+            **self.core.tables.kv_location(s.seq, getattr(s, "spilled_keys", ())),
             **acceptance(job.draft_state if job is not None else None),  # its request's speculative drafts
         }
 

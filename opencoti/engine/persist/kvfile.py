@@ -37,6 +37,11 @@ CHECKSUM = "crc32"  # of the bytes after the header (K, V, the stored tokens)
 _NP = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int8: "|i1"}
 
 
+def np_dtype(dtype: torch.dtype) -> str | None:
+    """The numpy dtype a KV file stores pages of ``dtype`` as (None: not storable)."""
+    return _NP.get(dtype)
+
+
 def tokens_digest(tokens: Sequence[int]) -> str:
     return hashlib.blake2b(np.asarray(tokens, dtype="<u4").tobytes(), digest_size=16).hexdigest()
 
@@ -54,9 +59,11 @@ def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[to
 
 
 def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int], *,
-             extra: dict | None = None, store_tokens: bool = False) -> int:
+             extra: dict | None = None, store_tokens: bool = False, durable: bool = True) -> int:
     """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written. ``store_tokens``
-    appends the token ids themselves (``read_tokens``); ``extra`` goes into the header."""
+    appends the token ids themselves (``read_tokens``); ``extra`` goes into the header. ``durable``:
+    fsync the file and its directory (a cache that is verified by its checksum when read, like the
+    disk tier's files, skips it: the rename alone makes a process crash leave a whole file or none)."""
     path = Path(path)
     meta = {"dtype": str(k.dtype).replace("torch.", ""), "shape": list(k.shape), "start": start,
             "end": start + k.shape[1], "tokens": tokens_digest(tokens), **(extra or {})}
@@ -78,9 +85,11 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
         for part in body:
             f.write(np.ascontiguousarray(part).data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
     return HEADER + 2 * k.numel() * k.element_size() + (4 * len(tokens) if store_tokens else 0)
 
 
@@ -180,6 +189,21 @@ def load_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, 
             src = src.view(torch.bfloat16)
         cache[:, pages, slots] = src.to(cache.device, non_blocking=False)
     return True
+
+
+def read_checked(path: str | os.PathLike, identity: dict | None, tokens: Sequence[int]) -> tuple[dict, bytearray] | str:
+    """The header and body of a KV file holding ``tokens`` computed by ``identity``, read once and
+    checked against its checksum; or, in words for the log, why it cannot be used (missing, cut
+    short, corrupt, another prefix or another engine)."""
+    head = read_header(path)
+    if head is None:
+        return "it is missing or has no readable header" if not os.path.exists(path) else \
+            "its header is unreadable (not a KV file, or cut short)"
+    why = mismatch(head, head.get("start"), tokens, identity) if isinstance(head.get("start"), int) else "no start"
+    if why is not None:
+        return why
+    data, problem = _checked_body(path, head)
+    return problem if problem is not None else (head, data)
 
 
 def _checked_body(path: str | os.PathLike, head: dict | None) -> tuple[bytearray, str | None]:

@@ -69,6 +69,9 @@ class PrefixCache:
         keys = job.prompt_keys = index.keys_for(tokens, job.seq.salt_root, limit // ps)
         m = self.tables.match(tokens, job.seq.salt_root, limit, keys)  # None: a one-token prompt
         n = len(m.pages) if m is not None else 0
+        tier = self.tables.tier
+        while tier is not None and n < len(keys) and tier.has(keys[n]):
+            n += 1  # on disk: read back when it starts (KVTables.promote)
         while n < len(keys) and self._owner(keys[n]) is not None:
             n += 1  # computed by a request ahead of this one (running or queued): it will wait for it
         for k in keys[n:]:  # pages this request computes: later arrivals expect them
@@ -172,6 +175,9 @@ class PrefixCache:
         """Start ``job`` from the index when that reuses more than ``p_other`` tokens (its pool or
         its own cache). None: not from the index; False: no page for the partial copy yet."""
         seq = job.seq
+        if job.prompt_keys and self.tables.tier is not None:  # pages on disk continuing the match come back first
+            self.counters["tier_read_pages"] += self.tables.promote(seq.tokens, seq.salt_root, len(seq.tokens) - 1,
+                                                                    job.prompt_keys)
         m = self.tables.match(seq.tokens, seq.salt_root, len(seq.tokens) - 1, job.prompt_keys) \
             if job.prompt_keys else None
         p = m.num_tokens(self.page_size) if m is not None else 0

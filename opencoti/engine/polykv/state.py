@@ -122,7 +122,10 @@ class PolyKV:
         session.seq = seq
 
     def drop_session_kv(self, s: Session, detach: bool = True) -> None:
-        """Drop a session's cached KV (its pages fall into the prefix cache); ``detach``: and its pool."""
+        """Drop a session's cached KV (its pages fall into the prefix cache); ``detach``: and its pool.
+        It keeps the page keys of what it had (``spilled_keys``): its reports say where that KV is now."""
+        if s.seq.page_keys:
+            s.spilled_keys = list(s.seq.page_keys)
         self.tables.drop(s.seq)
         s.seq = Sequence()
         if detach:
@@ -499,18 +502,18 @@ class PolyKV:
         def short() -> int:
             return num_pages - (self.kv.num_free - start)
 
-        self.tables.evict_cache(short())
-        if short() <= 0:
-            return self.kv.num_free - start
+        now = time.monotonic()
         idle = sorted((s for s in self.sessions.values() if s.is_idle and s.seq.page_table and s is not keep),
                       key=lambda s: s.last_access)
-        for s in idle:
+        # sessions idle for longer than kv_idle_spill_s (waiting on a tool, a sub-agent, a user) go
+        # before the prefix cache's pages; those idle for less (about to come back) after them
+        waiting = [s for s in idle if now - s.last_access >= self.config.kv_idle_spill_s]
+        for s in waiting + [None] + [s for s in idle if s not in waiting]:
             if short() <= 0:
                 break
-            self.drop_session_kv(s, detach=False)
+            if s is not None:
+                self._spill_session(s)
             self.tables.evict_cache(short())
-            self.counters["evicted_sessions"] += 1
-        now = time.monotonic()
         while short() > 0:
             cands = [p for p in self.tree.pools.values()
                      if p.residency == Residency.RESIDENT and not p.pinned and not self.auto_pinned(p, now)]
@@ -520,6 +523,13 @@ class PolyKV:
             self.tables.evict_cache(short())
             self.counters["evicted_pools"] += 1
         return self.kv.num_free - start
+
+    def _spill_session(self, s: Session) -> None:
+        """Reclaim an idle session's KV: its pages fall into the prefix cache (evicted from there to
+        the disk tier, when there is one); it stays attached to its pool and keeps the page keys
+        of what it had (``drop_session_kv``)."""
+        self.drop_session_kv(s, detach=False)
+        self.counters["evicted_sessions"] += 1
 
     # ======================================================================== persistence
     def restore_pool(self, pool_id: int, parent: Pool | None, branch_pos: int, tokens: list[int], *,

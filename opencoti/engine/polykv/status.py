@@ -21,6 +21,7 @@ def session_info(kv: PolyKV, s: Session, max_context: int) -> dict:
         "ctx_used": len(s.seq.tokens),
         "ctx_total": max_context,
         "state": s.state.value,
+        **kv.tables.kv_location(s.seq, s.spilled_keys),  # RAM, disk (the KV tier) or nowhere
     }
 
 
@@ -98,13 +99,22 @@ def cache_status(kv: PolyKV, counters: dict, cache_only: int, cache_owned: int) 
     }
 
 
+def tier_status(kv: PolyKV) -> dict:
+    """The bytes of each KV tier: RAM (pages in use, the prefix cache's included) and the disk tier."""
+    tier = kv.tables.tier
+    disk = tier.status() if tier is not None else {"enabled": False, "used_bytes": 0, "pages": 0}
+    return {"ram": {"used_bytes": kv.kv.num_used * kv.kv.page_bytes, "pages": kv.kv.num_used,
+                    "budget_bytes": kv.kv.num_pages * kv.kv.page_bytes},
+            "disk": {**disk, "promoted_pages": kv.tables.promoted_pages}}
+
+
 def stats(kv: PolyKV, counters: dict, running: int, waiting: int) -> dict:
     used, cache_only, cache_owned = kv_accounting(kv)
     return {**counters, "kv_pages_used": used, "kv_pages_cache": cache_only,
             "kv_pages_total": kv.kv.num_pages, "sessions": len(kv.sessions),
             "running": running, "waiting": waiting,
             "prefix_cache": cache_status(kv, counters, cache_only, cache_owned),
-            "kv_memory": kv.kv.memory()}
+            "kv_memory": kv.kv.memory(), "kv_tiers": tier_status(kv)}
 
 
 def pools_status(kv: PolyKV, counters: dict, max_context: int) -> dict:
@@ -129,6 +139,7 @@ def pools_status(kv: PolyKV, counters: dict, max_context: int) -> dict:
         "page_size": kv.page_size,
         "prefix_cache": cache,
         "kv_memory": pages.memory(),  # reserved (the cap) / resident / used bytes
+        "kv_tiers": tier_status(kv),  # bytes in RAM and in the disk tier
     }
 
 

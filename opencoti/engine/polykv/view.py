@@ -16,10 +16,10 @@ the state's data types (``core/requests.py``, ``kv/pools.py``), never the core, 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol, Sequence as Seq
 
 from ..kv.pools import Pool, PoolTree
-from ..core.requests import Session, Work
+from ..core.requests import Sequence, Session, Work
 
 Listener = Callable[[str, dict], None]  # (event, data) on the step thread: submit, token, finish, materialized, step
 
@@ -41,6 +41,9 @@ class CacheCounts(Protocol):
     """The KV tables as readers see it: pages only the prefix cache holds (reclaimed first)."""
 
     def num_cache_only(self) -> int: ...
+
+    def kv_location(self, seq: Sequence, spilled_keys: Seq[bytes] = ()) -> dict:
+        """Where a session's KV lives: RAM, the disk tier or nowhere (``KVTables.kv_location``)."""
 
 
 class JobQueues(Protocol):

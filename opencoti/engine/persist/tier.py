@@ -1,0 +1,377 @@
+"""The disk tier: KV pages reclaimed from RAM are written to disk and read back instead of recomputed.
+
+Where it sits. Every page that leaves RAM under memory pressure leaves through one door: the
+prefix cache's eviction (``KVTables.evict_cache``). A session's KV that ``PolyKV.reclaim`` drops,
+an evicted pool's pages and plain cache pages all become cache-only pages first (they stay listed
+in the prefix index by their chained page key) and are then evicted LRU, leaves first. The tier
+hooks that door: the pages of each evicted chain (a run of pages where each is the parent of the
+next) are copied on the step thread (a memory copy: ~0.1 ms a page for the bundled model) and
+written by an I/O thread as one *segment* file. A later request whose prompt continues a resident
+prefix with keys the tier holds gets those pages back into RAM as cache pages
+(``KVTables.promote``) before the index is matched, so every path that reuses cached KV (a
+session's next turn, a prefix shared by another request) reads them instead of recomputing them.
+
+Format. A segment is a KV file (``kvfile``: 4 KiB header, K then V as ``[layers, tokens, heads,
+dim]``, CRC-32 of the body, the tokens appended), written to a temporary name and renamed, so a
+kill -9 leaves a whole file or a ``.tmp`` one. Its header names the engine identity (model, weight
+format, KV dtype), the digest of its tokens, its position and the key of the page before it.
+
+What can go wrong degrades to a recompute, never to wrong KV: a write that fails (a full disk)
+loses that segment; a read verifies the header's identity and token digest and the checksum, and a
+missing, cut-short, swapped or corrupt file is forgotten and logged, and the request computes the
+pages it could not read. Writes never block a step: the snapshots waiting for the I/O thread are
+bounded (``max_pending_bytes``); past that, the pages are dropped (recomputed if needed again).
+
+Budget. The files stay within ``budget_bytes``: the least recently used segments (written or
+read) are removed first. The directory is emptied at start: the tier is a cache of this process's
+pages (named sessions' KV survives restarts through ``session_kv``).
+
+Threads: everything here runs on the engine's step thread except ``_run`` (the I/O thread), which
+touches only the segments handed to it and the pending byte count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+from . import kvfile
+from .files import HEADER
+
+log = logging.getLogger("opencoti.engine.persist")
+
+TIER_DIR = "kv_tier"
+MAX_SEGMENT_PAGES = 64  # pages per file at most (1,024 tokens at the default page size; ~23 MiB for the bundled model)
+DEFAULT_PENDING_MIB = 256.0  # snapshots waiting for the I/O thread at most (memory); past it, pages are dropped
+
+PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
+
+
+class Segment:
+    """One file: ``n`` consecutive pages of one chain."""
+
+    __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state")
+
+    def __init__(self, name: str, keys: list[bytes], tokens: list[int], start: int, parent_key: bytes,
+                 nbytes: int, k: torch.Tensor, v: torch.Tensor):
+        self.name, self.keys, self.tokens, self.start, self.parent_key = name, keys, tokens, start, parent_key
+        self.nbytes = nbytes
+        self.k: torch.Tensor | None = k  # [L, n, ps, H, D] until written (then read from the file)
+        self.v: torch.Tensor | None = v
+        self.state = PENDING
+
+
+class DiskTier:
+    """The disk tier of one engine's KV pages (see the module docstring). ``spill``, ``has`` and
+    ``fetch`` are what the KV tables call (``kv.tables.Tier``)."""
+
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, identity: dict | None, *,
+                 max_pending_bytes: int = int(DEFAULT_PENDING_MIB * 2**20)):
+        self.dir = Path(directory)
+        self.budget = max(0, int(budget_bytes))
+        self.identity = identity
+        self.max_pending = max(0, int(max_pending_bytes))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        stale = [f for f in self.dir.iterdir() if f.name.endswith((".kv", ".kv.tmp"))]
+        for f in stale:  # the tier is this process's cache; a .tmp is a write a kill -9 cut short
+            f.unlink(missing_ok=True)
+        if stale:
+            log.info("KV tier: removed %d files of an earlier run from %s", len(stale), self.dir)
+        self.pages: dict[bytes, tuple[Segment, int]] = {}  # page key -> (segment, index in it)
+        self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
+        self.used_bytes = 0
+        self._names = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._warned: dict[str, float] = {}
+        self.stats = {"spilled_pages": 0, "spilled_segments": 0, "dropped_pages_queue_full": 0,
+                      "skipped_pages_over_budget": 0, "evicted_segments": 0, "read_pages": 0,
+                      "read_segments": 0, "read_from_memory": 0, "faults": 0, "write_errors": 0,
+                      "write_seconds": 0.0, "read_seconds": 0.0}
+
+    # ------------------------------------------------------------------ reads of the state
+    def has(self, key: bytes) -> bool:
+        e = self.pages.get(key)
+        return e is not None and e[0].state in (PENDING, WRITTEN)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def status(self) -> dict:
+        return {"enabled": True, "dir": str(self.dir), "budget_bytes": self.budget, "used_bytes": self.used_bytes,
+                "pages": len(self.pages), "segments": len(self.segments), "pending_bytes": self._pending_bytes,
+                "max_pending_bytes": self.max_pending, **self.stats}
+
+    # ------------------------------------------------------------------ writes
+    def spill(self, kv, chains: list[list]) -> None:
+        """Pages leave RAM: ``chains`` are runs of prefix-index entries (``key``, ``page``,
+        ``tokens``, ``parent``, ``depth``), each the parent of the next. Pages whose key the tier
+        holds already are not written again."""
+        self._sweep_failed()
+        for chain in chains:
+            run: list = []
+            for e in chain:
+                held = self.pages.get(e.key)
+                if held is not None and held[0].state in (PENDING, WRITTEN) and held[0].name in self.segments:
+                    self.segments.move_to_end(held[0].name)
+                    self._write(kv, run)
+                    run = []
+                    continue
+                run.append(e)
+                if len(run) >= MAX_SEGMENT_PAGES:
+                    self._write(kv, run)
+                    run = []
+            self._write(kv, run)
+
+    def _write(self, kv, run: list) -> None:
+        if not run:
+            return
+        n, ps = len(run), kv.page_size
+        size = HEADER + n * kv.page_bytes + 4 * n * ps
+        if size > self.budget:
+            self.stats["skipped_pages_over_budget"] += n
+            return
+        if self._pending_bytes + size > self.max_pending:  # the I/O thread is behind: drop, never wait
+            self.stats["dropped_pages_queue_full"] += n
+            self._warn("queue", "KV tier: %d MiB of pages wait for the disk already; %d pages are dropped "
+                       "(recomputed if needed again)", self.max_pending >> 20, n)
+            return
+        self._make_room(size)
+        index = torch.tensor([e.page for e in run], dtype=torch.long, device=kv.k_cache.device)
+        k = kv.k_cache.index_select(1, index).cpu()  # [L, n, ps, H, D]
+        v = kv.v_cache.index_select(1, index).cpu()
+        tokens = [t for e in run for t in e.tokens]
+        seg = Segment(f"{next(self._names)}.kv", [e.key for e in run], tokens, (run[0].depth - 1) * ps,
+                      run[0].parent.key, size, k, v)
+        for i, key in enumerate(seg.keys):
+            self.pages[key] = (seg, i)
+        self.segments[seg.name] = seg
+        self.used_bytes += size
+        with self._lock:
+            self._pending_bytes += size
+        self.stats["spilled_pages"] += n
+        self.stats["spilled_segments"] += 1
+        self._put(("save", seg))
+
+    def _make_room(self, size: int) -> None:
+        while self.segments and self.used_bytes + size > self.budget:
+            _, seg = self.segments.popitem(last=False)
+            self._forget(seg)
+            self.stats["evicted_segments"] += 1
+
+    def _forget(self, seg: Segment) -> None:
+        """The segment's pages are no longer served; its file goes."""
+        self.segments.pop(seg.name, None)
+        for key in seg.keys:
+            if self.pages.get(key, (None,))[0] is seg:
+                del self.pages[key]
+        if seg.state != DROPPED:
+            self.used_bytes -= seg.nbytes
+            seg.state = DROPPED
+            self._put(("drop", seg))
+
+    def _sweep_failed(self) -> None:
+        """Forget the segments whose write failed (their bytes no longer count)."""
+        for seg in [s for s in self.segments.values() if s.state == FAILED]:
+            self._forget(seg)
+
+    # ------------------------------------------------------------------ reads
+    def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V (``[L, n, ps, H, D]`` each) of the longest run of ``keys`` (each page's
+        tokens ``page_tokens``, the first one's parent ``parent_key``) the tier can deliver, checked;
+        None when it has none. A file that cannot be used is forgotten (logged): the caller
+        computes what is not returned."""
+        t0 = time.perf_counter()
+        ks, vs = [], []
+        i, prev = 0, parent_key
+        while i < len(keys):
+            held = self.pages.get(keys[i])
+            if held is None:
+                break
+            seg, at = held
+            if (seg.parent_key if at == 0 else seg.keys[at - 1]) != prev:
+                break
+            data = self._data(seg, kv)
+            if data is None:
+                self._forget(seg)
+                break
+            j = i
+            while (j < len(keys) and at + j - i < len(seg.keys) and seg.keys[at + j - i] == keys[j]
+                   and tuple(seg.tokens[(at + j - i) * kv.page_size:(at + j - i + 1) * kv.page_size]) == tuple(page_tokens[j])):
+                j += 1
+            if j == i:
+                break
+            ks.append(data[0][:, at:at + j - i])
+            vs.append(data[1][:, at:at + j - i])
+            if seg.name in self.segments:
+                self.segments.move_to_end(seg.name)
+            prev = keys[j - 1]
+            i = j
+        if not ks:
+            return None
+        self.stats["read_pages"] += i
+        self.stats["read_seconds"] += time.perf_counter() - t0
+        return (torch.cat(ks, 1) if len(ks) > 1 else ks[0]), (torch.cat(vs, 1) if len(vs) > 1 else vs[0])
+
+    def _data(self, seg: Segment, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
+        k, v = seg.k, seg.v  # (the I/O thread marks it written before it lets these go)
+        if k is not None and v is not None:
+            self.stats["read_from_memory"] += 1
+            return k, v
+        if seg.state != WRITTEN:
+            return None
+        path = self.dir / seg.name
+        got = kvfile.read_checked(path, self.identity, seg.tokens)
+        n = len(seg.keys)
+        shape = [kv.num_layers, n * kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1]]
+        dtype = kvfile.np_dtype(kv.dtype)
+        if not isinstance(got, str):
+            head, body = got
+            if head.get("shape") != shape or head.get("start") != seg.start or dtype is None \
+                    or head.get("dtype") != str(kv.dtype).replace("torch.", ""):
+                got = "its header names another layout (shape, dtype or position)"
+            elif len(body) < 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize:
+                got = "shorter than its header says"
+        if isinstance(got, str):
+            self.stats["faults"] += 1
+            log.warning("KV tier: %s not used: %s; those pages are recomputed", path, got)
+            return None
+        count = int(np.prod(shape))
+        arr = torch.from_numpy(np.frombuffer(body, dtype=dtype, count=2 * count).reshape(2, *shape))
+        if kv.dtype == torch.bfloat16:
+            arr = arr.view(torch.bfloat16)
+        arr = arr.view(2, kv.num_layers, n, kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1])
+        self.stats["read_segments"] += 1
+        return arr[0], arr[1]
+
+    # ------------------------------------------------------------------ the I/O thread
+    def _put(self, item) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="opencoti-kv-tier", daemon=True)
+            self._thread.start()
+        self._q.put(item)
+
+    def flush(self) -> None:
+        """Wait until every write asked for so far is done (tests, benchmarks, shutdown)."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._q.put(("flush", done))
+            done.wait()
+
+    def close(self) -> None:
+        """Stop the I/O thread; writes still queued are not done (the files are emptied at the next
+        start anyway)."""
+        for seg in self.segments.values():
+            if seg.state == PENDING:
+                seg.state = DROPPED
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            kind, seg = item
+            if kind == "flush":
+                seg.set()
+                continue
+            path = self.dir / seg.name
+            if kind == "drop":
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as e:
+                    log.warning("KV tier: cannot remove %s: %s", path, e)
+                continue
+            t0 = time.perf_counter()
+            try:
+                if seg.state == PENDING and seg.k is not None:
+                    L, n, ps, H, D = seg.k.shape
+                    kvfile.write_kv(path, seg.k.reshape(L, n * ps, H, D), seg.v.reshape(L, n * ps, H, D),
+                                    seg.start, seg.tokens, store_tokens=True, durable=False,
+                                    extra={"kv": self.identity, "tier": {"parent_key": seg.parent_key.hex(),
+                                                                         "pages": n, "page_size": ps}})
+                    if seg.state == PENDING:
+                        seg.state = WRITTEN
+            except OSError as e:
+                if seg.state == PENDING:
+                    seg.state = FAILED
+                self.stats["write_errors"] += 1
+                self._warn("write", "KV tier: writing %s failed (%s); those pages are recomputed if needed again",
+                           path, e)
+                try:
+                    path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+                except OSError:
+                    pass
+            finally:
+                seg.k = seg.v = None
+                with self._lock:
+                    self._pending_bytes -= seg.nbytes
+                self.stats["write_seconds"] += time.perf_counter() - t0
+
+    def _warn(self, what: str, msg: str, *args) -> None:
+        """Log a warning at most every 10 s per kind (a full disk fails every write)."""
+        now = time.monotonic()
+        if now - self._warned.get(what, -1e9) >= 10.0:
+            self._warned[what] = now
+            log.warning(msg, *args)
+        else:
+            log.debug(msg, *args)
+
+
+DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's
+
+
+def tier_budget_mib(config, directory: Path) -> float:
+    """The tier's disk budget: ``kv_disk_budget_mib``, or (None) the default capped at half the
+    space free on ``directory``'s disk now, so the tier never fills a disk others write to."""
+    if config.kv_disk_budget_mib is not None:
+        return float(config.kv_disk_budget_mib)
+    try:
+        st = os.statvfs(directory)
+        free_mib = st.f_bavail * st.f_frsize / 2**20
+    except (OSError, AttributeError):
+        return DEFAULT_KV_DISK_BUDGET_MIB
+    return min(DEFAULT_KV_DISK_BUDGET_MIB, free_mib / 2)
+
+
+def open_tier(engine) -> DiskTier | None:
+    """The engine's disk tier, attached to its KV tables (None: off: no directory, a budget of 0,
+    or no prefix cache to keep its pages)."""
+    from .sync import kv_identity_of
+
+    config = engine.config
+    if config.kv_disk_dir is not None:
+        directory = Path(config.kv_disk_dir).expanduser()
+    elif config.state_dir is not None:
+        directory = Path(config.state_dir).expanduser() / TIER_DIR
+    else:
+        return None
+    if config.kv_disk_budget_mib == 0 or not config.prefix_cache:
+        if config.kv_disk_budget_mib:
+            log.warning("KV tier: off, it needs the prefix cache (--prefix-cache on)")
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    budget = tier_budget_mib(config, directory)
+    if budget <= 0:
+        return None
+    tier = DiskTier(directory, int(budget * 2**20), kv_identity_of(engine))
+    engine.core.tables.tier = tier
+    log.info("KV tier: %s, %.0f MiB: pages reclaimed from RAM are kept there and read back", directory, budget)
+    return tier

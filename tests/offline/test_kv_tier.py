@@ -1,0 +1,249 @@
+"""The disk tier (engine/persist/tier.py): KV reclaimed from RAM is written to disk and read back
+instead of recomputed; idle sessions leave RAM first; the reports say where each session's KV
+lives; and every fault (a full disk, a vanished file, a corrupt file, a kill -9 during a write)
+degrades to a recompute: logged, never wrong KV, never an error."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from starlette.testclient import TestClient
+
+from opencoti.engine import SamplingParams
+from opencoti.engine.persist import kvfile
+from opencoti.engine.persist.tier import TIER_DIR
+from opencoti.server import create_app
+
+N_AGENTS, CTX, TURNS = 5, 96, 3
+SMALL = dict(kv_budget_tokens=256)  # the agents' KV together is ~3x the RAM pages
+
+
+def greedy(n: int = 5) -> SamplingParams:
+    return SamplingParams.greedy(n, ignore_eos=True)
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, 250) for _ in range(n)]
+
+
+def agent_team(eng, turns: int = TURNS, between=None) -> list[tuple[list[int], int]]:
+    """Agents taking turns in rotation, each turn its whole context again plus a tool result:
+    [(answer ids, cached prompt tokens)] in order."""
+    ctx = {i: toks(i, CTX) for i in range(N_AGENTS)}
+    out = []
+    for turn in range(turns):
+        for i in range(N_AGENTS):
+            if between is not None:
+                between(turn, i)
+            r = eng.generate(ctx[i], params=greedy(), session_id=f"agent-{i}")
+            out.append((r.token_ids, r.cache_n))
+            ctx[i] = ctx[i] + r.token_ids + toks(1000 + 10 * turn + i, 12)
+    return out
+
+
+def tier_files(state: Path) -> list[Path]:
+    return sorted((state / TIER_DIR).glob("*.kv"))
+
+
+def disk(eng) -> dict:
+    return eng.stats()["kv_tiers"]["disk"]
+
+
+def flush(eng) -> None:
+    eng.run_on_step_thread(lambda: None)
+    eng.kv_tier.flush()
+
+
+def test_reclaimed_kv_comes_back_from_disk_with_the_answers_of_all_in_ram(make_engine, tmp_path):
+    ram = agent_team(make_engine())  # 4096 tokens of KV: nothing is reclaimed
+    off = agent_team(make_engine(**SMALL))  # no state directory: no tier, reclaimed KV is recomputed
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    tiered = agent_team(eng)
+    assert [a for a, _ in tiered] == [a for a, _ in ram] == [a for a, _ in off]
+    later = slice(N_AGENTS, None)  # turns after the first: each agent's context was reclaimed meanwhile
+    assert all(n == 0 or n < CTX // 2 for _, n in off[later])  # recomputed
+    for (_, n_tier), (_, n_ram) in zip(tiered[later], ram[later]):
+        assert n_tier >= n_ram - eng.kv.page_size  # all but the partial last page came back
+    d = disk(eng)
+    assert d["enabled"] and d["spilled_pages"] > 0 and d["read_pages"] > 0 and d["faults"] == 0
+    assert d["promoted_pages"] == d["read_pages"] == eng.stats()["tier_read_pages"]
+    assert 0 < d["used_bytes"] <= d["budget_bytes"]
+    flush(eng)
+    files = tier_files(tmp_path / "s")
+    assert files and all(kvfile.verify(f) is None for f in files)  # the KV file format, checksummed
+    head = kvfile.read_header(files[0])
+    assert head["kv"]["model"] and head["tier"]["pages"] >= 1 and head["checksum"]
+
+
+def test_the_tier_is_off_without_a_directory_or_with_a_budget_of_zero(make_engine, tmp_path):
+    for eng in (make_engine(**SMALL), make_engine(state_dir=str(tmp_path / "z"), kv_disk_budget_mib=0, **SMALL)):
+        agent_team(eng, turns=2)
+        assert eng.kv_tier is None and disk(eng) == {"enabled": False, "used_bytes": 0, "pages": 0,
+                                                     "promoted_pages": 0}
+    assert not (tmp_path / "z" / TIER_DIR).exists()
+    own = make_engine(kv_disk_dir=str(tmp_path / "own"), **SMALL)  # its own path, no state directory
+    agent_team(own, turns=2)
+    assert disk(own)["read_pages"] > 0
+
+
+def test_the_budget_bounds_the_files_least_recently_used_go_first(make_engine, tmp_path):
+    eng = make_engine(state_dir=str(tmp_path / "s"), kv_disk_budget_mib=0.05, **SMALL)  # ~50 KiB: a few segments
+    out = agent_team(eng)
+    flush(eng)
+    d = disk(eng)
+    assert d["used_bytes"] <= d["budget_bytes"] and d["evicted_segments"] > 0
+    assert sum(f.stat().st_size for f in tier_files(tmp_path / "s")) <= d["budget_bytes"]
+    assert [a for a, _ in out] == [a for a, _ in agent_team(make_engine())]
+
+
+def test_the_reports_say_where_each_sessions_kv_lives(make_engine, tmp_path):
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    agent_team(eng, turns=1)
+    rows = {s["session_id"]: s for s in eng.tps_snapshot()["sessions"]}  # what /slots and the dashboard show
+    assert rows["agent-0"]["kv_location"] == "disk" and rows["agent-0"]["kv_disk_tokens"] > 0
+    assert rows[f"agent-{N_AGENTS - 1}"]["kv_location"] == "ram" and rows[f"agent-{N_AGENTS - 1}"]["kv_ram_tokens"] > 0
+    st = eng.pools()
+    assert st["kv_tiers"]["disk"]["used_bytes"] > 0 and st["kv_tiers"]["ram"]["used_bytes"] > 0
+    off = make_engine(**SMALL)
+    agent_team(off, turns=1)
+    rows = {s["session_id"]: s for s in off.tps_snapshot()["sessions"]}
+    assert rows["agent-0"]["kv_location"] == "none"
+    with TestClient(create_app(eng), raise_server_exceptions=False) as c:
+        slots = {s["session_id"]: s for s in c.get("/slots").json()}
+        assert slots["agent-0"]["kv_location"] == "disk"
+        assert c.get("/polykv/pools").json()["kv_tiers"]["disk"]["pages"] > 0
+
+
+def test_sessions_idle_longer_than_the_threshold_leave_ram_before_the_prefix_cache(make_engine, tmp_path):
+    def run(idle_s: float) -> dict:
+        eng = make_engine(state_dir=str(tmp_path / f"s{idle_s}"), kv_idle_spill_s=idle_s, kv_budget_tokens=160,
+                          session_ttl_s=0)
+        eng.generate(toks(1, 60), params=greedy(), session_id="waiting")  # an agent waiting on a tool
+        eng.generate(toks(2, 60), params=greedy())  # a finished anonymous request: its pages are cache
+        eng.generate(toks(3, 60), params=greedy())
+        eng.generate(toks(4, 60), params=greedy(), session_id="new")  # needs pages: something leaves RAM
+        return {s["session_id"]: s["kv_location"] for s in eng.tps_snapshot()["sessions"]}
+
+    assert run(0.0)["waiting"] == "disk"  # idle past the threshold: it goes first
+    assert run(3600.0)["waiting"] == "ram"  # idle for less: the prefix cache's pages go first
+
+
+def _corrupt(files: list[Path]) -> None:
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[kvfile.HEADER + 7] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+
+def _vanish(files: list[Path]) -> None:
+    for f in files:
+        f.unlink()
+
+
+def _swap(files: list[Path]) -> None:
+    """Each file gets another one's content: right checksum, wrong KV."""
+    blobs = [f.read_bytes() for f in files]
+    for f, b in zip(files, blobs[1:] + blobs[:1]):
+        f.write_bytes(b)
+
+
+def test_corrupt_vanished_or_swapped_files_are_recomputed_logged_never_wrong(make_engine, tmp_path, caplog):
+    ram = [a for a, _ in agent_team(make_engine())]
+    for damage in (_corrupt, _vanish, _swap):
+        state = tmp_path / damage.__name__
+        eng = make_engine(state_dir=str(state), **SMALL)
+
+        def between(turn, i, eng=eng, state=state, damage=damage):
+            if turn >= 1 and i == 0:  # every file on disk now, before the turns that read them
+                flush(eng)
+                files = tier_files(state)
+                if len(files) > 1 or damage is not _swap:
+                    damage(files)
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="opencoti.engine.persist"):
+            out = agent_team(eng, between=between)
+        assert [a for a, _ in out] == ram, damage.__name__
+        assert disk(eng)["faults"] > 0, damage.__name__
+        assert "recomputed" in caplog.text and "KV tier" in caplog.text
+        eng.check_integrity()
+
+
+def test_a_full_disk_loses_the_writes_not_the_answers(make_engine, tmp_path, monkeypatch, caplog):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("opencoti.engine.persist.tier.kvfile.write_kv", full)
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    with caplog.at_level(logging.WARNING, logger="opencoti.engine.persist"):
+        out = agent_team(eng)
+    assert [a for a, _ in out] == [a for a, _ in agent_team(make_engine())]
+    d = disk(eng)
+    assert d["write_errors"] > 0
+    assert "No space left" in caplog.text
+    flush(eng)
+    assert not tier_files(tmp_path / "s") and not list((tmp_path / "s" / TIER_DIR).glob("*.tmp"))
+
+
+def test_a_write_queue_that_is_full_drops_pages_instead_of_waiting(make_engine, tmp_path):
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    eng.kv_tier.max_pending = 0  # the I/O thread is always behind
+    out = agent_team(eng)
+    assert [a for a, _ in out] == [a for a, _ in agent_team(make_engine())]
+    d = disk(eng)
+    assert d["dropped_pages_queue_full"] > 0 and d["spilled_pages"] == 0 and d["read_pages"] == 0
+
+
+def test_http_never_answers_5xx_when_the_tier_files_are_damaged(make_engine, tmp_path):
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    body = {"temperature": 0, "ignore_eos": True, "n_predict": 4}
+    with TestClient(create_app(eng), raise_server_exceptions=False) as c:
+        for i in range(N_AGENTS):
+            assert c.post("/completion", json={"prompt": toks(i, CTX), "session_id": f"h{i}", **body}).status_code == 200
+        flush(eng)
+        files = tier_files(tmp_path / "s")
+        _corrupt(files[::2])
+        _vanish(files[1::2])
+        for i in range(N_AGENTS):
+            r = c.post("/completion", json={"prompt": toks(i, CTX) + [7, 8, 9], "session_id": f"h{i}", **body})
+            assert r.status_code == 200, r.text
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, random, signal, sys
+    from opencoti.engine import Engine, EngineConfig, SamplingParams
+    from opencoti.engine.persist import kvfile
+    real = kvfile.write_kv
+    def write_then_die(path, *a, **k):  # the process dies while a tier file is being written
+        if "kv_tier" not in str(path):
+            return real(path, *a, **k)
+        open(str(path) + ".tmp", "wb").write(b"OPENCOTI-KV1\\n" + b"x" * 100)
+        os.kill(os.getpid(), signal.SIGKILL)
+    import opencoti.engine.persist.tier as tier
+    tier.kvfile.write_kv = write_then_die
+    eng = Engine(EngineConfig(model="tiny:llama", page_size=4, kv_budget_tokens=256, max_batch_tokens=64,
+                              state_dir=sys.argv[1]))
+    for i in range(5):
+        r = random.Random(i)
+        eng.generate([r.randint(1, 250) for _ in range(96)], params=SamplingParams.greedy(5, ignore_eos=True),
+                     session_id=f"agent-{i}")
+""")
+
+
+def test_a_kill_9_during_a_write_leaves_nothing_that_loads(make_engine, tmp_path):
+    state = tmp_path / "s"
+    p = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(state)], capture_output=True, timeout=300)
+    assert p.returncode == -9, p.stderr.decode()[-2000:]
+    left = list((state / TIER_DIR).iterdir())
+    assert any(f.name.endswith(".tmp") for f in left)  # what the kill left behind
+    (state / TIER_DIR / "1.kv").write_bytes(b"OPENCOTI-KV1\n{}")  # and a file cut short, for good measure
+    eng = make_engine(state_dir=str(state), **SMALL)
+    assert not list((state / TIER_DIR).iterdir())  # the tier starts empty: nothing half-written is read
+    assert [a for a, _ in agent_team(eng)] == [a for a, _ in agent_team(make_engine())]
