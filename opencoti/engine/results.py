@@ -31,6 +31,15 @@ class TokenDelta:
 
 
 @dataclass
+class PromptProgress:
+    """Streamed only when asked for (``stream.report_progress()``): after each step that computed a
+    chunk of the prompt, the prompt tokens in the cache (reused ones included), as llama.cpp's
+    ``prompt_progress.processed``. The last one, before the first token, is the whole prompt."""
+
+    processed: int
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..engine.api.choices import Choices, quietly, merge_streams
+from ..engine.results import PromptProgress
 from ..ops.generation import FINISH_OPENAI, ChatTurn, Prepared, opencoti_block
 from .errors import SafeJSONResponse, error_event
 from .state import ServerState
@@ -130,7 +131,8 @@ def stream_runs(runs: Runs, first: list[bytes], on_delta: Callable, on_end: Call
                     for ev in on_end(i, runs.results[i]):
                         yield ev
                     continue
-                runs.tracker.token()
+                if not isinstance(d, PromptProgress):  # (streams that were asked for progress: report_progress)
+                    runs.tracker.token()
                 for ev in on_delta(i, d):
                     yield ev
             for ev in last():

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from ..engine.persist.slots import slot_number
 from ..engine.errors import InvalidRequestError
-from ..engine.results import RequestInfo
+from ..engine.results import PromptProgress, RequestInfo
 from ..ops import Context
 from ..ops.headers import generation_headers
 from ..ops.generation import (FINISH_OPENAI, ChatTurn, generation_settings, llama_final, opencoti_block,
@@ -140,12 +140,13 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
                  "tokens_evaluated": info.prompt_tokens}
         if body.n_probs:
             chunk["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)]
-        if n == 1 and body.return_progress:  # the prompt is done when its first token comes
-            return [progress(info.prompt_tokens), sse(chunk)]
         return [sse(chunk)]
 
+    # llama.cpp's return_progress: one event before the prompt is computed (its cached part is done),
+    # then one after each chunk of it the engine computes (the last: the whole prompt)
     first = [progress(info.cached_prefix_tokens)] if body.return_progress else []
-    return gen.sse(on_delta, lambda result: [sse(final(result, ""))], first=first, headers=headers)
+    return gen.sse(on_delta, lambda result: [sse(final(result, ""))], first=first, headers=headers,
+                   on_progress=(lambda p: [progress(p.processed)]) if body.return_progress else None)
 
 
 def prompt_progress(info: RequestInfo, processed: int, t_start: float) -> dict:
@@ -256,17 +257,21 @@ async def _completion_many(request: Request, body: CompletionRequest, ctx: Conte
                     **prompt_progress(infos[i], processed, t_start)})
 
     def on_delta(i: int, d):
+        if isinstance(d, PromptProgress):  # a computed chunk of prompt i (return_progress)
+            return [progress(i, d.processed)]
         counts[i] += 1
         chunk = {"index": i, "content": d.text, "tokens": [d.token_id], "stop": False,
                  "id_slot": slot_number(infos[i].session_id), "tokens_predicted": counts[i],
                  "tokens_evaluated": infos[i].prompt_tokens}
         if body.n_probs:
             chunk["completion_probabilities"] = [_llama_probs(ctx, d, body.post_sampling_probs)]
-        if counts[i] == 1 and body.return_progress:
-            return [progress(i, infos[i].prompt_tokens), sse(chunk)]
         return [sse(chunk)]
 
-    first = [progress(i, infos[i].cached_prefix_tokens) for i in range(len(prompts))] if body.return_progress else []
+    first = []
+    if body.return_progress:
+        first = [progress(i, infos[i].cached_prefix_tokens) for i in range(len(prompts))]
+        for s in runs.streams:
+            s.report_progress()
     return stream_runs(runs, first, on_delta, lambda i, r: [sse(final(i, r, ""))], lambda: [], headers={})
 
 
@@ -382,17 +387,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         d.update(extra)
         return sse(d)
 
-    started = False
-
     def on_delta(d):
-        nonlocal started
         text = turn.feed(d.text)
         lp = {"content": [_chat_logprob(ctx, d)]} if body.logprobs else None
-        out = [chunk({"content": text} if text else {}, logprobs=lp)] if text or lp is not None else []
-        if body.return_progress and not started:  # the prompt is done when its first token comes
-            out.insert(0, chunk(None, **prompt_progress(info, info.prompt_tokens, t_start)))
-        started = True
-        return out
+        return [chunk({"content": text} if text else {}, logprobs=lp)] if text or lp is not None else []
 
     def on_end(result):
         content, calls, finish = turn.finish(result)
@@ -405,10 +403,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
             yield chunk(None, usage=usage(info, result), timings=result.timings)
         yield DONE
 
+    def progress(processed: int) -> bytes:  # llama.cpp: progress chunks carry no choices
+        return chunk(None, **prompt_progress(info, processed, t_start))
+
     first = [chunk({"role": "assistant", "content": None})]
-    if body.return_progress:  # llama.cpp: progress chunks carry no choices
-        first.append(chunk(None, **prompt_progress(info, info.cached_prefix_tokens, t_start)))
-    return gen.sse(on_delta, on_end, first=first, headers=headers)
+    if body.return_progress:  # before the prompt is computed, then after each chunk of it
+        first.append(progress(info.cached_prefix_tokens))
+    return gen.sse(on_delta, on_end, first=first, headers=headers,
+                   on_progress=(lambda p: [progress(p.processed)]) if body.return_progress else None)
 
 
 # ============================================================================ POST /infill (llama.cpp)
@@ -454,8 +456,14 @@ SLOT_ACTIONS = ("save", "restore", "erase")
 
 @router.post("/slots/{slot_id}", tags=["llama.cpp"], responses=error_responses((400, 404, 409, 501)),
              openapi_extra={"requestBody": {"required": False, "content": {"application/json": {"schema": {
-                 "type": "object", "properties": {"filename": {"type": "string", "minLength": 1}},
-                 "description": "save / restore: {\"filename\": ...} (erase: no body)"}}}}},
+                 "type": "object", "properties": {"filename": {
+                     "type": "string", "maxLength": 128, "pattern": "^[A-Za-z0-9](\\.?[A-Za-z0-9_-])*\\.?$",
+                     "description": "1-128 characters of A-Z a-z 0-9 . _ - (no paths: no '..'), starting with a "
+                                    "letter or digit"}},
+                 # (a rule across the query and the body, which JSON Schema cannot state: filename is
+                 # required by save and restore, erase takes none)
+                 "x-required-when": {"action": ["save", "restore"], "required": ["filename"]},
+                 "description": "save / restore: {\"filename\": ...}, required (erase: no body)"}}}}},
              summary="save / restore / erase a session's KV cache by file name (llama.cpp slot actions; "
                      "the slot id is a session id, slot number N the session named \"N\")")
 async def slot_action(request: Request, slot_id: str,

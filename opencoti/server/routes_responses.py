@@ -17,6 +17,7 @@ and an ``event:`` line. llama.cpp's ``return_progress`` adds ``response.in_progr
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -134,12 +135,18 @@ async def responses(request: Request, body: ResponsesRequest, ctx: Context = Dep
         return out
 
     start = response_object(rid, model, body, created, status="in_progress")
+    t_start = time.perf_counter()
+
+    def progress(processed: int) -> bytes:  # llama.cpp: the prompt's progress on a response.in_progress event
+        ms = (time.perf_counter() - t_start) * 1e3 if processed > info.cached_prefix_tokens else 0.0
+        return event("response.in_progress", response=start, prompt_progress={
+            "total": info.prompt_tokens, "cache": info.cached_prefix_tokens, "processed": processed, "time_ms": ms})
+
     first = [event("response.created", response=start), event("response.in_progress", response=start)]
-    if body.return_progress:  # llama.cpp: the prompt's progress (its cached part is done at once)
-        first.append(event("response.in_progress", response=start, prompt_progress={
-            "total": info.prompt_tokens, "cache": info.cached_prefix_tokens,
-            "processed": info.cached_prefix_tokens, "time_ms": 0.0}))
+    if body.return_progress:  # its cached part (done at once), then after each computed chunk of the prompt
+        first.append(progress(info.cached_prefix_tokens))
     return gen.sse(on_delta, on_end, first=first, headers=generation_headers(info),
+                   on_progress=(lambda p: [progress(p.processed)]) if body.return_progress else None,
                    on_error=lambda err: event("error", code=err["error"].get("type"), message=err["error"].get("message"),
                                               param=None))
 

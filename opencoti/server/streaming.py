@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..engine.results import GenerationResult, TokenDelta
+from ..engine.results import GenerationResult, PromptProgress, TokenDelta
 from ..ops.generation import Prepared
 from .errors import error_event
 from .resumable import conversation_id, resumable_response
@@ -165,18 +165,26 @@ class Generation:
     def sse(self, on_delta: Callable[[TokenDelta], Iterable[bytes]],
             on_end: Callable[[GenerationResult], Iterable[bytes]], first: Iterable[bytes] = (),
             headers: dict[str, str] | None = None,
-            on_error: Callable[[dict], bytes] | None = None) -> StreamingResponse:
+            on_error: Callable[[dict], bytes] | None = None,
+            on_progress: Callable[[PromptProgress], Iterable[bytes]] | None = None) -> StreamingResponse:
         """The one SSE loop: ``first`` events, then ``on_delta`` per token, then ``on_end``; an error
         becomes an in-band error event (the status line is gone; ``on_error`` frames the error body
         when the route's API has its own error event); the request is cancelled when the stream
-        stops early."""
+        stops early. ``on_progress``: events after each computed chunk of the prompt (llama.cpp's
+        ``return_progress``)."""
         stream, tracker, state = self.stream, self.tracker, self.state
+        if on_progress is not None:
+            stream.report_progress()
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 for ev in first:
                     yield ev
                 async for d in stream:
+                    if isinstance(d, PromptProgress):
+                        for ev in on_progress(d):  # type: ignore[misc]  # only asked for with on_progress
+                            yield ev
+                        continue
                     tracker.token()
                     state.check_stream()
                     for ev in on_delta(d):

@@ -6,6 +6,7 @@ one sequence on /completion; and ``--no-metrics``, whose help says what the rout
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import pytest
@@ -128,4 +129,75 @@ def test_a_prompt_mixing_token_ids_and_texts_is_one_prompt(client, engine):
     assert r.status_code == 200 and r.json()["tokens_evaluated"] == len(engine.tokenize("Hi")) + 1, r.text
     # a bad id in a mixed prompt is refused like any other
     r = client.post("/completion", json={"prompt": ["Hi", 10 ** 9], "n_predict": 1})
+    assert r.status_code == 400, r.text
+
+
+# ============================================================================ return_progress
+def _sse(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _check_progress(progress: list[dict], batch: int, alone: bool = True) -> None:
+    """llama.cpp's shape (tools/server/tests/unit/test_chat_completion.py::test_return_progress): the first
+    event before any prompt token is computed (processed == cache), then one per computed chunk of at most
+    ``batch`` tokens (all of it for a request computed ``alone``), processed rising to the total; total
+    and cache the same throughout."""
+    total, cache = progress[0]["total"], progress[0]["cache"]
+    assert total > 0 and progress[0]["processed"] == cache
+    chunks = len(progress) - 1
+    assert chunks == -(-(total - cache) // batch) if alone else chunks >= -(-(total - cache) // batch), progress
+    done = [p["processed"] for p in progress]
+    assert done == sorted(set(done)) and done[-1] == total
+    assert all(b - a <= batch for a, b in zip(done, done[1:]))
+    assert all(p["total"] == total and p["cache"] == cache for p in progress)
+
+
+def test_return_progress_reports_each_prompt_chunk(client, engine):
+    """An event per chunk of the prompt the engine computes (its batch: 64 tokens here), before the first
+    token; before this, only the first and the last were sent, whatever the prompt's length."""
+    ids = engine.tokenize("the quick brown fox jumps over the lazy dog " * 4)  # byte-level: > 2 batches
+    assert len(ids) > 2 * 64
+    events = _sse(client.post("/completion", json={"prompt": ids, "n_predict": 3, "stream": True,
+                                                  "return_progress": True, "timings_per_token": True}).text)
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    _check_progress(progress, 64)
+    first_token = next(i for i, e in enumerate(events) if e.get("tokens"))
+    assert all("prompt_progress" in e for e in events[:first_token])  # every chunk's event comes before it
+    timings = [e["timings"] for e in events if "prompt_progress" in e]
+    assert timings[0]["prompt_n"] == 0 and timings[0]["prompt_ms"] == 0  # (test_metrics.py's checks)
+    assert all(b["prompt_ms"] >= a["prompt_ms"] for a, b in zip(timings, timings[1:])) and timings[-1]["prompt_ms"] > 0
+    # sent again: all but the last token from the cache, so one chunk of 1 token
+    again = [e["prompt_progress"] for e in _sse(client.post("/completion", json={
+        "prompt": ids, "n_predict": 1, "stream": True, "return_progress": True}).text) if "prompt_progress" in e]
+    assert again[0]["cache"] == len(ids) - 1
+    _check_progress(again, 64)
+    # chat: chunks with no choices; the Responses API: response.in_progress events
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "This is a test " * 12}], "max_tokens": 2, "stream": True,
+        "return_progress": True})
+    chunks = [e for e in _sse(chat.text) if "prompt_progress" in e]
+    assert all(e["choices"] == [] for e in chunks)
+    _check_progress([e["prompt_progress"] for e in chunks], 64)
+    resp = client.post("/v1/responses", json={"input": "Another test " * 14, "max_output_tokens": 2, "stream": True,
+                                              "return_progress": True})
+    in_progress = [e for e in _sse(resp.text) if "prompt_progress" in e]
+    assert all(e["type"] == "response.in_progress" for e in in_progress)
+    _check_progress([e["prompt_progress"] for e in in_progress], 64)
+    assert len(in_progress) > 2
+
+
+def test_return_progress_only_when_asked_and_streamed(client, engine):
+    ids = engine.tokenize("x y z " * 30)
+    plain = _sse(client.post("/completion", json={"prompt": ids, "n_predict": 2, "stream": True}).text)
+    assert not any("prompt_progress" in e for e in plain) and len(plain) == 3  # 2 tokens, the final event
+    whole = client.post("/completion", json={"prompt": ids, "n_predict": 2, "return_progress": True})
+    assert whole.status_code == 200 and "prompt_progress" not in whole.json()  # not streamed: nothing to report
+    # several prompts in one request: each prompt's events carry its index, each rises to its own total
+    events = _sse(client.post("/completion", json={"prompt": ["a b c " * 30, "d e " * 50], "n_predict": 1,
+                                                  "stream": True, "return_progress": True}).text)
+    for i in (0, 1):
+        _check_progress([e["prompt_progress"] for e in events if e["index"] == i and "prompt_progress" in e], 64,
+                        alone=False)  # the two share each step's batch
+    # a bad value is a 400, as any other field's
+    r = client.post("/completion", json={"prompt": "x", "stream": True, "return_progress": "sometimes"})
     assert r.status_code == 400, r.text

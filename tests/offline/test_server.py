@@ -231,6 +231,9 @@ class ScriptedStream:
     def __aiter__(self):
         return self
 
+    def report_progress(self) -> None:
+        """(AsyncTokenStream's: the scripted stream computes no prompt, so it yields no PromptProgress)"""
+
     async def __anext__(self):
         if self.fail_after is not None and self._i == self.fail_after:
             raise ContextLengthError("scripted failure mid-stream")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Iterator
 
-from ..results import GenerationResult, RequestInfo, TokenDelta
+from ..results import GenerationResult, PromptProgress, RequestInfo, TokenDelta
 
 
 _NOTICES = ("start", "started")  # accepted; started computing (its reuse of cached KV is known then)
@@ -21,6 +21,15 @@ class _Stream:
 
     _pending: tuple | None = None  # an event read while waiting for the start, not yet handed out
     _started = False
+    _progress = False  # hand out PromptProgress events too (report_progress)
+
+    def report_progress(self) -> None:
+        """Also yield a ``PromptProgress`` after each computed chunk of the prompt (llama.cpp's
+        ``return_progress``); without it a stream yields only TokenDelta."""
+        self._progress = True
+
+    def _skip(self, kind: str) -> bool:
+        return kind in _NOTICES or (kind == "progress" and not self._progress)
 
     def _notice(self, ev: tuple) -> None:
         """An event read while waiting for the start (``started``)."""
@@ -32,9 +41,10 @@ class _Stream:
     def _waiting(self) -> bool:
         return not (self._started or self._pending is not None or self._done)
 
-    def _take(self, kind: str, payload) -> TokenDelta | None:
-        """One event: its TokenDelta, or None at the end (``result`` is set); raises the request's error."""
-        if kind == "token":
+    def _take(self, kind: str, payload) -> TokenDelta | PromptProgress | None:
+        """One event: its TokenDelta (or PromptProgress), or None at the end (``result`` is set); raises
+        the request's error."""
+        if kind in ("token", "progress"):
             return payload
         self._done = True
         if kind == "error":
@@ -56,7 +66,7 @@ class TokenStream(_Stream):
         first = q.get()
         assert first[0] == "start"
 
-    def __iter__(self) -> Iterator[TokenDelta]:
+    def __iter__(self) -> Iterator[TokenDelta | PromptProgress]:
         return self
 
     def started(self) -> None:
@@ -65,12 +75,12 @@ class TokenStream(_Stream):
         while self._waiting():
             self._notice(self._q.get())
 
-    def __next__(self) -> TokenDelta:
+    def __next__(self) -> TokenDelta | PromptProgress:
         if self._done:
             raise StopIteration
         kind, payload = self._pending or self._q.get()
         self._pending = None
-        while kind in _NOTICES:
+        while self._skip(kind):
             kind, payload = self._q.get()
         delta = self._take(kind, payload)
         if delta is None:
@@ -91,7 +101,7 @@ class TokenStream(_Stream):
 class AsyncTokenStream(_Stream):
     """``TokenStream`` for asyncio: an async iterator; ``aclose`` cancels the request."""
 
-    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+    def __aiter__(self) -> AsyncIterator[TokenDelta | PromptProgress]:
         return self
 
     async def started(self) -> None:
@@ -99,12 +109,12 @@ class AsyncTokenStream(_Stream):
         while self._waiting():
             self._notice(await self._q.get())
 
-    async def __anext__(self) -> TokenDelta:
+    async def __anext__(self) -> TokenDelta | PromptProgress:
         if self._done:
             raise StopAsyncIteration
         kind, payload = self._pending or await self._q.get()
         self._pending = None
-        while kind in _NOTICES:
+        while self._skip(kind):
             kind, payload = await self._q.get()
         delta = self._take(kind, payload)
         if delta is None:

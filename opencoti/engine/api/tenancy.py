@@ -318,3 +318,6 @@ class TenantStream:
     def started(self):
         """The inner stream's ``started`` (a coroutine for an async stream)."""
         return self._inner.started()
+
+    def report_progress(self) -> None:
+        self._inner.report_progress()

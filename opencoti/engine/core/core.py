@@ -28,7 +28,7 @@ from ..kv.tables import KVTables
 from .limits import Limits
 from ..polykv.prefix import PrefixCache
 from ..polykv.state import PolyKV
-from ..results import GenerationResult, RequestInfo, TokenDelta
+from ..results import GenerationResult, PromptProgress, RequestInfo, TokenDelta
 from .runner import ModelRunner
 from ..sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
 from ..sampling.state import SamplerState
@@ -202,7 +202,10 @@ class EngineCore:
                     self._announce(job)
                 if job.draft:
                     continue  # applied with its verification below
+            prefill = isinstance(job, Job) and not job.generated and job.seq.num_cached < job.prompt_len
             self.tables.advance(job.seq, n)
+            if prefill:  # a chunk of its prompt (the streams that asked for it report the progress)
+                job.emit(("progress", PromptProgress(job.seq.num_cached)))
             if isinstance(job, MaterializeJob) and job.num_remaining == 0:
                 self.scheduler.remove(job)
                 self.polykv.materialized(job)
