@@ -7,8 +7,10 @@ the pages of a map stay in the process's resident set until it is unmapped, so m
 and converting it tensor by tensor would hold the file *and* its conversion at the peak) and turned
 into the serving format right away:
 
-* Q4_0 / Q4_1 / Q4_K -> the native int4 layout by moving bytes (``qformats.gguf_to_q4_blocks``; Q4_K's
-  sub-block scales rounded to fp16),
+* Q4_K / Q6_K -> kept as the file stores them (``qformats.KQuantRows``), read by the native k-quant
+  kernel, where the native kernels are built (without them: Q4_K as below, Q6_K as int8),
+* Q4_0 / Q4_1 (and Q4_K without the native kernels) -> the native int4 layout by moving bytes
+  (``qformats.gguf_to_q4_blocks``; Q4_K's sub-block scales rounded to fp16),
 * every type -> int8 by rows (dequantized a chunk of rows at a time, per-row scales),
 * every type -> fp32 / bf16 by chunks of rows (a float copy of one tensor, never of the model).
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .qformats import EXACT_INT4_TYPES, Int8Weight, Q4Blocks, gguf_to_q4_blocks
+from .qformats import EXACT_INT4_TYPES, KQUANT_TYPES, Int8Weight, KQuantRows, Q4Blocks, gguf_to_q4_blocks
 
 CHUNK_BYTES = 32 << 20  # fp32 bytes of one dequantized chunk of rows
 
@@ -76,6 +78,11 @@ class GGUFWeight:
     @property
     def is_exact_int4(self) -> bool:
         return self.type_name in EXACT_INT4_TYPES and len(self.shape) == 2
+
+    @property
+    def is_kquant(self) -> bool:
+        """Whether the native k-quant kernel can read this tensor's blocks as stored (Q4_K / Q6_K rows)."""
+        return self.type_name in KQUANT_TYPES and len(self.shape) == 2 and self.shape[1] % 256 == 0
 
     def numel(self) -> int:
         n = 1
@@ -134,6 +141,12 @@ class GGUFWeight:
             raise ValueError(f"{self.name}: {self.type_name} has no exact int4 form")
         n, k = self.shape
         return gguf_to_q4_blocks(self.type_name, self.raw(), n, k)
+
+    def to_kquant(self) -> KQuantRows:
+        """The tensor's Q4_K / Q6_K rows as stored (HF row order), for the native k-quant kernel."""
+        if not self.is_kquant:
+            raise ValueError(f"{self.name}: {self.type_name} {self.shape} is not read by the k-quant kernel")
+        return KQuantRows(torch.from_numpy(self.raw().reshape(-1)), [(self.type_name, self.rows)], self.shape[1])
 
     def to_int8(self) -> Int8Weight:
         """Per-row int8 (symmetric), quantized from the decoded rows: by the native operator
@@ -223,14 +236,42 @@ def gguf_state(path: str | Path, hf_config) -> dict[str, GGUFWeight]:
     return state
 
 
+def _kquant_native() -> bool:
+    from .. import native  # here, not at the top: engine/native imports model/loader
+
+    return native.lib() is not None
+
+
+def read_form(parts: list) -> str | None:
+    """How a projection of ``parts`` keeps 4-bit weights: "kquant" (every part Q4_K / Q6_K, read as
+    stored by the native k-quant kernel), "q4" (every part Q4_0 / Q4_1 / Q4_K: the int4 layout), or
+    None (a part the file keeps in more bits that the k-quant kernel does not read)."""
+    srcs = [p for p in parts if isinstance(p, GGUFWeight)]
+    if len(srcs) == len(parts) and all(p.is_kquant for p in srcs) and _kquant_native():
+        return "kquant"
+    if all(p.is_exact_int4 for p in srcs):
+        return "q4"
+    return None
+
+
 def gguf_format(parts: list, fmt: str) -> str:
     """The format a projection made of ``parts`` (fused q/k/v or gate/up) takes when the model's
-    projections are in ``fmt``: int4 only where every part is 4-bit in the file (its blocks, exactly);
-    a part the file keeps in more bits (Q6_K, Q8_0, F16 ...) is never rounded down to 4 bits: the
-    projection takes int8 (a q/k/v whose v is Q6_K, as Q4_K_M files have in some layers)."""
-    if fmt == "int4" and not all(not isinstance(p, GGUFWeight) or p.is_exact_int4 for p in parts):
+    projections are in ``fmt``: in int4, the file's own blocks where every part has a 4-bit form
+    (Q4_0 / Q4_1 / Q4_K as int4 blocks; Q4_K and Q6_K as stored, in segments, with the native k-quant
+    kernel: a q/k/v whose v is Q6_K, as Q4_K_M files have in some layers, stays one projection); a part
+    the file keeps in more bits that no 4-bit form reads (Q8_0, Q5_K, F16 ..., or Q6_K without the
+    native kernels) is never rounded down to 4 bits: the projection takes int8."""
+    if fmt == "int4" and read_form(parts) is None:
         return "int8"
     return fmt
+
+
+def read_parts(parts: list, fmt: str) -> list:
+    """The GGUF ``parts`` of one projection read from the file into ``fmt`` (from :func:`gguf_format`),
+    all in one container kind (so they fuse): k-quant rows, int4 blocks, int8 rows or fp32."""
+    if fmt == "int4" and read_form(parts) == "kquant":
+        return [p.to_kquant() for p in parts]
+    return [from_gguf(p, fmt) if isinstance(p, GGUFWeight) else p for p in parts]
 
 
 def from_gguf(weight: GGUFWeight, fmt: str):

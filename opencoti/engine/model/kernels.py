@@ -16,7 +16,11 @@ int4     ``native_q4`` (fp32 activations),                     ``_weight_int4pac
          ``_weight_int4pack_mm_for_cpu`` (bf16 activations)
 =======  ====================================================  ==========================================
 
-``native_q4`` / ``native_q8`` are this package's own AVX2/FMA kernels (``engine/native``), built for
+``native_kquant`` serves a GGUF's Q4_K / Q6_K rows as the file stores them (``qformats.KQuantRows``):
+it is not timed against the others, because it is the only kernel that reads those bytes without a
+conversion that adds bytes (int4 blocks take 5 bits a Q4_K weight, int8 8 a Q6_K one).
+
+``native_q4`` / ``native_q8`` / ``native_kquant`` are this package's own AVX2/FMA kernels (``engine/native``), built for
 the machine on first use: torch's int4/int8 CPU kernels round the activations to bf16 and, on CPUs
 without native bf16 arithmetic, convert in software (measured on a 2-core AVX2 EPYC: a decode step's
 projections took several times the weight-streaming time).
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .qformats import Int4Weight, Int8Weight, Q4Blocks, quantize_int4, quantize_int8
+from .qformats import Int4Weight, Int8Weight, KQuantRows, Q4Blocks, quantize_int4, quantize_int8
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 
@@ -224,6 +228,30 @@ class NativeQ8(_NativeKernel):
         return self._op(x.contiguous(), self.q, self.scale, self.bias)
 
 
+class NativeKQuant(_NativeKernel):
+    """Native k-quant rows (``engine/native``): a GGUF's Q4_K / Q6_K super-blocks as stored, in segments of
+    one type (``KQuantRows``), int16 activations per block of 32, fp32 accumulation."""
+
+    name, fmt = "native_kquant", "int4"
+
+    def __init__(self, w: KQuantRows, bias, act_dtype: torch.dtype):
+        self._attach(act_dtype)
+        self.data = w.data.contiguous()
+        self.segments = list(w.segments)
+        self.table = w.table()
+        self.table_t = torch.tensor(self.table, dtype=torch.int64).reshape(-1, 3)  # the fused layer's form
+        n, k = w.shape
+        self._init(n, k, self.data.numel(), None if bias is None else bias.float().contiguous())
+        self._op = self.ops.ggml_matmul.default
+
+    def proj(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The weights as the fused decode layer takes them: (bytes, segment table, bias)."""
+        return self.data, self.table_t, self.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x.contiguous(), self.data, self.table, self.bias)
+
+
 def _inner_k_tiles(k: int) -> int:
     for t in (8, 4, 2):
         if k % (t * 16) == 0:
@@ -308,6 +336,12 @@ def build(name: str, weight, bias: torch.Tensor | None, *, act_dtype: torch.dtyp
         if device.type != "cpu":
             raise RuntimeError("native_q4 runs on CPU")
         return NativeQ4(weight if isinstance(weight, Q4Blocks) else to_format(weight, "int4"), bias, act_dtype)
+    if name == "native_kquant":
+        if device.type != "cpu":
+            raise RuntimeError("native_kquant runs on CPU")
+        if not isinstance(weight, KQuantRows):
+            raise RuntimeError("native_kquant reads a GGUF's Q4_K / Q6_K rows as stored (KQuantRows)")
+        return NativeKQuant(weight, bias, act_dtype)
     if name == "native_q8":
         if device.type != "cpu":
             raise RuntimeError("native_q8 runs on CPU")

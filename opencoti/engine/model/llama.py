@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from ..attention.base import AttentionMetadata
 from . import fused as _fused
 from . import kernels as _kernels
-from .gguf_weights import GGUFWeight, from_gguf, gguf_format
-from .qformats import cat_rows
+from .gguf_weights import GGUFWeight, gguf_format, read_parts
+from .qformats import KQuantRows, cat_rows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -188,12 +188,16 @@ class LlamaForward:
             parts = [source(n + ".weight") for n in names]
             if any(isinstance(p, GGUFWeight) for p in parts):  # read from the file now, one tensor at a time
                 fmt = gguf_format(parts, fmt)
-                parts = [from_gguf(p, fmt) if isinstance(p, GGUFWeight) else p for p in parts]
+                parts = read_parts(parts, fmt)
             weight = cat_rows(parts)
             del parts
             b = torch.cat([w(n + ".bias") for n in names], 0).contiguous() if bias else None
             n, k = weight.shape
-            name = choose_kernel(fmt, n, k) if choose_kernel is not None else _kernels.candidates(fmt, self.device)[0]
+            if isinstance(weight, KQuantRows):  # the file's own k-quant blocks: the kernel that reads them as stored
+                name = "native_kquant"
+            else:
+                name = choose_kernel(fmt, n, k) if choose_kernel is not None else \
+                    _kernels.candidates(fmt, self.device)[0]
             kern = None
             others = (name, *(_kernels.candidates(fmt, self.device) if fmt != weights else ()), *fallbacks)
             for other in others:  # a kernel may not serve this shape (e.g. int4 group size)
@@ -214,8 +218,8 @@ class LlamaForward:
         head_fmt = head_format or default_head_format(weights)
         head = "lm_head" if "lm_head.weight" in state_dict and not d.tie_word_embeddings else "model.embed_tokens"
         head_src = source(head + ".weight")
-        if weights == "int4" and isinstance(head_src, GGUFWeight) and head_src.is_exact_int4:
-            head_fmt = "int4"  # the file's own 4-bit head: its blocks, exactly (llama.cpp reads the same)
+        if weights == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4") == "int4":
+            head_fmt = "int4"  # the file's own head (4-bit, or Q6_K as stored): its blocks (llama.cpp reads the same)
         self.lm_head = proj(head, fmt=head_fmt)  # hidden -> V
         self.layers: list[_Layer] = []
         for i in range(d.num_layers):

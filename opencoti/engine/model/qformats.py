@@ -80,6 +80,66 @@ class Q4Blocks:
         return self.to_int4().dequantize()
 
 
+# GGUF k-quant types the native k-quant projections read as the file stores them (ggml type ids)
+KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}
+KQUANT_BLOCK = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 values
+
+
+@dataclass
+class KQuantRows:
+    """A projection's rows as a GGUF stores them in Q4_K / Q6_K super-blocks, in segments of one type
+    each (``segments``: (type name, rows) in row order; a fused q/k/v whose v is Q6_K and q, k Q4_K has
+    three, as Q4_K_M files have in some layers), the segments' bytes one after the other in ``data``
+    (uint8, 1-D). The native k-quant kernel (``kernels.NativeKQuant``) reads them without conversion:
+    4.5 bits a weight for Q4_K, 6.56 for Q6_K."""
+
+    data: torch.Tensor
+    segments: list[tuple[str, int]]
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.k % 256:
+            raise ValueError(f"k-quant rows need the input size to be a multiple of 256, got {self.k}")
+        want = sum(rows * self.k // 256 * KQUANT_BLOCK[t] for t, rows in self.segments)
+        if self.data.dtype != torch.uint8 or self.data.dim() != 1 or self.data.numel() != want:
+            raise ValueError(f"k-quant rows {self.segments} x {self.k} hold {want} bytes, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(rows for _, rows in self.segments), self.k)
+
+    def table(self) -> list[int]:
+        """The segments as the native operators take them: (ggml type, rows, k) per segment, flattened."""
+        return [v for t, rows in self.segments for v in (KQUANT_TYPES[t], rows, self.k)]
+
+    def dequantize(self) -> torch.Tensor:
+        from .gguf_weights import decode_rows
+
+        parts, at = [], 0
+        for t, rows in self.segments:
+            nbytes = rows * self.k // 256 * KQUANT_BLOCK[t]
+            raw = self.data[at:at + nbytes].numpy().reshape(rows, -1)
+            parts.append(decode_rows(t, raw, self.k))
+            at += nbytes
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def cat_kquant(parts: list[KQuantRows]) -> KQuantRows:
+    """Rows of several k-quant weights one after the other (adjacent segments of one type merged)."""
+    if any(p.k != parts[0].k for p in parts):
+        raise TypeError("cannot fuse k-quant weights with different input sizes")
+    segments: list[tuple[str, int]] = []
+    for p in parts:
+        for t, rows in p.segments:
+            if segments and segments[-1][0] == t:
+                segments[-1] = (t, segments[-1][1] + rows)
+            else:
+                segments.append((t, rows))
+    data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
+    return KQuantRows(data, segments, parts[0].k)
+
+
 def gguf_to_q4_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> Q4Blocks:
     """GGUF Q4_0 / Q4_1 / Q4_K rows (uint8 ``[n, row bytes]``) in the native int4 layout. Q4_0 and Q4_1
     are moved byte for byte (exact: Q4_0's offset ``-8 d`` is a power-of-two multiple of ``d``); a Q4_K
@@ -158,13 +218,15 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
     return Int4Weight(q.contiguous(), scale.contiguous(), (lo + 8.0 * scale).contiguous(), group)
 
 
-def cat_rows(parts: list) -> "Int8Weight | Int4Weight | Q4Blocks | torch.Tensor":
+def cat_rows(parts: list) -> "Int8Weight | Int4Weight | Q4Blocks | KQuantRows | torch.Tensor":
     """Concatenate weights along the output dimension (fused q/k/v, gate/up); all of one kind."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(parts, 0)
     if any(type(p) is not type(first) for p in parts):
         raise TypeError("cannot fuse weights of different formats")
+    if isinstance(first, KQuantRows):
+        return cat_kquant(parts)
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     if isinstance(first, Q4Blocks):

@@ -38,7 +38,7 @@ from . import kernels
 from .autotune import Autotuner
 from .embedding import gguf_embedding
 from .gate_text import GATE_TEXT
-from .gguf_weights import GGUFWeight
+from .gguf_weights import GGUFWeight, gguf_format, read_form
 from .llama import LlamaForward, ModelDims, default_head_format
 from .threads import ThreadAdapter
 
@@ -417,8 +417,9 @@ _BYTES_PER_VALUE = {"int4": 20 / 32, "fp32": 4.0, "bf16": 2.0}  # native_q4 bloc
 def _format_bytes(weight, fmt: str) -> float:
     """Bytes ``weight`` (a ``GGUFWeight`` projection) takes in ``fmt`` as ``gguf_format`` builds it."""
     n, k = weight.shape
-    if fmt == "int4" and not weight.is_exact_int4:
-        fmt = "int8"
+    fmt = gguf_format([weight], fmt)
+    if fmt == "int4" and read_form([weight]) == "kquant":
+        return float(weight.nbytes)  # Q4_K / Q6_K rows as stored
     return n * k * (1.0 + 4.0 / k) if fmt == "int8" else n * k * _BYTES_PER_VALUE[fmt]
 
 

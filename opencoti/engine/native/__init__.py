@@ -39,7 +39,7 @@ log = logging.getLogger("opencoti.engine")
 SOURCE = Path(__file__).with_name("kernels.cpp")  # the kernels (torch-free)
 OPS_SOURCE = Path(__file__).with_name("ops.cpp")  # their torch operators (includes kernels.cpp)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno"]
-ABI_VERSION = 10
+ABI_VERSION = 11
 NAMESPACE = "opencoti"  # torch.ops.opencoti: the default build's operators
 
 _lock = threading.Lock()

@@ -1275,11 +1275,14 @@ void cascade_groups_kv(int kv, const float* q, int64_t H, int64_t Hkv, int64_t D
 
 // The projection of one weight, as described by the caller (see OcProj in engine/native/__init__.py).
 struct OcProj {
-    int64_t kind;  // 4 = int4 blocks, 8 = int8 rows
+    int64_t kind;  // 4 = int4 blocks, 8 = int8 rows, 1 = GGUF k-quant rows in segments (ggml_segments_matmul)
     const void* w;
     const float* scale;  // int8 only
     const float* bias;   // or null
     int64_t n, k;
+    const int64_t* seg = nullptr;  // kind 1: nseg x {ggml type, rows, k}
+    int64_t nseg = 0;
+    int64_t seg_bytes = 0;         // kind 1: the bytes its rows hold (checks)
 };
 
 void project(const OcProj& p, const float* x, int64_t T, float* y, int nt);
@@ -1468,11 +1471,233 @@ void quantize_row_int8(const float* w, int64_t k, int8_t* q, float* scale) {
 }
 
 
+// ---------------------------------------------------------------------------------------- k-quant rows
+// Projections that read a GGUF's Q4_K and Q6_K super-blocks as the file stores them (256 values a
+// block: Q4_K 144 bytes, 4.5 bits a weight; Q6_K 210 bytes, 6.56 bits), so a k-quant file is served
+// at its own size: the int4 layout above takes 5 bits a weight for a Q4_K row (fp16 d and m per 32),
+// int8 8.1 for a Q6_K one. Activations as in the int16 row path (per block of 32, |x| max / 32767); a
+// Q4_K sub-block's scale d * sc and offset dmin * m are computed in fp32 from the file's fp16 and
+// 6-bit integers (exact), a Q6_K group's (q - 32) * sc in int16 (|.| <= 4096: a pair of products with
+// 15-bit activations fits an int32 lane with room for two pairs more).
+
+// The 6-bit scales and mins of a Q4_K / Q5_K super-block (its 12 bytes at s) as 8 + 8 bytes, four at a
+// time in 32-bit words (scale_min_k4's values): sub-blocks 0-3 take the low 6 bits of bytes 0-3
+// (scales) and 4-7 (mins); 4-7 take bytes 8-11's low (scales) and high (mins) nibbles, with the top
+// two bits of bytes 0-3 (scales) and 4-7 (mins) above them.
+inline void k4_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    uint32_t a, b, c;
+    std::memcpy(&a, s, 4);
+    std::memcpy(&b, s + 4, 4);
+    std::memcpy(&c, s + 8, 4);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, low2 = 0x03030303u;
+    const uint32_t words[4] = {a & low6, (c & low4) | (((a >> 6) & low2) << 4), b & low6,
+                               ((c >> 4) & low4) | (((b >> 6) & low2) << 4)};
+    std::memcpy(sc, words, 8);
+    std::memcpy(mn, words + 2, 8);
+}
+
+#if OC_AVX2
+// One Q4_K weight row against R rows of int16 activations (x16 / dx per block of 32, sx the exact fp32
+// block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j.
+// The 6-bit scales (bytes 0-7) and mins (bytes 8-15) of a Q4_K super-block whose 12 scale bytes are at s
+// (k4_scales in 32-bit lanes; reads 16 bytes: a Q4_K block's nibbles follow its scales).
+inline __m128i k4_scales_v(const uint8_t* s) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)s);  // lanes a, b, c (bytes 0-3, 4-7, 8-11)
+    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));
+    const __m128i aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+    const __m128i top = _mm_and_si128(_mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(aabb, 6), _mm_set1_epi8(3)), 4),
+                                      _mm_setr_epi32(0, -1, 0, -1));
+    return _mm_or_si128(low, top);
+}
+
+// lane j of v in every lane (j a constant at each call)
+inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+
+// One Q4_K weight row against R rows of int16 activations (x16 / dx per block of 32, sx the exact fp32
+// block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j.
+template <int R>
+inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, const float* sx,
+                        float* out) {
+    const int64_t ns = K / 256, nb = K / 32;
+    __m256 acc[R][2], macc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* blk = wrow + s * 144;
+        const __m128i sm = k4_scales_v(blk + 4);
+        const __m256 scf = _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(blk))),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+        const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(blk + 2))),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+        __m256 dd[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            dd[r] = _mm256_mul_ps(scf, _mm256_loadu_ps(dx + r * nb + s * 8));
+            macc[r] = _mm256_fmadd_ps(mf, _mm256_loadu_ps(sx + r * nb + s * 8), macc[r]);
+        }
+        const uint8_t* qs = blk + 16;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {  // 64 values: sub-block 2c in the low nibbles, 2c + 1 in the high
+            const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + c * 32)));
+            const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + c * 32 + 16)));
+            const __m256i l0 = _mm256_and_si256(v0, low4), l1 = _mm256_and_si256(v1, low4);
+            const __m256i h0 = _mm256_srli_epi16(v0, 4), h1 = _mm256_srli_epi16(v1, 4);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const int16_t* xb = x16 + r * K + s * 256 + c * 64;
+                const __m256i pl = dot_i16(_mm256_madd_epi16(l0, _mm256_loadu_si256((const __m256i*)xb)), l1,
+                                           _mm256_loadu_si256((const __m256i*)(xb + 16)));
+                const __m256i ph = dot_i16(_mm256_madd_epi16(h0, _mm256_loadu_si256((const __m256i*)(xb + 32))), h1,
+                                           _mm256_loadu_si256((const __m256i*)(xb + 48)));
+                acc[r][0] = _mm256_fmadd_ps(lane(dd[r], 2 * c), _mm256_cvtepi32_ps(pl), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(lane(dd[r], 2 * c + 1), _mm256_cvtepi32_ps(ph), acc[r][1]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum(macc[r]);
+}
+
+// One Q6_K weight row against R rows of int16 activations: per half super-block (128 values), the low
+// nibbles of ql[0..63] and the 2-bit pairs of qh[0..31] make four runs of 32 (run c: ql[l + 32 (c & 1)]'s
+// nibble c / 2 and qh[l]'s bits 2c, 2c + 1, as gguf_decode_row reads them), each run one activation
+// block, its two halves of 16 with their own int8 scale.
+template <int R>
+inline void q6k_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, float* out) {
+    const int64_t ns = K / 256, nb = K / 32;
+    __m256 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi16(32);
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* blk = wrow + s * 210;
+        const int8_t* scs = (const int8_t*)(blk + 192);
+        const __m256 d = _mm256_set1_ps(half_to_float(load_u16(blk + 208)));
+        __m256 dd[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) dd[r] = _mm256_mul_ps(d, _mm256_loadu_ps(dx + r * nb + s * 8));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + h * 64));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + h * 64 + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + h * 32));
+            const __m256i runs[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4))};
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+                const int g = h * 8 + c * 2;  // the run's two scales: sc[g], sc[g + 1]
+                const __m256i w0 = _mm256_mullo_epi16(
+                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(runs[c])), off),
+                    _mm256_set1_epi16(scs[g]));
+                const __m256i w1 = _mm256_mullo_epi16(
+                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(runs[c], 1)), off),
+                    _mm256_set1_epi16(scs[g + 1]));
+#pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const int16_t* xb = x16 + r * K + s * 256 + h * 128 + c * 32;
+                    const __m256i p = dot_i16(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xb)), w1,
+                                              _mm256_loadu_si256((const __m256i*)(xb + 16)));
+                    acc[r][c & 1] = _mm256_fmadd_ps(lane(dd[r], h * 4 + c), _mm256_cvtepi32_ps(p),
+                                                    acc[r][c & 1]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
+// Whether the k-quant projections read blocks of this ggml type.
+inline bool ggml_kernel_type(int type) { return type == kGgmlQ4_K || type == kGgmlQ6_K; }
+
+// y [T, N] (row stride ldy) = x [T, K] @ W.T (+ bias), W n rows of ggml type ``type`` (Q4_K / Q6_K)
+// as the file stores them. Many rows: fp32 panels (each row decoded as gguf_decode_row does); up to
+// kI16MaxRows rows: the int16 row kernels; else (no AVX2) each weight row decoded then dotted in fp32.
+void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* w, int64_t N, const float* bias,
+                 float* y, int nt) {
+    const int64_t row_bytes = K / 256 * (type == kGgmlQ4_K ? 144 : 210), nb = K / 32;
+    if (T >= kGemmMinRowsQ4) {
+        gemm_panels(x, T, K, N, bias, y, nt,
+                    [&](int64_t n, float* row) { gguf_decode_row(type, w + n * row_bytes, K, row); });
+        return;
+    }
+#if OC_AVX2
+    if (T <= kI16MaxRows) {
+        std::vector<int16_t> x16;
+        std::vector<float> dx, sx(type == kGgmlQ4_K ? T * nb : 0);
+        quantize_i16(x, T, K, x16, dx);
+        for (int64_t b = 0; b < (int64_t)sx.size(); ++b) {
+            float s = 0.f;
+            for (int j = 0; j < 32; ++j) s += x[b * 32 + j];  // rows are contiguous: block b of the whole x
+            sx[b] = s;
+        }
+        matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+            float out[kRows];
+            const uint8_t* wrow = w + n * row_bytes;
+            rows_421(rows, [&](auto R, int64_t r) {
+                constexpr int Rc = decltype(R)::value;
+                const int64_t t = t0 + r;
+                if (type == kGgmlQ4_K)
+                    q4k_row_i16<Rc>(x16.data() + t * K, dx.data() + t * nb, K, wrow, sx.data() + t * nb, out + r);
+                else
+                    q6k_row_i16<Rc>(x16.data() + t * K, dx.data() + t * nb, K, wrow, out + r);
+            });
+            store_rows(y, N, t0, rows, n, out, bias);
+        }, w, row_bytes);
+        return;
+    }
+#endif
+    std::vector<float> rows_f(nt * K);
+    matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+        float* wf = rows_f.data() + omp_get_thread_num() * K;
+        gguf_decode_row(type, w + n * row_bytes, K, wf);
+        float out[kRows];
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* xr = x + (t0 + r) * K;
+            float s = 0.f;
+            for (int64_t k = 0; k < K; ++k) s += wf[k] * xr[k];
+            out[r] = s;
+        }
+        store_rows(y, N, t0, rows, n, out, bias);
+    }, w, row_bytes);
+}
+
+// A projection of row segments, each of one ggml type: seg[i] = {type, rows, k} (a fused q/k/v whose
+// v is Q6_K and q, k Q4_K, as Q4_K_M files have in some layers). One segment writes y directly; more
+// each compute their columns apart and are copied into place (a decode step's few rows).
+void ggml_segments_matmul(const float* x, int64_t T, int64_t K, const int64_t* seg, int64_t nseg, const uint8_t* w,
+                          int64_t N, const float* bias, float* y, int nt) {
+    if (nseg == 1) {
+        ggml_matmul(x, T, K, (int)seg[0], w, N, bias, y, nt);
+        return;
+    }
+    std::vector<float> part;
+    int64_t n0 = 0;
+    for (int64_t i = 0; i < nseg; ++i) {
+        const int type = (int)seg[3 * i];
+        const int64_t rows = seg[3 * i + 1];
+        part.resize(T * rows);
+        ggml_matmul(x, T, K, type, w, rows, bias ? bias + n0 : nullptr, part.data(), nt);
+        for (int64_t t = 0; t < T; ++t) std::memcpy(y + t * N + n0, part.data() + t * rows, rows * sizeof(float));
+        w += rows * (K / 256) * (type == kGgmlQ4_K ? 144 : 210);
+        n0 += rows;
+    }
+}
 }  // namespace
 
 extern "C" {
 
-int oc_abi_version() { return 10; }
+int oc_abi_version() { return 11; }
 
 // The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
 // the ones before the call go to *old_q4, *old_q8 when given.
@@ -1665,6 +1890,13 @@ void oc_q8_dequant(const int8_t* src, int64_t rows, int64_t D, float* dst, int n
     }
 }
 
+// y [T, N] = x [T, K] @ W.T (+ bias), W the rows of nseg segments (seg: nseg x {ggml type, rows, k}; Q4_K
+// or Q6_K, K a multiple of 256), each as the GGUF stores it, one after the other at w.
+void oc_ggml_matmul(const float* x, int64_t T, int64_t K, const int64_t* seg, int64_t nseg, const uint8_t* w,
+                    int64_t N, const float* bias, float* y, int nt) {
+    ggml_segments_matmul(x, T, K, seg, nseg, w, N, bias, y, nt);
+}
+
 // Bytes of one GGUF row of k values of ggml type ``type``; -1 when these kernels do not decode the type
 // or k is not a whole number of its blocks.
 int64_t oc_gguf_row_bytes(int type, int64_t k) {
@@ -1835,6 +2067,7 @@ void oc_decode_layer(float* x, int64_t T, int64_t hidden, const float* in_norm, 
 namespace {
 void project(const OcProj& p, const float* x, int64_t T, float* y, int nt) {
     if (p.kind == 4) oc_q4_matmul(x, T, p.k, (const uint8_t*)p.w, p.n, p.bias, y, nt);
+    else if (p.kind == 1) ggml_segments_matmul(x, T, p.k, p.seg, p.nseg, (const uint8_t*)p.w, p.n, p.bias, y, nt);
     else oc_q8_matmul(x, T, p.k, (const int8_t*)p.w, p.scale, p.n, p.bias, y, nt);
 }
 }  // namespace

@@ -190,13 +190,60 @@ void check_attention_io(const Tensor& q, const Tensor& out, const c10::optional<
 }
 
 // ---------------------------------------------------------------------------------------- projections
+// GGUF k-quant rows in segments: nseg x {ggml type, rows, k} at s (Q4_K (12) or Q6_K (14), rows >= 1,
+// one k for all, a multiple of 256). Sets p's k, n, seg, nseg and seg_bytes (the bytes the rows hold).
+template <typename N>
+void check_segment_table(const int64_t* s, int64_t nseg, const N& sn, OcProj* p) {
+    TORCH_CHECK(nseg >= 1, sn, " must describe at least one segment");
+    int64_t n = 0, bytes = 0;
+    for (int64_t i = 0; i < nseg; ++i) {
+        const int64_t type = s[3 * i], rows = s[3 * i + 1], k = s[3 * i + 2];
+        TORCH_CHECK(ggml_kernel_type((int)type), sn, " segment ", i, ": ggml type ", type, " is not one the "
+                    "k-quant projections read (12 Q4_K, 14 Q6_K)");
+        TORCH_CHECK(rows >= 1, sn, " segment ", i, ": rows must be >= 1, got ", rows);
+        TORCH_CHECK(k > 0 && k % 256 == 0 && k == s[2], sn, " segment ", i, ": k must be a positive multiple of "
+                    "256, the same in every segment, got ", k);
+        n += rows;
+        bytes += rows * oc_gguf_row_bytes((int)type, k);
+    }
+    p->k = s[2];
+    p->n = n;
+    p->seg = s;
+    p->nseg = nseg;
+    p->seg_bytes = bytes;
+}
+
+// The same table as an int64 tensor [nseg, 3] (a fused layer's ``scales`` entry). A meta tensor holds
+// no values: under meta the projection's sizes stay unknown (-1) and the checks that need them run on
+// the real call.
+void check_segments(const Tensor& segs, const Name& sn, bool meta, OcProj* p) {
+    check_tensor(segs, sn, ScalarType::Long, meta);
+    check_dim(segs, sn, 2);
+    TORCH_CHECK(segs.size(0) >= 1 && segs.size(1) == 3, sn, " must have shape [segments >= 1, 3] (ggml type, rows, "
+                "k), got ", segs.sizes());
+    if (meta) {
+        p->k = p->n = p->seg_bytes = -1;
+        return;
+    }
+    check_segment_table(segs.data_ptr<int64_t>(), segs.size(0), sn, p);
+}
+
 // One projection's weights: int4 blocks (uint8 [N, K/32 * 20], no scale) or int8 rows (int8 [N, K] and
 // fp32 scale [N]); bias fp32 [N] or none. Returns the OcProj the kernels take.
+void check_bias(const c10::optional<Tensor>& bias, const Name& bn, bool meta, OcProj* p);
+
 OcProj check_proj(const Tensor& w, const c10::optional<Tensor>& scale, const c10::optional<Tensor>& bias,
                   const Name& wn, const Name& sn, const Name& bn, bool meta) {
     OcProj p{};
     TORCH_CHECK(w.defined(), wn, " is required");
-    if (w.scalar_type() == ScalarType::Byte) {
+    if (w.scalar_type() == ScalarType::Byte && w.dim() == 1) {
+        check_tensor(w, wn, ScalarType::Byte, meta);
+        TORCH_CHECK(scale.has_value(), sn, " is required for GGUF k-quant rows (int64 [segments, 3]: ggml type, "
+                    "rows, k)");
+        check_segments(*scale, sn, meta, &p);
+        if (p.seg_bytes >= 0) check_size(w, wn, 0, p.seg_bytes, "the segments' bytes");
+        p.kind = 1;
+    } else if (w.scalar_type() == ScalarType::Byte) {
         check_tensor(w, wn, ScalarType::Byte, meta);
         check_dim(w, wn, 2);
         TORCH_CHECK(w.size(1) > 0 && w.size(1) % kQ4Block == 0, wn, " (int4 blocks) must have a multiple of ",
@@ -218,15 +265,19 @@ OcProj check_proj(const Tensor& w, const c10::optional<Tensor>& scale, const c10
         p.k = w.size(1);
         p.scale = meta ? nullptr : scale->data_ptr<float>();
     }
-    p.n = w.size(0);
+    if (p.kind != 1) p.n = w.size(0);
+    check_bias(bias, bn, meta, &p);
+    p.w = meta ? nullptr : w.data_ptr();
+    return p;
+}
+
+void check_bias(const c10::optional<Tensor>& bias, const Name& bn, bool meta, OcProj* p) {
     if (bias.has_value()) {
         check_tensor(*bias, bn, ScalarType::Float, meta);
         check_dim(*bias, bn, 1);
-        check_size(*bias, bn, 0, p.n, "the weights' rows");
-        p.bias = meta ? nullptr : bias->data_ptr<float>();
+        if (p->n >= 0) check_size(*bias, bn, 0, p->n, "the weights' rows");
+        p->bias = meta ? nullptr : bias->data_ptr<float>();
     }
-    p.w = meta ? nullptr : w.data_ptr();
-    return p;
 }
 
 void check_x(const Tensor& x, int64_t k, bool meta) {
@@ -245,6 +296,25 @@ Tensor q4_matmul(const Tensor& x, const Tensor& blocks, const c10::optional<Tens
     if (!kMeta && x.size(0) > 0)
         oc_q4_matmul(x.data_ptr<float>(), x.size(0), p.k, (const uint8_t*)p.w, p.n, p.bias, y.data_ptr<float>(),
                      at::get_num_threads());
+    return y;
+}
+
+// segments: nseg x (ggml type, rows, k), flattened (an int list, so the meta kernel knows the sizes too).
+template <bool kMeta>
+Tensor ggml_matmul(const Tensor& x, const Tensor& data, at::IntArrayRef segments, const c10::optional<Tensor>& bias) {
+    check_tensor(data, "data", ScalarType::Byte, kMeta);
+    check_dim(data, "data", 1);
+    TORCH_CHECK(segments.size() % 3 == 0, "segments must hold (ggml type, rows, k) per segment, got ",
+                segments.size(), " values");
+    OcProj p{};
+    check_segment_table(segments.data(), (int64_t)segments.size() / 3, "segments", &p);
+    check_size(data, "data", 0, p.seg_bytes, "the segments' bytes");
+    check_bias(bias, {"bias", -1, ""}, kMeta, &p);
+    check_x(x, p.k, kMeta);
+    Tensor y = at::empty({x.size(0), p.n}, x.options());
+    if (!kMeta && x.size(0) > 0)
+        oc_ggml_matmul(x.data_ptr<float>(), x.size(0), p.k, p.seg, p.nseg, data.data_ptr<uint8_t>(), p.n, p.bias,
+                       y.data_ptr<float>(), at::get_num_threads());
     return y;
 }
 
@@ -387,14 +457,15 @@ void check_layer(const Tensor& in_norm, const Tensor& post_norm, at::TensorList 
         check_size(*t, name, 0, d.hidden, "x's hidden size");
     }
     auto shape = [&](int i, int64_t n, int64_t k, const char* what) {
+        if (proj[i].n < 0) return;  // k-quant segments under meta: sizes unknown (checked on the real call)
         TORCH_CHECK(proj[i].n == n && proj[i].k == k, names[i], " must compute ", what, ": [", n, " outputs, ", k,
                     " inputs], got [", proj[i].n, ", ", proj[i].k, "]");
     };
     shape(0, (d.H + 2 * d.Hkv) * d.D, d.hidden, "(num_heads + 2 x KV heads) x head_dim from hidden");
     shape(1, d.hidden, d.H * d.D, "hidden from num_heads x head_dim");
-    TORCH_CHECK(proj[2].n % 2 == 0 && proj[2].k == d.hidden, names[2], " must compute 2 x intermediate from hidden (",
+    TORCH_CHECK(proj[2].n < 0 || (proj[2].n % 2 == 0 && proj[2].k == d.hidden), names[2], " must compute 2 x intermediate from hidden (",
                 d.hidden, "), got [", proj[2].n, ", ", proj[2].k, "]");
-    shape(3, d.hidden, proj[2].n / 2, "hidden from the intermediate size");
+    if (proj[2].n >= 0) shape(3, d.hidden, proj[2].n / 2, "hidden from the intermediate size");
 }
 
 void check_lists(at::TensorList weights, const OptList& scales, const OptList& biases, size_t n) {
@@ -586,6 +657,7 @@ OC_LIBRARY(OC_OPS_NS, m) {
     m.def("i16_rows(int rows) -> int", &i16_rows);
     m.def("q4_matmul(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
     m.def("q8_matmul(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
+    m.def("ggml_matmul(Tensor x, Tensor data, int[] segments, Tensor? bias) -> Tensor");
     m.def("kv_store(Tensor(a!) dst, Tensor src) -> ()");
     m.def("q8_dequant(Tensor src) -> Tensor");
     m.def("gguf_q4_blocks(Tensor raw, int type, int k) -> Tensor");
@@ -613,6 +685,7 @@ OC_LIBRARY(OC_OPS_NS, m) {
 #define OC_IMPLS(m, meta)                                                \
     m.impl("q4_matmul", &oc_ops::q4_matmul<meta>);                       \
     m.impl("q8_matmul", &oc_ops::q8_matmul<meta>);                       \
+    m.impl("ggml_matmul", &oc_ops::ggml_matmul<meta>);                   \
     m.impl("kv_store", &oc_ops::kv_store<meta>);                         \
     m.impl("q8_dequant", &oc_ops::q8_dequant<meta>);                     \
     m.impl("gguf_q4_blocks", &oc_ops::gguf_q4_blocks<meta>);             \
