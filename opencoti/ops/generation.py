@@ -7,6 +7,7 @@ use these; only the framing (SSE / JSON / Python objects) differs per transport.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,6 +62,24 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         max_tokens = None
     return SamplingParams(max_tokens=max_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs,
                           post_sampling_probs=body.post_sampling_probs, constraint=constraint, **kw)
+
+
+def fit_context(ctx: Context, tokens: list[int], params: SamplingParams, stop_at_context: bool,
+                extra: dict | None = None) -> SamplingParams:
+    """llama.cpp's rule for a prompt that fits the context but not with ``max_tokens`` more: it is not
+    refused, it generates until the context is full (``truncated: true``, llama.cpp's ``stop_type:
+    limit``). ``stop_at_context``: where that rule applies — every limit on llama.cpp's own routes
+    (``/completion``, ``/infill``); on the OpenAI routes only the server's default limit (``--n-predict``),
+    as OpenAI's APIs give a request without ``max_tokens`` the rest of the context and refuse one whose
+    explicit ``max_tokens`` does not fit (the Anthropic route's ``max_tokens`` is always explicit). A prompt
+    longer than the context is refused everywhere, as llama.cpp does. ``extra`` (``Prepared.extra``)
+    keeps the limit asked for under ``n_predict`` (what ``generation_settings`` echoes)."""
+    n, limit = len(tokens), params.max_tokens
+    if not stop_at_context or limit is None or n > ctx.engine.max_context or n + limit <= ctx.engine.max_context:
+        return params
+    if extra is not None:
+        extra["n_predict"] = limit
+    return dataclasses.replace(params, max_tokens=None)
 
 
 def check_choices(n: int) -> None:
@@ -145,7 +164,9 @@ def prepare_completion(ctx: Context, body: CompletionRequest) -> Prepared:
                              default_seed=ctx.default_seed,
                              tokenize=ctx.engine.tokenize, constraint=body_constraint(body))
     tokens, text = _completion_prompt(ctx, body.prompt)
-    return Prepared(tokens, params, kwargs, prompt_text=text)
+    extra: dict = {}
+    params = fit_context(ctx, tokens, params, True, extra)  # llama.cpp's route: stops at the context
+    return Prepared(tokens, params, kwargs, prompt_text=text, extra=extra)
 
 
 def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Prepared:
@@ -160,6 +181,7 @@ def prepare_openai_completion(ctx: Context, body: OpenAICompletionRequest) -> Pr
                              default_seed=ctx.default_seed, openai=True,
                              tokenize=ctx.engine.tokenize, constraint=body_constraint(body))
     tokens, text = _completion_prompt(ctx, body.prompt)
+    params = fit_context(ctx, tokens, params, body.max_tokens is None)  # OpenAI: only the server's default
     if body.echo and text is None:
         text = ctx.engine.detokenize(tokens)
     return Prepared(tokens, params, kwargs, prompt_text=text)
@@ -184,6 +206,7 @@ def prepare_chat_request(ctx: Context, body: ChatCompletionRequest) -> Prepared:
                              ctx.default_max_tokens, default_seed=ctx.default_seed, openai=True,
                              tokenize=ctx.engine.tokenize, constraint=constraint)
     tokens = ctx.engine.tokenize(prompt.full_text)
+    params = fit_context(ctx, tokens, params, max_tokens is None)  # OpenAI: only the server's default
     return Prepared(tokens, params, kwargs, chat=prompt, single_call=body.parallel_tool_calls is False)
 
 
@@ -235,9 +258,13 @@ def opencoti_block(info: RequestInfo) -> dict:
     return out
 
 
-def generation_settings(ctx: Context, params: SamplingParams, stream: bool = False) -> dict:
-    return {"n_ctx": ctx.engine.max_context, "model": ctx.model_name,
-            "n_predict": -1 if params.max_tokens is None else params.max_tokens,
+def generation_settings(ctx: Context, params: SamplingParams, stream: bool = False,
+                        n_predict: int | None = None) -> dict:
+    """llama.cpp's ``generation_settings`` (``n_predict``: the limit asked for, when ``fit_context`` let
+    the generation run to the context instead)."""
+    if n_predict is None:
+        n_predict = -1 if params.max_tokens is None else params.max_tokens
+    return {"n_ctx": ctx.engine.max_context, "model": ctx.model_name, "n_predict": n_predict,
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
             "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
             "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0, "stream": stream,
@@ -260,7 +287,7 @@ def llama_final(ctx: Context, body: CompletionRequest, prepared: Prepared, info:
         "index": 0, "content": content, "tokens": list(result.token_ids) if body.return_tokens else [],
         "id_slot": slot_number(info.session_id), "stop": True, "model": ctx.model_name,
         "tokens_predicted": len(result.token_ids), "tokens_evaluated": info.prompt_tokens,
-        "generation_settings": generation_settings(ctx, prepared.params, body.stream),
+        "generation_settings": generation_settings(ctx, prepared.params, body.stream, prepared.extra.get("n_predict")),
         "prompt": prepared.prompt_text or "",
         "has_new_line": "\n" in result.text, "truncated": result.truncated,
         "stop_type": STOP_TYPE_LLAMA.get(result.stop_reason, "none"), "stopping_word": result.stopping_word,

@@ -201,3 +201,53 @@ def test_return_progress_only_when_asked_and_streamed(client, engine):
     # a bad value is a 400, as any other field's
     r = client.post("/completion", json={"prompt": "x", "stream": True, "return_progress": "sometimes"})
     assert r.status_code == 400, r.text
+
+
+# ============================================================================ prompt + n_predict > context
+def test_completion_past_the_context_stops_there_as_llamacpp(client, engine):
+    """llama.cpp's /completion takes a prompt that fits the context whatever n_predict asks for and stops
+    when the context is full (truncated, stop_type limit); before, opencoti refused it with a 400."""
+    n_ctx = engine.max_context
+    ids = (engine.tokenize("the quick brown fox ") * n_ctx)[:n_ctx - 5]
+    body = {"prompt": ids, "n_predict": 50, "ignore_eos": True, "temperature": 0}
+    r = client.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["truncated"] is True and out["stop_type"] == "limit"
+    assert out["tokens_predicted"] == out["timings"]["predicted_n"] == 5  # to the last position of the context
+    assert out["generation_settings"]["n_predict"] == 50  # what was asked for
+    events = _sse(client.post("/completion", json={**body, "stream": True}).text)
+    assert events[-1]["stop"] and events[-1]["truncated"] is True and events[-1]["tokens_predicted"] == 5
+    # a limit that fits is kept (and stops there, not truncated); a prompt longer than the context is refused
+    fits = client.post("/completion", json={**body, "n_predict": 3}).json()
+    assert fits["tokens_predicted"] == 3 and fits["truncated"] is False
+    r = client.post("/completion", json={"prompt": ids + ids[:10], "n_predict": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
+
+
+def test_openai_routes_keep_refusing_an_explicit_max_tokens_past_the_context(engine):
+    """OpenAI's APIs refuse a max_tokens that does not fit (context_length_exceeded) and give a request
+    without one the rest of the context: the server's --n-predict default never refuses it; Anthropic's
+    max_tokens is always explicit, so refused."""
+    n_ctx = engine.max_context
+    ids = (engine.tokenize("the quick brown fox ") * n_ctx)[:n_ctx - 5]
+    with TestClient(create_app(engine, config=ServerConfig(default_max_tokens=64)),
+                    raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 50})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = c.post("/v1/completions", json={"prompt": ids, "ignore_eos": True})  # the default (64) does not fit
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 5
+        fits = c.post("/v1/completions", json={"prompt": ids[:20], "ignore_eos": True}).json()  # the default fits
+        assert fits["usage"]["completion_tokens"] == 64
+        text = "the quick brown fox " * (n_ctx // 20)
+        msgs = [{"role": "user", "content": text[:n_ctx - 60]}]
+        n = len(c.post("/apply-template", json={"messages": msgs}).json()["prompt"])  # byte-level tokens
+        assert n + 64 > n_ctx >= n, n
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 64})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        r = c.post("/v1/messages", json={"messages": msgs, "max_tokens": 64})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.json()["error"]["message"].startswith("prompt is too long")

@@ -195,11 +195,16 @@ def test_n_choices_chat_and_completions(client, engine):
 
 
 def test_context_exceeded_error_reports_n_prompt_tokens_and_n_ctx(client, engine):
-    r = client.post("/completion", json={"prompt": "x" * 100, "n_predict": 5000})
-    assert r.status_code == 400
-    err = r.json()["error"]
-    assert err["type"] == "exceed_context_size_error"
-    assert err["n_prompt_tokens"] == 100 and err["n_ctx"] == engine.max_context
+    # an explicit max_tokens past the context on an OpenAI route (llama.cpp's /completion runs to the
+    # context instead: test_llamacpp_details.py), and a prompt longer than the context anywhere
+    for path, body, n in [("/v1/completions", {"prompt": "x" * 100, "max_tokens": 5000}, 100),
+                          ("/completion", {"prompt": "x" * (engine.max_context + 1), "n_predict": 1},
+                           engine.max_context + 1)]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["type"] == "exceed_context_size_error"
+        assert err["n_prompt_tokens"] == n and err["n_ctx"] == engine.max_context
 
 
 def test_timings_predicted_n_equals_tokens_predicted(client):
