@@ -1497,8 +1497,6 @@ inline void k4_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 }
 
 #if OC_AVX2
-// One Q4_K weight row against R rows of int16 activations (x16 / dx per block of 32, sx the exact fp32
-// block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j.
 // The 6-bit scales (bytes 0-7) and mins (bytes 8-15) of a Q4_K super-block whose 12 scale bytes are at s
 // (k4_scales in 32-bit lanes; reads 16 bytes: a Q4_K block's nibbles follow its scales).
 inline __m128i k4_scales_v(const uint8_t* s) {
@@ -1515,8 +1513,23 @@ inline __m128i k4_scales_v(const uint8_t* s) {
 // lane j of v in every lane (j a constant at each call)
 inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
 
-// One Q4_K weight row against R rows of int16 activations (x16 / dx per block of 32, sx the exact fp32
-// block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j.
+// The k-quant kernels take the int16 activations of each block of 32 with its even values first, then its
+// odd ones (x0 x2 ... x30 x1 x3 ... x31: permute_even_odd): 32 weight bytes loaded as 16-bit lanes then
+// give the even values' weights by a mask and the odd ones' by a shift, with no widening shuffles.
+inline void permute_even_odd(int16_t* x16, int64_t n) {
+    int16_t tmp[32];
+    for (int64_t b = 0; b < n; b += 32) {
+        for (int m = 0; m < 16; ++m) {
+            tmp[m] = x16[b + 2 * m];
+            tmp[16 + m] = x16[b + 2 * m + 1];
+        }
+        std::memcpy(x16 + b, tmp, sizeof(tmp));
+    }
+}
+
+// One Q4_K weight row against R rows of int16 activations (x16 even/odd per block of 32, dx its scales,
+// sx the exact fp32 block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j. A
+// chunk of 64 values is 32 bytes: byte i holds value i of sub-block 2c (low nibble) and of 2c + 1 (high).
 template <int R>
 inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, const float* sx,
                         float* out) {
@@ -1540,17 +1553,16 @@ inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const ui
         }
         const uint8_t* qs = blk + 16;
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {  // 64 values: sub-block 2c in the low nibbles, 2c + 1 in the high
-            const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + c * 32)));
-            const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + c * 32 + 16)));
-            const __m256i l0 = _mm256_and_si256(v0, low4), l1 = _mm256_and_si256(v1, low4);
-            const __m256i h0 = _mm256_srli_epi16(v0, 4), h1 = _mm256_srli_epi16(v1, 4);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + c * 32));  // 16-bit lane m: bytes 2m, 2m+1
+            const __m256i le = _mm256_and_si256(v, low4), lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+            const __m256i he = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho = _mm256_srli_epi16(v, 12);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const int16_t* xb = x16 + r * K + s * 256 + c * 64;
-                const __m256i pl = dot_i16(_mm256_madd_epi16(l0, _mm256_loadu_si256((const __m256i*)xb)), l1,
+                const __m256i pl = dot_i16(_mm256_madd_epi16(le, _mm256_loadu_si256((const __m256i*)xb)), lo,
                                            _mm256_loadu_si256((const __m256i*)(xb + 16)));
-                const __m256i ph = dot_i16(_mm256_madd_epi16(h0, _mm256_loadu_si256((const __m256i*)(xb + 32))), h1,
+                const __m256i ph = dot_i16(_mm256_madd_epi16(he, _mm256_loadu_si256((const __m256i*)(xb + 32))), ho,
                                            _mm256_loadu_si256((const __m256i*)(xb + 48)));
                 acc[r][0] = _mm256_fmadd_ps(lane(dd[r], 2 * c), _mm256_cvtepi32_ps(pl), acc[r][0]);
                 acc[r][1] = _mm256_fmadd_ps(lane(dd[r], 2 * c + 1), _mm256_cvtepi32_ps(ph), acc[r][1]);
@@ -1561,59 +1573,65 @@ inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const ui
     for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum(macc[r]);
 }
 
-// One Q6_K weight row against R rows of int16 activations: per half super-block (128 values), the low
-// nibbles of ql[0..63] and the 2-bit pairs of qh[0..31] make four runs of 32 (run c: ql[l + 32 (c & 1)]'s
-// nibble c / 2 and qh[l]'s bits 2c, 2c + 1, as gguf_decode_row reads them), each run one activation
-// block, its two halves of 16 with their own int8 scale.
+// One Q6_K weight row against R rows of int16 activations (even/odd per block of 32; gs: the sums of each
+// group of 16 activations, as floats). Per half super-block (128 values) the low nibbles of ql[0..63] and
+// the 2-bit pairs of qh[0..31] make four runs of 32 (run c: ql[l + 32 (c & 1)]'s nibble c / 2 and qh[l]'s
+// bits 2c, 2c + 1, as gguf_decode_row reads them), each run one activation block whose two groups of 16
+// have their own int8 scale. The weights are taken unsigned (q, 0..63) and the offset -32 applied once a
+// super-block: out = sum_g S_g <q_g, x16_g> - 32 sum_g S_g sum(x16_g), S_g = d sc_g dx (the products fit
+// fp32 exactly: 4 x 63 x 32767 < 2^24 a lane).
 template <int R>
-inline void q6k_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, float* out) {
-    const int64_t ns = K / 256, nb = K / 32;
-    __m256 acc[R][2];
+inline void q6k_row_i16(const int16_t* x16, const float* dx, const float* gs, int64_t K, const uint8_t* wrow,
+                        float* out) {
+    const int64_t ns = K / 256, nb = K / 32, ng = K / 16;
+    __m256 acc[R][2], corr[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi16(32);
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = corr[r] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi16(0xFF);
+    const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t s = 0; s < ns; ++s) {
         const uint8_t* blk = wrow + s * 210;
-        const int8_t* scs = (const int8_t*)(blk + 192);
         const __m256 d = _mm256_set1_ps(half_to_float(load_u16(blk + 208)));
-        __m256 dd[R];
+        const __m256 sc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 192)))));
+        const __m256 sc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 200)))));
+        __m256 S[R][2];  // S_g for groups 0-7 (the first half's) and 8-15
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) dd[r] = _mm256_mul_ps(d, _mm256_loadu_ps(dx + r * nb + s * 8));
+        for (int r = 0; r < R; ++r) {
+            const __m256 dxv = _mm256_loadu_ps(dx + r * nb + s * 8);
+            S[r][0] = _mm256_mul_ps(sc0, _mm256_permutevar8x32_ps(dxv, pairs_lo));
+            S[r][1] = _mm256_mul_ps(sc1, _mm256_permutevar8x32_ps(dxv, pairs_hi));
+            corr[r] = _mm256_fmadd_ps(S[r][0], _mm256_loadu_ps(gs + r * ng + s * 16), corr[r]);
+            corr[r] = _mm256_fmadd_ps(S[r][1], _mm256_loadu_ps(gs + r * ng + s * 16 + 8), corr[r]);
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + h * 64));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + h * 64 + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + h * 32));
             const __m256i runs[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4))};
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
 #pragma GCC unroll 4
             for (int c = 0; c < 4; ++c) {
-                const int g = h * 8 + c * 2;  // the run's two scales: sc[g], sc[g + 1]
-                const __m256i w0 = _mm256_mullo_epi16(
-                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(runs[c])), off),
-                    _mm256_set1_epi16(scs[g]));
-                const __m256i w1 = _mm256_mullo_epi16(
-                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(runs[c], 1)), off),
-                    _mm256_set1_epi16(scs[g + 1]));
+                const __m256i ev = _mm256_and_si256(runs[c], low8), od = _mm256_srli_epi16(runs[c], 8);
+                const __m256i sel = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                      2 * c + 1);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
                     const int16_t* xb = x16 + r * K + s * 256 + h * 128 + c * 32;
-                    const __m256i p = dot_i16(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xb)), w1,
+                    const __m256i p = dot_i16(_mm256_madd_epi16(ev, _mm256_loadu_si256((const __m256i*)xb)), od,
                                               _mm256_loadu_si256((const __m256i*)(xb + 16)));
-                    acc[r][c & 1] = _mm256_fmadd_ps(lane(dd[r], h * 4 + c), _mm256_cvtepi32_ps(p),
+                    acc[r][c & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(S[r][h], sel), _mm256_cvtepi32_ps(p),
                                                     acc[r][c & 1]);
                 }
             }
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) - 32.f * hsum(corr[r]);
 }
 #endif
 
@@ -1634,13 +1652,22 @@ void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* 
 #if OC_AVX2
     if (T <= kI16MaxRows) {
         std::vector<int16_t> x16;
-        std::vector<float> dx, sx(type == kGgmlQ4_K ? T * nb : 0);
+        std::vector<float> dx, sx(type == kGgmlQ4_K ? T * nb : T * K / 16);
         quantize_i16(x, T, K, x16, dx);
-        for (int64_t b = 0; b < (int64_t)sx.size(); ++b) {
-            float s = 0.f;
-            for (int j = 0; j < 32; ++j) s += x[b * 32 + j];  // rows are contiguous: block b of the whole x
-            sx[b] = s;
+        if (type == kGgmlQ4_K) {
+            for (int64_t b = 0; b < T * nb; ++b) {  // the exact fp32 sums of each block of 32 (rows contiguous)
+                float s = 0.f;
+                for (int j = 0; j < 32; ++j) s += x[b * 32 + j];
+                sx[b] = s;
+            }
+        } else {
+            for (int64_t g = 0; g < T * K / 16; ++g) {  // the int16 sums of each group of 16 (exact)
+                int32_t s = 0;
+                for (int j = 0; j < 16; ++j) s += x16[g * 16 + j];
+                sx[g] = (float)s;
+            }
         }
+        permute_even_odd(x16.data(), T * K);
         matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
             float out[kRows];
             const uint8_t* wrow = w + n * row_bytes;
@@ -1650,7 +1677,7 @@ void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* 
                 if (type == kGgmlQ4_K)
                     q4k_row_i16<Rc>(x16.data() + t * K, dx.data() + t * nb, K, wrow, sx.data() + t * nb, out + r);
                 else
-                    q6k_row_i16<Rc>(x16.data() + t * K, dx.data() + t * nb, K, wrow, out + r);
+                    q6k_row_i16<Rc>(x16.data() + t * K, dx.data() + t * nb, sx.data() + t * K / 16, K, wrow, out + r);
             });
             store_rows(y, N, t0, rows, n, out, bias);
         }, w, row_bytes);
