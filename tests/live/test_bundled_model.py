@@ -63,12 +63,12 @@ def test_eos_ids_include_im_end(bundled_model):
     assert tok.decode(tok.encode("Hello world")) == "Hello world"
 
 
-def test_file_read_in_place_matches_the_gguf_reference(bundled_model):
+def test_file_read_in_place_matches_the_gguf_reference(bundled_model, transformers_ref):
     """Every tensor read from the file is what transformers' GGUF loader dequantizes (q/k un-permuted
     from llama.cpp's layout), and our fp32 forward over them gives its logits."""
     from opencoti.engine.model.weights import build_forward
 
-    reference = loader.transformers_reference(bundled_model.model_dir, torch.float32)
+    reference = transformers_ref  # loader.transformers_reference's model of the file (tests/live/conftest.py)
     ref_state = reference.state_dict()
     names = [
         "model.embed_tokens.weight",

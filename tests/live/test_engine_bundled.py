@@ -20,9 +20,8 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def reference(bundled_model):
-    from opencoti.engine.model.loader import transformers_reference
-    return transformers_reference(bundled_model.model_dir, torch.float32)
+def reference(transformers_ref):
+    return transformers_ref  # transformers' model of the GGUF (tests/live/conftest.py)
 
 
 @pytest.mark.parametrize("chat", range(len(CHATS)))
