@@ -97,15 +97,21 @@ class GGUFWeight:
         rb = self.row_bytes
         with open(self.path, "rb", buffering=0) as f:
             if self.row_perm is None:
-                buf = os.pread(f.fileno(), (r1 - r0) * rb, self.offset + r0 * rb)
-                if len(buf) != (r1 - r0) * rb:
-                    raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
-                return np.frombuffer(bytearray(buf), dtype=np.uint8).reshape(r1 - r0, rb)
-            whole = os.pread(f.fileno(), self.nbytes, self.offset)
-        if len(whole) != self.nbytes:
-            raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
-        rows = np.frombuffer(whole, dtype=np.uint8).reshape(self.rows, rb)
+                return self._read_into(f.fileno(), self.offset + r0 * rb, (r1 - r0) * rb).reshape(r1 - r0, rb)
+            rows = self._read_into(f.fileno(), self.offset, self.nbytes).reshape(self.rows, rb)
         return rows[self.row_perm[r0:r1].numpy()]
+
+    def _read_into(self, fd: int, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` at ``offset`` read straight into a new array (one copy out of the page cache, none
+        through an intermediate bytes object)."""
+        out = np.empty(nbytes, dtype=np.uint8)
+        view, done = memoryview(out), 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
+            done += n
+        return out
 
     def _chunk_rows(self) -> int:
         k = self.shape[-1]

@@ -135,9 +135,15 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     embedding = gguf_embedding(embed_src, dtype, device) if isinstance(embed_src, GGUFWeight) else None
 
     chooser = kernel_chooser(tuner, hf, device, dtype)
+    head_src = state.get("lm_head.weight") if not getattr(hf, "tie_word_embeddings", False) else None
+    head_src = head_src if head_src is not None else embed_src
+
+    def own_head(fmt: str) -> bool:
+        return fmt == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4") == "int4"
 
     def make(fmt: str) -> LlamaForward:
-        head = head_format(tuner, fmt, hf)
+        # a GGUF head that int4 serves from the file's own blocks (4-bit, or Q6_K as stored) is not timed
+        head = "int4" if own_head(fmt) else head_format(tuner, fmt, hf)
         if head == "bf16" and gguf_path is not None and not _head_16bit_fits(loaded, fmt):
             head = default_head_format(fmt)  # faster, but a 16-bit head would take the model past the file's size
         return LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
@@ -259,12 +265,16 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
         choice["reason"] = f"auto: {fp32_bytes / 2**20:.1f} MiB of fp32 projection weights stay in cache"
         return make("fp32")
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
-    say("auto weights: choosing the kernels of each format (cached per machine) ...")
     sigs = {}
     chooser = kernel_chooser(tuner, hf, device, tuner.act_dtype)  # the one make() uses
     own, formats = None, kernels.FORMATS
     if getattr(loaded, "source_gguf", None) is not None:  # only the formats that fit the file's size are timed
         own, formats = _gguf_candidates(loaded, device, choice, say)
+        if len(formats) == 1:  # nothing to choose between: no kernel signatures, no timing of other formats
+            choice["reason"] = (f"auto: {own}, the file's own precision (" + _own_summary(choice) + "); the only "
+                                f"format whose weights fit in {GGUF_MEMORY_FACTOR}x the file's size")
+            return make(own)
+    say("auto weights: choosing the kernels of each format (cached per machine) ...")
     for f in formats:  # a format no kernel here serves (e.g. int4 on some torch builds) is left out
         try:
             sigs[f] = _kernel_signature(tuner, f, counts, hf, chooser)
