@@ -23,40 +23,88 @@ import json
 import uuid
 from typing import Any, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from ..engine.checks import check_schema_depth, is_int
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.chat.tool_calls import ToolCall
-from .schemas import ChatCompletionRequest, PolyKVFields, field_range
+from .schemas import SHARED_PREFIX_NEEDS_POOL, ChatCompletionRequest, PolyKVFields, field_range
 
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "cancelled": "end_turn"}
 _POLYKV = tuple(PolyKVFields.model_fields)
+
+# The request as _message / _tools / _tool_choice / check_thinking accept it (the OpenAPI schemas)
+_NAME = {"type": "string", "minLength": 1}
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}
+_TOOL_RESULT = {"type": "object", "required": ["type", "tool_use_id"],
+                "properties": {"type": {"const": "tool_result"}, "tool_use_id": _NAME, "content": _TEXTS}}
+_TOOL_USE = {"type": "object", "required": ["type", "name"],
+             "properties": {"type": {"const": "tool_use"}, "name": _NAME, "input": {"type": "object"}}}
+_THINKING = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["thinking", "redacted_thinking"]}}}
+MESSAGE_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"role": {"const": "user"}, "content": {"anyOf": [
+         {"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_BLOCK, _TOOL_RESULT]}}]}}},
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [
+         {"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_BLOCK, _TOOL_USE, _THINKING]}}]}}}]}
+TOOL_SCHEMA = {"type": "object", "required": ["name", "input_schema"],
+               "properties": {"type": {"enum": ["custom", None]}, "name": _NAME, "input_schema": {"type": "object"}}}
+TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["auto", "any", "none"]}}},
+    {"type": "object", "required": ["type", "name"], "properties": {"type": {"const": "tool"}, "name": _NAME}}]}
+THINKING_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["disabled", "adaptive", "between_tools"]}}},
+    {"type": "object", "required": ["type", "budget_tokens"],
+     "properties": {"type": {"const": "enabled"}, "budget_tokens": {"type": "integer", "minimum": 1024}}}]}
+
+
+def _OR_NULL(schema: dict) -> dict:  # noqa: N802 - a schema constant's nullable form
+    return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
+
+
+# a forced call (tool_choice any / tool) needs tools
+TOOLS_NEEDED = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+_FORMAT = {"type": "object", "required": ["type", "schema"],
+           "properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}}}
 
 
 class MessagesRequest(PolyKVFields):
     """Anthropic's ``POST /v1/messages`` body (unknown fields are ignored)."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [SHARED_PREFIX_NEEDS_POOL, TOOLS_NEEDED]})
+
     model: str | None = None
     messages: list[Any] = Field(..., description="user / assistant turns: a string or content blocks each",
-                                json_schema_extra={"minItems": 1})  # (an empty list is a 400)
+                                json_schema_extra={"minItems": 1, "items": MESSAGE_SCHEMA})  # (an empty list is a 400)
     max_tokens: int = Field(..., ge=1, description="tokens to generate at most (required, as Anthropic requires it)")
-    system: Union[str, list[Any], None] = Field(None, description="a string or text blocks")
+    system: Union[str, list[Any], None] = Field(None, description="a string or text blocks",
+                                                json_schema_extra={"anyOf": [*_TEXTS["anyOf"], {"type": "null"}]})
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, json_schema_extra=field_range(0, 100))
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     top_k: int | None = Field(None, json_schema_extra=field_range(-1))
-    tools: list[Any] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[Any] | None = Field(None, json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: dict[str, Any] | None = Field(None, description="auto | any | none | {\"type\": \"tool\", \"name\": "
+                                                                 "...} (any and tool need tools; the name must be one "
+                                                                 "of theirs)", json_schema_extra=_OR_NULL(TOOL_CHOICE_SCHEMA))
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = Field(None, description="{\"type\": \"enabled\", \"budget_tokens\": >= 1024} "
                                                            "or {\"type\": \"disabled\"}: accepted (the model has no "
-                                                           "thinking mode)")
+                                                           "thinking mode); max_tokens must be above "
+                                                           "budget_tokens", json_schema_extra=_OR_NULL(THINKING_SCHEMA))
     output_config: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"json_schema\", "
-                                                                   "\"schema\": {...}}}: structured output")
-    output_format: dict[str, Any] | None = Field(None, description="the earlier name of output_config.format")
+                                                                   "\"schema\": {...}}}: structured output",
+                                                   json_schema_extra={"properties": {"format": {
+                                                       "anyOf": [_FORMAT, {"type": "null"}]}}})
+    output_format: dict[str, Any] | None = Field(None, description="the earlier name of output_config.format",
+                                                 json_schema_extra=_OR_NULL({"anyOf": [_FORMAT]}))
 
 
 class CountTokensRequest(MessagesRequest):

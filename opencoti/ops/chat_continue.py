@@ -6,6 +6,7 @@ llama.cpp continues a trailing assistant message by itself).
   llama.cpp behaviour); ``continue_final_message: false`` with a trailing assistant message and
   ``add_generation_prompt`` true starts a new assistant turn after it.
 * ``add_generation_prompt: false`` renders the conversation without opening an assistant turn.
+* A conversation of one assistant message is continued from the assistant turn's opening.
 * 400: both true at once; ``continue_final_message`` without a trailing assistant message; two or
   more assistant messages at the end; continuing a message while forcing a tool call.
 """
@@ -19,6 +20,20 @@ from ..engine.errors import InvalidRequestError
 from ..engine.chat.tool_calls import parse_tool_choice, tool_choice_prefill, tool_names
 
 __all__ = ["chat_prompt"]
+
+
+_MARK = "OpencotiContinueHere7f3a"  # stands for the message's text while its turn is rendered
+
+
+def _opening(tokenizer, last: dict, tools: Any) -> str:
+    """What the template writes before an assistant message's text when that message is the whole
+    conversation (rendered with a mark for its text, cut at the mark)."""
+    text = render_chat(tokenizer, [{**last, "content": _MARK}], tools, add_generation_prompt=False)
+    at = text.find(_MARK)
+    if at < 0:
+        raise InvalidRequestError("the chat template does not render an assistant message given alone: give the "
+                                  "conversation before it")
+    return text[:at]
 
 
 def _text(content: Any) -> str:
@@ -61,8 +76,11 @@ def chat_prompt(tokenizer, messages: Any, tools: Any = None, tool_choice: Any = 
         if choice.mode == "required":
             raise InvalidRequestError("continuing the final assistant message cannot be combined with a forced "
                                       "tool_choice")
-        text = render_chat(tokenizer, msgs[:-1], tool_list, add_generation_prompt=True) + _text(last.get("content"))
-        return ChatPrompt(text, "", choice, names)
+        if len(msgs) > 1:
+            text = render_chat(tokenizer, msgs[:-1], tool_list, add_generation_prompt=True)
+        else:  # the assistant's message alone (a prefill without a question): its turn as the template opens it
+            text = _opening(tokenizer, last, tool_list)
+        return ChatPrompt(text + _text(last.get("content")), "", choice, names)
     agp = add_generation_prompt is not False
     if not agp and choice.mode == "required":
         raise InvalidRequestError("add_generation_prompt false cannot be combined with a forced tool_choice")

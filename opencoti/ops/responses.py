@@ -21,15 +21,47 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Literal, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from ..engine.checks import check_schema_depth
 from ..engine.errors import InvalidRequestError
 from ..engine.results import GenerationResult, RequestInfo
 from ..engine.chat.tool_calls import ToolCall
-from .schemas import ChatCompletionRequest, PolyKVFields, field_range
+from .schemas import SHARED_PREFIX_NEEDS_POOL, ChatCompletionRequest, PolyKVFields, field_range
 
 _POLYKV = tuple(PolyKVFields.model_fields)
+
+# The request as input_messages / _tools / _tool_choice / _response_format accept it (the OpenAPI schemas)
+_NAME = {"type": "string", "minLength": 1}
+_PART = {"anyOf": [{"type": "string"}, {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "refusal"], "properties": {"type": {"const": "refusal"},
+                                                                       "refusal": {"type": "string"}}}]}
+_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}
+INPUT_ITEM_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["role"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": _PARTS}},
+    {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function_call"}, "name": _NAME, "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": _NAME, "output": _PARTS}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}}]}
+# at least one item that is not reasoning (reasoning items are skipped: nothing else is no input)
+_NOT_ONLY_REASONING = {"not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}
+INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": INPUT_ITEM_SCHEMA,
+                                                "contains": _NOT_ONLY_REASONING}]}
+TOOL_SCHEMA = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": _NAME, "description": {"type": ["string", "null"]},
+    "parameters": {"type": ["object", "null"]}}}
+TOOL_CHOICE_SCHEMA = {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "null"}, {
+    "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}, "name": _NAME}}]}
+_FORMATS = {"anyOf": [{"type": "null"},
+                      {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                      {"type": "object", "required": ["type", "schema"],
+                       "properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}}}]}
+TOOLS_NEEDED = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "type": ["string", "object"], "not": {"enum": ["none", "auto"]}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
 MAX_STORED = 1024  # responses kept for previous_response_id (least recently used dropped first)
 
 
@@ -47,19 +79,25 @@ class ResponsesRequest(PolyKVFields):
     """OpenAI's ``POST /v1/responses`` body (unknown fields are ignored)."""
 
     model: str | None = None
-    input: Union[str, list[Any]] = Field(..., description="text, or a list of input items")
+    model_config = ConfigDict(json_schema_extra={"allOf": [SHARED_PREFIX_NEEDS_POOL, TOOLS_NEEDED]})
+    input: Union[str, list[Any]] = Field(..., description="text, or a list of input items (message, function_call, "
+                                                          "function_call_output; reasoning items are skipped)",
+                                         json_schema_extra=INPUT_SCHEMA)
     instructions: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tools: list[Any] | None = Field(None, description="function tools", json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: Union[str, dict[str, Any], None] = Field(None, json_schema_extra=TOOL_CHOICE_SCHEMA)
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (default: the "
-                                                                  "server's)")
+                                                                  "server's); with the input, within the model's "
+                                                                  "context (400 context_length_exceeded)")
     temperature: float | None = Field(None, json_schema_extra=field_range(0, 100))
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     text: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"text\" | \"json_object\" | "
-                                                          "\"json_schema\", ...}}")
+                                                          "\"json_schema\", ...}}",
+                                         json_schema_extra={"properties": {"format": _FORMATS}})
     stream: bool = False
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, description="a stored response of this server (400 when it is "
+                                                                "unknown, not stored or dropped)")
     store: bool = True
     metadata: dict[str, Any] | None = None
     user: str | None = None

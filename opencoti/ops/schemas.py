@@ -18,7 +18,8 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from ..engine.admission.policy import RANGES as ADMISSION_RANGES
-from ..engine.chat import MESSAGE_SCHEMA
+from ..engine.api.choices import MAX_CHOICES
+from ..engine.chat import MESSAGE_SCHEMA, TOOL_CHOICE_SCHEMA, TOOL_SCHEMA, TOOLS_NEEDED
 from ..engine.config import MAX_STOP_STRINGS as ENGINE_MAX_STOP_STRINGS
 
 # Size limits of the strings the server keeps or echoes (ids, labels, stop strings)
@@ -62,12 +63,44 @@ LLAMA_PROMPT_SCHEMA = {"anyOf": [
      "maxItems": MAX_PROMPTS}]}
 NON_EMPTY = {"minItems": 1}
 MESSAGES = {"minItems": 1, "items": MESSAGE_SCHEMA}  # what the chat template renderer accepts
+TOOLS = {"items": TOOL_SCHEMA}
+# tokens to generate: at least 1, or -1 (until EOS / the context: llama.cpp's convention); null = the default
+MAX_TOKENS_SCHEMA = {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}]}
+# a session id is echoed in the x-session-id header: printable ASCII
+SESSION_ID_SCHEMA = {"pattern": "^[ -~]+$"}
+
+
+def _given(name: str, schema: dict | None = None) -> dict:
+    """``name`` present and not null (and, with ``schema``, matching it)."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}, **(schema or {})}}}
+
+
+def _absent(*names: str) -> dict:
+    return {"properties": {n: {"type": "null"} for n in names}}
+
+
+# explicit P is checked against the pool: it needs one (pool_id, or its legacy name shared_pool_slot)
+SHARED_PREFIX_NEEDS_POOL = {"if": _given("shared_prefix_n_tokens"),
+                            "then": {"anyOf": [_given("pool_id"), _given("shared_pool_slot")]}}
+# several choices run as sessions of their own: no session (session_id / id_slot) and no explicit P
+CHOICES_ALONE = {"if": _given("n", {"minimum": 2}),
+                 "then": {"allOf": [_absent("session_id", "shared_prefix_n_tokens"),
+                                    {"properties": {"id_slot": {"anyOf": [{"type": "null"}, {"const": -1}]}}}]}}
+TOP_LOGPROBS_NEED_LOGPROBS = {"if": _given("top_logprobs"), "then": {"required": ["logprobs"],
+                                                                      "properties": {"logprobs": {"const": True}}}}
 MAX_TOP_LOGPROBS = 20  # SamplingParams' limit
 
 
 def field_range(minimum: float, maximum: float | None = None) -> dict:
     """The documented range of a number the engine checks (SamplingParams keeps the runtime check)."""
     return {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
+# one output constraint at most: response_format, json_schema or grammar
+ONE_CONSTRAINT = {"not": {"anyOf": [{"allOf": [_given(a), _given(b)]} for a, b in (
+    ("response_format", "json_schema"), ("response_format", "grammar"), ("json_schema", "grammar"))]}}
+# OpenAI's logit_bias: token ids (as keys) to biases in [-100, 100]
+OPENAI_LOGIT_BIAS = {"type": ["object", "null"], "propertyNames": {"pattern": "^[0-9]+$"},
+                     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
+OPENAI_PENALTY = field_range(-2, 2)  # OpenAI's range of presence / frequency penalties (llama.cpp's: +-100)
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 Label = Annotated[str, Field(max_length=MAX_LABEL_CHARS)]
 
@@ -180,42 +213,53 @@ class _Strict(_Input):
 
 
 class PolyKVFields(_Lenient):
+    model_config = ConfigDict(json_schema_extra={"allOf": [SHARED_PREFIX_NEEDS_POOL]})
     pool_id: int | None = Field(None, description="attach to this pool (the shared prefix P is found automatically)")
     shared_pool_slot: int | None = Field(None, description="the PolyKV design's legacy name of pool_id (an alias: "
                                                            "it must equal pool_id when both are given)")
     session_id: SessionId | None = Field(None, description="the session whose KV cache outlives the request "
-                                                           "(a new one is made when absent; returned in x-session-id)")
-    shared_prefix_n_tokens: int | None = Field(None, description="explicit P (validated against the pool)")
+                                                           "(a new one is made when absent; returned in x-session-id: "
+                                                           "printable ASCII)", json_schema_extra=SESSION_ID_SCHEMA)
+    shared_prefix_n_tokens: int | None = Field(None, description="explicit P (needs pool_id; checked against the "
+                                                                 "pool's tokens and the prompt: a mismatch is a 400)")
     overcommit: bool = Field(False, description="bypass an enforced admission floor for this request")
     cache_salt: str | None = Field(None, description="prefix-cache namespace: requests share cached KV only with "
                                                      "requests of the same salt (vLLM's cache_salt)")
     id_slot: int | None = Field(None, description="llama.cpp's slot: slot N is the session named \"N\" (the same "
-                                                  "as session_id \"N\"); -1 or null = none",
+                                                  "as session_id \"N\": with both, they name one session); -1 or null "
+                                                  "= none",
                                 json_schema_extra={"minimum": -1})
 
 
 class SamplingFields(_Lenient):
     temperature: float | None = Field(None, description="0 = greedy (default 0.8)", json_schema_extra=field_range(0, 100))
-    top_k: int | None = Field(None, description="0 or -1 = off (default 40)", json_schema_extra=field_range(-1))
+    top_k: int | None = Field(None, description="0 or -1 = off (default 40)", json_schema_extra=field_range(-1, 1_000_000))
     top_p: float | None = Field(None, description="nucleus sampling (default 0.95)",
                                 json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     min_p: float | None = Field(None, description="min-p sampling (default 0.05)", json_schema_extra=field_range(0, 1))
-    seed: int | None = Field(None, description="per-request seed (-1 or null = random)")
+    seed: int | None = Field(None, description="per-request seed (-1 or null = random)",
+                             json_schema_extra={"minimum": -(2**63 - 1), "maximum": 2**63 - 1})
     stop: StopField = Field(None, description="strings that end generation")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
     presence_penalty: float | None = Field(None, description="subtracted from the logit of every token already in "
-                                                             "the penalty window (0 = off)")
+                                                             "the penalty window (0 = off)",
+                                           json_schema_extra=field_range(-100, 100))
     frequency_penalty: float | None = Field(None, description="subtracted per occurrence of a token in the penalty "
-                                                              "window (0 = off)")
-    repeat_penalty: float | None = Field(None, description="llama.cpp repetition penalty (1 = off)")
+                                                              "window (0 = off)", json_schema_extra=field_range(-100, 100))
+    repeat_penalty: float | None = Field(None, description="llama.cpp repetition penalty (1 = off)",
+                                         json_schema_extra={"exclusiveMinimum": 0, "maximum": 100})
     repeat_last_n: int | None = Field(None, description="penalty window in tokens (-1 = whole context, 0 = off; "
                                                         "/completion: last 64 of prompt + output; OpenAI routes: "
-                                                        "all generated tokens)")
+                                                        "all generated tokens)", json_schema_extra=field_range(-1))
     logit_bias: Any = Field(None, description="{\"token id\": bias} (OpenAI) or [[token id or text, bias or false]] "
-                                              "(llama.cpp); false bans the token")
+                                              "(llama.cpp); false bans the token",
+                            json_schema_extra={"type": ["object", "array", "null"]})
     post_sampling_probs: bool = Field(False, description="report probabilities after the sampling filters")
-    json_schema: Any = Field(None, description="constrain the output to this JSON Schema (llama.cpp)")
-    grammar: str | None = Field(None, description="constrain the output to this GBNF (llama.cpp) or Lark grammar")
+    json_schema: Any = Field(None, description="constrain the output to this JSON Schema (llama.cpp; also taken as "
+                                               "its JSON text)", json_schema_extra={"type": ["object", "null"]})
+    grammar: str | None = Field(None, description="constrain the output to this GBNF (llama.cpp) or Lark grammar "
+                                                  "(its syntax is checked: 400 'invalid grammar: ...')",
+                                json_schema_extra={"minLength": 1})
     speculative_n_max: int | None = Field(None, alias="speculative.n_max",
                                           description="prompt-lookup draft tokens verified per step at most "
                                                       "(llama.cpp's speculative.n_max; 0 = no speculative decoding; "
@@ -226,13 +270,16 @@ class SamplingFields(_Lenient):
 class CompletionRequest(SamplingFields, PolyKVFields):
     """llama.cpp's ``POST /completion``."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [SHARED_PREFIX_NEEDS_POOL, ONE_CONSTRAINT]})
+
     prompt: Union[PromptField, dict[str, Any], LlamaPrompts, MixedPrompt] = Field(
         ..., description="text, token ids, token ids and texts mixed in one list ([12, \"text\", 34]: one prompt), "
                          "{\"prompt_string\": text}, or a list of them (one result per prompt, each with its index; "
                          "streamed with stream); none may be empty",
         json_schema_extra=LLAMA_PROMPT_SCHEMA)
-    n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)")
-    max_tokens: int | None = Field(None, description="alias of n_predict")
+    n_predict: int | None = Field(None, description="tokens to generate at most (-1 = until EOS / context)",
+                                  json_schema_extra=MAX_TOKENS_SCHEMA)
+    max_tokens: int | None = Field(None, description="alias of n_predict", json_schema_extra=MAX_TOKENS_SCHEMA)
     stream: bool = False
     n_probs: int = Field(0, description="top alternatives to report per token (completion_probabilities)",
                          json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
@@ -256,15 +303,23 @@ class OpenAICompletionRequest(SamplingFields, PolyKVFields):
     prompt: PromptField = Field(..., description="text, token ids, or a list of either (choice p * n + j is "
                                                  "choice j of prompt p); none may be empty",
                                 json_schema_extra=PROMPT_SCHEMA)
-    max_tokens: int | None = Field(None, description="tokens to generate at most (null = until EOS / context)")
-    n: int = 1
-    best_of: int | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [SHARED_PREFIX_NEEDS_POOL, CHOICES_ALONE, ONE_CONSTRAINT]})
+    max_tokens: int | None = Field(None, description="tokens to generate at most (null: the server's default; -1: "
+                                                     "until EOS / context)", json_schema_extra=MAX_TOKENS_SCHEMA)
+    n: int = Field(1, json_schema_extra=field_range(1, MAX_CHOICES))
+    best_of: int | None = Field(None, description="1 (one candidate per choice) or null",
+                                json_schema_extra={"anyOf": [{"const": 1}, {"type": "null"}]})
+    presence_penalty: float | None = Field(None, description="OpenAI's presence penalty", json_schema_extra=OPENAI_PENALTY)
+    logit_bias: Any = Field(None, description="{\"token id\": bias in [-100, 100]}", json_schema_extra=OPENAI_LOGIT_BIAS)
+    frequency_penalty: float | None = Field(None, description="OpenAI's frequency penalty",
+                                            json_schema_extra=OPENAI_PENALTY)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, description="top alternatives per token (0..20)",
                                  json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="insertion after the completion is not supported: \"\" or null",
+                               json_schema_extra={"maxLength": 0})
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
@@ -273,17 +328,32 @@ class ChatCompletionRequest(SamplingFields, PolyKVFields):
     """OpenAI's ``POST /v1/chat/completions``."""
 
     model: str | None = None
-    messages: list[Any] = Field(..., description="OpenAI chat messages", json_schema_extra=MESSAGES)
-    tools: list[Any] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [SHARED_PREFIX_NEEDS_POOL, CHOICES_ALONE, TOOLS_NEEDED,
+                                                           TOP_LOGPROBS_NEED_LOGPROBS, ONE_CONSTRAINT]})
+    messages: list[Any] = Field(..., description="OpenAI chat messages. A trailing assistant message is continued "
+                                                 "(one at most; continue_final_message needs one; not with tool_calls "
+                                                 "or a forced tool call); the served model's chat template may refuse "
+                                                 "a conversation by rules of its own (400 'the chat template rejected "
+                                                 "the messages: ...')", json_schema_extra=MESSAGES)
+    tools: list[Any] | None = Field(None, json_schema_extra=TOOLS)
+    tool_choice: Union[str, dict[str, Any], None] = Field(
+        None, description="none | auto | required | {\"type\": \"function\", \"function\": {\"name\": ...}} "
+                          "(required and a named function need tools; the name must be one of theirs)",
+        json_schema_extra=TOOL_CHOICE_SCHEMA)
     parallel_tool_calls: bool | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, json_schema_extra=MAX_TOKENS_SCHEMA)
+    max_completion_tokens: int | None = Field(None, description="tokens to generate at most (wins over max_tokens)",
+                                              json_schema_extra=MAX_TOKENS_SCHEMA)
+    n: int = Field(1, json_schema_extra=field_range(1, MAX_CHOICES))
+    presence_penalty: float | None = Field(None, description="OpenAI's presence penalty", json_schema_extra=OPENAI_PENALTY)
+    logit_bias: Any = Field(None, description="{\"token id\": bias in [-100, 100]}", json_schema_extra=OPENAI_LOGIT_BIAS)
+    frequency_penalty: float | None = Field(None, description="OpenAI's frequency penalty",
+                                            json_schema_extra=OPENAI_PENALTY)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
+    top_logprobs: int | None = Field(None, description="needs logprobs: true",
+                                     json_schema_extra=field_range(0, MAX_TOP_LOGPROBS))
     response_format: dict[str, Any] | None = None
     user: str | None = None
     add_generation_prompt: bool | None = Field(None, description="open the assistant turn (default true; false "
@@ -308,7 +378,7 @@ class DetokenizeRequest(_Lenient):
 
 class ApplyTemplateRequest(_Lenient):
     messages: list[Any] = Field(..., json_schema_extra=MESSAGES)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(None, json_schema_extra=TOOLS)
     add_generation_prompt: bool = True
 
 
@@ -317,21 +387,23 @@ def _exactly_one(*names: str) -> dict:
     return {"oneOf": [{"required": [n], "properties": {n: {"not": {"type": "null"}}}} for n in names]}
 
 
+_TOOLS_NEED_MESSAGES = {"if": _given("tools"), "then": _given("messages")}
+
+
 class _PrefixSource(_Strict):
     """Exactly one of ``tokens`` / ``text`` / ``messages`` (+ ``tools``) / ``from_session``."""
 
     # tools go with messages (they are rendered with them): a body with tools and no messages is a 400
-    model_config = ConfigDict(json_schema_extra={
-        **_exactly_one("tokens", "text", "messages", "from_session"),
-        "if": {"required": ["tools"], "properties": {"tools": {"not": {"type": "null"}}}},
-        "then": {"required": ["messages"], "properties": {"messages": {"not": {"type": "null"}}}}})
+    model_config = ConfigDict(json_schema_extra={**_exactly_one("tokens", "text", "messages", "from_session"),
+                                                 **_TOOLS_NEED_MESSAGES})
     tokens: TokenIds | None = Field(None, description="the full prefix [0, L) as token ids",
                                     json_schema_extra=NON_EMPTY)
     text: str | None = Field(None, description="the full prefix as raw text (tokenized without specials)",
                              json_schema_extra={"minLength": 1})
     messages: list[Any] | None = Field(None, description="chat messages rendered with the chat template",
                                        json_schema_extra=MESSAGES)
-    tools: list[Any] | None = Field(None, description="tools rendered with the messages (as a chat request would)")
+    tools: list[Any] | None = Field(None, description="tools rendered with the messages (as a chat request would)",
+                                    json_schema_extra=TOOLS)
     add_generation_prompt: bool = Field(False, description="end the rendered messages with the assistant header")
     from_session: SessionId | None = Field(None, description="snapshot this idle session's cached context")
 
@@ -370,12 +442,12 @@ class AdmissionRequest(_Strict):
 class CompactRequest(_Strict):
     """The compacted prefix as exactly one of ``tokens`` / ``text`` / ``messages`` (+ ``tools``)."""
 
-    model_config = ConfigDict(json_schema_extra=_exactly_one("tokens", "text", "messages"))
+    model_config = ConfigDict(json_schema_extra={**_exactly_one("tokens", "text", "messages"), **_TOOLS_NEED_MESSAGES})
     ancestor_pool_id: int
     tokens: TokenIds | None = Field(None, json_schema_extra=NON_EMPTY)
     text: str | None = Field(None, json_schema_extra={"minLength": 1})
     messages: list[Any] | None = Field(None, json_schema_extra=MESSAGES)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(None, description="tools rendered with the messages", json_schema_extra=TOOLS)
     branch_pos: int | None = None
     release_old: bool = True
 

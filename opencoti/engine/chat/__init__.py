@@ -235,6 +235,30 @@ def normalize_tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
+_NAME = {"type": "string", "minLength": 1}
+# an assistant's tool call as _normalize_tool_call accepts it (arguments: a JSON string or an object)
+_TOOL_CALL = {"type": "object", "required": ["function"],
+              "properties": {"type": {"const": "function"},
+                             "function": {"type": "object", "required": ["name"],
+                                          "properties": {"name": _NAME, "arguments": {"type": ["string", "object"]}}}}}
+# a tool as normalize_tools accepts it (the OpenAPI schema of every ``tools`` item of the chat routes)
+TOOL_SCHEMA = {"type": "object", "required": ["function"],
+               "properties": {"type": {"const": "function"},
+                              "function": {"type": "object", "required": ["name"],
+                                           "properties": {"name": _NAME, "description": {"type": ["string", "null"]},
+                                                          "parameters": {"type": ["object", "null"]}}}}}
+# tool_choice as parse_tool_choice accepts it ("required" needs tools: see TOOLS_NEEDED; a function
+# named must be one of the tools: a rule across two fields' values that JSON Schema cannot state)
+TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["function"],
+     "properties": {"type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}}}},
+    {"type": "null"}]}
+# a forced call needs tools: tool_choice "required" or a function object -> a non-empty tools list
+TOOLS_NEEDED = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"type": ["string", "object"],
+                                                                                    "not": {"enum": ["none", "auto"]}}}},
+                "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
 _TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                           "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}
 # A message as _normalize_message accepts it (the OpenAPI schema of every ``messages`` item):
@@ -252,7 +276,7 @@ MESSAGE_SCHEMA = {"anyOf": [
      "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS,
                                                                          {"type": "null"}]},
                     "name": {"type": ["string", "null"]}, "tool_call_id": {"type": "null"},
-                    "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}},
+                    "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
                     "reasoning_content": {"type": ["string", "null"]}}},
 ]}
 
