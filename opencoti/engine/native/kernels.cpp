@@ -1635,6 +1635,65 @@ inline void q6k_row_i16(const int16_t* x16, const float* dx, const float* gs, in
 }
 #endif
 
+#if OC_AVX2
+// One Q4_K / Q6_K row of K values as fp32 (the panels of a prefill chunk): the values gguf_decode_row
+// gives, each within an FMA's rounding of them (panels need no bit-equality with gguf-py).
+inline void kquant_decode_row(int type, const uint8_t* row, int64_t K, float* out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    auto store32 = [&](float* o, __m256i bytes, __m256 scale, __m256 offset) {  // 32 u8 values * scale + offset
+        const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int i = 0; i < 4; ++i)
+            _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), scale,
+                                                        offset));
+    };
+    for (int64_t s = 0; s < K / 256; ++s) {
+        float* o = out + s * 256;
+        if (type == kGgmlQ4_K) {
+            const uint8_t* blk = row + s * 144;
+            const __m128i sm = k4_scales_v(blk + 4);
+            alignas(32) float dl[8], ml[8];
+            _mm256_store_ps(dl, _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(blk))),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+            _mm256_store_ps(ml, _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(blk + 2))),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)))));
+            for (int c = 0; c < 4; ++c) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
+                store32(o + 64 * c, _mm256_and_si256(v, m4), _mm256_set1_ps(dl[2 * c]), _mm256_set1_ps(ml[2 * c]));
+                store32(o + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_set1_ps(dl[2 * c + 1]),
+                        _mm256_set1_ps(ml[2 * c + 1]));
+            }
+        } else {
+            const uint8_t* blk = row + s * 210;
+            const float d = half_to_float(load_u16(blk + 208));
+            const int8_t* sc = (const int8_t*)(blk + 192);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + h * 64));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + h * 64 + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + h * 32));
+                const __m256i runs[4] = {
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                for (int c = 0; c < 4; ++c) {
+                    float* oc = o + h * 128 + c * 32;
+                    const float s0 = d * (float)sc[h * 8 + 2 * c], s1 = d * (float)sc[h * 8 + 2 * c + 1];
+                    const __m128i lo = _mm256_castsi256_si128(runs[c]), hi = _mm256_extracti128_si256(runs[c], 1);
+                    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                    for (int i = 0; i < 4; ++i) {  // (q - 32) * s: values 0-15 take s0, 16-31 s1
+                        const __m256 sv = _mm256_set1_ps(i < 2 ? s0 : s1);
+                        _mm256_storeu_ps(oc + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), sv,
+                                                                     _mm256_mul_ps(sv, _mm256_set1_ps(-32.f))));
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
 // Whether the k-quant projections read blocks of this ggml type.
 inline bool ggml_kernel_type(int type) { return type == kGgmlQ4_K || type == kGgmlQ6_K; }
 
@@ -1645,8 +1704,13 @@ void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* 
                  float* y, int nt) {
     const int64_t row_bytes = K / 256 * (type == kGgmlQ4_K ? 144 : 210), nb = K / 32;
     if (T >= kGemmMinRowsQ4) {
-        gemm_panels(x, T, K, N, bias, y, nt,
-                    [&](int64_t n, float* row) { gguf_decode_row(type, w + n * row_bytes, K, row); });
+        gemm_panels(x, T, K, N, bias, y, nt, [&](int64_t n, float* row) {
+#if OC_AVX2
+            kquant_decode_row(type, w + n * row_bytes, K, row);
+#else
+            gguf_decode_row(type, w + n * row_bytes, K, row);
+#endif
+        });
         return;
     }
 #if OC_AVX2
