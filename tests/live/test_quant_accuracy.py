@@ -27,8 +27,14 @@ def gate_ids(bundled_model):
 
 
 @pytest.fixture(scope="module")
-def fp32_logits(bundled_model, gate_ids):
-    return weights.build_forward(bundled_model, weights="fp32", **KW).dense_logits(gate_ids)
+def fp32_model(bundled_model):
+    """The fp32 reference, built once for the module (every test compares with it)."""
+    return weights.build_forward(bundled_model, weights="fp32", **KW)
+
+
+@pytest.fixture(scope="module")
+def fp32_logits(fp32_model, gate_ids):
+    return fp32_model.dense_logits(gate_ids)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
@@ -57,7 +63,7 @@ def test_gguf_q4_1_blocks_load_as_int4_exactly(bundled_model):
         assert torch.equal(w.to_int4().dequantize(), w.dequantize()), name
 
 
-def test_auto_chooses_and_says_why(bundled_model, tmp_path):
+def test_auto_chooses_and_says_why(bundled_model, fp32_model, tmp_path):
     """auto on the bundled file: its own precision (int4: Q4_1 layers, the Q8_0 head in int8), the only
     format within 1.25x the file's size, so no other format is built, gated or timed; the memory held
     against the file is recorded."""
@@ -70,8 +76,8 @@ def test_auto_chooses_and_says_why(bundled_model, tmp_path):
     assert choice["memory"]["ratio"] < 1.5 and "memory_warning" not in choice
     # and it computes what the fp32 model of the file computes, within the gate's bounds
     ids = torch.tensor(bundled_model.tokenizer.encode(GATE_TEXT)[:256])
-    fp32 = weights.build_forward(bundled_model, weights="fp32", cache_dir=tmp_path, **KW)
+    reference = fp32_model.dense_logits(ids)  # the module's fp32 model (its kernels timed in the machine's cache)
     for rows in (None, 1):  # prefill kernels, then one row at a time (a decode step's)
-        m = weights.gate_metrics(fp32.dense_logits(ids), model.dense_logits(ids, rows_per_call=rows), ids, 256)
+        m = weights.gate_metrics(reference, model.dense_logits(ids, rows_per_call=rows), ids, 256)
         print(f"int4 vs fp32 (rows per call {rows}): {m}")
         assert m["passed"], m
