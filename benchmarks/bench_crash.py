@@ -220,7 +220,8 @@ def check_answers(rnd: Round, failures: dict, rep: dict) -> None:
         got = rnd.complete(pid, ref["prompt"])
         checked += pid in resident
         if got != ref["tokens"]:
-            failures["wrong_answers"].append({"pool": pid, "from_kv_file": pid in resident, "want": ref["tokens"],
+            failures["wrong_answers"].append({"round": rep.get("round"), "pool": pid, "from_kv_file": pid in resident,
+                                              "commit": common.machine_info()["git"], "want": ref["tokens"],
                                               "got": got})
     rep["answers_checked"] = len([p for p in rnd.j.refs if p in rnd.j.pools])
     rep["answers_from_kv_files"] = checked
