@@ -243,9 +243,42 @@ def load_snapshot() -> dict:
     return snap
 
 
+def history_stamp(time_text: str) -> str:
+    """A kept run's file-name stamp: its recorded time, digits and the T only (``20261206T101500``)."""
+    import re
+
+    return re.sub(r"[^0-9T]", "", str(time_text))[:15] or "unknown"
+
+
+def keep_earlier(path: Path) -> Path | None:
+    """Move an earlier result at ``path`` to ``<its folder>/history/<stem>-<its time>.json`` (every run
+    is kept; the report lists them and judges targets on each); the new location, or None."""
+    if not path.exists():
+        return None
+    try:
+        when = json.loads(path.read_text()).get("time", "")
+    except (OSError, ValueError):
+        when = ""
+    dest = path.parent / "history" / f"{path.stem}-{history_stamp(when or time.strftime('%Y%m%dT%H%M%S'))}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while dest.exists():  # two runs in one second: both kept
+        dest = dest.with_name(f"{path.stem}-{history_stamp(when)}-{n}.json")
+        n += 1
+    path.replace(dest)
+    return dest
+
+
+_WRITTEN: set[Path] = set()  # results this process wrote: rewritten in place, not kept as earlier runs
+
+
 def write_json(name: str, payload: dict, out: str | None = None) -> Path:
+    """Write a result; an earlier one at the same path is kept in ``history/`` first (:func:`keep_earlier`)."""
     path = Path(out) if out else results_dir() / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.resolve().is_relative_to(RESULTS_DIR.resolve()) and path.resolve() not in _WRITTEN:
+        keep_earlier(path)  # not a file this process wrote before (bench_cluster writes after every round)
+    _WRITTEN.add(path.resolve())
     payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_id": machine_id(),
                "load_at_end": load_snapshot(), **payload}
     path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")

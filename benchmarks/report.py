@@ -30,14 +30,28 @@ SIMULATED = {"admission_sim", "admission_sim_loaded"}  # simulated clock: load d
 
 
 def results(name: str) -> list[tuple[str, dict]]:
-    """(machine id, payload) of every committed ``name.json``, newest first."""
+    """(machine id, payload) of every committed ``name.json`` and ``name_quick.json`` (a ``--quick`` run
+    of ``opencoti bench``: its own file, never the full run's), newest first."""
     out = []
-    for path in sorted(RESULTS.glob(f"*/{name}.json")):
+    for path in sorted([*RESULTS.glob(f"*/{name}.json"), *RESULTS.glob(f"*/{name}_quick.json")]):
         try:
             out.append((path.parent.name, json.loads(path.read_text())))
         except (OSError, ValueError) as e:
             raise SystemExit(f"{path}: unreadable result ({e})")
     return sorted(out, key=lambda r: r[1].get("time", ""), reverse=True)
+
+
+def history(name: str) -> list[tuple[str, dict]]:
+    """(machine id, payload) of the earlier runs kept in ``<machine-id>/history/`` (``common.write_json``
+    moves a result there before a new run of the same name replaces it), oldest first."""
+    out = []
+    for path in RESULTS.glob(f"*/history/{name}-*.json"):
+        try:
+            out.append((path.parent.parent.name, {**json.loads(path.read_text()),
+                                                  "_file": str(path.relative_to(RESULTS.parent.parent))}))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: unreadable result ({e})")
+    return sorted(out, key=lambda r: r[1].get("time", ""))
 
 
 def loads_of(payload: dict) -> tuple[list | None, list | None]:
@@ -97,20 +111,31 @@ def block(name: str) -> str:
     # others, from other machines or earlier, are one line each with their raw data
     found.sort(key=lambda r: (not quick_of(r[1]), r[1].get("time", "")), reverse=True)
     (mid, d), rest = found[0], found[1:]
+    kept = history(name)
+    # every other full run, oldest first (a renderer judges targets on all of them: met on one run and
+    # missed on another is said as both)
+    earlier = sorted([(m, e) for m, e in rest if not quick_of(e)] + [(m, e) for m, e in kept if not quick_of(e)],
+                     key=lambda r: r[1].get("time", ""))
+    d = {**d, "_history": [{**e, "time": f"{e.get('time', '?')} on `{m}`"} for m, e in earlier]}
     out = ["\n\n".join(p for p in (fn(d), conditions(name, d), machine_line(mid, d, name)) if p)]
-    if rest:
+    if rest or kept:
         out.append("Earlier or other runs of this benchmark, with their raw data:\n\n"
-                   + "\n".join(f"- {earlier_line(m, e, name)}" for m, e in rest))
+                   + "\n".join(f"- {earlier_line(m, e, name)}" for m, e in rest)
+                   + "".join(f"\n- {earlier_line(m, e, name, kept=True)}" for m, e in reversed(kept)))
     return "\n\n".join(out) + "\n"
 
 
-def earlier_line(machine_id: str, payload: dict, name: str) -> str:
+def earlier_line(machine_id: str, payload: dict, name: str, kept: bool = False) -> str:
     m = payload.get("machine") or {}
     git = m.get("git") or {}
     simd = "/".join(m.get("cpu_flags_of_interest") or []) or "?"
     how = "reduced run (`--quick`)" if quick_of(payload) else "full run"
+    file = (payload.get("_file") if kept else f"benchmarks/results/{machine_id}/"
+            + (f"{name}_quick.json" if quick_of(payload) and (RESULTS / machine_id / f"{name}_quick.json").exists()
+               else f"{name}.json"))
     return (f"`{machine_id}` ({m.get('cpu', '?')} [{simd}]), {payload.get('time', '?')}, commit "
-            f"`{(git.get('commit') or '?')[:10]}`, {how}: `benchmarks/results/{machine_id}/{name}.json`")
+            f"`{(git.get('commit') or '?')[:10]}`, {how}" + (", kept when a later run replaced it" if kept else "")
+            + f": `{file}`")
 
 
 def regenerate(text: str) -> str:

@@ -55,29 +55,148 @@ def losses(lines: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- opencoti vs llama.cpp
+PEER_LABELS = {"decode_1": "1 session decode", "decode_1_long": "1 session decode after a ~3,000-token prompt",
+               "decode_1_busy": "1 session decode, a core-burning neighbour (a prompt no earlier request had)",
+               "sessions_8": "8 short sessions, aggregate",
+               "fanout_cold": "8-agent fan-out, cold, no explicit pool (opencoti computes the prefix the 8 "
+                              "requests in flight share once)",
+               "fanout_warm": "8-agent fan-out, warm, no explicit pool (automatic prefix caches)",
+               "fanout_pool_cold": "8-agent fan-out, cold, opencoti with an explicit pool",
+               "fanout_pool_warm": "8-agent fan-out, warm, opencoti with an explicit pool"}
+PEER_OF = {"fanout_pool_cold": "fanout_cold", "fanout_pool_warm": "fanout_warm"}
+
+
 def render_peer_llamacpp(d: dict) -> str:
+    if "comparisons" not in d:
+        return render_peer_llamacpp_before(d)
+    cfg, comps, drafted = d["config"], d["comparisons"], d.get("drafts") or {}
+    ours_w = (cfg.get("opencoti_weights") or ["auto"])[0]
+    head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, {cfg['tokens']} tokens per decode request. All four "
+            f"servers up at once, started fresh each round; every request went to each in turn, the order "
+            f"rotated per request. A ratio is per pair (the same request on both servers, seconds apart): the "
+            f"table gives the median of the pairs' ratios and their spread (> 1: opencoti faster). llama-server "
+            f"`{' '.join(cfg['llama_server_flags'])}` from {cfg['llama_cpp_source']}; opencoti `auto` chose "
+            f"`{ours_w}` at the first start, pinned for the others. Accepted: opencoti's accepted / drafted "
+            f"tokens over the row's requests (its n-gram drafter; `–` where speculation is off).")
+    rows, lose, spread = [], [], []
+    for c, comp in comps.items():
+        for w, r in comp["workloads"].items():
+            label = PEER_LABELS.get(w, w)
+            dr = (drafted.get(comp["ours"]) or {}).get(w) or {}
+            acc = ("–" if not dr.get("draft_n") else
+                   f"{dr['draft_n_accepted']} / {dr['draft_n']} ({100 * dr['draft_n_accepted'] / dr['draft_n']:.0f} %)")
+            unit = "s" if w.startswith("fanout") else "tok/s"
+            rm = r["ratio_median"]
+            rows.append([comp["label"], label, unit, r["ours_median"], r["theirs_median"], times(rm),
+                         f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}", r["pairs"], acc,
+                         "faster" if rm >= 1 else "**slower**"])
+            if rm < 1:
+                lose.append(f"{comp['label']}, {label}: llama.cpp is faster (opencoti {times(rm)}, pairs "
+                            f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}).")
+            elif r["ratio_min"] < 1:
+                below = sum(1 for x in r["ratios"] if x < 1)
+                spread.append(f"{comp['label']}, {label}: the median pair is {times(rm)}, but llama.cpp was faster "
+                              f"in {below} of {r['pairs']} pair(s) (lowest {r['ratio_min']:.2f}x).")
+    out = [head, "", table(["comparison", "workload", "unit", "opencoti", "llama.cpp", "median pair ratio",
+                            "pairs min–max", "pairs", "accepted", ""], rows)]
+    notes = [f"Where we lose — {x}" for x in lose] + spread + target_lines(d)
+    mem = d.get("memory")
+    if mem:
+        out += ["", render_peer_memory(mem)]
+        m_notes = memory_notes(mem)
+        notes += m_notes
+    return "\n".join(out + bullets(notes))
+
+
+def target_lines(d: dict) -> list[str]:
+    """Each target, judged on this run and on every earlier run kept (``_history``, oldest first): a
+    target met on one run and missed on another is said as both."""
+    runs = [*(d.get("_history") or []), d]
+    out = []
+    for w, goal in ((d.get("config") or {}).get("targets") or {}).items():
+        for c, comp in d["comparisons"].items():
+            seen = []
+            for run in runs:
+                r = peer_ratio_of(run, c, w)
+                if r is not None:
+                    seen.append((run.get("time", "?"), r))
+            if not seen:
+                continue
+            met = [f"{t} ({r:.2f}x)" for t, r in seen if r >= goal - TOL]
+            missed = [f"{t} ({r:.2f}x)" for t, r in seen if r < goal - TOL]
+            s = f"Target ≥ {goal}x, {PEER_LABELS.get(w, w)}, {comp['label']}: "
+            s += "; ".join(x for x in ((f"met on {', '.join(met)}" if met else ""),
+                                       (f"**missed** on {', '.join(missed)}" if missed else "")) if x) + "."
+            out.append(("Where we lose — " if missed else "") + s)
+    return out
+
+
+def peer_ratio_of(run: dict, comparison: str, w: str):
+    """A run's ratio of ``w`` in ``comparison``; runs made before the comparisons were labelled had one
+    ratio per workload, opencoti's defaults against llama.cpp's (the ``default`` comparison)."""
+    if "comparisons" in run:
+        r = ((run["comparisons"].get(comparison) or {}).get("workloads") or {}).get(w)
+        return None if r is None else r["ratio_median"]
+    return (run.get("ratio") or {}).get(w) if comparison == "default" else None
+
+
+def render_peer_memory(mem: dict) -> str:
+    o, t = mem["sides"]["opencoti-off"], mem["sides"]["llama.cpp"]
+
+    def row(label, a, b, lower_better=True):
+        r = ratio(b, a) if lower_better else ratio(a, b)
+        return [label, a, b, times(r)]
+
+    held_o, held_t = o["full_kv"].get("tokens_held"), t["full_kv"].get("tokens_held")
+    rows = [["KV budget, tokens", o["kv_budget_tokens"], t["kv_budget_tokens"], "–"],
+            ["KV bytes per token (fp16)", o.get("kv_bytes_per_token"), t.get("kv_bytes_per_token"), "–"],
+            ["KV budget, MiB", o["kv_budget_mib"], t["kv_budget_mib"], "–"],
+            row("RSS when ready, MiB", o["full_kv"]["ready"]["rss_mib"], t["full_kv"]["ready"]["rss_mib"]),
+            row(f"RSS after 8 sessions filled it ({held_o} / {held_t} tokens held), MiB",
+                o["full_kv"]["after_fill"]["rss_mib"], t["full_kv"]["after_fill"]["rss_mib"]),
+            row("… of it anonymous, MiB", o["full_kv"]["after_fill"]["anon_mib"], t["full_kv"]["after_fill"]["anon_mib"]),
+            row(f"RSS with a {o['small_kv']['kv_budget_tokens']}-token KV after one request (without KV), MiB",
+                o["small_kv"]["after_request"]["rss_mib"], t["small_kv"]["after_request"]["rss_mib"]),
+            row("RSS after the fill less the KV budget, MiB", o["rss_beyond_kv_mib"], t["rss_beyond_kv_mib"])]
+    head = (f"Memory, like for like: one server at a time, both with {mem['kv_tokens']} fp16 KV tokens (opencoti "
+            f"`{' '.join(o['flags'])}`, llama-server `{' '.join(t['flags'])}` after its flags above), speculation "
+            f"off; the fill: 8 sessions of new prompts, {mem['generated_per_session']} tokens generated each, all "
+            f"at once. RSS from `/proc/<pid>/smaps_rollup`. Ratio: llama.cpp / opencoti (> 1: opencoti holds less).")
+    return "\n".join([head, "", table(["memory", "opencoti", "llama.cpp", "ratio"], rows)])
+
+
+def memory_notes(mem: dict) -> list[str]:
+    out = []
+    for key, what in (("extra_full_mib", f"after filling the {mem['kv_tokens']}-token budget"),
+                      ("extra_without_kv_mib", "without KV (a 512-token budget, after one request)")):
+        x = mem.get(key)
+        if x is not None and x > 0:
+            out.append(f"Where we lose — memory {what}: opencoti's RSS is {x:.0f} MiB above llama.cpp's.")
+        elif x is not None:
+            out.append(f"Memory {what}: opencoti's RSS is {-x:.0f} MiB below llama.cpp's.")
+    return out
+
+
+def render_peer_llamacpp_before(d: dict) -> str:
+    """A run made before the comparisons were labelled: opencoti's defaults (n-gram speculation on)
+    against llama.cpp's (none), each server in turn, medians of separate runs."""
     med, ratios = d["median"], d["ratio"]
-    peer_of = {"fanout_pool_cold": "fanout_cold", "fanout_pool_warm": "fanout_warm"}
-    labels = {"decode_1": "1 session decode", "decode_1_long": "1 session decode after a ~3,000-token prompt",
-              "decode_1_busy": "1 session decode, a core-burning neighbour",
-              "sessions_8": "8 short sessions, aggregate", "fanout_cold": "8-agent fan-out, cold (no pool)",
-              "fanout_warm": "8-agent fan-out, warm (no pool)",
-              "fanout_pool_cold": "8-agent fan-out, cold, opencoti with a pool",
-              "fanout_pool_warm": "8-agent fan-out, warm, opencoti with a pool"}
     rows, lose = [], []
     for w, r in ratios.items():
         ours = med.get("opencoti", {}).get(w)
-        theirs = med.get("llama.cpp", {}).get(peer_of.get(w, w))
+        theirs = med.get("llama.cpp", {}).get(PEER_OF.get(w, w))
         unit = "s" if w.startswith("fanout") else "tok/s"
-        rows.append([labels.get(w, w), unit, ours, theirs, times(r),
+        rows.append([PEER_LABELS.get(w, w), unit, ours, theirs, times(r),
                      "–" if r is None else ("faster" if r >= 1 else "**slower**")])
         if r is not None and r < 1:
-            lose.append(f"{labels.get(w, w)}: llama.cpp is faster (opencoti {r:.2f}x).")
+            lose.append(f"{PEER_LABELS.get(w, w)}: llama.cpp is faster (opencoti {r:.2f}x).")
     cfg = d["config"]
     ours = (d.get("servers") or {}).get("opencoti") or {}
-    head = (f"{cfg['rounds']} round(s), {cfg['threads']} threads, {cfg['tokens']} tokens per decode request, "
-            f"medians; llama-server `{' '.join(cfg['llama_server_flags'])}` from {cfg['llama_cpp_source']}; "
-            f"opencoti with no flags: `auto` loaded the GGUF's weights as `{ours.get('weights')}`.")
+    head = (f"A run made before speculation was labelled: opencoti with its defaults (n-gram speculation on) "
+            f"against llama.cpp with none, one server after the other, ratios of medians. {cfg['rounds']} "
+            f"round(s), {cfg['threads']} threads, {cfg['tokens']} tokens per decode request; llama-server "
+            f"`{' '.join(cfg['llama_server_flags'])}` from {cfg['llama_cpp_source']}; opencoti with no flags: "
+            f"`auto` loaded the GGUF's weights as `{ours.get('weights')}`.")
     return "\n".join([head, "", table(["workload", "unit", "opencoti", "llama.cpp", "ratio", ""], rows)]
                      + losses(lose))
 
@@ -398,7 +517,59 @@ def render_speculative(d: dict) -> str:
                                        "their ngram / off", "ours / theirs (ngram)"], rows)] + losses(lose))
 
 
-RENDER = {"peer_llamacpp": render_peer_llamacpp, "quant": render_quant, "pools": render_pools,
+# ---------------------------------------------------------------------------- KV tiering
+TIER_SIDES = {"tier": "opencoti, disk tier", "all_in_ram": "opencoti, all in RAM", "recompute": "opencoti, no tier (recompute)",
+              "llama.cpp": "llama.cpp, `--slot-save-path` restore/save"}
+
+
+def render_kv_tier(d: dict) -> str:
+    cfg, summ, rat = d["config"], d["summary"], d.get("ratio_vs_tier") or {}
+    rows, lose = [], []
+    tier = summ.get("tier")
+    for side, label in TIER_SIDES.items():
+        v = summ.get(side)
+        if v is None:
+            continue
+        r = rat.get(side, {}) if side != "tier" else {}
+        rows.append([label, v["turn_p50_s"], v["turn_p95_s"], v["warm_total_s"], v["total_s"],
+                     f"{v['warm_prompt_tokens_computed']} / {v['warm_prompt_tokens']}",
+                     times(r.get("turn_p50")) if r else "–", v.get("greedy_equal_turns", "–")])
+    head = (f"{cfg['agents']} agents, each a context of {cfg['context']} tokens at its first turn, "
+            f"{cfg['rounds']} warm turn(s) each after a cold one, in rotation (each agent's tool wait is the others' "
+            f"turns), {cfg['answer']}-token greedy answers; a RAM KV budget of {cfg['ram_tokens']} tokens for a team "
+            f"of ~{cfg['team_kv_tokens']} tokens of KV (all in RAM: a budget that holds it all); {cfg['threads']} "
+            "threads; each side its own server process, one after the other. Turn latency: request sent to last "
+            "token, warm turns only (llama.cpp's includes its slot restore; its saves count in the totals).")
+    if tier is not None:
+        ram, rec = summ.get("all_in_ram"), summ.get("recompute")
+        if ram is not None:
+            x = tier["turn_p50_s"] / ram["turn_p50_s"]
+            if x > 1.3:
+                lose.append(f"turn p50 is {x:.2f}x the all-in-RAM side's (target ≤ 1.3x).")
+        if rec is not None:
+            x = rec["turn_p50_s"] / tier["turn_p50_s"]
+            if x < 5:
+                lose.append(f"the tier is {x:.2f}x faster than recomputing at p50 (target ≥ 5x at 6,000-token "
+                            f"contexts; this run's are {cfg['context']} tokens, where a recompute costs less).")
+        g = tier.get("max_gap_over_median_gap_max")
+        g_ram = (ram or {}).get("max_gap_over_median_gap_max")
+        if g is not None and g > 1.1:
+            lose.append(f"the longest pause between two streamed tokens of a warm turn is {g:.1f}x that turn's "
+                        "median (target: no step slower than 1.1x the median while the tier writes; a pause here "
+                        "also counts the read-back of the agent's own KV and whatever else shared the machine"
+                        + (f"; the all-in-RAM side, which writes nothing, shows {g_ram:.1f}x" if g_ram else "") + ").")
+        if tier.get("greedy_equal_to_all_in_ram") is False:
+            lose.append("the greedy answers differ from all-in-RAM's.")
+        peer = summ.get("llama.cpp")
+        if peer is not None and peer["turn_p50_s"] < tier["turn_p50_s"]:
+            lose.append(f"llama.cpp's slot restore is faster at p50 ({peer['turn_p50_s']:.2f} s vs "
+                        f"{tier['turn_p50_s']:.2f} s).")
+    return "\n".join([head, "", table(["side", "turn p50 s", "turn p95 s", "warm total s", "run total s",
+                                       "prompt tokens computed (warm)", "p50 vs tier", "greedy = all in RAM"],
+                                      rows)] + losses(lose))
+
+
+RENDER = {"peer_llamacpp": render_peer_llamacpp, "kv_tier": render_kv_tier, "quant": render_quant, "pools": render_pools,
           "cascade": render_cascade, "fanout": render_fanout, "admission_sim": render_admission_sim,
           "admission_sim_loaded": render_admission_sim, "cluster": render_cluster,
           "speculative": render_speculative}

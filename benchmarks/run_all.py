@@ -1,11 +1,13 @@
 """Every headline benchmark, each in its own process, then the report (``opencoti bench`` / ``make bench``).
 
-Runs the scripts of :data:`HEADLINE` one after the other (``--quick``: their short modes, ~10
-minutes on 2 cores once llama-server is built and cached), writes
-``benchmarks/results/<machine-id>/run.json`` (commit, machine, load before and after each, seconds,
-exit codes) and regenerates the tables of ``docs/benchmarks.md`` from the result files
-(``benchmarks/report.py``). A benchmark that fails is reported and the others still run; the exit
-code is non-zero when any failed.
+Runs the scripts of :data:`HEADLINE` one after the other with their defaults — the published
+configuration: no script takes other flags here — writes ``benchmarks/results/<machine-id>/run.json``
+(commit, machine, load before and after each, seconds, exit codes, the command of each) and
+regenerates the tables of ``docs/benchmarks.md`` from the result files (``benchmarks/report.py``).
+``--quick`` runs their short modes into files of their own (``<name>_quick.json``, ``run_quick.json``):
+a quick run never replaces a full one, and the page shows a quick result only where no full run
+exists. Every earlier result a run replaces is kept in ``history/`` (``common.write_json``). A
+benchmark that fails is reported and the others still run; the exit code is non-zero when any failed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ HEADLINE = [
     ("admission_sim", "bench_admission_sim.py", [], ["--quick"]),
     ("cluster", "bench_cluster.py", [], ["--quick"]),
     ("speculative", "bench_speculative.py", [], ["--quick"]),
+    ("kv_tier", "bench_kv_tier.py", [], ["--quick"]),
 ]
 
 
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in only:
             continue
         cmd = [sys.executable, str(common.BENCH_DIR / script), *(quick if args.quick else full)]
+        if args.quick:  # its own file: a quick run never replaces the full run's
+            cmd += ["--out", str(common.results_dir() / f"{name}_quick.json")]
         common.log(f"{name}: {' '.join(cmd[1:])}")
         before = common.load_snapshot()
         t0 = time.perf_counter()
@@ -58,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             failed.append(name)
             common.log(f"{name}: FAILED (exit {rc})")
-    common.write_json("run", {"quick": args.quick, "runs": runs, "failed": failed, "machine": common.machine_info()})
+    common.write_json("run_quick" if args.quick else "run",
+                      {"quick": args.quick, "only": only if args.only else None, "runs": runs, "failed": failed,
+                       "machine": common.machine_info()})
     if not args.no_report:
         rc = subprocess.call([sys.executable, str(common.BENCH_DIR / "report.py")], cwd=common.REPO_ROOT)
         if rc != 0:

@@ -286,3 +286,180 @@ def test_cluster_renders_the_scripts_shape_and_counts_pool_prefill():
     assert "Where we lose — Ray Serve's default router finished faster than our router with pools (0.90x" in text
     assert "PrefixCacheAffinityRouter | 3 |" in text
     assert "incomplete run" in report_tables.render_cluster({"complete": False, "results": results[:2]})
+
+
+# ---------------------------------------------------------------------------- opencoti vs llama.cpp (issue 53)
+import peer_llamacpp  # noqa: E402
+
+
+def fake_stream(log: list):
+    """peer_llamacpp.stream without servers: records (url, path, body) and answers at once, with a
+    decode rate and drafts that depend on the server (its port)."""
+
+    def stream(url, path, body):
+        log.append((url, path, body))
+        port = int(url.rsplit(":", 1)[1])
+        n = body.get("n_predict") or body.get("max_tokens") or 8
+        t = {"predicted_n": n, "prompt_n": 10}
+        if port in (1, 2):  # the opencoti servers
+            t.update(draft_n=4 if port == 1 else 0, draft_n_accepted=3 if port == 1 else 0)
+        return {"sent": 0.0, "first": 1.0, "last": 1.0 + (n - 1) / (100.0 * port), "chunks": n, "tokens": n,
+                "final": {"timings": t}, "timings": t}
+
+    return stream
+
+
+def test_peer_round_interleaves_every_request_and_no_prompt_repeats(monkeypatch):
+    import types
+
+    log: list = []
+    monkeypatch.setattr(peer_llamacpp, "stream", fake_stream(log))
+    monkeypatch.setattr(peer_llamacpp, "burn", lambda: types.SimpleNamespace(kill=lambda: None, wait=lambda: None))
+    monkeypatch.setattr(peer_llamacpp, "create_pool", lambda url, nonce: 7)
+    monkeypatch.setattr(peer_llamacpp.time, "sleep", lambda s: None)
+    urls = {n: f"http://127.0.0.1:{i + 1}" for i, n in enumerate(peer_llamacpp.SERVERS)}
+    args = types.SimpleNamespace(tokens=16)
+    out = peer_llamacpp.run_round(urls, args, 0)
+    for n, kind in ((n, k) for n, (k, _) in peer_llamacpp.SERVERS.items()):
+        for w in peer_llamacpp.WORKLOADS:
+            if w in peer_llamacpp.PEER_OF and kind == "llama.cpp":
+                assert w not in out[n]
+                continue
+            assert len(out[n][w]) == peer_llamacpp.REPEATS.get(w, 1), (n, w)
+            # every opencoti measurement records its drafts (the default drafts, --speculative off does not)
+            if kind == "opencoti":
+                assert out[n][w][0]["draft_n"] is not None, (n, w)
+    assert out["opencoti"]["decode_1"][0]["draft_n"] == 4 and out["opencoti-off"]["decode_1"][0]["draft_n"] == 0
+    # the single-session requests: each text went to all four servers, one after the other, in an order
+    # rotated per request; no text twice on one server (nothing an earlier answer could be copied from)
+    single = [(u, b["prompt"]) for u, p, b in log if p == "/completion" and "Tell me everything" not in b["prompt"]]
+    texts = list(dict.fromkeys(t for _, t in single))
+    firsts = []
+    for t in texts:
+        servers = [u for u, x in single if x == t]
+        assert sorted(servers) == sorted(urls.values()), t[:60]
+        firsts.append(servers[0])
+    assert len(set(firsts[1:])) >= 3  # the first server changes from request to request
+    bodies = [t.split("] ", 1)[1] for t in texts if "-warmup]" not in t]
+    assert len(bodies) == len(set(bodies))  # the busy neighbour's prompt is one no earlier request had
+    assert any(peer_llamacpp.BUSY_PROMPT in t for t in texts)
+
+
+def peer_payload(ratios_by_round: list[dict], targets=None) -> dict:
+    """A peer_llamacpp result from per-round values {server: {workload: value}}."""
+    raw: dict = {}
+    for rnd in ratios_by_round:
+        for n, ws in rnd.items():
+            raw.setdefault(n, []).append({w: [{"value": v, "tokens": 10, "draft_n": 10 if n == "opencoti" else None,
+                                               "draft_n_accepted": 6 if n == "opencoti" else None}]
+                                          for w, v in ws.items()})
+    med, drafted, comps = peer_llamacpp.summarize(raw)
+    return {"config": {"rounds": len(ratios_by_round), "threads": 2, "tokens": 128, "llama_server_flags": ["-c", "16"],
+                       "llama_cpp_source": "llama-cpp-python==0 (vendored)", "opencoti_weights": ["int4"],
+                       "targets": targets if targets is not None else peer_llamacpp.TARGETS, "quick": False},
+            "raw": raw, "median": med, "drafts": drafted, "comparisons": comps, "time": "2026-12-06T10:00:00+0000",
+            "machine": {}}
+
+
+def test_peer_table_has_the_three_comparisons_with_pair_spreads_and_losses():
+    rounds = [{"opencoti": {"decode_1": 150.0, "sessions_8": 300.0, "fanout_cold": 3.0, "fanout_pool_cold": 2.0},
+               "opencoti-off": {"decode_1": 90.0, "sessions_8": 250.0, "fanout_cold": 3.0},
+               "llama.cpp": {"decode_1": 100.0, "sessions_8": 150.0, "fanout_cold": 30.0},
+               "llama.cpp-ngram": {"decode_1": 140.0, "sessions_8": 160.0, "fanout_cold": 30.0}},
+              {"opencoti": {"decode_1": 160.0, "sessions_8": 300.0, "fanout_cold": 3.0, "fanout_pool_cold": 2.0},
+               "opencoti-off": {"decode_1": 110.0, "sessions_8": 250.0, "fanout_cold": 3.0},
+               "llama.cpp": {"decode_1": 100.0, "sessions_8": 150.0, "fanout_cold": 30.0},
+               "llama.cpp-ngram": {"decode_1": 150.0, "sessions_8": 160.0, "fanout_cold": 30.0}}]
+    d = peer_payload(rounds)
+    r = d["comparisons"]["spec_off"]["workloads"]["decode_1"]
+    assert r["ratios"] == [0.9, 1.1] and r["ratio_median"] == pytest.approx(1.0) and r["pairs"] == 2
+    # the pool rows are against llama.cpp's plain fan-out of the same round
+    assert d["comparisons"]["default"]["workloads"]["fanout_pool_cold"]["ratios"] == [15.0, 15.0]
+    text = report_tables.render_peer_llamacpp(d)
+    for label in ("each with its defaults: opencoti's n-gram speculation on, llama.cpp none",
+                  "speculation off on both (the per-token claim)",
+                  "n-gram speculation on both (llama.cpp --spec-type ngram-simple)"):
+        assert f"| {label} | 1 session decode |" in text
+    assert "| 0.90–1.10 | 2 |" in text  # the spread of the per-pair ratios
+    assert "| 12 / 20 (60 %) |" in text  # opencoti's drafts over the row's requests
+    assert ("speculation off on both (the per-token claim), 1 session decode: the median pair is 1.00x, but "
+            "llama.cpp was faster in 1 of 2 pair(s) (lowest 0.90x)") in text
+    lost = report_tables.render_peer_llamacpp(peer_payload([{**rounds[0], "llama.cpp": {
+        "decode_1": 200.0, "sessions_8": 150.0, "fanout_cold": 30.0}}]))
+    assert "Where we lose — speculation off on both (the per-token claim), 1 session decode: llama.cpp is faster " \
+           "(opencoti 0.45x" in lost
+
+
+def test_peer_target_met_on_one_run_and_missed_on_another_is_said_as_both():
+    def run(ours, when):
+        d = peer_payload([{"opencoti": {"sessions_8": ours}, "opencoti-off": {"sessions_8": ours},
+                           "llama.cpp": {"sessions_8": 100.0}, "llama.cpp-ngram": {"sessions_8": 100.0}}])
+        d["time"] = when
+        return d
+
+    now = run(160.0, "2026-12-06T11:00:00+0000")
+    now["_history"] = [run(140.0, "2026-12-05T11:00:00+0000"),
+                       {"time": "2026-12-04T11:00:00+0000", "ratio": {"sessions_8": 1.52}}]  # a run before labels
+    text = report_tables.render_peer_llamacpp(now)
+    line = next(x for x in text.splitlines() if "Target ≥ 1.5x, 8 short sessions, aggregate, each with its defaults" in x)
+    assert line.startswith("- Where we lose — ") and "met on 2026-12-04T11:00:00+0000 (1.52x), " \
+        "2026-12-06T11:00:00+0000 (1.60x)" in line and "**missed** on 2026-12-05T11:00:00+0000 (1.40x)" in line
+    only_met = report_tables.render_peer_llamacpp(run(160.0, "2026-12-06T11:00:00+0000"))
+    assert "Target ≥ 1.5x, 8 short sessions, aggregate, speculation off on both (the per-token claim): met on" \
+        in only_met and "**missed**" not in only_met
+
+
+def test_peer_memory_is_like_for_like_and_says_the_overhead():
+    def side(flags, bpt, ready, full, small):
+        return {"kv_budget_tokens": 16384, "flags": flags, "kv_bytes_per_token": bpt,
+                "kv_budget_mib": 16384 * bpt / 2 ** 20,
+                "full_kv": {"ready": {"rss_mib": ready}, "after_fill": {"rss_mib": full, "anon_mib": full - 90},
+                            "tokens_held": 16000},
+                "small_kv": {"kv_budget_tokens": 512, "after_request": {"rss_mib": small}},
+                "rss_full_mib": full, "rss_without_kv_mib": small, "rss_beyond_kv_mib": full - 16384 * bpt / 2 ** 20}
+
+    mem = {"kv_tokens": 16384, "generated_per_session": 128,
+           "sides": {"opencoti-off": side(["--kv-budget-tokens", "16384"], 23040, 500.0, 700.0, 420.0),
+                     "llama.cpp": side(["-c", "16384"], 23040, 480.0, 560.0, 200.0)},
+           "extra_full_mib": 140.0, "extra_without_kv_mib": 220.0}
+    text = report_tables.render_peer_memory(mem)
+    assert "both with 16384 fp16 KV tokens" in text and "| KV budget, MiB | 360.00 | 360.00 | – |" in text
+    assert "| RSS with a 512-token KV after one request (without KV), MiB | 420.00 | 200.00 | 0.48x |" in text
+    notes = report_tables.memory_notes(mem)
+    assert notes == ["Where we lose — memory after filling the 16384-token budget: opencoti's RSS is 140 MiB above "
+                     "llama.cpp's.",
+                     "Where we lose — memory without KV (a 512-token budget, after one request): opencoti's RSS is "
+                     "220 MiB above llama.cpp's."]
+
+
+def test_every_run_is_kept_and_a_quick_run_never_replaces_a_full_one(tmp_path, monkeypatch):
+    import common
+    import run_all
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(common, "results_dir", lambda: tmp_path / "results" / "box-2c-0000")
+    monkeypatch.setattr(common, "_WRITTEN", set())
+    monkeypatch.setattr(common.time, "strftime", lambda fmt: "2026-12-06T10:00:00+0000")
+    common.write_json("demo", {"config": {"quick": False}, "n": 1})
+    monkeypatch.setattr(common, "_WRITTEN", set())  # another process
+    monkeypatch.setattr(common.time, "strftime", lambda fmt: "2026-12-06T11:00:00+0000")
+    common.write_json("demo", {"config": {"quick": False}, "n": 2})
+    folder = tmp_path / "results" / "box-2c-0000"
+    assert json.loads((folder / "demo.json").read_text())["n"] == 2
+    assert json.loads((folder / "history" / "demo-20261206T100000.json").read_text())["n"] == 1
+    common.write_json("demo", {"config": {"quick": False}, "n": 3})  # the same process again (a partial write)
+    assert len(list((folder / "history").iterdir())) == 1
+    # opencoti bench --quick: every script into its own <name>_quick.json; the full run: the scripts' defaults
+    calls = []
+    monkeypatch.setattr(run_all.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
+    monkeypatch.setattr(common, "machine_info", lambda: {})
+    monkeypatch.setattr(common, "load_snapshot", lambda: {})
+    assert run_all.main(["--quick", "--no-report"]) == 0
+    for (name, *_), cmd in zip(run_all.HEADLINE, calls):
+        assert cmd[-2:] == ["--out", str(folder / f"{name}_quick.json")]
+    assert (folder / "run_quick.json").exists() and not (folder / "run.json").exists()
+    calls.clear()
+    assert run_all.main(["--no-report"]) == 0
+    assert all(h[2] == [] for h in run_all.HEADLINE)  # make bench: the published configuration is the defaults
+    assert [c[2:] for c in calls] == [[] for _ in run_all.HEADLINE]
+    assert json.loads((folder / "run.json").read_text())["runs"][0]["command"][1:] == []
