@@ -1527,17 +1527,15 @@ inline void permute_even_odd(int16_t* x16, int64_t n) {
     }
 }
 
-// One Q4_K weight row against R rows of int16 activations (x16 even/odd per block of 32, dx its scales,
-// sx the exact fp32 block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j. A
-// chunk of 64 values is 32 bytes: byte i holds value i of sub-block 2c (low nibble) and of 2c + 1 (high).
+// Per row of activations, the scale of each Q4_K sub-block's integer products (d sc_j dx_j: dd, R x stride)
+// and the offset term sum_j (dmin m_j) sx_j (msum), a super-block (8 sub-blocks) at a time.
 template <int R>
-inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, const float* sx,
-                        float* out) {
-    const int64_t ns = K / 256, nb = K / 32;
-    __m256 acc[R][2], macc[R];
+inline void q4k_block_scales(const uint8_t* wrow, const float* dx, const float* sx, int64_t ns, float* dd,
+                             int64_t stride, float* msum) {
+    const int64_t nb = ns * 8;
+    __m256 ms[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    for (int r = 0; r < R; ++r) ms[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < ns; ++s) {
         const uint8_t* blk = wrow + s * 144;
         const __m128i sm = k4_scales_v(blk + 4);
@@ -1545,18 +1543,40 @@ inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const ui
                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
         const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(blk + 2))),
                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-        __m256 dd[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-            dd[r] = _mm256_mul_ps(scf, _mm256_loadu_ps(dx + r * nb + s * 8));
-            macc[r] = _mm256_fmadd_ps(mf, _mm256_loadu_ps(sx + r * nb + s * 8), macc[r]);
+            _mm256_store_ps(dd + r * stride + s * 8, _mm256_mul_ps(scf, _mm256_loadu_ps(dx + r * nb + s * 8)));
+            ms[r] = _mm256_fmadd_ps(mf, _mm256_loadu_ps(sx + r * nb + s * 8), ms[r]);
         }
-        const uint8_t* qs = blk + 16;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) msum[r] = hsum(ms[r]);
+}
+
+// One Q4_K weight row against R rows of int16 activations (x16 even/odd per block of 32, dx its scales,
+// sx the exact fp32 block sums): out[r] = sum_j (d sc_j dx_j) <q_j, x16_j> - sum_j (dmin m_j) sx_j, the
+// scales first (q4k_block_scales), then the products. A chunk of 64 values is 32 bytes: byte i holds value
+// i of sub-block 2c (low nibble) and of 2c + 1 (high). K <= 16384 (callers check).
+template <int R>
+inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const uint8_t* wrow, const float* sx,
+                        float* out) {
+    constexpr int64_t kMaxBlocks = 512;
+    const int64_t ns = K / 256;
+    alignas(32) float dd[R][kMaxBlocks];
+    float msum[R];
+    q4k_block_scales<R>(wrow, dx, sx, ns, dd[0], kMaxBlocks, msum);
+    __m256 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* qs = wrow + s * 144 + 16;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + c * 32));  // 16-bit lane m: bytes 2m, 2m+1
             const __m256i le = _mm256_and_si256(v, low4), lo = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
             const __m256i he = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), ho = _mm256_srli_epi16(v, 12);
+            const int64_t j = s * 8 + 2 * c;  // sub-block of the low nibbles
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const int16_t* xb = x16 + r * K + s * 256 + c * 64;
@@ -1564,13 +1584,13 @@ inline void q4k_row_i16(const int16_t* x16, const float* dx, int64_t K, const ui
                                            _mm256_loadu_si256((const __m256i*)(xb + 16)));
                 const __m256i ph = dot_i16(_mm256_madd_epi16(he, _mm256_loadu_si256((const __m256i*)(xb + 32))), ho,
                                            _mm256_loadu_si256((const __m256i*)(xb + 48)));
-                acc[r][0] = _mm256_fmadd_ps(lane(dd[r], 2 * c), _mm256_cvtepi32_ps(pl), acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(lane(dd[r], 2 * c + 1), _mm256_cvtepi32_ps(ph), acc[r][1]);
+                acc[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd[r] + j), _mm256_cvtepi32_ps(pl), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd[r] + j + 1), _mm256_cvtepi32_ps(ph), acc[r][1]);
             }
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum(macc[r]);
+    for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) - msum[r];
 }
 
 // One Q6_K weight row against R rows of int16 activations (even/odd per block of 32; gs: the sums of each
@@ -1714,7 +1734,7 @@ void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* 
         return;
     }
 #if OC_AVX2
-    if (T <= kI16MaxRows) {
+    if (T <= kI16MaxRows && nb <= 512) {
         std::vector<int16_t> x16;
         std::vector<float> dx, sx(type == kGgmlQ4_K ? T * nb : T * K / 16);
         quantize_i16(x, T, K, x16, dx);
