@@ -247,3 +247,50 @@ def test_a_kill_9_during_a_write_leaves_nothing_that_loads(make_engine, tmp_path
     eng = make_engine(state_dir=str(state), **SMALL)
     assert not list((state / TIER_DIR).iterdir())  # the tier starts empty: nothing half-written is read
     assert [a for a, _ in agent_team(eng)] == [a for a, _ in agent_team(make_engine())]
+
+
+def pooled_team(eng, turns: int = TURNS) -> list[tuple[list[int], int]]:
+    """The agent team on a pool: a shared system prompt as a pool, each agent attached to it."""
+    system = toks(99, 24)
+    pool = eng.create_pool(tokens=system)
+    ctx = {i: system + toks(i, CTX - len(system)) for i in range(N_AGENTS)}
+    out = []
+    for turn in range(turns):
+        for i in range(N_AGENTS):
+            r = eng.generate(ctx[i], params=greedy(), session_id=f"agent-{i}", pool_id=pool.pool_id)
+            out.append((r.token_ids, r.cache_n))
+            ctx[i] = ctx[i] + r.token_ids + toks(1000 + 10 * turn + i, 12)
+    return out
+
+
+def test_a_pooled_sessions_own_kv_comes_back_from_disk(make_engine, tmp_path):
+    ram = pooled_team(make_engine())
+    off = pooled_team(make_engine(**SMALL))
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    tiered = pooled_team(eng)
+    assert [a for a, _ in tiered] == [a for a, _ in ram] == [a for a, _ in off]
+    later = slice(N_AGENTS, None)
+    assert all(n <= 24 for _, n in off[later])  # only the pool's prefix: the rest recomputed
+    for (_, n_tier), (_, n_ram) in zip(tiered[later], ram[later]):
+        assert n_tier >= n_ram - 2 * eng.kv.page_size
+    assert disk(eng)["read_pages"] > 0
+    rows = {s["session_id"]: s for s in eng.pools()["pools"][0]["sessions"]}
+    assert {r["kv_location"] for r in rows.values()} <= {"ram", "disk"}
+
+
+def test_an_evicted_pool_comes_back_from_disk(make_engine, tmp_path):
+    def run(**kw):
+        eng = make_engine(session_ttl_s=0, **kw)
+        pool = eng.create_pool(tokens=toks(7, 120))
+        first = eng.generate(toks(7, 120) + [5, 6], params=greedy(), pool_id=pool.pool_id).token_ids
+        for i in range(4):  # other work that needs the pages: the idle pool is evicted
+            eng.generate(toks(50 + i, 90), params=greedy())
+        assert eng.pool(pool.pool_id).residency == "evicted"
+        before = eng.stats()["tier_read_pages"]
+        again = eng.generate(toks(7, 120) + [5, 6], params=greedy(), pool_id=pool.pool_id).token_ids
+        return first, again, eng.stats()["tier_read_pages"] - before
+
+    first, again, read = run(state_dir=str(tmp_path / "s"), kv_budget_tokens=200)
+    assert first == again and read >= 120 // 4 - 2  # its pages came back instead of a prefill
+    first_off, again_off, read_off = run(kv_budget_tokens=200)
+    assert first_off == again_off == first and read_off == 0

@@ -327,7 +327,10 @@ class EngineCore:
     def try_start(self, job: Job | MaterializeJob) -> bool:
         """Set up a waiting job's page table from the KV it reuses. False: not enough pages yet."""
         if isinstance(job, MaterializeJob):
-            return self.polykv.start_materialization(job)
+            if not self.polykv.start_materialization(job):
+                return False
+            self.prefix_cache.continue_from_tier(job.seq, len(job.seq.tokens) - 1)  # an evicted pool's KV, back from disk
+            return True
         return self._start_session_job(job)
 
     def waits_for_prefix(self, job: Job | MaterializeJob) -> bool:
@@ -370,6 +373,8 @@ class EngineCore:
                 return False
             if old is not job.seq:
                 self.tables.drop(old)
+            if pool is not None and src is pool.seq.page_table:  # its own suffix, back from the disk tier
+                self.prefix_cache.continue_pooled(job)
         # tokens shared with the pool (the suffix is [shared, len)): P from the pool, or as before
         job.seq.num_shared_tokens = min(old.num_shared_tokens, p) if from_own else p
         if session.pool_id is None:

@@ -341,6 +341,33 @@ class KVTables:
         where = "disk" if disk else "ram" if ram else "none"
         return {"kv_location": where, "kv_ram_tokens": ram * self.page_size, "kv_disk_tokens": disk * self.page_size}
 
+    def extend_from_index(self, seq: Sequence, limit: int, keys: list[bytes]) -> int:
+        """``seq`` holds the KV of its first ``num_cached`` tokens (a pool's prefix shared into it):
+        continue it with the index's pages that hold the next of ``tokens[:limit]`` (``keys``: their
+        chained page keys) and that only the cache holds, as its own pages (so each page keeps one
+        owner; a page another table holds ends the run). A partial last page copied from the pool
+        is replaced by the index's full page. Returns the tokens added (0: nothing changed)."""
+        index, ps = self.index, self.page_size
+        if index is None or not keys:
+            return 0
+        full = seq.num_cached // ps
+        if len(seq.page_table) != self.kv.pages_for(seq.num_cached):
+            return 0
+        m = index.match(seq.tokens, seq.salt_root, min(limit, len(keys) * ps), keys)
+        take: list[int] = []
+        for page in m.pages[full:]:
+            if self.kv.refcount[page] != 1:
+                break
+            take.append(page)
+        if not take:
+            return 0
+        self.kv.incref(take)
+        self.kv.decref(seq.page_table[full:])  # the partial page copied from the pool, if any
+        seq.page_table = seq.page_table[:full] + take
+        added = (full + len(take)) * ps - seq.num_cached
+        seq.num_cached += added
+        return added
+
     def num_cache_only(self) -> int:
         """Pages only the index holds (all of them can be evicted, leaves first)."""
         if self.index is None:

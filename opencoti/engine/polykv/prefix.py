@@ -202,6 +202,27 @@ class PrefixCache:
         self._mark_inflight(job, len(m.pages))
         return True
 
+    def continue_from_tier(self, seq, limit: int) -> int:
+        """A pooled session's request or a pool's materialization whose table holds its pool's (or
+        parent's) prefix: the pages of the rest of ``seq.tokens[:limit]`` that the disk tier holds
+        come back (``KVTables.promote``) and join its table with those the prefix cache holds
+        (``KVTables.extend_from_index``). Only with a tier (without one such requests recompute
+        past their pool, as before). Returns the tokens it no longer computes."""
+        tables = self.tables
+        if tables.tier is None or tables.index is None or limit <= seq.num_cached:
+            return 0
+        keys = tables.index.keys_for(seq.tokens, seq.salt_root, limit // self.page_size)
+        self.counters["tier_read_pages"] += tables.promote(seq.tokens, seq.salt_root, limit, keys)
+        return tables.extend_from_index(seq, limit, keys)
+
+    def continue_pooled(self, job: Job) -> None:
+        """``continue_from_tier`` for a pooled session's request (counted as reused prompt tokens)."""
+        n = self.continue_from_tier(job.seq, len(job.seq.tokens) - 1)
+        if n:
+            self.counters["auto_prefix_tokens"] += n
+            if not job.num_preemptions:
+                self._recount_cache_n(job, job.seq.num_cached)
+
     def _recount_cache_n(self, job: Job, p: int) -> None:
         delta = p - job.timings.cache_n
         if delta:
