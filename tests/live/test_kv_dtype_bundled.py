@@ -40,8 +40,30 @@ def engines(bundled_model):
         e.shutdown()
 
 
+@pytest.fixture(scope="module")
+def fp32_reference_once(engines):
+    """kv_gate computes its reference, the gate text's logits with fp32 pages, for every KV dtype it
+    checks: the same model and the same ids give the same logits, so the module computes them once
+    (kv_gate still runs as written: its ``paged_logits`` is answered from this cache for fp32 pages)."""
+    from opencoti.engine.kv import gate
+
+    real, cache = gate.paged_logits, {}
+
+    def paged_logits(model, ids, kv_dtype, **kw):
+        if kv_dtype != torch.float32:
+            return real(model, ids, kv_dtype, **kw)
+        key = (id(model), tuple(ids), tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = real(model, ids, kv_dtype, **kw)
+        return cache[key].clone()
+
+    gate.paged_logits = paged_logits
+    yield cache
+    gate.paged_logits = real
+
+
 @pytest.mark.parametrize("name", ["fp16", "bf16", "q8"])
-def test_kv_accuracy_check(engines, name):
+def test_kv_accuracy_check(engines, fp32_reference_once, name):
     model = engines["fp32"].model
     assert model.fused_layers is not None  # the decode steps run the fused native layers
     ids = engines["fp32"].tokenizer.encode(GATE_TEXT)[:GATE_TOKENS]
