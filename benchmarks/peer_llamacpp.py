@@ -23,7 +23,7 @@ Each round starts all four fresh (cold caches) and keeps them up at once; every 
 each server in turn, the order rotated per request (each server goes first once every four), so a
 drift in the machine's speed (other work, the clock) hits them alike. A ratio is taken per pair (the
 same request on both servers of a comparison, a few seconds apart) and the report gives the median of
-the per-pair ratios and their spread (min–max); ``--rounds`` (3) rounds.
+the per-pair ratios and their spread (min–max); ``--rounds`` (2) rounds.
 
 Workloads (client side, over HTTP, identical requests to every server; every prompt is new to the
 server, and no two requests of a round share a prompt text, so no drafter can copy an earlier answer):
@@ -587,7 +587,8 @@ def _stop_all(stack: list) -> None:
 
 def main() -> int:
     p = common.base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds (each: four fresh servers, every workload; decode_1 twice per round)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per decode request")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build and cache one)")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
@@ -642,8 +643,12 @@ def main() -> int:
             _stop_all(stack)
             stack.clear()
         if not args.no_memory and args.only is None:
-            memory = memory_compare(gguf, threads, llama_bin, args.memory_kv_tokens, args.tokens,
-                                    weights[0] if weights else None, stack)
+            try:
+                memory = memory_compare(gguf, threads, llama_bin, args.memory_kv_tokens, args.tokens,
+                                        weights[0] if weights else None, stack)
+            except Exception as e:  # noqa: BLE001 - the rounds' results are still written; the error with them
+                common.log(f"memory comparison failed: {e!r}")
+                memory = {"error": repr(e)}
     finally:
         _stop_all(stack)
     med, drafted, comps = summarize(raw)
@@ -657,6 +662,8 @@ def main() -> int:
                            rows, title=f"{c}: {comp['label']}")
     if memory:
         print(json.dumps({k: v for k, v in memory.items() if k != "sides"}, indent=1))
+    if any(not comp["workloads"] for comp in comps.values()) or not comps:
+        common.log("no comparison measured")
     machine = common.machine_info()
     print(common.describe_machine(machine))
     out = args.out or (str(common.results_dir() / "peer_llamacpp_quick.json") if args.quick else None)

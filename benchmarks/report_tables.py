@@ -101,7 +101,9 @@ def render_peer_llamacpp(d: dict) -> str:
                             "pairs min–max", "pairs", "accepted", ""], rows)]
     notes = [f"Where we lose — {x}" for x in lose] + spread + target_lines(d)
     mem = d.get("memory")
-    if mem:
+    if mem and mem.get("error"):
+        notes.append(f"The memory comparison of this run failed ({mem['error']}): no memory table.")
+    elif mem:
         out += ["", render_peer_memory(mem)]
         m_notes = memory_notes(mem)
         notes += m_notes
