@@ -117,8 +117,11 @@ def _props(ctx: Context) -> dict:
             "floor_default": {"target_tps_per_session": defaults.target_tps_per_session},
             "admission_defaults": defaults.as_dict(),
             "pin_policy": {"interior_auto_pin": True, "grace_ttl_s": cfg.pool_grace_ttl_s,
-                           "evict_order": "prefix cache (LRU, leaves first), then idle sessions, then unpinned "
-                                          "idle pools (LRU)"},
+                           "evict_order": f"sessions idle for more than {cfg.kv_idle_spill_s:g} s (kv_idle_spill_s), "
+                                          "then the prefix cache (LRU, leaves first), then the other idle sessions, "
+                                          "then unpinned idle pools (LRU); evicted pages go to the disk tier when "
+                                          "there is one (kv_tiers)"},
+            "kv_tiers": eng.stats()["kv_tiers"],  # bytes in RAM and on disk (docs/persistence.md, KV tiers)
             "prefix_cache": {"session_ttl_s": cfg.session_ttl_s, **eng.stats()["prefix_cache"]},
             "tps": eng.configure_tps(), "tps_stream_interval_ms": ctx.tps_interval_ms,
             "chat_template_tools": {"native_tools": caps.supports_tools, "native_tool_calls": caps.supports_tool_calls},

@@ -73,6 +73,7 @@ def test_reclaimed_kv_comes_back_from_disk_with_the_answers_of_all_in_ram(make_e
         assert n_tier >= n_ram - eng.kv.page_size  # all but the partial last page came back
     d = disk(eng)
     assert d["enabled"] and d["spilled_pages"] > 0 and d["read_pages"] > 0 and d["faults"] == 0
+    assert d["prefetched_segments"] > 0 and d["read_segments"] > 0 and d["prefetched_bytes"] == 0  # read ahead, all used
     assert d["promoted_pages"] == d["read_pages"] == eng.stats()["tier_read_pages"]
     assert 0 < d["used_bytes"] <= d["budget_bytes"]
     flush(eng)

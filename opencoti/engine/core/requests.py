@@ -153,6 +153,7 @@ class Job(Work):
     info: Any = None  # RequestInfo
     sampler_state: Any = None  # SamplerState: constraint matcher, penalty window, logit bias
     prompt_keys: list = field(default_factory=list)  # prefix-index keys of the prompt's full pages
+    tier_keys: list = field(default_factory=list)  # of those, the pages on disk it waits to be read ahead
     draft_state: Any = None  # speculative.DraftState (None: no speculative decoding)
     draft: list = field(default_factory=list)  # draft tokens appended to seq.tokens for this step
 

@@ -53,6 +53,14 @@ class Tier(Protocol):
         """Whether the tier holds the page of this chained key."""
         ...
 
+    def prefetch(self, keys: Seq[bytes], kv: PagePool) -> int:
+        """Start reading the pages of ``keys`` ahead (a queued request will ``fetch`` them)."""
+        ...
+
+    def reading(self, keys: Seq[bytes]) -> bool:
+        """Whether a read ahead of some of ``keys`` is still in flight."""
+        ...
+
     def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv: PagePool):
         """``(k, v)``, ``[L, n, page_size, H, D]`` each, of the longest checked run of ``keys`` it
         can deliver (``n`` may be less than asked); None: none."""

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import numpy as np
 import torch
@@ -60,7 +60,8 @@ PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
 class Segment:
     """One file: ``n`` consecutive pages of one chain."""
 
-    __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state")
+    __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state", "reading", "loaded",
+                 "load_error")
 
     def __init__(self, name: str, keys: list[bytes], tokens: list[int], start: int, parent_key: bytes,
                  nbytes: int, k: torch.Tensor, v: torch.Tensor):
@@ -69,6 +70,9 @@ class Segment:
         self.k: torch.Tensor | None = k  # [L, n, ps, H, D] until written (then read from the file)
         self.v: torch.Tensor | None = v
         self.state = PENDING
+        self.reading = False  # a prefetch of it is in flight (the reader thread)
+        self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # what the prefetch read (checked)
+        self.load_error: str | None = None  # why the prefetch could not use it
 
 
 class DiskTier:
@@ -96,10 +100,19 @@ class DiskTier:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._warned: dict[str, float] = {}
+        # prefetches: segments a queued request will read, read and checked by a thread of their own
+        # (not behind the writes), so the step that starts the request only copies them into pages
+        self._rq: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader: threading.Thread | None = None
+        self._prefetched_bytes = 0  # of the segments in _fetched (step thread only)
+        self._fetched: set[Segment] = set()  # prefetched (or being read), not consumed yet
+        self.wake: Callable[[], None] | None = None  # called (reader thread) when a prefetch is done
+        self._layout: tuple | None = None  # (kv page geometry) for the reader thread
         self.stats = {"spilled_pages": 0, "spilled_segments": 0, "dropped_pages_queue_full": 0,
                       "skipped_pages_over_budget": 0, "evicted_segments": 0, "read_pages": 0,
                       "read_segments": 0, "read_from_memory": 0, "faults": 0, "write_errors": 0,
-                      "write_seconds": 0.0, "read_seconds": 0.0}
+                      "write_seconds": 0.0, "read_seconds": 0.0, "prefetched_segments": 0,
+                      "prefetch_seconds": 0.0}
 
     # ------------------------------------------------------------------ reads of the state
     def has(self, key: bytes) -> bool:
@@ -113,6 +126,7 @@ class DiskTier:
     def status(self) -> dict:
         return {"enabled": True, "dir": str(self.dir), "budget_bytes": self.budget, "used_bytes": self.used_bytes,
                 "pages": len(self.pages), "segments": len(self.segments), "pending_bytes": self._pending_bytes,
+                "prefetched_bytes": self._prefetched_bytes,
                 "max_pending_bytes": self.max_pending, **self.stats}
 
     # ------------------------------------------------------------------ writes
@@ -174,6 +188,7 @@ class DiskTier:
 
     def _forget(self, seg: Segment) -> None:
         """The segment's pages are no longer served; its file goes."""
+        self._drop_loaded(seg)
         self.segments.pop(seg.name, None)
         for key in seg.keys:
             if self.pages.get(key, (None,))[0] is seg:
@@ -205,6 +220,8 @@ class DiskTier:
             seg, at = held
             if (seg.parent_key if at == 0 else seg.keys[at - 1]) != prev:
                 break
+            if seg.reading:  # being read ahead for another request: this one computes those pages
+                break
             data = self._data(seg, kv)
             if data is None:
                 self._forget(seg)
@@ -232,31 +249,101 @@ class DiskTier:
         if k is not None and v is not None:
             self.stats["read_from_memory"] += 1
             return k, v
-        if seg.state != WRITTEN:
-            return None
-        path = self.dir / seg.name
-        got = kvfile.read_checked(path, self.identity, seg.tokens)
-        n = len(seg.keys)
-        shape = [kv.num_layers, n * kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1]]
-        dtype = kvfile.np_dtype(kv.dtype)
-        if not isinstance(got, str):
-            head, body = got
-            if head.get("shape") != shape or head.get("start") != seg.start or dtype is None \
-                    or head.get("dtype") != str(kv.dtype).replace("torch.", ""):
-                got = "its header names another layout (shape, dtype or position)"
-            elif len(body) < 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize:
-                got = "shorter than its header says"
+        if seg.state != WRITTEN or seg.reading:
+            return None  # (a prefetch still reading: the caller computes instead of waiting)
+        got: tuple | str
+        if seg.loaded is not None:
+            got = seg.loaded
+            self._drop_loaded(seg)
+        elif seg.load_error is not None:
+            got, seg.load_error = seg.load_error, None
+            self._drop_loaded(seg)
+        else:
+            got = _read_segment(self.dir / seg.name, seg, self.identity, _layout(kv))
         if isinstance(got, str):
             self.stats["faults"] += 1
-            log.warning("KV tier: %s not used: %s; those pages are recomputed", path, got)
+            log.warning("KV tier: %s not used: %s; those pages are recomputed", self.dir / seg.name, got)
             return None
-        count = int(np.prod(shape))
-        arr = torch.from_numpy(np.frombuffer(body, dtype=dtype, count=2 * count).reshape(2, *shape))
-        if kv.dtype == torch.bfloat16:
-            arr = arr.view(torch.bfloat16)
-        arr = arr.view(2, kv.num_layers, n, kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1])
         self.stats["read_segments"] += 1
-        return arr[0], arr[1]
+        return got
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, keys: Seq[bytes], kv) -> int:
+        """A queued request will read the pages of ``keys`` (in order): read and check their
+        segment files now, on the reader thread. Returns how many segments are being read (the
+        request waits for them: ``reading``). Within the pending-bytes bound; past it, the request
+        reads them itself when it starts."""
+        self._layout = _layout(kv)
+        self._settle()
+        started = 0
+        seen: set[str] = set()
+        for key in keys:
+            held = self.pages.get(key)
+            if held is None:
+                break
+            seg = held[0]
+            if seg.name in seen:
+                continue
+            seen.add(seg.name)
+            if seg.state != WRITTEN or seg.k is not None or seg.reading or seg.loaded is not None:
+                continue
+            if self._prefetched_bytes + seg.nbytes > self.max_pending:
+                break
+            seg.reading = True
+            self._fetched.add(seg)
+            self._prefetched_bytes += seg.nbytes
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read_ahead, name="opencoti-kv-tier-read", daemon=True)
+                self._reader.start()
+            self._rq.put(seg)
+            started += 1
+        self.stats["prefetched_segments"] += started
+        return started
+
+    def reading(self, keys: Seq[bytes]) -> bool:
+        """Whether a prefetch of one of ``keys``' segments is still in flight."""
+        for key in keys:
+            held = self.pages.get(key)
+            if held is None:
+                return False
+            if held[0].reading:
+                return True
+        return False
+
+    def _drop_loaded(self, seg: Segment) -> None:
+        """Its prefetched data goes (used, or the segment is forgotten); one still being read is
+        settled when its read ends (``_settle``)."""
+        seg.loaded = None
+        if seg in self._fetched and not seg.reading:
+            self._fetched.discard(seg)
+            self._prefetched_bytes -= seg.nbytes
+
+    def _settle(self) -> None:
+        """Count out the prefetches that ended without data to use (a fault, or a forgotten segment)."""
+        for seg in [x for x in self._fetched if not x.reading and (x.loaded is None or x.state == DROPPED)]:
+            self._drop_loaded(seg)
+
+    def _read_ahead(self) -> None:
+        while True:
+            seg = self._rq.get()
+            if seg is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                got = _read_segment(self.dir / seg.name, seg, self.identity, self._layout)
+            except Exception as e:  # noqa: BLE001 - a read that fails is a recompute, never a crash
+                got = f"cannot read it: {e}"
+            if isinstance(got, str):
+                seg.load_error = got
+            elif seg.state != DROPPED:
+                seg.loaded = got
+            seg.reading = False  # (after loaded: the step thread reads ``reading`` first)
+            self.stats["prefetch_seconds"] += time.perf_counter() - t0
+            if self.wake is not None:
+                try:
+                    self.wake()
+                except Exception:  # noqa: BLE001 - the engine is shutting down
+                    pass
 
     # ------------------------------------------------------------------ the I/O thread
     def _put(self, item) -> None:
@@ -273,11 +360,16 @@ class DiskTier:
             done.wait()
 
     def close(self) -> None:
-        """Stop the I/O thread; writes still queued are not done (the files are emptied at the next
+        """Stop the I/O threads; writes still queued are not done (the files are emptied at the next
         start anyway)."""
         for seg in self.segments.values():
             if seg.state == PENDING:
                 seg.state = DROPPED
+        self.wake = None
+        if self._reader is not None:
+            self._rq.put(None)
+            self._reader.join()
+            self._reader = None
         if self._thread is not None:
             self._q.put(None)
             self._thread.join()
@@ -335,6 +427,36 @@ class DiskTier:
             log.debug(msg, *args)
 
 
+def _layout(kv) -> tuple:
+    """What reading a segment needs of the KV pages (the reader thread never touches them)."""
+    return kv.num_layers, kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1], kv.dtype
+
+
+def _read_segment(path: Path, seg: Segment, identity: dict | None, layout: tuple
+                  ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A segment file's K and V (``[L, n, ps, H, D]`` each), checked (identity, tokens, layout,
+    checksum); or why it cannot be used."""
+    layers, ps, heads, width, dtype_t = layout
+    got = kvfile.read_checked(path, identity, seg.tokens)
+    n = len(seg.keys)
+    shape = [layers, n * ps, heads, width]
+    dtype = kvfile.np_dtype(dtype_t)
+    if isinstance(got, str):
+        return got
+    head, body = got
+    if head.get("shape") != shape or head.get("start") != seg.start or dtype is None \
+            or head.get("dtype") != str(dtype_t).replace("torch.", ""):
+        return "its header names another layout (shape, dtype or position)"
+    count = int(np.prod(shape))
+    if len(body) < 2 * count * np.dtype(dtype).itemsize:
+        return "shorter than its header says"
+    arr = torch.from_numpy(np.frombuffer(body, dtype=dtype, count=2 * count).reshape(2, *shape))
+    if dtype_t == torch.bfloat16:
+        arr = arr.view(torch.bfloat16)
+    arr = arr.view(2, layers, n, ps, heads, width)
+    return arr[0], arr[1]
+
+
 DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's
 
 
@@ -372,6 +494,8 @@ def open_tier(engine) -> DiskTier | None:
     if budget <= 0:
         return None
     tier = DiskTier(directory, int(budget * 2**20), kv_identity_of(engine))
+    # a finished prefetch wakes the step loop (it sleeps while the only waiting request waits for it)
+    tier.wake = lambda: engine.post_to_step_thread(lambda: None)
     engine.core.tables.tier = tier
     log.info("KV tier: %s, %.0f MiB: pages reclaimed from RAM are kept there and read back", directory, budget)
     return tier

@@ -69,9 +69,12 @@ class PrefixCache:
         keys = job.prompt_keys = index.keys_for(tokens, job.seq.salt_root, limit // ps)
         m = self.tables.match(tokens, job.seq.salt_root, limit, keys)  # None: a one-token prompt
         n = len(m.pages) if m is not None else 0
-        tier = self.tables.tier
+        tier, resident = self.tables.tier, n
         while tier is not None and n < len(keys) and tier.has(keys[n]):
             n += 1  # on disk: read back when it starts (KVTables.promote)
+        if tier is not None and n > resident:  # read ahead while it waits; it starts once they are read
+            job.tier_keys = keys[resident:n]
+            tier.prefetch(job.tier_keys, self.tables.kv)
         while n < len(keys) and self._owner(keys[n]) is not None:
             n += 1  # computed by a request ahead of this one (running or queued): it will wait for it
         for k in keys[n:]:  # pages this request computes: later arrivals expect them
@@ -251,7 +254,13 @@ class PrefixCache:
         return j if j is not None and j.started else None
 
     def waits_for_prefix(self, job) -> bool:
-        """SchedulerHooks (scheduler.py): a waiting request whose next uncached prompt page a running request is computing."""
+        """SchedulerHooks (scheduler.py): a waiting request whose next uncached prompt page a running request is
+        computing, or whose pages on disk are still being read ahead (``DiskTier.prefetch``)."""
+        tier_keys = getattr(job, "tier_keys", None)
+        if tier_keys and not job.started:
+            if self.tables.tier is not None and self.tables.tier.reading(tier_keys):
+                return True  # its pages on disk are being read ahead
+            job.tier_keys = []
         index = self.tables.index
         if index is None or not self._inflight or not getattr(job, "prompt_keys", None):
             return False
