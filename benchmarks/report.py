@@ -35,7 +35,8 @@ def results(name: str) -> list[tuple[str, dict]]:
     out = []
     for path in sorted([*RESULTS.glob(f"*/{name}.json"), *RESULTS.glob(f"*/{name}_quick.json")]):
         try:
-            out.append((path.parent.name, json.loads(path.read_text())))
+            out.append((path.parent.name, {**json.loads(path.read_text()),
+                                           "_file": f"benchmarks/results/{path.relative_to(RESULTS)}"}))
         except (OSError, ValueError) as e:
             raise SystemExit(f"{path}: unreadable result ({e})")
     return sorted(out, key=lambda r: r[1].get("time", ""), reverse=True)
@@ -48,7 +49,7 @@ def history(name: str) -> list[tuple[str, dict]]:
     for path in RESULTS.glob(f"*/history/{name}-*.json"):
         try:
             out.append((path.parent.parent.name, {**json.loads(path.read_text()),
-                                                  "_file": str(path.relative_to(RESULTS.parent.parent))}))
+                                                  "_file": f"benchmarks/results/{path.relative_to(RESULTS)}"}))
         except (OSError, ValueError) as e:
             raise SystemExit(f"{path}: unreadable result ({e})")
     return sorted(out, key=lambda r: r[1].get("time", ""))
@@ -90,7 +91,25 @@ def machine_line(machine_id: str, payload: dict, name: str) -> str:
     loads = " → ".join(f"{v[0]:.2f}" for v in loads_of(payload) if v)
     return (f"*Machine `{machine_id}`: {m.get('cpu', '?')} [{simd}], {cores} cores, torch {m.get('torch', '?')}; "
             f"commit `{commit}`; {payload.get('time', '?')}; load average {loads or '?'}; raw data "
-            f"`benchmarks/results/{machine_id}/{name}.json`.*")
+            f"`{payload.get('_file') or f'benchmarks/results/{machine_id}/{name}.json'}`"
+            f"{made_by(machine_id, payload, name)}.*")
+
+
+def made_by(machine_id: str, payload: dict, name: str) -> str:
+    """``; made by `opencoti bench` (run.json ...)`` when that machine's run record lists this result's
+    run (the benchmark, with the result written before the record), else '' (a script run by hand)."""
+    record = "run_quick.json" if quick_of(payload) else "run.json"
+    try:
+        run = json.loads((RESULTS / machine_id / record).read_text())
+    except (OSError, ValueError):
+        return ""
+    entry = next((r for r in run.get("runs") or [] if r.get("name") == name), None)
+    if entry is None or entry.get("rc") != 0 or str(payload.get("time", "")) > str(run.get("time", "")):
+        return ""
+    cmd = " ".join(entry.get("command") or [])
+    return (f"; made by `opencoti bench`{' --quick' if run.get('quick') else ''} "
+            f"(`benchmarks/results/{machine_id}/{record}`, {run.get('time', '?')}: `{cmd}`, "
+            f"{entry.get('seconds', '?')} s)")
 
 
 def render_generic(d: dict) -> str:
@@ -130,9 +149,7 @@ def earlier_line(machine_id: str, payload: dict, name: str, kept: bool = False) 
     git = m.get("git") or {}
     simd = "/".join(m.get("cpu_flags_of_interest") or []) or "?"
     how = "reduced run (`--quick`)" if quick_of(payload) else "full run"
-    file = (payload.get("_file") if kept else f"benchmarks/results/{machine_id}/"
-            + (f"{name}_quick.json" if quick_of(payload) and (RESULTS / machine_id / f"{name}_quick.json").exists()
-               else f"{name}.json"))
+    file = payload.get("_file") or f"benchmarks/results/{machine_id}/{name}.json"
     return (f"`{machine_id}` ({m.get('cpu', '?')} [{simd}]), {payload.get('time', '?')}, commit "
             f"`{(git.get('commit') or '?')[:10]}`, {how}" + (", kept when a later run replaced it" if kept else "")
             + f": `{file}`")

@@ -463,3 +463,24 @@ def test_every_run_is_kept_and_a_quick_run_never_replaces_a_full_one(tmp_path, m
     assert all(h[2] == [] for h in run_all.HEADLINE)  # make bench: the published configuration is the defaults
     assert [c[2:] for c in calls] == [[] for _ in run_all.HEADLINE]
     assert json.loads((folder / "run.json").read_text())["runs"][0]["command"][1:] == []
+
+
+def test_the_machine_line_names_the_opencoti_bench_run_that_made_the_table(tmp_path, monkeypatch):
+    box = tmp_path / "results" / "box-2c-0000"
+    box.mkdir(parents=True)
+    payload = {"benchmark": "demo", "time": "2026-12-06T10:00:00+0000", "machine": {"cpu": "CPU", "loadavg": [0.5]},
+               "report": {"headers": ["case", "tok/s"], "rows": [["one", 1.5]]}}
+    (box / "demo.json").write_text(json.dumps(payload))
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    assert "made by" not in report.block("demo")  # a script run by hand
+    run = {"time": "2026-12-06T10:30:00+0000", "quick": False,
+           "runs": [{"name": "demo", "command": ["benchmarks/demo.py"], "rc": 0, "seconds": 61.5}]}
+    (box / "run.json").write_text(json.dumps(run))
+    assert ("made by `opencoti bench` (`benchmarks/results/box-2c-0000/run.json`, 2026-12-06T10:30:00+0000: "
+            "`benchmarks/demo.py`, 61.5 s)") in report.block("demo")
+    payload["time"] = "2026-12-06T11:00:00+0000"  # written after that run: not its result
+    (box / "demo.json").write_text(json.dumps(payload))
+    assert "made by" not in report.block("demo")
+    (box / "demo.json").unlink()
+    (box / "demo_quick.json").write_text(json.dumps({**payload, "config": {"quick": True}}))
+    assert "raw data `benchmarks/results/box-2c-0000/demo_quick.json`" in report.block("demo")
