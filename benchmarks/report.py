@@ -97,15 +97,16 @@ def machine_line(machine_id: str, payload: dict, name: str) -> str:
 
 def made_by(machine_id: str, payload: dict, name: str) -> str:
     """``; made by `opencoti bench` (run.json ...)`` when that machine's run record lists this result's
-    run (the benchmark, with the result written before the record), else '' (a script run by hand)."""
+    run (the benchmark, with the result written before the record), else that it was run by hand."""
     record = "run_quick.json" if quick_of(payload) else "run.json"
+    by_hand = "; run by hand, not by `opencoti bench` (its options may differ from the script's defaults)"
     try:
         run = json.loads((RESULTS / machine_id / record).read_text())
     except (OSError, ValueError):
-        return ""
+        return by_hand
     entry = next((r for r in run.get("runs") or [] if r.get("name") == name), None)
     if entry is None or entry.get("rc") != 0 or str(payload.get("time", "")) > str(run.get("time", "")):
-        return ""
+        return by_hand
     cmd = " ".join(entry.get("command") or [])
     return (f"; made by `opencoti bench`{' --quick' if run.get('quick') else ''} "
             f"(`benchmarks/results/{machine_id}/{record}`, {run.get('time', '?')}: `{cmd}`, "

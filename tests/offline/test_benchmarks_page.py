@@ -472,7 +472,7 @@ def test_the_machine_line_names_the_opencoti_bench_run_that_made_the_table(tmp_p
                "report": {"headers": ["case", "tok/s"], "rows": [["one", 1.5]]}}
     (box / "demo.json").write_text(json.dumps(payload))
     monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
-    assert "made by" not in report.block("demo")  # a script run by hand
+    assert "run by hand, not by `opencoti bench`" in report.block("demo")  # a script run by hand
     run = {"time": "2026-12-06T10:30:00+0000", "quick": False,
            "runs": [{"name": "demo", "command": ["benchmarks/demo.py"], "rc": 0, "seconds": 61.5}]}
     (box / "run.json").write_text(json.dumps(run))
@@ -480,7 +480,7 @@ def test_the_machine_line_names_the_opencoti_bench_run_that_made_the_table(tmp_p
             "`benchmarks/demo.py`, 61.5 s)") in report.block("demo")
     payload["time"] = "2026-12-06T11:00:00+0000"  # written after that run: not its result
     (box / "demo.json").write_text(json.dumps(payload))
-    assert "made by" not in report.block("demo")
+    assert "made by" not in report.block("demo") and "run by hand" in report.block("demo")
     (box / "demo.json").unlink()
     (box / "demo_quick.json").write_text(json.dumps({**payload, "config": {"quick": True}}))
     assert "raw data `benchmarks/results/box-2c-0000/demo_quick.json`" in report.block("demo")
