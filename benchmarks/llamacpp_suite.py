@@ -132,7 +132,8 @@ def run_suite(name: str, args, gguf: Path) -> dict:
 def parse_verbose(output: str) -> dict[str, str]:
     """``file::test`` -> outcome from pytest -v lines (a run cut short by the timeout)."""
     out = {}
-    for m in re.finditer(r"^unit/(\S+\.py::\S+) (PASSED|FAILED|ERROR|SKIPPED)", output, re.M):
+    # (a test id may hold spaces: "test_completion[I believe the meaning of life is-8-...]")
+    for m in re.finditer(r"^unit/(\S+\.py::.+?) (PASSED|FAILED|ERROR|SKIPPED)(?: \(.*\))? +\[ *\d+%\]$", output, re.M):
         out[m.group(1)] = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}[m.group(2)]
     return out
 
