@@ -565,8 +565,11 @@ def test_engine_runs_a_quantized_format_and_reports_it():
         assert info["weight_bytes"] == eng.model.weight_bytes
         assert info["threads"]["max_threads"] >= 1  # no num_threads given: the adapter runs
         assert info["native"]["available"] and info["native"]["reason"].startswith("ok")
+        # the fused step runs the layers' projections (the head is called apart: it may be measured faster in bf16)
+        d = eng.model.dims
+        layers = {s: k for s, k in info["kernels"].items() if s != f"{d.vocab_size}x{d.hidden_size}"}
         assert info["fused_decode_layers"] == all(k.startswith("int4:native") or k.startswith("int8:native")
-                                                  for k in info["kernels"].values())
+                                                  for k in layers.values())
     finally:
         eng.shutdown()
     fixed = Engine(EngineConfig(model="tiny:llama", num_threads=1, kv_budget_tokens=1024))

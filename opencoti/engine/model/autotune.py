@@ -66,6 +66,9 @@ def select(timings: dict[str, list[float]], order: tuple[str, ...]) -> str:
     return min(timings, key=lambda k: (sum(timings[k]), order.index(k) if k in order else len(order)))
 
 
+_BUILDS: dict[tuple, bool] = {}  # (kernel, n, k, act dtype, device, native build) -> builds (Autotuner._builds)
+
+
 class Autotuner:
     """Chooses and remembers a kernel per (format, shape) for one device and thread count."""
 
@@ -124,11 +127,18 @@ class Autotuner:
         return best
 
     def _builds(self, name: str, n: int, k: int) -> bool:
-        try:
-            kernels.build(name, torch.zeros(n, k), None, act_dtype=self.act_dtype, device=self.device)
-            return True
-        except (RuntimeError, ValueError):
-            return False
+        """Whether kernel ``name`` builds for [n, k] here: tried once per process (a kernel's build on
+        zeros, e.g. oneDNN's weight reorder, was most of the construction time of a small model)."""
+        from .. import native
+
+        key = (name, n, k, self.act_dtype, str(self.device), native.build_id())
+        if key not in _BUILDS:
+            try:
+                kernels.build(name, torch.zeros(n, k), None, act_dtype=self.act_dtype, device=self.device)
+                _BUILDS[key] = True
+            except (RuntimeError, ValueError):
+                _BUILDS[key] = False
+        return _BUILDS[key]
 
     def _time(self, fmt: str, n: int, k: int, order: tuple[str, ...], rounds: int = 5) -> dict[str, list[float]]:
         """Best-of-``rounds`` seconds per call at each batch size; the candidates take turns within
