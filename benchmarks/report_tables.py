@@ -533,9 +533,13 @@ def render_kv_tier(d: dict) -> str:
         if v is None:
             continue
         r = rat.get(side, {}) if side != "tier" else {}
+        gaps = sorted(t["gap_median"] for t in (d.get("raw", {}).get(side) or {}).get("turns", [])
+                      if t.get("round", 0) > 0 and t.get("gap_median"))
+        step = gaps[len(gaps) // 2] if gaps else None
         rows.append([label, v["turn_p50_s"], v["turn_p95_s"], v["warm_total_s"], v["total_s"],
                      f"{v['warm_prompt_tokens_computed']} / {v['warm_prompt_tokens']}",
-                     times(r.get("turn_p50")) if r else "–", v.get("greedy_equal_turns", "–")])
+                     times(r.get("turn_p50")) if r else "–", v.get("greedy_equal_turns", "–"),
+                     v.get("cold_total_s"), step])
     head = (f"{cfg['agents']} agents, each a context of {cfg['context']} tokens at its first turn, "
             f"{cfg['rounds']} warm turn(s) each after a cold one, in rotation (each agent's tool wait is the others' "
             f"turns), {cfg['answer']}-token greedy answers; a RAM KV budget of {cfg['ram_tokens']} tokens for a team "
@@ -566,8 +570,12 @@ def render_kv_tier(d: dict) -> str:
         if peer is not None and peer["turn_p50_s"] < tier["turn_p50_s"]:
             lose.append(f"llama.cpp's slot restore is faster at p50 ({peer['turn_p50_s']:.2f} s vs "
                         f"{tier['turn_p50_s']:.2f} s).")
+    head += (" The last two columns measure the machine while each side ran: the cold first turns are the same "
+             "work on every opencoti side, and a decode step (median pause between streamed tokens of the warm "
+             "turns) touches no tier; where they differ between sides, so did the machine's load.")
     return "\n".join([head, "", table(["side", "turn p50 s", "turn p95 s", "warm total s", "run total s",
-                                       "prompt tokens computed (warm)", "p50 vs tier", "greedy = all in RAM"],
+                                       "prompt tokens computed (warm)", "p50 vs tier", "greedy = all in RAM",
+                                       "cold turns total s", "decode step s"],
                                       rows)] + losses(lose))
 
 
