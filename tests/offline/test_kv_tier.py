@@ -295,3 +295,80 @@ def test_an_evicted_pool_comes_back_from_disk(make_engine, tmp_path):
     assert first == again and read >= 120 // 4 - 2  # its pages came back instead of a prefill
     first_off, again_off, read_off = run(kv_budget_tokens=200)
     assert first_off == again_off == first and read_off == 0
+
+
+# ---------------------------------------------------------------------------- the KV tables' side, no model
+class MemoryTier:
+    """A ``kv.tables.Tier`` in memory: what the tables hand out and take back."""
+
+    def __init__(self):
+        self.pages: dict[bytes, tuple] = {}  # key -> (k, v, tokens, parent key)
+        self.chains: list[list[bytes]] = []
+
+    def spill(self, kv, chains):
+        for chain in chains:
+            self.chains.append([e.key for e in chain])
+            for e in chain:
+                self.pages[e.key] = (kv.k_cache[:, e.page].clone(), kv.v_cache[:, e.page].clone(), e.tokens,
+                                     e.parent.key)
+
+    def has(self, key):
+        return key in self.pages
+
+    def prefetch(self, keys, kv):
+        return 0
+
+    def reading(self, keys):
+        return False
+
+    def fetch(self, keys, page_tokens, parent_key, kv):
+        import torch
+
+        got = []
+        for key, toks_ in zip(keys, page_tokens):
+            held = self.pages.get(key)
+            if held is None or held[2] != tuple(toks_) or held[3] != parent_key:
+                break
+            got.append(held)
+            parent_key = key
+        if not got:
+            return None
+        return torch.stack([g[0] for g in got], 1), torch.stack([g[1] for g in got], 1)
+
+
+def test_evicted_chains_go_to_the_tier_root_first_and_come_back_with_their_kv():
+    import torch
+
+    from opencoti.engine.core.requests import Sequence
+    from opencoti.engine.kv.pages import PagePool
+    from opencoti.engine.kv.tables import KVTables
+
+    kv = PagePool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    tables = KVTables(kv, prefix_cache=True)
+    tier = tables.tier = MemoryTier()
+    tokens = list(range(1, 14))  # 3 full pages and one token
+    seq = Sequence(tokens)
+    assert tables.extend(seq, 12)
+    for i, page in enumerate(seq.page_table):  # recognizable KV per page
+        kv.k_cache[:, page] = float(i + 1)
+        kv.v_cache[:, page] = -float(i + 1)
+    tables.advance(seq, 12)
+    keys = list(seq.page_keys)
+    tables.drop(seq)  # its pages are cache now
+    assert tables.evict_cache(3) == 3 and kv.num_free == 6
+    assert tier.chains == [keys]  # one chain, root first (evicted leaves first)
+    other = Sequence(list(range(100, 124)))  # the freed pages get other KV
+    assert tables.extend(other, 24)
+    kv.k_cache.zero_()
+    tables.drop(other)
+    assert tables.promote(tokens, b"", len(tokens) - 1, keys) == 3
+    m = tables.match(tokens, b"", len(tokens) - 1, keys)
+    assert len(m.pages) == 3
+    for i, page in enumerate(m.pages):
+        assert torch.equal(kv.k_cache[:, page], torch.full_like(kv.k_cache[:, page], float(i + 1)))
+        assert torch.equal(kv.v_cache[:, page], torch.full_like(kv.v_cache[:, page], -float(i + 1)))
+    tables.check_integrity([])
+    assert tables.kv_location(Sequence(), keys) == {"kv_location": "ram", "kv_ram_tokens": 12, "kv_disk_tokens": 0}
+    tables.evict_cache(1)  # the leaf goes again (DiskTier does not write a page it holds already)
+    assert tier.chains == [keys, keys[-1:]]
+    assert tables.kv_location(Sequence(), keys)["kv_location"] == "disk"
