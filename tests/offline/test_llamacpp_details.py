@@ -258,10 +258,8 @@ def test_openai_routes_keep_refusing_an_explicit_max_tokens_past_the_context(eng
 # nothing (cache_n 0; 23 tokens reused 22). Why: PrefixCache.auto_start (engine/polykv/prefix.py) looks the
 # prompt up in the prefix index only when it has a full page's key (``if job.prompt_keys``); the index does
 # keep a finished request's partial page as a *tail* under the root (KVTables.cache_tail) and
-# PrefixIndex.match finds it, so the lookup is skipped, not impossible. The fix is that guard
-# (``if self.tables.index is not None``); polykv/ is owned elsewhere at the moment, so the test waits for it.
-@pytest.mark.xfail(strict=True, reason="issue 50 (6b): PrefixCache.auto_start skips prompts without a full page "
-                                       "(engine/polykv/prefix.py, the one-line fix is in /work/notes/50.md)")
+# PrefixIndex.match finds it, so the lookup was skipped, not impossible. The fix was that guard
+# (``if self.tables.index is not None``).
 @pytest.mark.parametrize("n", [2, 9, 16])
 def test_a_short_prompt_sent_again_reuses_all_but_its_last_token(make_engine, n):
     engine = make_engine(page_size=16)  # the served page size

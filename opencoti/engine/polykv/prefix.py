@@ -181,8 +181,10 @@ class PrefixCache:
         if job.prompt_keys and self.tables.tier is not None:  # pages on disk continuing the match come back first
             self.counters["tier_read_pages"] += self.tables.promote(seq.tokens, seq.salt_root, len(seq.tokens) - 1,
                                                                     job.prompt_keys)
+        # also a prompt under a page: a finished request's partial last page is a tail under the root
+        # (copied, not shared), so a short prompt sent again reuses all but its last token, as llama.cpp does
         m = self.tables.match(seq.tokens, seq.salt_root, len(seq.tokens) - 1, job.prompt_keys) \
-            if job.prompt_keys else None
+            if self.tables.index is not None else None
         p = m.num_tokens(self.page_size) if m is not None else 0
         if m is None or p <= p_other:
             if job.prompt_keys:
