@@ -66,6 +66,10 @@ class Tier(Protocol):
         can deliver (``n`` may be less than asked); None: none."""
         ...
 
+    def status(self) -> dict:
+        """The tier's bytes and pages (``/props``, ``/metrics``, the dashboard)."""
+        ...
+
 
 def no_reclaim(num_pages: int, keep: Session | None = None) -> int:
     """The ``Reclaimer`` of tables with no memory policy: frees nothing (only free pages are used)."""
