@@ -21,15 +21,15 @@ class _Stream:
 
     _pending: tuple | None = None  # an event read while waiting for the start, not yet handed out
     _started = False
-    _progress = False  # hand out PromptProgress events too (report_progress)
+    _wants_progress = False  # hand out PromptProgress events too (report_progress)
 
     def report_progress(self) -> None:
         """Also yield a ``PromptProgress`` after each computed chunk of the prompt (llama.cpp's
         ``return_progress``); without it a stream yields only TokenDelta."""
-        self._progress = True
+        self._wants_progress = True
 
     def _skip(self, kind: str) -> bool:
-        return kind in _NOTICES or (kind == "progress" and not self._progress)
+        return kind in _NOTICES or (kind == "progress" and not self._wants_progress)
 
     def _notice(self, ev: tuple) -> None:
         """An event read while waiting for the start (``started``)."""

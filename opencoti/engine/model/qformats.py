@@ -114,13 +114,10 @@ class KQuantRows:
         return [v for t, rows in self.segments for v in (KQUANT_TYPES[t], rows, self.k)]
 
     def dequantize(self) -> torch.Tensor:
-        from .gguf_weights import decode_rows
-
         parts, at = [], 0
         for t, rows in self.segments:
             nbytes = rows * self.k // 256 * KQUANT_BLOCK[t]
-            raw = self.data[at:at + nbytes].numpy().reshape(rows, -1)
-            parts.append(decode_rows(t, raw, self.k))
+            parts.append(gguf_dequantize(t, self.data[at:at + nbytes].numpy().reshape(rows, -1), rows, self.k))
             at += nbytes
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
