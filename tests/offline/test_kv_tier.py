@@ -271,7 +271,7 @@ def test_a_pooled_sessions_own_kv_comes_back_from_disk(make_engine, tmp_path):
     tiered = pooled_team(eng)
     assert [a for a, _ in tiered] == [a for a, _ in ram] == [a for a, _ in off]
     later = slice(N_AGENTS, None)
-    assert all(n <= 24 for _, n in off[later])  # only the pool's prefix: the rest recomputed
+    assert all(n < CTX // 2 for _, n in off[later])  # about the pool's prefix only: the rest recomputed
     for (_, n_tier), (_, n_ram) in zip(tiered[later], ram[later]):
         assert n_tier >= n_ram - 2 * eng.kv.page_size
     assert disk(eng)["read_pages"] > 0

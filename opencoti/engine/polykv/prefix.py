@@ -183,8 +183,11 @@ class PrefixCache:
                                                                     job.prompt_keys)
         # also a prompt under a page: a finished request's partial last page is a tail under the root
         # (copied, not shared), so a short prompt sent again reuses all but its last token, as llama.cpp does
+        # (not a pooled session's: its prefix is its pool's, and its own suffix comes back through
+        # ``continue_pooled``, which keeps its pages its own)
+        pooled = job.session is not None and job.session.pool_id is not None
         m = self.tables.match(seq.tokens, seq.salt_root, len(seq.tokens) - 1, job.prompt_keys) \
-            if self.tables.index is not None else None
+            if self.tables.index is not None and (job.prompt_keys or not pooled) else None
         p = m.num_tokens(self.page_size) if m is not None else 0
         if m is None or p <= p_other:
             if job.prompt_keys:
