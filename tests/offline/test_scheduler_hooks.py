@@ -114,7 +114,8 @@ def test_started_is_sent_when_the_first_step_is_applied(engine):
     core.submit(list(range(1, 30)), SamplingParams.greedy(5, ignore_eos=True), events.append)
     _run(core)
     kinds = [e[0] for e in events]
-    assert kinds == ["start", "started"] + ["token"] * 5 + ["done"]
+    # the prompt's computed chunk is reported ("progress", issue 50) after "started", before the first token
+    assert kinds == ["start", "started", "progress"] + ["token"] * 5 + ["done"]
     assert seen_at_execute[0] == ["start"]  # not yet when its first step runs: sent with its results
     status.check_integrity(core.polykv)
 
@@ -128,7 +129,10 @@ def test_pages_short_keeps_the_order_and_admits_the_waiting_request(engine):
     jb = core.submit(list(range(100, 130)), SamplingParams.greedy(8, ignore_eos=True), b.append)
     _run(core)
     for ev in (a, b):
-        assert [e[0] for e in ev] == ["start", "started"] + ["token"] * 8 + ["done"], [e[0] for e in ev]
+        kinds = [e[0] for e in ev]
+        assert [k for k in kinds if k != "progress"] == ["start", "started"] + ["token"] * 8 + ["done"], kinds
+        assert kinds.count("progress") >= 1 and kinds.index("progress") > kinds.index("started")
+        assert max(i for i, k in enumerate(kinds) if k == "progress") < kinds.index("token")
     assert ja.t_first_token < jb.t_first_token  # FIFO
     status.check_integrity(core.polykv)
 
