@@ -148,8 +148,18 @@ def _build(loaded, fmt: str):
                                  adapt_threads=False)
 
 
+def test_by_default_q4_k_is_int4_blocks_and_q6_k_int8(q4km, monkeypatch):
+    """The k-quant kernels are opt-in (measured slower at 1B: gguf_weights._kquant_native)."""
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
+    monkeypatch.delenv("OPENCOTI_KQUANT", raising=False)
+    model = _build(q4km, "int4")
+    kinds = set(model.kernel_names.values())
+    assert "int4:native_kquant" not in kinds and "int4:native_q4" in kinds and "int8:native_q8" in kinds
+
+
 def test_a_q4km_model_runs_from_its_blocks(q4km, monkeypatch):
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
+    monkeypatch.setenv("OPENCOTI_KQUANT", "1")
     state = q4km.state_dict
     v_types = [state[f"model.layers.{i}.self_attn.v_proj.weight"].type_name for i in range(8)]
     assert "Q6_K" in v_types and "Q4_K" in v_types and state["lm_head.weight"].type_name == "Q6_K"
@@ -179,6 +189,7 @@ def test_fused_decode_step_equals_the_layer_path(q4km_path, make_engine, monkeyp
 
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
     monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
+    monkeypatch.setenv("OPENCOTI_KQUANT", "1")
     params = SamplingParams.greedy(8, ignore_eos=True)
     params.logprobs = 3
     runs = {}
@@ -197,6 +208,7 @@ def test_fused_decode_step_equals_the_layer_path(q4km_path, make_engine, monkeyp
 
 def test_without_the_library_q4_k_is_int4_blocks_and_q6_k_int8(q4km, monkeypatch):
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
+    monkeypatch.setenv("OPENCOTI_KQUANT", "1")
     state = q4km.state_dict
     qkv = [state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
     assert gguf_format(qkv, "int4") == "int4"

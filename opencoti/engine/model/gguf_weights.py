@@ -7,10 +7,10 @@ the pages of a map stay in the process's resident set until it is unmapped, so m
 and converting it tensor by tensor would hold the file *and* its conversion at the peak) and turned
 into the serving format right away:
 
-* Q4_K / Q6_K -> kept as the file stores them (``qformats.KQuantRows``), read by the native k-quant
-  kernel, where the native kernels are built (without them: Q4_K as below, Q6_K as int8),
-* Q4_0 / Q4_1 (and Q4_K without the native kernels) -> the native int4 layout by moving bytes
-  (``qformats.gguf_to_q4_blocks``; Q4_K's sub-block scales rounded to fp16),
+* Q4_0 / Q4_1 / Q4_K -> the native int4 layout by moving bytes (``qformats.gguf_to_q4_blocks``; Q4_K's
+  sub-block scales rounded to fp16),
+* with ``OPENCOTI_KQUANT=1`` (opt-in: less memory, slower as measured): Q4_K / Q6_K kept as the file
+  stores them (``qformats.KQuantRows``), read by the native k-quant kernel,
 * every type -> int8 by rows (dequantized a chunk of rows at a time, per-row scales),
 * every type -> fp32 / bf16 by chunks of rows (a float copy of one tensor, never of the model).
 
@@ -242,7 +242,17 @@ def gguf_state(path: str | Path, hf_config) -> dict[str, GGUFWeight]:
     return state
 
 
+KQUANT_ENV = "OPENCOTI_KQUANT"  # "1": serve Q4_K / Q6_K rows as stored (the native k-quant kernel)
+
+
 def _kquant_native() -> bool:
+    """Whether Q4_K / Q6_K rows are served as stored: opt-in (``OPENCOTI_KQUANT=1``) where the native
+    library is built. Not the default, by measurement: on the 1B Q4_K_M file (2-core AVX2 EPYC, quiet,
+    ``peer_sizes``) the k-quant kernels held 1.27-1.41x less memory than llama.cpp but decoded 0.82x,
+    ran 8 sessions 1.12x and prefilled 0.65x of it, where int4 blocks + int8 gave 0.86x, 1.54x and 1.07x
+    (they do more arithmetic per weight; benchmarks/results/.../peer_sizes_llama1b-q4km*.json)."""
+    if os.environ.get(KQUANT_ENV, "0") not in ("1", "true", "yes"):
+        return False
     from .. import native  # here, not at the top: engine/native imports model/loader
 
     return native.lib() is not None
