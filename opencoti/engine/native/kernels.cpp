@@ -1510,6 +1510,20 @@ inline __m128i k4_scales_v(const uint8_t* s) {
     return _mm_or_si128(low, top);
 }
 
+// The four runs of 32 six-bit values (0..63, one a byte) of half h of a Q6_K super-block at blk: run c
+// holds ql[l + 32 (c & 1)]'s nibble c / 2 and qh[l]'s bits 2c, 2c + 1 (as gguf_decode_row reads them).
+inline void q6k_runs(const uint8_t* blk, int h, __m256i* runs) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + h * 64));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + h * 64 + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + h * 32));
+    runs[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+    runs[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+    runs[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+    runs[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 // lane j of v in every lane (j a constant at each call)
 inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
 
@@ -1607,7 +1621,7 @@ inline void q6k_row_i16(const int16_t* x16, const float* dx, const float* gs, in
     __m256 acc[R][2], corr[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = corr[r] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi16(0xFF);
+    const __m256i low8 = _mm256_set1_epi16(0xFF);
     const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t s = 0; s < ns; ++s) {
         const uint8_t* blk = wrow + s * 210;
@@ -1625,15 +1639,8 @@ inline void q6k_row_i16(const int16_t* x16, const float* dx, const float* gs, in
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + h * 64));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + h * 64 + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + h * 32));
-            const __m256i runs[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+            __m256i runs[4];
+            q6k_runs(blk, h, runs);
 #pragma GCC unroll 4
             for (int c = 0; c < 4; ++c) {
                 const __m256i ev = _mm256_and_si256(runs[c], low8), od = _mm256_srli_epi16(runs[c], 8);
@@ -1659,7 +1666,7 @@ inline void q6k_row_i16(const int16_t* x16, const float* dx, const float* gs, in
 // One Q4_K / Q6_K row of K values as fp32 (the panels of a prefill chunk): the values gguf_decode_row
 // gives, each within an FMA's rounding of them (panels need no bit-equality with gguf-py).
 inline void kquant_decode_row(int type, const uint8_t* row, int64_t K, float* out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     auto store32 = [&](float* o, __m256i bytes, __m256 scale, __m256 offset) {  // 32 u8 values * scale + offset
         const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
         const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -1688,15 +1695,8 @@ inline void kquant_decode_row(int type, const uint8_t* row, int64_t K, float* ou
             const float d = half_to_float(load_u16(blk + 208));
             const int8_t* sc = (const int8_t*)(blk + 192);
             for (int h = 0; h < 2; ++h) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + h * 64));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + h * 64 + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + h * 32));
-                const __m256i runs[4] = {
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                __m256i runs[4];
+                q6k_runs(blk, h, runs);
                 for (int c = 0; c < 4; ++c) {
                     float* oc = o + h * 128 + c * 32;
                     const float s0 = d * (float)sc[h * 8 + 2 * c], s1 = d * (float)sc[h * 8 + 2 * c + 1];
