@@ -135,8 +135,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     embedding = gguf_embedding(embed_src, dtype, device) if isinstance(embed_src, GGUFWeight) else None
 
     chooser = kernel_chooser(tuner, hf, device, dtype)
-    head_src = state.get("lm_head.weight") if not getattr(hf, "tie_word_embeddings", False) else None
-    head_src = head_src if head_src is not None else embed_src
+    head_src = _projection_sources(loaded)[-1]  # the output head's weight (lm_head, or the tied embedding)
 
     def own_head(fmt: str) -> bool:
         return fmt == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4") == "int4"
