@@ -39,7 +39,7 @@ log = logging.getLogger("opencoti.engine")
 SOURCE = Path(__file__).with_name("kernels.cpp")  # the kernels (torch-free)
 OPS_SOURCE = Path(__file__).with_name("ops.cpp")  # their torch operators (includes kernels.cpp)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-fno-math-errno"]
-ABI_VERSION = 11
+ABI_VERSION = 12
 NAMESPACE = "opencoti"  # torch.ops.opencoti: the default build's operators
 
 _lock = threading.Lock()
@@ -265,3 +265,11 @@ def i16_rows(rows: int | None = None) -> int:
     kernels (in pairs of rows: each row's result is independent of the others); None: unchanged.
     Returns the one before."""
     return int(_ops().i16_rows(-1 if rows is None else rows))
+
+
+def kquant_i8_rows(rows: int | None = None) -> int:
+    """The largest row count for which the k-quant projections (Q4_K / Q6_K as stored) quantize the
+    activations to int8 per super-block of 256 (llama.cpp's Q8_K) and apply the sub-block scales in
+    integers; more rows take the int16 path, then the fp32 panels (None: unchanged; 0: off). Returns the
+    one before."""
+    return int(_ops().kquant_i8_rows(-1 if rows is None else rows))

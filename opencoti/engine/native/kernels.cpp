@@ -384,6 +384,9 @@ int64_t kI8MaxRowsQ4 = 0, kI8MaxRowsQ8 = 0;
 // on the bundled model's projections (2-core EPYC, one thread), which differs from one row in the
 // last bits and so changed greedy outputs with the batch. oc_i16_rows sets it.
 int64_t kI16MaxRows = 31;
+// Up to this many rows the k-quant projections take int8 activations per super-block (Q8K below), else the
+// int16 ones per block of 32 (0: never). oc_kquant_i8_rows sets it.
+int64_t kI8MaxRowsK = INT64_MAX;
 
 template <int R>
 inline void q8_row(const float* x, int64_t K, const int8_t* wrow, float scale, float* out) {
@@ -1663,6 +1666,163 @@ inline void q6k_row_i16(const int16_t* x16, const float* dx, const float* gs, in
 #endif
 
 #if OC_AVX2
+// --- int8 activations per super-block (llama.cpp's Q8_K blocks), integer sub-block scales ----------------
+// Per row and super-block of 256 values: x8 = round(x / dx), dx = |x| max / 127, and the integer sums of each
+// group of 16 of x8 (bs: Q4_K's min term and Q6_K's -32 offset, from the rounded values as the products are:
+// the error of a product is then the centred weights' (d sc q - dmin m) times the rounding, not d sc q's).
+// The products of a super-block then add up in int32 with the sub-blocks' integer scales applied by
+// _mm256_madd_epi16, and turn to fp32 once a super-block (d dx): a quarter of the int16 path's float work
+// and half its integer multiplies. The rounding is a step of |x| max / 127 per 256 values (llama.cpp's).
+struct Q8K {
+    std::vector<int8_t> x8;
+    std::vector<float> dx;
+    std::vector<int16_t> bs;
+    void quantize(const float* x, int64_t T, int64_t K) {
+        const int64_t ns = K / 256;
+        x8.resize(T * K);
+        dx.resize(T * ns);
+        bs.resize(T * K / 16);
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t s = 0; s < ns; ++s) {
+                const int64_t o = t * K + s * 256;
+                const float* xs = x + o;
+                __m256 mx = _mm256_setzero_ps();
+                for (int i = 0; i < 32; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + 8 * i)));
+                alignas(32) float m8[8];
+                _mm256_store_ps(m8, mx);
+                float amax = 0.f;
+                for (int i = 0; i < 8; ++i) amax = std::max(amax, m8[i]);
+                dx[t * ns + s] = amax / 127.f;
+                const __m256 inv = _mm256_set1_ps(amax > kTinyGroup ? 127.f / amax : 0.f);
+                for (int b = 0; b < 8; ++b) {
+                    const float* xb = xs + 32 * b;
+                    __m256i q[4];
+                    for (int i = 0; i < 4; ++i) {
+                        const __m256 v = _mm256_loadu_ps(xb + 8 * i);
+                        q[i] = _mm256_cvtps_epi32(
+                            _mm256_round_ps(_mm256_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                    }
+                    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+                    const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
+                    _mm256_storeu_si256((__m256i*)(x8.data() + o + 32 * b), p);
+                    for (int g = 0; g < 2; ++g) {
+                        int32_t acc = 0;
+                        for (int j = 0; j < 16; ++j) acc += x8[o + 32 * b + 16 * g + j];
+                        bs[(o >> 4) + 2 * b + g] = (int16_t)acc;
+                    }
+                }
+            }
+    }
+};
+
+// One Q4_K weight row against R rows of Q8K activations: out[r] = sum_s dx_rs (d_s sum_j sc_j <q_j, x8_j> -
+// dmin_s sum_j m_j sum(x8_j)). A chunk of 64 values is 32 bytes: byte i holds value i of sub-block 2c (low nibble)
+// and of 2c + 1 (high); maddubs multiplies the unsigned nibbles by x8 and pairs them (|pair| <= 2 x 15 x
+// 127), madd by the sub-block's scale (<= 63) sums the pairs into 8 int32 lanes (|lane| < 2^22 a super-block).
+template <int R>
+inline void q4k_row_q8(const Q8K& a, int64_t t, int64_t K, const uint8_t* wrow, float* out) {
+    const int64_t ns = K / 256, ng = K / 16;
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* blk = wrow + s * 144;
+        const __m128i sm = k4_scales_v(blk + 4);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // the 8 scales as int16, twice
+        const __m128i mins = _mm_srli_si128(sm, 8);
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));  // m_j for groups 2j, 2j + 1
+        const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
+        __m256i isum[R];
+        __m256 msum[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            isum[r] = _mm256_setzero_si256();
+            msum[r] = _mm256_cvtepi32_ps(
+                _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i*)(a.bs.data() + (t + r) * ng + s * 16))));
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + c * 32));
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            // scale 2c / 2c + 1 in every 16-bit lane (bytes 4c, 4c + 1 / 4c + 2, 4c + 3 of sc16)
+            const __m256i slo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((int16_t)((4 * c + 1) << 8 | 4 * c)));
+            const __m256i shi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((int16_t)((4 * c + 3) << 8 | (4 * c + 2))));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xb = a.x8.data() + (t + r) * K + s * 256 + c * 64;
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xb));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xb + 32)));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(pl, slo), _mm256_madd_epi16(ph, shi)));
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const float dx = a.dx[(t + r) * ns + s];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * dx), msum[r], acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// One Q6_K weight row against R rows of Q8K activations: q6k_runs' four runs of 32 unsigned values (0..63) a
+// half super-block, each one block of x8 whose two groups of 16 have their own int8 scale: maddubs pairs the
+// products (|pair| <= 2 x 63 x 127), madd by the group's scale (the low 128 bits hold group 2c, the high
+// 2c + 1) sums them in int32; the -32 offset is 32 sum_g sc_g bs_g, one madd a super-block.
+template <int R>
+inline void q6k_row_q8(const Q8K& a, int64_t t, int64_t K, const uint8_t* wrow, float* out) {
+    const int64_t ns = K / 256, ng = K / 16;
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* blk = wrow + s * 210;
+        const float d = half_to_float(load_u16(blk + 208));
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16 scales
+        __m256i isum[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)  // -32 sum_g sc_g bs_g
+            isum[r] = _mm256_slli_epi32(
+                _mm256_madd_epi16(sc, _mm256_loadu_si256((const __m256i*)(a.bs.data() + (t + r) * ng + s * 16))), 5);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), isum[r]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+            __m256i runs[4];
+            q6k_runs(blk, h, runs);
+            // the half's 8 scales in both 128-bit lanes
+            const __m256i sch = _mm256_permute4x64_epi64(sc, h == 0 ? 0x44 : 0xEE);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+                // group 2c's scale in the low 128 bits, 2c + 1's in the high
+                const __m256i sel = _mm256_setr_epi8(
+                    4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c,
+                    4 * c + 1, 4 * c, 4 * c + 1, 4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2,
+                    4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3, 4 * c + 2, 4 * c + 3,
+                    4 * c + 2, 4 * c + 3);
+                const __m256i scv = _mm256_shuffle_epi8(sch, sel);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* xb = a.x8.data() + (t + r) * K + s * 256 + h * 128 + c * 32;
+                    const __m256i p = _mm256_maddubs_epi16(runs[c], _mm256_loadu_si256((const __m256i*)xb));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scv));
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.dx[(t + r) * ns + s]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+#endif
+
+#if OC_AVX2
 // One Q4_K / Q6_K row of K values as fp32 (the panels of a prefill chunk): the values gguf_decode_row
 // gives, each within an FMA's rounding of them (panels need no bit-equality with gguf-py).
 inline void kquant_decode_row(int type, const uint8_t* row, int64_t K, float* out) {
@@ -1723,6 +1883,23 @@ inline bool ggml_kernel_type(int type) { return type == kGgmlQ4_K || type == kGg
 void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* w, int64_t N, const float* bias,
                  float* y, int nt) {
     const int64_t row_bytes = K / 256 * (type == kGgmlQ4_K ? 144 : 210), nb = K / 32;
+#if OC_AVX2
+    if (T <= kI8MaxRowsK) {
+        Q8K a;
+        a.quantize(x, T, K);
+        matmul_driver(T, N, nt, [&](int64_t t0, int64_t rows, int64_t n) {
+            float out[kRows];
+            const uint8_t* wrow = w + n * row_bytes;
+            rows_421(rows, [&](auto R, int64_t r) {
+                constexpr int Rc = decltype(R)::value;
+                if (type == kGgmlQ4_K) q4k_row_q8<Rc>(a, t0 + r, K, wrow, out + r);
+                else q6k_row_q8<Rc>(a, t0 + r, K, wrow, out + r);
+            });
+            store_rows(y, N, t0, rows, n, out, bias);
+        }, w, row_bytes);
+        return;
+    }
+#endif
     if (T >= kGemmMinRowsQ4) {
         gemm_panels(x, T, K, N, bias, y, nt, [&](int64_t n, float* row) {
 #if OC_AVX2
@@ -1808,7 +1985,7 @@ void ggml_segments_matmul(const float* x, int64_t T, int64_t K, const int64_t* s
 
 extern "C" {
 
-int oc_abi_version() { return 11; }
+int oc_abi_version() { return 12; }
 
 // The row counts from which the int4 / int8 projections fill fp32 panels (values < 1: unchanged);
 // the ones before the call go to *old_q4, *old_q8 when given.
@@ -1827,6 +2004,13 @@ void oc_act_rows(int64_t q4, int64_t q8, int64_t* old_q4, int64_t* old_q8) {
     if (old_q8) *old_q8 = kI8MaxRowsQ8;
     if (q4 >= 0) kI8MaxRowsQ4 = q4;
     if (q8 >= 0) kI8MaxRowsQ8 = q8;
+}
+
+// The largest row count of the k-quant projections' int8-activation path (values < 0: unchanged; 0: off);
+// the one before the call goes to *old when given.
+void oc_kquant_i8_rows(int64_t rows, int64_t* old) {
+    if (old) *old = kI8MaxRowsK;
+    if (rows >= 0) kI8MaxRowsK = rows;
 }
 
 // The largest row count of the int16 row paths (values < 1: unchanged); the one before the call

@@ -645,6 +645,12 @@ int64_t i16_rows(int64_t rows) {
     return old;
 }
 
+int64_t kquant_i8_rows(int64_t rows) {
+    int64_t old;
+    oc_kquant_i8_rows(rows, &old);
+    return old;
+}
+
 }  // namespace oc_ops
 
 using namespace oc_ops;
@@ -655,6 +661,7 @@ OC_LIBRARY(OC_OPS_NS, m) {
     m.def("gemm_min_rows(int q4, int q8) -> int[]", &gemm_min_rows);
     m.def("act_rows(int q4, int q8) -> int[]", &act_rows);
     m.def("i16_rows(int rows) -> int", &i16_rows);
+    m.def("kquant_i8_rows(int rows) -> int", &kquant_i8_rows);
     m.def("q4_matmul(Tensor x, Tensor blocks, Tensor? bias) -> Tensor");
     m.def("q8_matmul(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
     m.def("ggml_matmul(Tensor x, Tensor data, int[] segments, Tensor? bias) -> Tensor");
