@@ -1736,12 +1736,12 @@ inline void q4k_row_q8(const Q8K& a, int64_t t, int64_t K, const uint8_t* wrow, 
         const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));  // m_j for groups 2j, 2j + 1
         const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
         __m256i isum[R];
-        __m256 msum[R];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) {  // the min term first (its registers free for the products)
             isum[r] = _mm256_setzero_si256();
-            msum[r] = _mm256_cvtepi32_ps(
+            const __m256 msum = _mm256_cvtepi32_ps(
                 _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i*)(a.bs.data() + (t + r) * ng + s * 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * a.dx[(t + r) * ns + s]), msum, acc[r]);
         }
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
@@ -1760,9 +1760,7 @@ inline void q4k_row_q8(const Q8K& a, int64_t t, int64_t K, const uint8_t* wrow, 
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-            const float dx = a.dx[(t + r) * ns + s];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * dx), msum[r], acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.dx[(t + r) * ns + s]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }
 #pragma GCC unroll 8
