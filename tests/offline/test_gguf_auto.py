@@ -57,12 +57,12 @@ def test_auto_takes_the_files_own_precision_within_its_size(tmp_path_factory, ca
     limit = weights.GGUF_MEMORY_FACTOR * choice["file_mb"]
     assert set(choice["candidates"]) == {f for f, mb in choice["weights_mb"].items() if mb <= limit} | {own}
     kinds = set(model.kernel_names.values())
-    if exact:  # the 4-bit tensors run int4 from their blocks; the file's Q6_K ones int8 (never fewer bits)
+    if exact:  # the 4-bit tensors run int4 from their blocks; the file's Q6_K ones as stored (never fewer bits)
         assert any(k.startswith("int4:") for k in kinds)
         q6 = [w for w in loaded.state_dict.values() if isinstance(w, GGUFWeight) and w.type_name == "Q6_K"]
         assert (mix == "Q4_K_M") == bool(q6)
-        if q6:  # (as stored with OPENCOTI_KQUANT=1: test_native_kquant)
-            assert any(k.startswith("int8:") for k in kinds)
+        if q6:  # a Q4_K_M file: every projection read as stored (int8 rows with OPENCOTI_KQUANT=0: test_native_kquant)
+            assert kinds == {"int4:native_kquant"}, kinds
 
 
 def test_a_format_above_the_files_size_says_so(tmp_path_factory, cache, monkeypatch):

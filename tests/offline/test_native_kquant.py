@@ -16,7 +16,7 @@ import torch
 from gguf_blocks import random_blocks
 from opencoti.engine import native
 from opencoti.engine.model import weights
-from opencoti.engine.model.gguf_weights import GGUFWeight, decode_rows, gguf_format
+from opencoti.engine.model.gguf_weights import GGUFWeight, decode_rows, gguf_format, read_form
 from opencoti.engine.model.kernels import NativeKQuant
 from opencoti.engine.model.loader import load_model
 from opencoti.engine.model.qformats import KQuantRows, Q4Blocks, cat_rows
@@ -185,18 +185,28 @@ def _build(loaded, fmt: str):
                                  adapt_threads=False)
 
 
-def test_by_default_q4_k_is_int4_blocks_and_q6_k_int8(q4km, monkeypatch):
-    """The k-quant kernels are opt-in (measured slower at 1B: gguf_weights._kquant_native)."""
+def test_opting_out_q4_k_is_int4_blocks_and_q6_k_int8(q4km, monkeypatch):
+    """OPENCOTI_KQUANT=0: Q4_K as int4 blocks, Q6_K (and a projection holding one) as int8 rows."""
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
-    monkeypatch.delenv("OPENCOTI_KQUANT", raising=False)
+    monkeypatch.setenv("OPENCOTI_KQUANT", "0")
     model = _build(q4km, "int4")
     kinds = set(model.kernel_names.values())
     assert "int4:native_kquant" not in kinds and "int4:native_q4" in kinds and "int8:native_q8" in kinds
 
 
+def test_k_quants_as_stored_are_the_default_on_cpu_only(q4km, monkeypatch):
+    monkeypatch.delenv("OPENCOTI_KQUANT", raising=False)
+    state = q4km.state_dict
+    qkv = [state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert read_form(qkv) == "kquant" and read_form(qkv, "cpu") == "kquant"
+    # the kernel is a CPU one: elsewhere Q4_K is int4 blocks and a projection with a Q6_K part int8
+    assert read_form(qkv, "cuda") == ("q4" if qkv[2].type_name == "Q4_K" else None)
+    assert gguf_format(qkv, "int4", torch.device("cuda:0")) == ("int4" if qkv[2].type_name == "Q4_K" else "int8")
+
+
 def test_a_q4km_model_runs_from_its_blocks(q4km, monkeypatch):
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
-    monkeypatch.setenv("OPENCOTI_KQUANT", "1")
+    monkeypatch.delenv("OPENCOTI_KQUANT", raising=False)
     state = q4km.state_dict
     v_types = [state[f"model.layers.{i}.self_attn.v_proj.weight"].type_name for i in range(8)]
     assert "Q6_K" in v_types and "Q4_K" in v_types and state["lm_head.weight"].type_name == "Q6_K"

@@ -9,7 +9,7 @@ into the serving format right away:
 
 * Q4_0 / Q4_1 / Q4_K -> the native int4 layout by moving bytes (``qformats.gguf_to_q4_blocks``; Q4_K's
   sub-block scales rounded to fp16),
-* with ``OPENCOTI_KQUANT=1`` (opt-in: less memory, slower as measured): Q4_K / Q6_K kept as the file
+* on CPU with the native library (``OPENCOTI_KQUANT=0`` turns it off): Q4_K / Q6_K kept as the file
   stores them (``qformats.KQuantRows``), read by the native k-quant kernel,
 * every type -> int8 by rows (dequantized a chunk of rows at a time, per-row scales),
 * every type -> fp32 / bf16 by chunks of rows (a float copy of one tensor, never of the model).
@@ -242,50 +242,51 @@ def gguf_state(path: str | Path, hf_config) -> dict[str, GGUFWeight]:
     return state
 
 
-KQUANT_ENV = "OPENCOTI_KQUANT"  # "1": serve Q4_K / Q6_K rows as stored (the native k-quant kernel)
+KQUANT_ENV = "OPENCOTI_KQUANT"  # "0": Q4_K / Q6_K become int4 blocks / int8 rows instead of being read as stored
 
 
-def _kquant_native() -> bool:
-    """Whether Q4_K / Q6_K rows are served as stored: opt-in (``OPENCOTI_KQUANT=1``) where the native
-    library is built. Not the default, by measurement: on the 1B Q4_K_M file (2-core AVX2 EPYC, quiet,
-    ``peer_sizes``) the k-quant kernels held 1.27-1.41x less memory than llama.cpp but decoded 0.82x,
-    ran 8 sessions 1.12x and prefilled 0.65x of it, where int4 blocks + int8 gave 0.86x, 1.54x and 1.07x
-    (they do more arithmetic per weight; benchmarks/results/.../peer_sizes_llama1b-q4km*.json)."""
-    if os.environ.get(KQUANT_ENV, "0") not in ("1", "true", "yes"):
+def _kquant_native(device="cpu") -> bool:
+    """Whether Q4_K / Q6_K rows are served as stored: on CPU where the native library is built, unless
+    ``OPENCOTI_KQUANT=0``. The default by measurement: on the 1B Q4_K_M file (2-core AVX2 EPYC,
+    ``peer_sizes`` and in-process A/B runs) the k-quant kernels with int8 activations per super-block
+    decoded one session faster than int4 blocks + int8 rows and ran 8 sessions ~10 % faster, at the
+    file's size (benchmarks/results/.../peer_sizes_llama1b-q4km.json; docs/models.md)."""
+    if torch.device(device).type != "cpu" or os.environ.get(KQUANT_ENV, "1").strip().lower() in ("0", "false", "no",
+                                                                                                     "off"):
         return False
     from .. import native  # here, not at the top: engine/native imports model/loader
 
     return native.lib() is not None
 
 
-def read_form(parts: list) -> str | None:
-    """How a projection of ``parts`` keeps 4-bit weights: "kquant" (every part Q4_K / Q6_K, read as
-    stored by the native k-quant kernel), "q4" (every part Q4_0 / Q4_1 / Q4_K: the int4 layout), or
-    None (a part the file keeps in more bits that the k-quant kernel does not read)."""
+def read_form(parts: list, device="cpu") -> str | None:
+    """How a projection of ``parts`` keeps 4-bit weights on ``device``: "kquant" (every part Q4_K / Q6_K,
+    read as stored by the native k-quant kernel, CPU only), "q4" (every part Q4_0 / Q4_1 / Q4_K: the int4
+    layout), or None (a part the file keeps in more bits that the k-quant kernel does not read)."""
     srcs = [p for p in parts if isinstance(p, GGUFWeight)]
-    if len(srcs) == len(parts) and all(p.is_kquant for p in srcs) and _kquant_native():
+    if len(srcs) == len(parts) and all(p.is_kquant for p in srcs) and _kquant_native(device):
         return "kquant"
     if all(p.is_exact_int4 for p in srcs):
         return "q4"
     return None
 
 
-def gguf_format(parts: list, fmt: str) -> str:
+def gguf_format(parts: list, fmt: str, device="cpu") -> str:
     """The format a projection made of ``parts`` (fused q/k/v or gate/up) takes when the model's
     projections are in ``fmt``: in int4, the file's own blocks where every part has a 4-bit form
     (Q4_0 / Q4_1 / Q4_K as int4 blocks; Q4_K and Q6_K as stored, in segments, with the native k-quant
     kernel: a q/k/v whose v is Q6_K, as Q4_K_M files have in some layers, stays one projection); a part
     the file keeps in more bits that no 4-bit form reads (Q8_0, Q5_K, F16 ..., or Q6_K without the
     native kernels) is never rounded down to 4 bits: the projection takes int8."""
-    if fmt == "int4" and read_form(parts) is None:
+    if fmt == "int4" and read_form(parts, device) is None:
         return "int8"
     return fmt
 
 
-def read_parts(parts: list, fmt: str) -> list:
+def read_parts(parts: list, fmt: str, device="cpu") -> list:
     """The GGUF ``parts`` of one projection read from the file into ``fmt`` (from :func:`gguf_format`),
     all in one container kind (so they fuse): k-quant rows, int4 blocks, int8 rows or fp32."""
-    if fmt == "int4" and read_form(parts) == "kquant":
+    if fmt == "int4" and read_form(parts, device) == "kquant":
         return [p.to_kquant() for p in parts]
     return [from_gguf(p, fmt) if isinstance(p, GGUFWeight) else p for p in parts]
 

@@ -187,8 +187,8 @@ class LlamaForward:
         def proj(*names: str, bias: bool = False, fmt: str = weights):
             parts = [source(n + ".weight") for n in names]
             if any(isinstance(p, GGUFWeight) for p in parts):  # read from the file now, one tensor at a time
-                fmt = gguf_format(parts, fmt)
-                parts = read_parts(parts, fmt)
+                fmt = gguf_format(parts, fmt, self.device)
+                parts = read_parts(parts, fmt, self.device)
             weight = cat_rows(parts)
             del parts
             b = torch.cat([w(n + ".bias") for n in names], 0).contiguous() if bias else None
@@ -218,7 +218,8 @@ class LlamaForward:
         head_fmt = head_format or default_head_format(weights)
         head = "lm_head" if "lm_head.weight" in state_dict and not d.tie_word_embeddings else "model.embed_tokens"
         head_src = source(head + ".weight")
-        if weights == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4") == "int4":
+        if weights == "int4" and isinstance(head_src, GGUFWeight) and \
+                gguf_format([head_src], "int4", self.device) == "int4":
             head_fmt = "int4"  # the file's own head (4-bit, or Q6_K as stored): its blocks (llama.cpp reads the same)
         self.lm_head = proj(head, fmt=head_fmt)  # hidden -> V
         self.layers: list[_Layer] = []

@@ -138,7 +138,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     head_src = _projection_sources(loaded)[-1]  # the output head's weight (lm_head, or the tied embedding)
 
     def own_head(fmt: str) -> bool:
-        return fmt == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4") == "int4"
+        return fmt == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4", device) == "int4"
 
     def make(fmt: str) -> LlamaForward:
         # a GGUF head that int4 serves from the file's own blocks (4-bit, or Q6_K as stored) is not timed
