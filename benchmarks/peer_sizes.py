@@ -1,8 +1,8 @@
 """The model sizes users run: opencoti serve vs llama.cpp's llama-server on the same GGUF file, threads
 and KV size, speculation off on both sides.
 
-For each ``--model`` file (default: the bundled SmolLM2-135M Q4_1; make 1B / 8B shapes with
-``scripts/make_gguf.py --preset 1b|8b --mix Q4_K_M``), each round starts each server fresh, the two
+For each ``--model`` file (default: the bundled SmolLM2-135M Q4_1; ``--preset 1b|3b|8b``: a file of
+that model's shapes in the Q4_K_M mix, written once by ``scripts/make_gguf.py``), each round starts each server fresh, the two
 in alternating order (``--rounds``, default 2), and measures from outside:
 
 * ``ready_first_s`` (round 1 only, opencoti with an empty cache directory of its own: it reads the
@@ -89,6 +89,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per decode request")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build and cache one)")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    p.add_argument("--preset", default=None, choices=["1b", "3b", "8b"],
+                   help="a generated Q4_K_M file of that model's shapes (scripts/make_gguf.py; written once into "
+                        "<cache>/bench-models/llama<preset>-q4km.gguf), instead of --model")
     p.add_argument("--table-only", action="store_true", help="only rebuild peer_sizes.json from the per-file results")
     args = p.parse_args()
     if args.table_only:
@@ -99,9 +102,25 @@ def main() -> int:
     from opencoti.engine.model.loader import bundled_gguf_path
     from opencoti.engine.model.threads import usable_cpus
 
-    gguf = args.model or str(bundled_gguf_path())
+    if args.preset and args.model:
+        p.error("give --model or --preset, not both")
+    if args.model or args.preset:
+        targets = [args.model or str(generated(args.preset))]
+    else:  # the size table: the bundled file, then 1B and 8B shapes (a --quick run: the bundled file only)
+        targets = [str(bundled_gguf_path())] + ([] if args.quick else [str(generated(x)) for x in ("1b", "8b")])
+    if args.out and len(targets) > 1:
+        p.error("--out takes one model's result")
     threads = args.threads or usable_cpus()
     llama_bin = Path(args.llama_server) if args.llama_server else peer.build_llama_server()
+    for gguf in targets:
+        measure(gguf, args, threads, llama_bin)
+    if args.out is None:
+        print(f"wrote {size_table()}")
+    return 0
+
+
+def measure(gguf: str, args, threads: int, llama_bin: Path) -> Path:
+    """Both servers on ``gguf``, ``args.rounds`` rounds; writes ``peer_sizes_<stem>.json`` (or ``args.out``)."""
     names = ["opencoti", "llama.cpp"]
     before = common.load_snapshot()
     raw: dict[str, list[dict]] = {n: [] for n in names}
@@ -153,17 +172,69 @@ def main() -> int:
                              "medians, speculation off on both")
     machine = common.machine_info()
     print(common.describe_machine(machine))
-    path = common.write_json(f"peer_sizes_{Path(gguf).stem}", {
+    payload = {
         "config": {"rounds": args.rounds, "tokens": args.tokens, "threads": threads, "gguf": Path(gguf).name,
                    "gguf_mib": round(size_mib, 1), "llama_server_flags": LLAMA_FLAGS,
                    "opencoti_flags": OPENCOTI_FLAGS,
                    "llama_cpp_source": f"{peer.SDIST}=={peer.SDIST_VERSION} (vendored)", "quick": args.quick},
         "servers": info, "raw": raw, "median": med, "ratio": ratios, "machine": machine,
-        "load_before": before}, args.out)
+        "load_before": before}
+    row, notes = table_row({**payload, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    payload["report"] = {"headers": HEADERS, "rows": [row], "notes": notes}  # this file's row alone (a --quick run)
+    path = common.write_json(f"peer_sizes_{Path(gguf).stem}", payload, args.out)
     print(f"wrote {path}")
-    if args.out is None:
-        print(f"wrote {size_table()}")
-    return 0
+    return path
+
+
+def generated(preset: str) -> Path:
+    """The Q4_K_M file of ``preset``'s shapes, written by ``scripts/make_gguf.py`` once (the same arguments
+    give the same bytes) into the cache directory."""
+    import subprocess
+
+    from opencoti.engine.model.loader import cache_root
+
+    path = cache_root() / "bench-models" / f"llama{preset}-q4km.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        common.log(f"writing {path} (scripts/make_gguf.py --preset {preset} --mix Q4_K_M)")
+        tmp = path.with_suffix(".partial")
+        subprocess.run([sys.executable, str(common.REPO_ROOT / "scripts" / "make_gguf.py"), "--preset", preset,
+                        "--mix", "Q4_K_M", "-o", str(tmp)], check=True, stdout=subprocess.DEVNULL)
+        tmp.rename(path)
+    return path
+
+
+HEADERS = ["GGUF file", "MiB", "opencoti weights", "decode 1 tok/s (ours / llama.cpp)", "8 sessions tok/s",
+           "prefill 1,000 tok/s", "RSS after work MiB", "peak RSS MiB", "ready, first start s", "ready, later s",
+           "rounds"]
+
+
+def table_row(d: dict) -> tuple[list, list[str]]:
+    """One model file's row of the size table (from its ``peer_sizes_<stem>.json`` payload ``d``) and its notes."""
+    r, m = d["ratio"], d["median"]
+    o, ll = m["opencoti"], m["llama.cpp"]
+    weights = (d.get("servers", {}).get("opencoti") or {}).get("weights")
+
+    def cell(w: str, digits: int = 2) -> str:
+        if o.get(w) is None or ll.get(w) is None:
+            return "-"
+        x = r.get(w)
+        return f"{o[w]:.{digits}f} / {ll[w]:.{digits}f} = {x:.2f}x" + ("" if x is None or x >= 1 else " LOSE")
+
+    row = [d["config"]["gguf"], f"{d['config']['gguf_mib']:.0f}", weights or "?", cell("decode_1"),
+           cell("sessions_8"), cell("prefill_1000", 1), cell("rss_after_mib", 0), cell("rss_peak_mib", 0),
+           cell("ready_first_s", 1), cell("ready_s", 1), str(d["config"]["rounds"])]
+    git = (d.get("machine") or {}).get("git") or {}
+    notes = [f"{d['config']['gguf']}: commit `{(git.get('commit') or '?')[:10]}`"
+             f"{' + uncommitted changes' if git.get('dirty') else ''}, {d.get('time')}, load average "
+             f"{(d.get('load_before') or {}).get('loadavg', ['?'])[0]:.2f} before the run."]
+    reason = (d.get("servers", {}).get("opencoti") or {}).get("weights_reason")
+    if reason:
+        notes.append(f"{d['config']['gguf']}: opencoti's weights: {reason}.")
+    lost = [w for w, x in r.items() if x is not None and x < 1]
+    if lost:
+        notes.append(f"{d['config']['gguf']}: opencoti loses on {', '.join(lost)} (ratios below 1).")
+    return row, notes
 
 
 def size_table() -> Path:
@@ -174,31 +245,16 @@ def size_table() -> Path:
     rows, notes, runs = [], [], []
     found = []
     for f in sorted(common.results_dir().glob("peer_sizes_*.json")):
+        if f.stem.endswith("_quick"):  # a reduced run never stands in the table
+            continue
         d = json.loads(f.read_text())
         found.append((d["config"]["gguf_mib"], f.name, d))
     for _, name, d in sorted(found, key=lambda x: x[0]):
-        r, m = d["ratio"], d["median"]
-        o, ll = m["opencoti"], m["llama.cpp"]
-        weights = (d.get("servers", {}).get("opencoti") or {}).get("weights")
-
-        def cell(w: str, digits: int = 2) -> str:
-            if o.get(w) is None or ll.get(w) is None:
-                return "-"
-            x = r.get(w)
-            return f"{o[w]:.{digits}f} / {ll[w]:.{digits}f} = {x:.2f}x" + ("" if x is None or x >= 1 else " LOSE")
-
-        rows.append([d["config"]["gguf"], f"{d['config']['gguf_mib']:.0f}", weights or "?", cell("decode_1"),
-                     cell("sessions_8"), cell("prefill_1000", 1), cell("rss_after_mib", 0), cell("rss_peak_mib", 0),
-                     cell("ready_first_s", 1), cell("ready_s", 1), str(d["config"]["rounds"])])
+        row, row_notes = table_row(d)
+        rows.append(row)
+        notes += row_notes
         runs.append({"file": name, "time": d.get("time"), "load_before": d.get("load_before"),
                      "load_at_end": d.get("load_at_end"), "commit": (d.get("machine") or {}).get("git")})
-        git = (d.get("machine") or {}).get("git") or {}
-        notes.append(f"{d['config']['gguf']}: commit `{(git.get('commit') or '?')[:10]}`"
-                     f"{' + uncommitted changes' if git.get('dirty') else ''}, {d.get('time')}, load average "
-                     f"{(d.get('load_before') or {}).get('loadavg', ['?'])[0]:.2f} before the run.")
-        lost = [w for w, x in r.items() if x is not None and x < 1]
-        if lost:
-            notes.append(f"{d['config']['gguf']}: opencoti loses on {', '.join(lost)} (ratios below 1).")
     for f in sorted(common.results_dir().glob("earlier_peer_sizes_*.json")):  # runs a newer one replaced
         d = json.loads(f.read_text())
         r = d["ratio"]
@@ -209,9 +265,7 @@ def size_table() -> Path:
     payload = {"config": {"threads": found[0][2]["config"]["threads"] if found else None,
                           "llama_server_flags": LLAMA_FLAGS, "opencoti_flags": OPENCOTI_FLAGS},
                "runs": runs, "machine": common.machine_info(),
-               "report": {"headers": ["GGUF file", "MiB", "opencoti weights", "decode 1 tok/s (ours / llama.cpp)",
-                                      "8 sessions tok/s", "prefill 1,000 tok/s", "RSS after work MiB",
-                                      "peak RSS MiB", "ready, first start s", "ready, later s", "rounds"],
+               "report": {"headers": HEADERS,
                           "rows": rows,
                           "notes": ["Ratios > 1: opencoti better (tok/s ours / theirs; MiB and seconds theirs / ours). "
                                     "Speculation off on both sides, 16,384 fp16 KV tokens on both, medians of the "

@@ -126,7 +126,7 @@ def block(name: str) -> str:
     found = results(name)
     if not found:
         return f"*Not measured yet: run `opencoti bench {name}`.*\n"
-    fn = RENDER.get(name, render_generic)
+    fn = RENDER.get(name) or render_generic  # None: the result carries its own table
     # the newest full run is the table (a reduced --quick run only where no full one exists); the
     # others, from other machines or earlier, are one line each with their raw data
     found.sort(key=lambda r: (not quick_of(r[1]), r[1].get("time", "")), reverse=True)

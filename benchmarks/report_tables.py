@@ -579,7 +579,36 @@ def render_kv_tier(d: dict) -> str:
                                       rows)] + losses(lose))
 
 
-RENDER = {"peer_llamacpp": render_peer_llamacpp, "kv_tier": render_kv_tier, "quant": render_quant, "pools": render_pools,
+# ---------------------------------------------------------------------------- k-quant kernels
+def render_kquant_kernels(d: dict) -> str:
+    cfg, rows_in = d["config"], d["ns_per_weight_row"]
+    paths = [p for p in rows_in[0] if p != "rows"]
+    rows = [[r["rows"], *(f"{r[p]:.4f}" for p in paths),
+             times(ratio(r["int4_blocks"], r["q4k_i8"])), times(ratio(r["int8_rows"], r["q6k_i8"]))] for r in rows_in]
+    lose = [f"{r['rows']} row(s): Q4_K as stored is slower than int4 blocks ({r['int4_blocks'] / r['q4k_i8']:.2f}x)."
+            for r in rows_in if r["q4k_i8"] > r["int4_blocks"]]
+    lose += [f"{r['rows']} row(s): Q6_K as stored is slower than int8 rows ({r['int8_rows'] / r['q6k_i8']:.2f}x)."
+             for r in rows_in if r["q6k_i8"] > r["int8_rows"]]
+    head = (f"One projection of {cfg['n']:,} x {cfg['k']:,} weights ({cfg['threads']} threads), ns per weight and row, "
+            "best of the interleaved repeats; `_i8` is the default (int8 activations per 256), `_i16` the int16 rows "
+            "(fp32 panels from 32 rows), `int4_blocks` / `int8_rows` what `OPENCOTI_KQUANT=0` serves the same rows "
+            "as. The last two columns: the default's speed-up on each type.")
+    out = [head, "", table(["rows", *paths, "Q4_K: i8 vs int4 blocks", "Q6_K: i8 vs int8 rows"], rows)]
+    g = d.get("gate")
+    if g:
+        grows = [[name.replace("_", " "), how, num(g[f"{name}_{how}"]["kl"], 5),
+                  num(g[f"{name}_{how}"]["top1_agreement_clear"], 3), g[f"{name}_{how}"]["clear_positions"]]
+                 for name in ("int8_per_256", "int16_per_32") for how in ("prefill", "decode_rows")
+                 if f"{name}_{how}" in g]
+        out += ["", f"What the activation rounding costs on `{g['model']}` ({g['tokens']} tokens of the accuracy gate's "
+                "text, against an fp32 forward of the file's own values; the gate allows KL <= 0.03):", "",
+                table(["activations", "rows per call", "KL nats", "top-1 (clear margin)", "clear positions"], grows)]
+    return "\n".join(out + losses(lose))
+
+
+RENDER = {"peer_llamacpp": render_peer_llamacpp, "kquant_kernels": render_kquant_kernels,
+          "peer_sizes": None,  # the result carries its own table (report.render_generic)
+          "kv_tier": render_kv_tier, "quant": render_quant, "pools": render_pools,
           "cascade": render_cascade, "fanout": render_fanout, "admission_sim": render_admission_sim,
           "admission_sim_loaded": render_admission_sim, "cluster": render_cluster,
           "speculative": render_speculative}
