@@ -185,6 +185,25 @@ def _build(loaded, fmt: str):
                                  adapt_threads=False)
 
 
+def test_a_fused_projection_is_read_into_one_buffer(q4km, monkeypatch):
+    """q/k/v (rows permuted for llama's q and k) and gate/up are read straight into their places in one
+    buffer: the fused weight is that buffer (no concatenated copy), byte for byte the parts' own rows."""
+    from opencoti.engine.model.gguf_weights import read_parts
+
+    monkeypatch.delenv("OPENCOTI_KQUANT", raising=False)
+    state = q4km.state_dict
+    for names in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]):
+        parts = [state[f"model.layers.0.{n}.weight"] for n in names]
+        read = read_parts(parts, "int4")
+        fused = cat_rows(read)
+        assert fused.data.data_ptr() == read[0].data.data_ptr()
+        assert torch.equal(fused.data, torch.cat([p.to_kquant().data for p in parts]))
+    q = state["model.layers.0.self_attn.q_proj.weight"]
+    assert q.row_perm is not None  # llama's rotary order put back on the rows read into the buffer
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        q.raw(out=np.empty(q.nbytes - 1, dtype=np.uint8))
+
+
 def test_opting_out_q4_k_is_int4_blocks_and_q6_k_int8(q4km, monkeypatch):
     """OPENCOTI_KQUANT=0: Q4_K as int4 blocks, Q6_K (and a projection holding one) as int8 rows."""
     monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")

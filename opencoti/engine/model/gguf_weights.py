@@ -91,20 +91,27 @@ class GGUFWeight:
         return n
 
     # ------------------------------------------------------------------ reading
-    def raw(self, r0: int = 0, r1: int | None = None) -> np.ndarray:
-        """The bytes of rows ``[r0, r1)`` in HF row order: uint8 ``[r1 - r0, row_bytes]`` (a copy)."""
+    def raw(self, r0: int = 0, r1: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """The bytes of rows ``[r0, r1)`` in HF row order: uint8 ``[r1 - r0, row_bytes]`` (a copy), read into
+        ``out`` (uint8, ``(r1 - r0) * row_bytes`` contiguous bytes) when given: a fused projection's parts go
+        straight into their place in one buffer, with no concatenation after."""
         r1 = self.rows if r1 is None else r1
         rb = self.row_bytes
+        if out is not None and (out.dtype != np.uint8 or out.size != (r1 - r0) * rb or not out.flags.c_contiguous):
+            raise ValueError(f"{self.name}: rows {r0}:{r1} take {(r1 - r0) * rb} contiguous bytes, got {out.size}")
         with open(self.path, "rb", buffering=0) as f:
             if self.row_perm is None:
-                return self._read_into(f.fileno(), self.offset + r0 * rb, (r1 - r0) * rb).reshape(r1 - r0, rb)
+                return self._read_into(f.fileno(), self.offset + r0 * rb, (r1 - r0) * rb, out).reshape(r1 - r0, rb)
             rows = self._read_into(f.fileno(), self.offset, self.nbytes).reshape(self.rows, rb)
-        return rows[self.row_perm[r0:r1].numpy()]
+        if out is None:
+            return rows[self.row_perm[r0:r1].numpy()]
+        np.take(rows, self.row_perm[r0:r1].numpy(), axis=0, out=out.reshape(r1 - r0, rb))
+        return out.reshape(r1 - r0, rb)
 
-    def _read_into(self, fd: int, offset: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` at ``offset`` read straight into a new array (one copy out of the page cache, none
-        through an intermediate bytes object)."""
-        out = np.empty(nbytes, dtype=np.uint8)
+    def _read_into(self, fd: int, offset: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``nbytes`` at ``offset`` read straight into a new array (or ``out``: one copy out of the page
+        cache, none through an intermediate bytes object)."""
+        out = np.empty(nbytes, dtype=np.uint8) if out is None else out.reshape(-1)
         view, done = memoryview(out), 0
         while done < nbytes:
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -287,7 +294,17 @@ def read_parts(parts: list, fmt: str, device="cpu") -> list:
     """The GGUF ``parts`` of one projection read from the file into ``fmt`` (from :func:`gguf_format`),
     all in one container kind (so they fuse): k-quant rows, int4 blocks, int8 rows or fp32."""
     if fmt == "int4" and read_form(parts, device) == "kquant":
-        return [p.to_kquant() for p in parts]
+        if len(parts) == 1:
+            return [parts[0].to_kquant()]
+        # a fused projection's parts read into one buffer, each at its place: cat_rows then takes it as is
+        buf = torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8)
+        data = buf.numpy()  # the same memory
+        at, rows = 0, []
+        for p in parts:
+            p.raw(out=data[at:at + p.nbytes])
+            rows.append(KQuantRows(buf[at:at + p.nbytes], [(p.type_name, p.rows)], p.shape[1]))
+            at += p.nbytes
+        return rows
     return [from_gguf(p, fmt) if isinstance(p, GGUFWeight) else p for p in parts]
 
 

@@ -230,7 +230,8 @@ class NativeQ8(_NativeKernel):
 
 class NativeKQuant(_NativeKernel):
     """Native k-quant rows (``engine/native``): a GGUF's Q4_K / Q6_K super-blocks as stored, in segments of
-    one type (``KQuantRows``), int16 activations per block of 32, fp32 accumulation."""
+    one type (``KQuantRows``): int8 activations per super-block of 256 (llama.cpp's Q8_K) with integer sub-block
+    scales, fp32 per super-block (``native.kquant_i8_rows(0)``: int16 per block of 32)."""
 
     name, fmt = "native_kquant", "int4"
 

@@ -133,8 +133,24 @@ def cat_kquant(parts: list[KQuantRows]) -> KQuantRows:
                 segments[-1] = (t, segments[-1][1] + rows)
             else:
                 segments.append((t, rows))
-    data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
-    return KQuantRows(data, segments, parts[0].k)
+    data = _adjacent(parts)
+    return KQuantRows(torch.cat([p.data for p in parts]) if data is None else data, segments, parts[0].k)
+
+
+def _adjacent(parts: list[KQuantRows]) -> torch.Tensor | None:
+    """The one tensor the parts' bytes already are, one after the other in a single buffer (a fused
+    projection read in place: ``gguf_weights.read_parts``), or None (they must be concatenated)."""
+    first = parts[0].data
+    if len(parts) == 1:
+        return first
+    base, size = first.untyped_storage(), 0
+    for p in parts:
+        d = p.data
+        if d.untyped_storage().data_ptr() != base.data_ptr() or d.storage_offset() != first.storage_offset() + size:
+            return None
+        size += d.numel()
+    return first.as_strided((size,), (1,), first.storage_offset()) if size <= base.nbytes() - first.storage_offset() \
+        else None
 
 
 def gguf_to_q4_blocks(type_name: str, raw: np.ndarray, n: int, k: int) -> Q4Blocks:
