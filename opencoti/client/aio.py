@@ -138,8 +138,9 @@ class AsyncPolyKVClient(ClientBase):
     async def pools(self) -> PoolTree:
         return PoolTree(**await self._call("pools"))
 
-    async def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
-        await self._call("release_pool", {"pool_id": pool_id}, release_query(immediate))
+    async def release_pool(self, pool_id: int, *, immediate: bool = False, cascade_sessions: bool = False) -> list[str]:
+        got = await self._call("release_pool", {"pool_id": pool_id}, release_query(immediate, cascade_sessions))
+        return list((got or {}).get("ended_sessions") or []) if isinstance(got, dict) else []
 
     async def pin_pool(self, pool_id: int) -> Pool:
         return Pool(**await self._call("pin_pool", {"pool_id": pool_id}))

@@ -17,10 +17,12 @@ def prefix_body(tokens, text, messages, tools, from_session, add_generation_prom
     return body
 
 
-def release_query(immediate: bool) -> dict | None:
-    if not isinstance(immediate, bool):
-        raise InvalidRequestError(f"immediate must be a boolean, got {immediate!r}")
-    return {"immediate": "true"} if immediate else None
+def release_query(immediate: bool, cascade_sessions: bool = False) -> dict | None:
+    for name, v in (("immediate", immediate), ("cascade_sessions", cascade_sessions)):
+        if not isinstance(v, bool):
+            raise InvalidRequestError(f"{name} must be a boolean, got {v!r}")
+    q = {**({"immediate": "true"} if immediate else {}), **({"cascade": "sessions"} if cascade_sessions else {})}
+    return q or None
 
 
 def sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos) -> dict:

@@ -165,11 +165,13 @@ class PolyKVClient(ClientBase):
         """The pool tree."""
         return PoolTree(**self._call("pools"))
 
-    def release_pool(self, pool_id: int, *, immediate: bool = False) -> None:
+    def release_pool(self, pool_id: int, *, immediate: bool = False, cascade_sessions: bool = False) -> list[str]:
         """Release a pool (PoolBusyError while it has child pools: release leaves first). Within the
         pool's grace TTL the release is deferred (the pool stays attachable until then);
-        ``immediate`` releases it now."""
-        self._call("release_pool", {"pool_id": pool_id}, release_query(immediate))
+        ``immediate`` releases it now; ``cascade_sessions`` first ends the idle sessions that keep its KV
+        (``DELETE ...?cascade=sessions``). Returns the ids of the sessions it ended."""
+        got = self._call("release_pool", {"pool_id": pool_id}, release_query(immediate, cascade_sessions))
+        return list((got or {}).get("ended_sessions") or []) if isinstance(got, dict) else []
 
     def pin_pool(self, pool_id: int) -> Pool:
         """Pin: never evicted."""

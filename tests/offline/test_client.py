@@ -378,3 +378,16 @@ def test_refused_streams_and_async_calls_are_retried():
             await a.capacity(7)
         assert len(calls) == 2
     asyncio.run(run_async())
+
+
+def test_release_pool_can_end_the_sessions_that_keep_it(client):
+    """``cascade_sessions`` (``DELETE ...?cascade=sessions``) ends the idle sessions holding the pool and says which."""
+    pool = client.create_pool(messages=SYSTEM)
+    client.chat(SYSTEM + [{"role": "user", "content": "hi"}], pool_id=pool.pool_id, session_id="keeper", **GREEDY)
+    with pytest.raises(InvalidRequestError, match="cascade_sessions must be a boolean"):
+        client.release_pool(pool.pool_id, cascade_sessions="yes")
+    assert client.session_status("keeper") is not None
+    assert client.release_pool(pool.pool_id, immediate=True, cascade_sessions=True) == ["keeper"]
+    assert client.session_status("keeper") is None  # ended
+    with pytest.raises(PoolNotFoundError):
+        client.pool(pool.pool_id)
