@@ -302,3 +302,18 @@ def test_without_the_library_q4_k_is_int4_blocks_and_q6_k_int8(q4km, monkeypatch
     q = state["model.layers.1.self_attn.q_proj.weight"]
     assert isinstance(q, GGUFWeight) and isinstance(q.to_int4(), Q4Blocks)
     assert torch.allclose(q.to_int4().dequantize(), decode_rows("Q4_K", q.raw(), 256), rtol=0, atol=2e-3)
+
+
+def test_the_activation_rounding_is_chosen_at_load_and_a_bad_value_refused(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "from opencoti.engine import native; native.lib(); print(native.kquant_i8_rows())"
+    env = {**os.environ, "OPENCOTI_KQUANT_ACTIVATIONS": "int16"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "0", out.stderr[-2000:]
+    env["OPENCOTI_KQUANT_ACTIVATIONS"] = "int4"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "OPENCOTI_KQUANT_ACTIVATIONS must be int8 or int16, got 'int4'" in out.stderr
+    monkeypatch.setenv("OPENCOTI_KQUANT_ACTIVATIONS", "int8")
+    assert native.kquant_activations() == "int8" and native.kquant_i8_rows() > 31  # the default: every row count

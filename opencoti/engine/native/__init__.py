@@ -204,6 +204,7 @@ def lib() -> Any:
     unavailable (see :func:`status`)."""
     if _state["tried"]:
         return _state["lib"]
+    activations = kquant_activations()  # a bad value is an error, never a silent fallback
     with _lock:
         if not _state["tried"]:
             if os.environ.get("OPENCOTI_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
@@ -215,6 +216,8 @@ def lib() -> Any:
                     loaded = load(path)
                     _check_openmp(before)
                     _state["lib"], _state["path"] = loaded, str(path)
+                    if activations == "int16":
+                        loaded.kquant_i8_rows(0)
                     _state["reason"] = "ok" if loaded.simd() else "ok (no AVX2/FMA/F16C: scalar code)"
                 except (OSError, RuntimeError, AttributeError, ImportError, subprocess.SubprocessError) as e:
                     _state["reason"] = f"unavailable: {e}"
@@ -224,6 +227,20 @@ def lib() -> Any:
                                 "the installed torch's headers (OPENCOTI_NATIVE=0 turns them off)", e)
             _state["tried"] = True
     return _state["lib"]
+
+
+KQUANT_ACTIVATIONS_ENV = "OPENCOTI_KQUANT_ACTIVATIONS"  # "int8" (default, llama.cpp's) | "int16" (closer, slower)
+
+
+def kquant_activations() -> str:
+    """``OPENCOTI_KQUANT_ACTIVATIONS``: "int8" (the default: llama.cpp's 8 bits per 256 values) or "int16"
+    (the k-quant projections keep 16 bits per block of 32 of their activations: int16 rows up to 31
+    rows, fp32 panels above; closer to an exact forward, slower: docs/models.md). Anything else is a
+    ValueError naming the variable."""
+    want = os.environ.get(KQUANT_ACTIVATIONS_ENV, "int8").strip().lower()
+    if want not in ("int8", "int16"):
+        raise ValueError(f"{KQUANT_ACTIVATIONS_ENV} must be int8 or int16, got {want!r}")
+    return want
 
 
 def status() -> dict:
