@@ -249,14 +249,19 @@ def main() -> int:
     serve = ["--state-dir", str(state), "--max-pools", str(args.max_live + 8), "--page-size", "16",
              "--prefix-cache", "off", *args.serve_arg]
     args.failures = {k: [] for k in ("pools_lost", "pools_changed", "ids_reused", "unknown_pools", "wrong_answers",
-                                     "integrity")}
+                                     "integrity", "start_failures")}
     j = Journal()
     rounds, cut, landed_on = [], Counter(), Counter()
     vocab: list[int] = []
     t_start = time.perf_counter()
     for n in range(args.rounds + 1):  # the last start only checks
         t0 = time.perf_counter()
-        proc, base = start_server(args.model, args.max_live + 8, serve)
+        try:
+            proc, base = start_server(args.model, args.max_live + 8, serve)
+        except RuntimeError as e:  # a start that died: a failure of the run (with its exit code), then one retry
+            args.failures["start_failures"].append({"round": n, "error": str(e)[:2000]})
+            log(f"round {n}: {e}; starting again")
+            proc, base = start_server(args.model, args.max_live + 8, serve)
         http = httpx.Client(base_url=base, timeout=600)
         while http.get("/health").status_code != 200:
             time.sleep(0.2)

@@ -59,7 +59,7 @@ def start_server(model: str | None, max_pools: int, extra: list[str]) -> tuple[s
     while True:
         line = proc.stderr.readline()
         if not line and proc.poll() is not None:
-            raise RuntimeError("the server exited before listening:\n" + "".join(tail[-20:]))
+            raise RuntimeError(f"the server exited (code {proc.returncode}) before listening:\n" + "".join(tail[-20:]))
         tail.append(line)
         m = re.search(r"listening on (http://[\d.]+:\d+)", line)
         if m:
