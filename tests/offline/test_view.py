@@ -3,7 +3,8 @@ what its readers read and what every implementation has, checked by mypy.
 
 The assignments below are the check: mypy accepts ``type[P] = C`` only when ``C``'s instances have
 every member of the protocol ``P`` with a compatible type. The core implements the view and what
-admission and the persister need beyond it; the simulator's ``SimCore`` the view and admission's
+admission and the persister need beyond it (the Engine and the admission controller what the persister
+reads of them); the simulator's ``SimCore`` the view and admission's
 request path; the tests' ``FakeCore`` the view. ``Metrics`` is type-checked against the view it is
 given, so a read outside it fails too. And at run time, Metrics and the admission controller driven
 by the simulator, and the persister writing and restoring a state directory, read nothing of the
@@ -18,9 +19,10 @@ from typing import Generic, Protocol
 from fake_core import FakeCore
 from mypy import api
 
-from opencoti.engine.admission.controller import AdmissionCore
+from opencoti.engine.admission.controller import AdmissionController, AdmissionCore
+from opencoti.engine.api.engine import Engine
 from opencoti.engine.core.core import EngineCore
-from opencoti.engine.persist.sync import PersistCore
+from opencoti.engine.persist.engine_view import PersistCore, PersistEngine, PoolPolicies
 from opencoti.engine.polykv.view import PolyKVView
 from opencoti.sim.engine import SimCore
 
@@ -30,6 +32,8 @@ HERE = Path(__file__).resolve()
 _core_view: type[PolyKVView] = EngineCore
 _core_admission: type[AdmissionCore] = EngineCore
 _core_persist: type[PersistCore] = EngineCore
+_engine_persist: type[PersistEngine] = Engine
+_admission_persist: type[PoolPolicies] = AdmissionController
 _sim_view: type[PolyKVView] = SimCore
 _sim_admission: type[AdmissionCore] = SimCore
 _fake_view: type[PolyKVView] = FakeCore
@@ -134,7 +138,8 @@ def test_the_persister_reads_only_what_it_declares(make_engine, tmp_path):
     ``PersistCore``, and uses what ``PersistCore`` adds to the view."""
     from opencoti.engine import SamplingParams
     from opencoti.engine.persist.store import StateStore
-    from opencoti.engine.persist.sync import Persister, identity_of, kv_identity_of
+    from opencoti.engine.persist.engine_view import identity_of, kv_identity_of
+    from opencoti.engine.persist.sync import Persister
 
     def persist(eng, restore_only: bool) -> set[str]:
         core = Recording(eng.core)

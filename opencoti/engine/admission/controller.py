@@ -26,6 +26,8 @@ from typing import Any, Callable, Protocol
 from ..checks import is_int
 from ..errors import InvalidRequestError, PoolSaturatedError
 from ..core.requests import Job
+from ..kv.pools import Pool
+from ..observe.metrics import Activity, Metrics
 from ..polykv.view import PolyKVView
 from .capacity import CapacityInputs, compute_capacity
 from .decide import ADMIT, HOLD, REJECT, AdmissionPlan, Decision, GateInputs, decide
@@ -70,7 +72,8 @@ class AdmissionController:
     poll_s = 0.5  # while requests are held: re-check at least this often (releases raise no event)
     refresh_s = 0.25  # period of the settled-mean refresh
 
-    def __init__(self, core: AdmissionCore, post: PostToStepThread, metrics, *, clock: Callable[[], float] | None = None):
+    def __init__(self, core: AdmissionCore, post: PostToStepThread, metrics: Metrics, *,
+                 clock: Callable[[], float] | None = None):
         """``core``: the engine's EngineCore; ``post``: how a request from another thread reaches the
         step thread (see ``PostToStepThread``)."""
         self.core = core
@@ -137,15 +140,20 @@ class AdmissionController:
         entry = Held(args, kwargs, Future())
         cmd = self._post(self._submit_command, entry)
         # the command fails without running when the engine shuts down first: fail the request too
-        cmd.add_done_callback(lambda f: f.exception() is not None and self._fail(entry, f.exception()))
+        def failed(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                self._fail(entry, error)
+        cmd.add_done_callback(failed)
         return entry.future
 
     def evaluate(self, plan: AdmissionPlan, now: float, entry: Held | None = None) -> Decision:
         """Measure the plan's pool and decide (``entry``: the held request, None: a caller that cannot wait)."""
-        st = self.states.get(plan.pool_id) if plan.pool_id is not None else None
-        if not plan.gated or st is None or st.policy.mode != ENFORCED:
+        pid = plan.pool_id
+        st = self.states.get(pid) if pid is not None else None
+        if pid is None or not plan.gated or st is None or st.policy.mode != ENFORCED:
             return decide(plan, None)
-        pool = self.core.tree.get(plan.pool_id)
+        pool = self.core.tree.get(pid)
         self._expire(st, now)
         queued_ahead = len(st.queue)
         if entry is not None and entry in st.queue:
@@ -156,7 +164,7 @@ class AdmissionController:
                        soonest_finish_s=self._soonest_finish_s())
         return decide(plan, g)
 
-    def committed(self, plan: AdmissionPlan, decision: Decision, job, now: float) -> None:
+    def committed(self, plan: AdmissionPlan, decision: Decision, job: Job, now: float) -> None:
         """After the core committed ``plan``: count it and open the pool's settle window."""
         if plan.pool_id is None:
             return
@@ -173,10 +181,10 @@ class AdmissionController:
             if st.settle is not None and self._settling.get(st.settle.session_id) == st.pool_id:
                 del self._settling[st.settle.session_id]
             b = self.metrics.activity().n_inflight
-            st.start_settle(now, job.session.session_id, mean, b, self.forecast.measured_steps(b))
+            settle = st.start_settle(now, job.session.session_id, mean, b, self.forecast.measured_steps(b))
             self._settling[job.session.session_id] = st.pool_id
             self._event(st.pool_id, "admit", session_id=job.session.session_id, mean_at_admit=mean,
-                        admits_in_window=st.settle.admits)
+                        admits_in_window=settle.admits)
 
     def rejected(self, pool_id: int, decision: Decision) -> PoolSaturatedError:
         st = self.state(pool_id)
@@ -208,7 +216,7 @@ class AdmissionController:
     def next_deadline(self) -> float | None:
         """The earliest time (controller clock) at which ``tick`` has work: a settle window's end,
         or a held request's wake-up, deadline or poll. None: nothing pending."""
-        times = [st.settle_deadline() for st in self.states.values() if st.settle is not None]
+        times = [d for st in self.states.values() if (d := st.settle_deadline()) is not None]
         nd = self._next_held_deadline()
         if nd is not None:
             times.append(nd)
@@ -224,7 +232,7 @@ class AdmissionController:
                 self._fail(st.queue.popleft(), error)
 
     # ---------------------------------------------------------------- measurement
-    def _inputs(self, pool, st: PoolState, expected_tokens: int | None, now: float,
+    def _inputs(self, pool: Pool, st: PoolState, expected_tokens: int | None, now: float,
                 known: bool = False, prompt_len: int | None = None) -> CapacityInputs:
         """``prompt_len``: the prompt of the request being decided (the newcomer's context), when known."""
         core, m = self.core, self.metrics
@@ -234,8 +242,8 @@ class AdmissionController:
         cells = m.kv_cells(keep_pool=pool)
         ps = core.page_size
         largest = 0.0
-        suffixes = []
-        running = []  # prompt tokens of the pool's sessions in flight
+        suffixes: list[int] = []
+        running: list[int] = []  # prompt tokens of the pool's sessions in flight
         for sid in pool.sessions:
             s = core.sessions.get(sid)
             if s is None:
@@ -249,7 +257,7 @@ class AdmissionController:
             if job is not None and job.params is not None and job.params.max_tokens is not None:
                 final = max(used, min(job.prompt_len + job.params.max_tokens, core.max_context))
             suffixes.append(max(final - pool.prefix_len, 0))
-        cands = [ps] if expected_tokens is None else [ps, expected_tokens]
+        cands: list[float] = [ps] if expected_tokens is None else [ps, expected_tokens]
         if suffixes:
             cands.append(sum(suffixes) / len(suffixes))
         if st.marginal_ewma is not None:
@@ -259,6 +267,7 @@ class AdmissionController:
         # a new session's context: its prompt (the request's own when deciding on one, else as long as
         # the pool's sessions' prompts), not the contexts the running sessions have grown to (that
         # made the end of a cohort look full)
+        ctx_new: float
         if prompt_len is not None:
             ctx_new = prompt_len
         else:
@@ -275,7 +284,7 @@ class AdmissionController:
             marginal_tokens=marginal, expected_tokens=expected_tokens,
             context_left=core.max_context - pool.prefix_len, largest_session_share=largest, known_session=known)
 
-    def _forecast_inputs(self, st: PoolState, act, n_pool_sessions: int, now: float, ctx_new: float) -> dict:
+    def _forecast_inputs(self, st: PoolState, act: Activity, n_pool_sessions: int, now: float, ctx_new: float) -> dict:
         """The adaptive forecast for one more session: tps now, estimated and bounded after it, at
         the context the sessions in flight attend now (``ctx_new``: a new session's)."""
         if st.policy.forecast != ADAPTIVE:
@@ -356,6 +365,8 @@ class AdmissionController:
             self._end_settle(st, now, self.metrics.activity().mean_active_tps, fold=True, by="time")
 
     def _end_settle(self, st: PoolState, now: float, mean_now: float | None, fold: bool, by: str) -> None:
+        if st.settle is None:
+            return  # no window open: nothing to close
         sid = st.settle.session_id
         if self._settling.get(sid) == st.pool_id:
             del self._settling[sid]
@@ -385,25 +396,31 @@ class AdmissionController:
             self.listener_errors += 1
             log.exception("admission listener failed on %r", event)
 
-    def _on_token(self, job) -> None:
+    def _on_token(self, job: Job) -> None:
         if not self._settling or job.session is None:
             return
-        st = self.states.get(self._settling.get(job.session.session_id))
+        st = self._settling_state(job.session.session_id)
         if st is None or st.settle is None:
             return
         st.settle.tokens += 1
         if st.settle.tokens >= self._settle_tokens(st):
             self._end_settle(st, self.clock(), self.metrics.activity().mean_active_tps, fold=True, by="tokens")
 
+    def _settling_state(self, session_id: str) -> PoolState | None:
+        """The state of the pool whose settle window ``session_id`` opened (None: it opened none)."""
+        pid = self._settling.get(session_id)
+        return self.states.get(pid) if pid is not None else None
+
     def _settle_tokens(self, st: PoolState) -> int:
         """Tokens the open settle window waits for: the policy's settle_tokens, or (adaptive) as
         many as the measured noise at the new batch size needs beyond the steps already measured
         there, within that."""
-        if st.policy.forecast != ADAPTIVE:
+        settle = st.settle
+        if st.policy.forecast != ADAPTIVE or settle is None:  # (called while a window is open)
             return st.policy.settle_tokens
-        return self.forecast.settle_tokens(st.settle.batch, st.policy.settle_tokens, st.settle.have)
+        return self.forecast.settle_tokens(settle.batch, st.policy.settle_tokens, settle.have)
 
-    def _on_finish(self, job) -> None:
+    def _on_finish(self, job: Job) -> None:
         s = job.session
         if s is None:
             return
@@ -419,43 +436,47 @@ class AdmissionController:
                 tps = dict(self.metrics.activity().tps_by_session)
                 tps[s.session_id] = meter.value()
                 st.last_settled_mean, st.last_settled_t = sum(tps.values()) / len(tps), self.clock()
-        st = self.states.get(self._settling.get(s.session_id))
-        if st is not None and st.settle is not None:
+        settling = self._settling_state(s.session_id)
+        if settling is not None and settling.settle is not None:
             # the admitted session left before the window closed: its load is gone; keep the
             # measurement only if it stayed for at least half the window
-            self._end_settle(st, self.clock(), self.metrics.activity().mean_active_tps,
-                             fold=st.settle.tokens >= self._settle_tokens(st) // 2, by="finish")
+            self._end_settle(settling, self.clock(), self.metrics.activity().mean_active_tps,
+                             fold=settling.settle.tokens >= self._settle_tokens(settling) // 2,
+                             by="finish")
         if any(st.queue for st in self.states.values()):
             self._retry_due = True
 
     # ---------------------------------------------------------------- plan -> decide -> commit
-    def _try(self, entry: Held) -> bool:
-        """Prepare, decide, commit. True when done (admitted or failed), False when held."""
+    def _try(self, entry: Held) -> int | None:
+        """Prepare, decide, commit. None when done (admitted or failed), else the id of the pool
+        whose hold queue keeps it."""
         fut = entry.future
         if fut.done():
-            return True  # the caller cancelled while held
+            return None  # the caller cancelled while held
         try:
             req = self.core.prepare(*entry.args, **entry.kwargs)
             now = self.clock()
             d = self.evaluate(req.plan, now, entry)
             entry.last_try = now
-            if d.action == HOLD:
-                self._held(entry, req.plan.pool_id, d, now)
-                return False
-            if d.action == REJECT:
-                raise self.rejected(req.plan.pool_id, d)
+            if d.action in (HOLD, REJECT):
+                pid = req.plan.pool_id
+                assert pid is not None, "only a gated plan (one that attaches to a pool) is held or rejected"
+                if d.action == HOLD:
+                    self._held(entry, pid, d, now)
+                    return pid
+                raise self.rejected(pid, d)
             held_ms = (now - entry.t_hold) * 1e3 if entry.t_hold is not None else 0.0
             job = self.core.commit(req, admission=d.info(held_ms))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             self._fail(entry, e)
-            return True
+            return None
         assert d.action == ADMIT
         self.committed(req.plan, d, job, now)
         try:
             fut.set_result(job)
         except InvalidStateError:  # cancelled at this very moment: nobody reads the stream
             self.core.cancel(job)
-        return True
+        return None
 
     def _held(self, entry: Held, pid: int, d: Decision, now: float) -> None:
         st = self.state(pid)
@@ -479,14 +500,15 @@ class AdmissionController:
     def _submit_command(self, entry: Held) -> None:
         if self._closed:
             return
-        if not self._try(entry):
-            self.states[entry.pool_id].queue.append(entry)
+        pid = self._try(entry)
+        if pid is not None:
+            self.states[pid].queue.append(entry)
 
     def _retry_held(self, now: float) -> None:
         """Re-try held requests, FIFO per pool."""
         for pid, st in list(self.states.items()):
             q = st.queue
-            while q and self._try(q[0]):
+            while q and self._try(q[0]) is None:
                 q.popleft()
             for e in list(q)[1:]:
                 if e.future.done():

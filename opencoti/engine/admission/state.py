@@ -70,16 +70,17 @@ class PoolState:
         return None if d is None else max(0.0, d - now)
 
     def start_settle(self, now: float, session_id: str, mean_now: float | None, batch: int = 0,
-                     have: int = 0) -> None:
+                     have: int = 0) -> Settle:
         """A new session was admitted. An admit while settling extends the window (and the drop
-        measured at its end is shared by all the admits it absorbed)."""
+        measured at its end is shared by all the admits it absorbed). Returns the open window."""
         s = self.settle
         if s is None:
-            self.settle = Settle(now, session_id, mean_now, batch=batch, have=have)
+            s = self.settle = Settle(now, session_id, mean_now, batch=batch, have=have)
         else:
             s.t_admit, s.session_id, s.tokens, s.admits, s.batch = now, session_id, 0, s.admits + 1, batch
             s.have = have
         self.counts["admits"] += 1
+        return s
 
     def end_settle(self, now: float, mean_now: float | None, fold: bool) -> dict:
         """Close the window; fold the measured drop when asked and measurable. Returns an event row."""

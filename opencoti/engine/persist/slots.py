@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
 from ..core.requests import Sequence, Session
 from . import kvfile
-from .sync import identity_of, kv_identity_of
+from .engine_view import identity_of, kv_identity_of
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _NUMBER = re.compile(r"[+-]?[0-9]+")

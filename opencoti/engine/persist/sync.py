@@ -13,57 +13,39 @@ is answered, so whatever a client was told survives a crash.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import time
-import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Literal, TypeVar, Union
 
 from ..kv.pools import Pool, Residency
 from ..core.requests import Session
-from ..polykv.view import PolyKVView
 from . import kvfile
+from .engine_view import PersistCore, PersistEngine, PoolPolicies, RunOnStep, identity_of, kv_identity_of
 from .files import KV_DIR, SESSION_KV_DIR, kv_file_pool_id
 from .session_kv import DEFAULT_BUDGET_MIB, SessionKv
 from .store import PoolRecord, SessionRecord, StateStore
-
-if TYPE_CHECKING:
-    from ..kv.pages import PagePool
-    from ..kv.tables import KVTables
-    from ..polykv.state import PolyKV
 
 log = logging.getLogger("opencoti.engine.persist")
 
 AUTO_SESSION_ID = re.compile(r"(?:.*:)?s-[0-9a-f]{12}")  # ids the engine made up (optionally tenant-prefixed)
 
-
-class PersistCore(PolyKVView, Protocol):
-    """What the persister needs of the core: the read-only view (what it writes to the store),
-    plus what restoring and loading KV files take: the vocabulary size, the KV pages themselves
-    (``kvfile`` copies their rows), the KV tables, and the owner of the pool and session state
-    (``PolyKV``), whose ``restore_pool`` / ``restore_session`` / ``pool_loaded`` bring the stored
-    tree back: the persister writes no pool or session field itself."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def polykv(self) -> PolyKV: ...
-
-    @property
-    def kv(self) -> PagePool: ...
-
-    @property
-    def tables(self) -> KVTables: ...
+PoolKey = tuple[bool, str, Union[dict, None]]  # what is stored of a pool that can change: (pinned, label, policy)
+SessionKey = tuple[Union[int, None], int, int]  # a session's (pool_id, len(tokens), id(seq)): changed when stored
+# One change of a sync, in the order applied: the id high-water mark, a pool stored (parents first),
+# a pool's key changed, a pool deleted (leaves first), a session deleted, a session stored.
+Op = Union[tuple[Literal["reserve"], int], tuple[Literal["put"], Pool], tuple[Literal["update"], Pool, PoolKey],
+           tuple[Literal["delete"], int], tuple[Literal["sdel"], str], tuple[Literal["sput"], Session, SessionKey]]
+T = TypeVar("T")
 
 
 class Persister:
     enabled = True
 
-    def __init__(self, store: StateStore, core: PersistCore, *, admission=None, kv_files: bool = True,
-                 kv_identity: dict | None = None, session_kv_budget_mib: float = DEFAULT_BUDGET_MIB):
+    def __init__(self, store: StateStore, core: PersistCore, *, admission: PoolPolicies | None = None,
+                 kv_files: bool = True, kv_identity: dict | None = None,
+                 session_kv_budget_mib: float = DEFAULT_BUDGET_MIB):
         self.store = store
         self.core = core
         self.kv_identity = kv_identity  # written into every KV file; a file of another identity is not loaded
@@ -72,8 +54,8 @@ class Persister:
         self.kv_files = kv_files
         if kv_files:
             self.kv_dir.mkdir(exist_ok=True)
-        self._pools: dict[int, tuple] = {}  # stored pool id -> (pinned, label, admission)
-        self._sessions: dict[str, tuple] = {}  # stored session id -> (pool_id, len(tokens), id(seq))
+        self._pools: dict[int, PoolKey] = {}  # stored pool id -> (pinned, label, admission)
+        self._sessions: dict[str, SessionKey] = {}  # stored session id -> (pool_id, len(tokens), id(seq))
         self._kv_saved: set[int] = set()  # pool ids whose KV file is written (or queued)
         self.kv_rejected: list[int] = []  # pools whose KV file was not used at start (checksum, swapped, other engine)
         self.kv_writer = kvfile.KvWriter()
@@ -91,7 +73,7 @@ class Persister:
         core, polykv = self.core, self.core.polykv
         snap = self.store.load()
         restored: dict[int, Pool] = {}
-        skipped = []
+        skipped: list[int] = []
         for rec in snap.pools:
             parent = restored.get(rec.parent) if rec.parent is not None else None
             why = self._invalid(rec, parent)
@@ -113,12 +95,12 @@ class Persister:
         self._reserved = snap.next_pool_id
         n_sessions = 0
         back: list[Session] = []
-        for rec in snap.sessions:
-            if rec.session_id in core.sessions:
+        for srec in snap.sessions:
+            if srec.session_id in core.sessions:
                 continue
-            pool = restored.get(rec.pool_id) if rec.pool_id is not None else None
+            home = restored.get(srec.pool_id) if srec.pool_id is not None else None
             # no KV: the next request recomputes what it needs
-            s = polykv.restore_session(rec.session_id, list(rec.tokens), pool, rec.tenant)
+            s = polykv.restore_session(srec.session_id, list(srec.tokens), home, srec.tenant)
             self._sessions[s.session_id] = self._session_key(s)
             back.append(s)
             n_sessions += 1
@@ -167,12 +149,12 @@ class Persister:
         elif event == "step" and self._dirty_sessions:
             self.sync()
 
-    def _pool_key(self, pool: Pool) -> tuple:
+    def _pool_key(self, pool: Pool) -> PoolKey:
         return (pool.pinned, pool.label, self._policy(pool.pool_id))
 
     def _policy(self, pool_id: int) -> dict | None:
         adm = self.admission
-        st = getattr(adm, "states", {}).get(pool_id) if adm is not None else None
+        st = adm.states.get(pool_id) if adm is not None else None
         if st is None:
             return None
         d = st.policy.as_dict()
@@ -181,12 +163,12 @@ class Persister:
         return changed or None
 
     @staticmethod
-    def _session_key(s: Session) -> tuple:
+    def _session_key(s: Session) -> SessionKey:
         return (s.pool_id, len(s.seq.tokens), id(s.seq))
 
     @staticmethod
     def persistable_session(s: Session) -> bool:
-        return (s.job is None and not getattr(s, "anonymous", False)
+        return (s.job is None and not s.anonymous
                 and not AUTO_SESSION_ID.fullmatch(s.session_id))
 
     def sync(self) -> None:
@@ -194,7 +176,7 @@ class Persister:
         if self.store.closed:
             return
         core, tree = self.core, self.core.tree
-        ops = []
+        ops: list[Op] = []
         if tree.next_id > self._reserved:
             ops.append(("reserve", tree.next_id))
         live = tree.pools
@@ -218,9 +200,9 @@ class Persister:
         for sid, s in sessions.items():
             if not self.persistable_session(s):
                 continue
-            key = self._session_key(s)
-            if self._sessions.get(sid) != key or sid in self._dirty_sessions:
-                ops.append(("sput", s, key))
+            skey = self._session_key(s)
+            if self._sessions.get(sid) != skey or sid in self._dirty_sessions:
+                ops.append(("sput", s, skey))
         self._dirty_sessions.clear()
         if not ops:
             return
@@ -234,43 +216,41 @@ class Persister:
             for op in ops:
                 self._apply(op, stored)
         for op in ops:  # the cache follows only after the commit
-            kind = op[0]
-            if kind == "reserve":
+            if op[0] == "reserve":
                 self._reserved = op[1]
-            elif kind == "put":
+            elif op[0] == "put":
                 self._pools[op[1].pool_id] = self._pool_key(op[1])
-            elif kind == "update":
+            elif op[0] == "update":
                 self._pools[op[1].pool_id] = op[2]
-            elif kind == "delete":
+            elif op[0] == "delete":
                 self._pools.pop(op[1], None)
                 self._drop_kv_file(op[1], "the pool was released")
-            elif kind == "sdel":
+            elif op[0] == "sdel":
                 self._sessions.pop(op[1], None)
                 self.session_kv.drop(op[1])
-            elif kind == "sput":
+            elif op[0] == "sput":
                 self._sessions[op[1].session_id] = op[2]
                 self.session_kv.save(op[1])
         if self.kv_files:
             self._save_pinned_kv()
 
-    def _apply(self, op: tuple, stored: set[int]) -> None:
+    def _apply(self, op: Op, stored: set[int]) -> None:
         st = self.store
-        kind = op[0]
-        if kind == "reserve":
+        if op[0] == "reserve":
             st.reserve_pool_ids(op[1])
-        elif kind == "put":
+        elif op[0] == "put":
             p = op[1]
             st.put_pool(PoolRecord(pool_id=p.pool_id, parent=p.parent.pool_id if p.parent else None,
                                    branch_pos=p.branch_pos, tokens=list(p.tokens), label=p.label, pinned=p.pinned,
                                    tenant=p.tenant, admission=self._policy(p.pool_id)))
-        elif kind == "update":
+        elif op[0] == "update":
             p, key = op[1], op[2]
             st.update_pool(p.pool_id, pinned=key[0], label=key[1], admission=key[2])
-        elif kind == "delete":
+        elif op[0] == "delete":
             st.delete_pool(op[1])
-        elif kind == "sdel":
+        elif op[0] == "sdel":
             st.delete_session(op[1])
-        elif kind == "sput":
+        elif op[0] == "sput":
             s = op[1]
             pool_id = s.pool_id if s.pool_id in stored else None  # a released pool is not stored
             st.put_session(SessionRecord(session_id=s.session_id, tokens=list(s.seq.tokens), pool_id=pool_id,
@@ -285,7 +265,7 @@ class Persister:
         out: set[int] = set()
         for p in self.core.tree.pools.values():
             if p.pinned:
-                q = p
+                q: Pool | None = p
                 while q is not None and q.pool_id not in out:
                     out.add(q.pool_id)
                     q = q.parent
@@ -371,7 +351,7 @@ class Persister:
         full = d // kv.page_size
         if not kv.can_allocate(kv.pages_for(n) - full):  # the borrowed pages are the parent's
             return False
-        if d and not tables.share_into(pool.seq, parent.seq.page_table, d, full):
+        if d and parent is not None and not tables.share_into(pool.seq, parent.seq.page_table, d, full):
             return False
         if not tables.extend(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n, pool.tokens,
                                                                   identity=self.kv_identity):
@@ -388,21 +368,21 @@ class Persister:
         self._kv_saved.add(pool.pool_id)
         return True
 
-    def check_kv_files(self, on_step, pool_ids: set[int] | None = None) -> dict:
+    def check_kv_files(self, on_step: RunOnStep, pool_ids: set[int] | None = None) -> dict:
         """Verify the checksums of the KV files (of ``pool_ids``, default all), reading them off the
         step thread (``on_step(fn)`` runs ``fn`` there). A corrupt file is dropped and, for a resident
         pool, written again from its pages. Returns {"checked", "corrupt", "rejected_at_load"}."""
         mine = (lambda pid: True) if pool_ids is None else pool_ids.__contains__
         files = [pid for pid in on_step(lambda: sorted(self._kv_saved)) if mine(pid)]
         self.kv_writer.flush()
-        corrupt = []
+        corrupt: list[int] = []
         for pid in files:
             problem = kvfile.verify(self._kv_path(pid))
             if problem is not None:
                 log.warning("state: the KV file of pool %d: %s; it is written again", pid, problem)
                 corrupt.append(pid)
 
-        def rewrite():
+        def rewrite() -> None:
             for pid in corrupt:
                 self._drop_kv_file(pid, "its content does not match its checksum")
             self._save_pinned_kv()
@@ -411,7 +391,7 @@ class Persister:
         return {"checked": len(files), "corrupt": corrupt,
                 "rejected_at_load": [pid for pid in self.kv_rejected if mine(pid)]}
 
-    def after(self, result):
+    def after(self, result: T) -> T:
         """Called by the step loop after each command, before its caller gets ``result``."""
         try:
             self.sync()
@@ -427,44 +407,15 @@ class Persister:
             self.store.close()
 
 
-def identity_of(engine) -> dict:
-    """What a state directory must match: token ids only mean something to the same tokenizer."""
-    tok = engine.tokenizer
-    return {"model": engine.loaded.name, "vocab_size": int(engine.core.vocab_size),
-            "eos": sorted(int(t) for t in tok.eos_token_ids)}
-
-
-_KV_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its KV identity
-
-
-def kv_identity_of(engine) -> dict:
-    """What a KV file must match besides its tokens and shape: the same tokens give other KV under
-    another model, another weight format (int4 projections compute other keys and values than fp32)
-    or another KV dtype. The page size is not part of it: a file holds token rows, loaded into any
-    page layout. Computed once per engine (on its step thread)."""
-    cached = _KV_IDENTITIES.get(engine)
-    if cached is not None:
-        return cached
-    model = engine.model
-    h = hashlib.sha256(engine.loaded.hf_config.to_json_string(use_diff=False).encode())
-    rows = -(-4096 // model.embed.shape[1])  # the table's first 4096 values (a sample of this model's weights)
-    emb = model.embed[:rows].reshape(-1)[:4096].float().contiguous().cpu()
-    h.update(emb.numpy().tobytes())
-    ident = {**identity_of(engine), "fingerprint": h.hexdigest()[:16], "weights": str(model.weights),
-             "source": "gguf" if getattr(engine.loaded, "source_gguf", None) else "hf",
-             "kv_dtype": engine.kv.dtype_name}
-    _KV_IDENTITIES[engine] = ident
-    return ident
-
-
-def attach(engine, state_dir, *, admission=None, kv_files: bool = True) -> Persister:
+def attach(engine: PersistEngine, state_dir: str | Path, *, admission: PoolPolicies | None = None,
+           kv_files: bool = True) -> Persister:
     """Open ``state_dir`` for ``engine`` (on its step thread), restore what it holds, keep it in sync.
     ``admission``: the engine's AdmissionController (its pool policies are kept too)."""
     store = StateStore(state_dir, identity=identity_of(engine))
     try:
         p = Persister(store, engine.core, admission=admission, kv_files=kv_files,
                       kv_identity=kv_identity_of(engine),
-                      session_kv_budget_mib=getattr(engine.config, "session_kv_budget_mib", DEFAULT_BUDGET_MIB))
+                      session_kv_budget_mib=engine.config.session_kv_budget_mib)
         p.restore()
     except BaseException:
         store.close()
@@ -482,11 +433,11 @@ class Ephemeral:
     stats: dict = {}
 
     @staticmethod
-    def check_kv_files(on_step, pool_ids=None) -> dict:
+    def check_kv_files(on_step: RunOnStep, pool_ids: set[int] | None = None) -> dict:
         return {"checked": 0, "corrupt": [], "rejected_at_load": []}
 
     @staticmethod
-    def after(result):
+    def after(result: T) -> T:
         return result
 
     def sync(self) -> None:
@@ -496,7 +447,7 @@ class Ephemeral:
         pass
 
 
-def open_state(engine, *, admission=None) -> Persister | Ephemeral:
+def open_state(engine: PersistEngine, *, admission: PoolPolicies | None = None) -> Persister | Ephemeral:
     """The engine's persistence: its ``config.state_dir`` restored and kept in sync, or nothing.
     ``admission``: the engine's AdmissionController (its pool policies are kept too)."""
     state_dir = engine.config.state_dir

@@ -476,7 +476,7 @@ def tier_budget_mib(config, directory: Path) -> float:
 def open_tier(engine) -> DiskTier | None:
     """The engine's disk tier, attached to its KV tables (None: off: no directory, a budget of 0,
     or no prefix cache to keep its pages)."""
-    from .sync import kv_identity_of
+    from .engine_view import kv_identity_of
 
     config = engine.config
     if config.kv_disk_dir is not None:

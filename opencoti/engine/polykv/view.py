@@ -2,7 +2,7 @@
 
 What the parts beside the core read of it, declared once: ``Metrics`` (tps, context headroom,
 counters, Prometheus), the admission controller and its capacity report, the persister (which
-also writes, see ``persist.sync.PersistCore``), the simulator's ``SimCore`` and the tests'
+also writes, see ``persist.engine_view.PersistCore``), the simulator's ``SimCore`` and the tests'
 ``FakeCore``. ``EngineCore`` implements it; so do ``sim.engine.SimCore`` and
 ``tests/offline/fake_core.FakeCore``, checked by mypy (``tests/offline/test_view.py``), so a change
 of the surface breaks the type check instead of one of the stand-ins guessing it wrong.
