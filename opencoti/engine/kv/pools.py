@@ -144,16 +144,5 @@ class PoolTree:
             parent.children.append(pool)
         return pool
 
-    def unlink(self, pool: Pool) -> None:
-        """Remove from the live tree (the pool must have no children)."""
-        assert not pool.children
-        self.pools.pop(pool.pool_id, None)
-        if pool.parent is not None and pool in pool.parent.children:
-            pool.parent.children.remove(pool)
-        pool.residency = Residency.RELEASED
-
-    def roots(self) -> list[Pool]:
-        return [p for p in self.pools.values() if p.parent is None]
-
     def depth(self) -> int:
         return max((p.depth() for p in self.pools.values()), default=0)

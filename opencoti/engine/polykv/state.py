@@ -14,7 +14,7 @@ rejected call leaves the state untouched. Readers use ``view.PolyKVView`` and ``
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 from ..config import EngineConfig
 from ..errors import (CapacityError, InvalidRequestError, PoolBusyError, PoolContractError, SessionBusyError,
@@ -575,6 +575,3 @@ class PolyKV:
         s.seq = seq
         s.last_access = time.monotonic()
         return s
-
-    def all_pools(self) -> Iterable[Pool]:
-        return list(self.tree.pools.values())
