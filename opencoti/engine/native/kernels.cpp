@@ -1876,8 +1876,10 @@ inline void kquant_decode_row(int type, const uint8_t* row, int64_t K, float* ou
 inline bool ggml_kernel_type(int type) { return type == kGgmlQ4_K || type == kGgmlQ6_K; }
 
 // y [T, N] (row stride ldy) = x [T, K] @ W.T (+ bias), W n rows of ggml type ``type`` (Q4_K / Q6_K)
-// as the file stores them. Many rows: fp32 panels (each row decoded as gguf_decode_row does); up to
-// kI16MaxRows rows: the int16 row kernels; else (no AVX2) each weight row decoded then dotted in fp32.
+// as the file stores them. By default (AVX2) every row count takes int8 activations per super-block (Q8K,
+// kI8MaxRowsK); with that path off (oc_kquant_i8_rows(0)): fp32 panels from kGemmMinRowsQ4 rows (each row
+// decoded as gguf_decode_row does), the int16 row kernels below; without AVX2 each weight row decoded then
+// dotted in fp32.
 void ggml_matmul(const float* x, int64_t T, int64_t K, int type, const uint8_t* w, int64_t N, const float* bias,
                  float* y, int nt) {
     const int64_t row_bytes = K / 256 * (type == kGgmlQ4_K ? 144 : 210), nb = K / 32;
