@@ -255,9 +255,10 @@ KQUANT_ENV = "OPENCOTI_KQUANT"  # "0": Q4_K / Q6_K become int4 blocks / int8 row
 def _kquant_native(device="cpu") -> bool:
     """Whether Q4_K / Q6_K rows are served as stored: on CPU where the native library is built, unless
     ``OPENCOTI_KQUANT=0``. The default by measurement: on the 1B Q4_K_M file (2-core AVX2 EPYC,
-    ``peer_sizes`` and in-process A/B runs) the k-quant kernels with int8 activations per super-block
-    decoded one session faster than int4 blocks + int8 rows and ran 8 sessions ~10 % faster, at the
-    file's size (benchmarks/results/.../peer_sizes_llama1b-q4km.json; docs/models.md)."""
+    ``peer_sizes``) the k-quant kernels with int8 activations per super-block decoded one session at
+    0.88-1.10x llama.cpp and ran 8 sessions at 1.70-2.26x (two runs), where int4 blocks + int8 rows gave
+    0.86x and 1.54x, at the file's size (benchmarks/results/.../peer_sizes_llama1b-q4km.json and its
+    history; docs/models.md)."""
     if torch.device(device).type != "cpu" or os.environ.get(KQUANT_ENV, "1").strip().lower() in ("0", "false", "no",
                                                                                                      "off"):
         return False
