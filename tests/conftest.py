@@ -16,7 +16,8 @@ os.environ.setdefault("OPENCOTI_DEBUG_CHECKS", "1")  # engines check their KV in
 # second once a test has loaded mypy's or a tokenizer's millions): the start heap is frozen, as
 # `opencoti serve` freezes its own (server/state.py), and again at each test file's end, after a
 # collection, so that later collections walk only what is new. Objects a test makes are collected as
-# before; what is frozen is what the process keeps anyway (modules, session fixtures, caches).
+# before; what is frozen is what the process keeps anyway (modules, session fixtures, caches). A test
+# that unfreezes (test_server_event_loop's) leaves the rest of its file unfrozen.
 def _freeze_heap() -> None:
     import gc
 
@@ -31,9 +32,7 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # the item's fixtures (the module's too, when it was the module's last) are finalized
-    import gc
-
-    if nextitem is None or nextitem.path != item.path or gc.get_freeze_count() == 0:  # (a test may unfreeze)
+    if nextitem is None or nextitem.path != item.path:  # (not gc.get_freeze_count(): it walks the frozen list)
         _freeze_heap()
 
 
