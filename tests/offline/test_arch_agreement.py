@@ -60,6 +60,10 @@ def workdir(tmp_path_factory):
 @pytest.fixture
 def cache(workdir, monkeypatch):
     monkeypatch.setenv("OPENCOTI_CACHE", str(workdir / "cache"))  # never the user's cache
+    # each format's first kernel (the native ones), not the per-shape timing: in this fresh cache it
+    # timed every shape of every int4 case again (~30 s of the file's ~45 s); which kernel computes is
+    # not what is checked here (the kernels are checked against references in test_native*.py)
+    monkeypatch.setenv("OPENCOTI_AUTOTUNE", "0")
     return workdir
 
 
