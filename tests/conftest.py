@@ -36,6 +36,29 @@ def pytest_runtest_teardown(item, nextitem):
         _freeze_heap()
 
 
+# `make test` runs the live and browser tests in two workers with --dist loadscope, whose work unit is
+# made a test file here (xdist's own unit is a module's functions or a class's methods): a file's tests
+# stay on one worker, so module-scoped servers and engines are made once, except in the files below,
+# whose tests share nothing but session fixtures (the bundled model, its engines) and go one by one to
+# whichever worker is free, so that neither worker waits at the end on a long file
+# (test_langgraph_live alone was ~4 minutes of one worker). Units with more tests go first.
+_SPREAD = {"test_langgraph_live.py", "test_docs_live.py", "test_dashboard.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path.rsplit("/", 1)[-1] in _SPREAD else path
+
+    return FileScheduling(config, log)
+
+
 def _make_engine(**kw):
     from opencoti.engine import Engine, EngineConfig
 
