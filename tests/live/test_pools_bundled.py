@@ -7,6 +7,7 @@ converted cache. Greedy tokens with a pool must equal the tokens of the same pro
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -51,9 +52,12 @@ def pages_for(n_tokens: int, page_size: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def eng():
-    # fp32 weights: the exactness reference (quantized kernels may flip near-tie argmaxes between batch shapes)
-    engine = Engine(EngineConfig(page_size=16, kv_budget_tokens=8192, weights="fp32"))
+def eng(bundled_model):
+    # fp32 weights: the exactness reference (quantized kernels may flip near-tie argmaxes between batch shapes);
+    # the session's loaded model (the same file and config), not a second load of it
+    loaded = copy.copy(bundled_model)
+    loaded.state_dict = dict(bundled_model.state_dict)
+    engine = Engine(EngineConfig(page_size=16, kv_budget_tokens=8192, weights="fp32"), loaded=loaded)
     yield engine
     try:
         engine.check_integrity()
