@@ -36,12 +36,12 @@ def pytest_runtest_teardown(item, nextitem):
         _freeze_heap()
 
 
-# `make test` runs the live and browser tests in two workers with --dist loadscope, whose work unit is
-# made a test file here (xdist's own unit is a module's functions or a class's methods): a file's tests
-# stay on one worker, so module-scoped servers and engines are made once, except in the files below,
-# whose tests share nothing but session fixtures (the bundled model, its engines) and go one by one to
-# whichever worker is free, so that neither worker waits at the end on a long file
-# (test_langgraph_live alone was ~4 minutes of one worker). Units with more tests go first.
+# `make test` runs the offline, live and browser tests in one pytest-xdist run with --dist loadscope,
+# whose work unit is made a test file here (xdist's own unit is a module's functions or a class's
+# methods): a file's tests stay on one worker, so module-scoped servers and engines are made once,
+# except in the files below, whose tests share nothing but session fixtures (the bundled model, its
+# engines) and go one by one to whichever worker is free, so that neither worker waits at the end on a
+# long file (test_langgraph_live alone was ~4 minutes of one worker). Units with more tests go first.
 _SPREAD = {"test_langgraph_live.py", "test_docs_live.py", "test_dashboard.py"}
 
 
