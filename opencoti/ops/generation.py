@@ -14,7 +14,6 @@ from typing import Any, Callable
 from ..engine import SamplingParams
 from ..engine.chat import ChatPrompt, normalize_tools
 from ..engine.constraints import ConstraintSpec
-from ..engine.api.choices import MAX_CHOICES
 from ..engine.errors import InvalidRequestError
 from ..engine.persist.slots import generation_session_id, slot_number
 from ..engine.results import GenerationResult, RequestInfo
@@ -22,7 +21,7 @@ from ..engine.chat.tool_calls import ToolCall, ToolStreamFilter, distinct_calls,
 from .chat_continue import chat_prompt
 from .constraints_request import constraint_from_request, logit_bias_from_request, penalty_kwargs
 from .context import Context
-from .schemas import ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest, PolyKVFields, SamplingFields
+from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAICompletionRequest, PolyKVFields, SamplingFields
 
 FINISH_OPENAI = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 STOP_TYPE_LLAMA = {"eos": "eos", "stop": "word", "length": "limit", "cancelled": "none"}
@@ -83,7 +82,7 @@ def fit_context(ctx: Context, tokens: list[int], params: SamplingParams, stop_at
 
 
 def check_choices(n: int) -> None:
-    """OpenAI ``n``: 1..MAX_CHOICES choices (``n > 1`` runs through ``engine.api.choices``)."""
+    """OpenAI ``n``: 1..MAX_CHOICES choices (``n > 1`` runs through ``server.choices``)."""
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
 

@@ -18,7 +18,6 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from ..engine.admission.policy import RANGES as ADMISSION_RANGES
-from ..engine.api.choices import MAX_CHOICES
 from ..engine.chat import MESSAGE_SCHEMA, TOOL_CHOICE_SCHEMA, TOOL_SCHEMA, TOOLS_NEEDED
 from ..engine.config import MAX_STOP_STRINGS as ENGINE_MAX_STOP_STRINGS
 
@@ -45,6 +44,7 @@ MixedPrompt = Annotated[list[Union[Annotated[int, Field(strict=True, json_schema
                                    Annotated[str, Field(strict=True, min_length=1)]]], _FAIL_FAST]
 LlamaPrompts = Annotated[list[Union[str, TokenIds, dict[str, Any], MixedPrompt]], _FAIL_FAST]
 MAX_PROMPTS = 64  # prompts in one completion request (a list: one result per prompt)
+MAX_CHOICES = 16  # OpenAI n: choices of one prompt (server/choices.py)
 # what the generation routes accept (pydantic's own schema would allow "" and []): an empty
 # prompt, alone or in a list, is a 400
 _TEXT = {"type": "string", "minLength": 1}

@@ -16,7 +16,7 @@ import pytest
 def opencoti_cache() -> Path:
     """The model cache live tests use: $OPENCOTI_CACHE, else the user cache dir that `make run`
     also uses, so the bundled GGUF is converted once per machine, not once per test run."""
-    from opencoti.engine.model.loader import cache_root
+    from opencoti.engine.paths import cache_root
 
     return cache_root()
 

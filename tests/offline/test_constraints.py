@@ -372,7 +372,7 @@ def test_engine_rejects_bad_sampler_settings_before_accepting(engine):
 def test_n_choices_share_the_prompt_through_a_temporary_pool(engine):
     import asyncio
 
-    from opencoti.engine.api.choices import Choices, choice_params
+    from opencoti.server.choices import Choices, choice_params
 
     prompt = engine.tokenize("The same long prompt shared by every choice of this request. " * 3)
 

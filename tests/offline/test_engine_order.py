@@ -29,7 +29,7 @@ LEVELS: list[list[str]] = [
 ]
 # Data types and checks every level uses (and packages' empty __init__ files).
 DATA = {"core.requests", "core.limits", "core.speculative", "kv.pools", "polykv.view", "admission.decide",
-        "config", "errors", "results", "checks", "kv", "core", "polykv", "observe"}
+        "config", "errors", "results", "checks", "paths", "kv", "core", "polykv", "observe"}
 
 
 def _rel(module: str) -> str | None:

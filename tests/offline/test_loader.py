@@ -225,11 +225,13 @@ def test_bad_dtype():
 
 
 def test_cache_root(tmp_path, monkeypatch):
-    assert loader.cache_root(str(tmp_path)) == tmp_path
+    from opencoti.engine.paths import cache_root
+
+    assert cache_root(str(tmp_path)) == tmp_path
     monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path / "env"))
-    assert loader.cache_root() == tmp_path / "env"
+    assert cache_root() == tmp_path / "env"
     monkeypatch.delenv("OPENCOTI_CACHE")
-    assert "opencoti" in str(loader.cache_root())
+    assert "opencoti" in str(cache_root())
 
 
 # -- GGUF conversion (a tiny GGUF written here, so no real model is needed) ---------------------

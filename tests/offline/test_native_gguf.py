@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from gguf_blocks import random_blocks
 from opencoti.engine import native
-from opencoti.engine.model import gguf_weights, loader, qformats
+from opencoti.engine.model import gguf_weights, qformats
 from opencoti.engine.model.gguf_weights import GGUFWeight
 from opencoti.engine.model.qformats import gguf_to_q4_blocks, quantize_int8
 
@@ -198,8 +198,10 @@ def test_operators_check_their_arguments():
     assert empty[0].shape == (0, 32)
 
 
-def test_build_dir_is_under_the_loaders_cache_root(monkeypatch, tmp_path):
+def test_build_dir_is_under_the_cache_root(monkeypatch, tmp_path):
+    from opencoti.engine.paths import cache_root
+
     monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path))
-    assert native._build_dir() == loader.cache_root() / "native"
+    assert native._build_dir() == cache_root() / "native" == tmp_path / "native"
     monkeypatch.delenv("OPENCOTI_CACHE")
-    assert native._build_dir() == loader.cache_root() / "native"
+    assert native._build_dir() == cache_root() / "native"

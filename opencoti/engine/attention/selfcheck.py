@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from .base import SeqBatchEntry, build_metadata
+from ..paths import cache_root
 
 log = logging.getLogger("opencoti.attention")
 
@@ -234,8 +235,6 @@ def checked_backend(backend, model, device: torch.device, *, page_size: int, cas
         why = ("the torch backend is the reference" if getattr(backend, "name", None) == "torch"
                else f"checked only on CUDA (this engine runs on {torch.device(device).type})")
         return backend, {"status": "not needed", "backend": getattr(backend, "name", None), "detail": why}
-    from ..model.loader import cache_root
-
     try:
         cache_file = cache_root(cache_dir) / CACHE_FILE
     except Exception:  # noqa: BLE001 - no usable cache dir: check at every start

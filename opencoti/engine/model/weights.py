@@ -41,6 +41,7 @@ from .gate_text import GATE_TEXT
 from .gguf_weights import GGUFWeight, gguf_format, read_form
 from .llama import LlamaForward, ModelDims, default_head_format
 from .threads import ThreadAdapter
+from ..paths import cache_root
 
 log = logging.getLogger("opencoti.engine")
 
@@ -105,8 +106,6 @@ def gate_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tens
 
 
 def _cache_file(cache_dir) -> Path | None:
-    from .loader import cache_root
-
     try:
         return cache_root(cache_dir) / "autotune.json"
     except Exception:  # noqa: BLE001 - no usable cache dir: measure every time

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..paths import cache_root
+
 log = logging.getLogger("opencoti.engine")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")  # the kernels (torch-free)
@@ -78,15 +80,8 @@ def _cpu_signature() -> str:
 
 
 def _build_dir() -> Path:
-    """``<cache root>/native``, the cache root found as ``model.loader.cache_root`` finds it (``$OPENCOTI_CACHE``,
-    else the user cache dir) without importing the loader: the loader imports the GGUF readers, which use
-    these operators (no import cycle; tests/offline/test_native_gguf.py checks the two agree)."""
-    env = os.environ.get("OPENCOTI_CACHE")
-    if env:
-        return Path(env).expanduser() / "native"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("opencoti")) / "native"
+    """``<cache root>/native`` (``paths.cache_root``: ``$OPENCOTI_CACHE``, else the user cache dir)."""
+    return cache_root() / "native"
 
 
 def _torch_flags() -> list[str]:

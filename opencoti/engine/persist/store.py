@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import OpencotiError
 from .files import fsync_dir, pool_ids_in_files
+from ..paths import cache_root
 
 SCHEMA_VERSION = 1
 DB_NAME = "state.sqlite3"
@@ -83,8 +84,6 @@ def resolve_state_dir(value: str | None, port: int | None = None) -> str | None:
         return None if value.strip().lower() in ("none", "") else str(Path(value).expanduser())
     if not port:
         return None
-    from ..model.loader import cache_root
-
     return str(cache_root() / "state" / f"port-{int(port)}")
 
 
