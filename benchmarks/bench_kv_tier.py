@@ -1,6 +1,6 @@
 """KV tiering: an agent team whose KV is 3x the RAM page budget, each turn after a tool wait, in rotation.
 
-Four sides, each its own server process, in one run (the order rotated by ``--repeat``):
+Four sides, each its own server process, all up at once, the team's turns interleaved between them:
 
 * ``tier``: ``opencoti serve`` with a KV budget of a third of the team's KV and the disk tier on (a
   state directory of its own, ``--session-kv-budget-mib 0`` so that the named sessions' restart files
@@ -18,10 +18,18 @@ prompt then a long brief of its own: a chronicle), takes ``--rounds`` turns in r
 first turn: each turn sends the agent's whole context plus a tool result (~40 tokens) and streams a
 greedy answer of ``--answer`` tokens, which joins the context. Between two turns of one agent the others
 take theirs (the tool wait). Prompts are token ids (tokenized once), so every side computes the same
-tokens. Reported per side over the warm turns: turn latency p50 / p95 (request sent to last token;
-llama.cpp's includes the restore, its save is counted apart and in the total), total time, prompt tokens
-computed, the largest gap between two streamed tokens relative to the median gap (a step slowed by the
-tier's writes shows there), and whether the greedy answers equal all-in-RAM's.
+tokens. Each agent's turn is taken on every side before the next agent's, the sides in an order rotated
+turn by turn, so that the machine's drift in speed (10-30 % over minutes on a shared VM) falls on all
+sides alike; only one side computes at a time. Before each turn of ``tier`` and ``llama.cpp`` the files
+of their disk directories are dropped from the OS page cache (``posix_fadvise(DONTNEED)``; ``--warm-disk``
+keeps them), so that a read-back comes from the disk, not from RAM the kernel kept.
+
+Reported per side over the warm turns: turn latency p50 / p95 (request sent to last token; llama.cpp's
+includes the restore, its save is counted apart and in the total), the median of the per-turn ratios to
+all-in-RAM's same turn, total time, prompt tokens computed, the gaps between streamed tokens relative to
+the side's median gap (p99, max, and the share of steps slower than 1.1x the median: a step slowed by
+the tier's writes shows there, against the same numbers of all-in-RAM, which writes nothing), and
+whether the greedy answers equal all-in-RAM's.
 
 Results: ``benchmarks/results/<machine-id>/kv_tier.json``.
 """
@@ -83,8 +91,30 @@ def build_team(url: str, agents: int, context: int, rounds: int) -> dict:
     return {"system": system, "briefs": briefs, "tools": tools}
 
 
+def drop_cached(folder: Path) -> int:
+    """Drop the files under ``folder`` from the OS page cache (written back first, so that none stay
+    behind as dirty pages); returns their bytes."""
+    import os
+
+    n = 0
+    for f in folder.rglob("*"):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:  # a directory, or a file the tier removed meanwhile
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += os.fstat(fd).st_size
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
+
+
 def stream_turn(url: str, body: dict) -> dict:
-    """One streamed completion: token ids, times of each token, final timings."""
+    """One streamed completion: token ids, the gaps between its steps, final timings."""
     t0 = time.perf_counter()
     ids, times, final = [], [], None
     for ev in peer.sse_events(url, "/completion", body):
@@ -103,59 +133,85 @@ def stream_turn(url: str, body: dict) -> dict:
     gaps = [b - a for a, b in zip(events, events[1:])]
     return {"ids": ids, "seconds": t1 - t0, "ttft": (times[0] - t0) if times else None,
             "prompt_n": timings.get("prompt_n"), "cache_n": timings.get("cache_n"),
-            "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None}
+            "draft_n": timings.get("draft_n"), "draft_n_accepted": timings.get("draft_n_accepted"),
+            "gaps": gaps, "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None}
 
 
-def run_team(side: str, url: str, team: dict, args) -> dict:
+def take_turn(side: str, url: str, prompt: list[int], agent: int, rnd: int, args, disk: Path | None) -> dict:
+    """One turn of ``agent`` on ``side``; ``disk``: the side's disk directory, dropped from the page
+    cache first (unless ``--warm-disk``)."""
     import httpx
 
-    ctx = [team["system"] + b for b in team["briefs"]]
-    turns = []
-    t_start = time.perf_counter()
+    dropped = drop_cached(disk) if disk is not None and disk.exists() and not args.warm_disk else 0
+    body = {"prompt": prompt, "n_predict": args.answer, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True, "cache_prompt": True}
+    restore_s = save_s = 0.0
+    if side == "llama.cpp":
+        body["id_slot"] = 0
+        if rnd > 0:
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/slots/0?action=restore", json={"filename": f"agent{agent}.bin"}, timeout=600)
+            r.raise_for_status()
+            restore_s = time.perf_counter() - t0
+    else:
+        body["session_id"] = f"agent-{agent}"
+    res = stream_turn(url, body)
+    if side == "llama.cpp":
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/slots/0?action=save", json={"filename": f"agent{agent}.bin"}, timeout=600)
+        r.raise_for_status()
+        save_s = time.perf_counter() - t0
+    res.update(agent=agent, round=rnd, prompt_tokens=len(prompt), restore_s=restore_s, save_s=save_s,
+               latency=res["seconds"] + restore_s, page_cache_dropped_bytes=dropped)
+    common.log(f"{side}: round {rnd} agent {agent}: {res['latency']:.2f} s, prompt {len(prompt)}, "
+               f"computed {res['prompt_n']}, cached {res['cache_n']}")
+    return res
+
+
+def run_team(servers: dict, team: dict, args, disks: dict) -> dict:
+    """The team's turns on every side, interleaved: each agent's turn on all sides (in an order rotated
+    turn by turn) before the next agent's."""
+    sides = list(servers)
+    ctx = {s: [team["system"] + b for b in team["briefs"]] for s in sides}
+    turns: dict[str, list] = {s: [] for s in sides}
+    k = args.repeat
     for rnd in range(args.rounds + 1):  # round 0: the cold first turns
         for a in range(args.agents):
-            prompt = ctx[a] + team["tools"][a][rnd]
-            body = {"prompt": prompt, "n_predict": args.answer, "temperature": 0, "ignore_eos": True,
-                    "return_tokens": True, "cache_prompt": True}
-            restore_s = save_s = 0.0
-            if side == "llama.cpp":
-                body["id_slot"] = 0
-                if rnd > 0:
-                    t0 = time.perf_counter()
-                    r = httpx.post(url + "/slots/0?action=restore", json={"filename": f"agent{a}.bin"}, timeout=600)
-                    r.raise_for_status()
-                    restore_s = time.perf_counter() - t0
-            else:
-                body["session_id"] = f"agent-{a}"
-            res = stream_turn(url, body)
-            if side == "llama.cpp":
-                t0 = time.perf_counter()
-                r = httpx.post(url + "/slots/0?action=save", json={"filename": f"agent{a}.bin"}, timeout=600)
-                r.raise_for_status()
-                save_s = time.perf_counter() - t0
-            res.update(agent=a, round=rnd, prompt_tokens=len(prompt), restore_s=restore_s, save_s=save_s,
-                       latency=res["seconds"] + restore_s)
-            ctx[a] = prompt + res["ids"]
-            turns.append(res)
-            common.log(f"{side}: round {rnd} agent {a}: {res['latency']:.2f} s, prompt {len(prompt)}, "
-                       f"computed {res['prompt_n']}, cached {res['cache_n']}")
-    total = time.perf_counter() - t_start
-    return {"turns": turns, "total_s": total}
+            for side in common.rotated(sides, k):
+                prompt = ctx[side][a] + team["tools"][a][rnd]
+                res = take_turn(side, servers[side].url, prompt, a, rnd, args, disks.get(side))
+                ctx[side][a] = prompt + res["ids"]
+                turns[side].append(res)
+            k += 1
+    return {s: {"turns": t, "total_s": sum(x["latency"] + x["save_s"] for x in t)} for s, t in turns.items()}
+
+
+def _q(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def summarize(side: str, run: dict) -> dict:
     warm = [t for t in run["turns"] if t["round"] > 0]
     lat = sorted(t["latency"] for t in warm)
-    q = statistics.quantiles(lat, n=20, method="inclusive") if len(lat) > 1 else lat * 19
-    ratios = [t["gap_max"] / t["gap_median"] for t in warm if t["gap_max"] and t["gap_median"]]
-    return {"turn_p50_s": statistics.median(lat), "turn_p95_s": q[18], "warm_total_s": sum(lat) + sum(t["save_s"] for t in warm),
+    # each step's gap over its own turn's median gap (turns differ in context length, so in step time)
+    rel = [g / t["gap_median"] for t in warm if t["gap_median"] for g in t["gaps"]]
+    return {"turn_p50_s": statistics.median(lat), "turn_p95_s": _q(lat, 95),
+            "warm_total_s": sum(lat) + sum(t["save_s"] for t in warm),
             "total_s": run["total_s"], "cold_total_s": sum(t["latency"] + t["save_s"] for t in run["turns"] if t["round"] == 0),
             "warm_prompt_tokens_computed": sum(t["prompt_n"] or 0 for t in warm),
             "warm_prompt_tokens": sum(t["prompt_tokens"] for t in warm),
             "warm_ttft_p50_s": statistics.median(t["ttft"] for t in warm if t["ttft"] is not None),
             "save_s_total": sum(t["save_s"] for t in warm), "restore_s_total": sum(t["restore_s"] for t in warm),
-            "max_gap_over_median_gap_p50": statistics.median(ratios) if ratios else None,
-            "max_gap_over_median_gap_max": max(ratios) if ratios else None}
+            "draft_n": sum(t["draft_n"] or 0 for t in warm), "draft_n_accepted": sum(t["draft_n_accepted"] or 0 for t in warm),
+            "steps": len(rel), "step_gap_p99_over_median": _q(rel, 99) if rel else None,
+            "step_gap_max_over_median": max(rel) if rel else None,
+            "steps_over_1.1x_median_share": (sum(r > 1.1 for r in rel) / len(rel)) if rel else None}
+
+
+def paired(run: dict, ref: dict) -> dict:
+    """The per-turn ratios of ``run``'s warm turns to ``ref``'s same turn: median, min, max."""
+    r = sorted(a["latency"] / b["latency"] for a, b in zip(run["turns"], ref["turns"]) if a["round"] > 0)
+    return {"median": statistics.median(r), "min": r[0], "max": r[-1], "n": len(r)}
 
 
 def side_server(side: str, gguf: str, threads: int, llama_bin: Path, args, work: Path) -> peer.Server:
@@ -186,7 +242,10 @@ def main() -> int:
     p.add_argument("--ram-tokens", type=int, default=None, help="the RAM KV budget (default: a third of the team's KV)")
     p.add_argument("--repeat", type=int, default=0, help="rotates the order of the sides")
     p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--warm-disk", action="store_true",
+                   help="leave the disk files in the OS page cache (default: dropped before each turn)")
     p.add_argument("--llama-server", default=None)
+    p.add_argument("--work-dir", default=None, help="where the sides' disk directories go (default: the temp dir)")
     args = p.parse_args()
     if args.quick:
         args.agents, args.context, args.rounds = 6, 2000, 1
@@ -201,28 +260,30 @@ def main() -> int:
     sides = [s for s in common.rotated(SIDES, args.repeat) if s in args.sides.split(",")]
     llama_bin = Path(args.llama_server) if args.llama_server else peer.build_llama_server()
     before = common.load_snapshot()
-    work = Path(tempfile.mkdtemp(prefix="bench-kv-tier-"))
-    team = None
-    runs: dict[str, dict] = {}
+    work = Path(tempfile.mkdtemp(prefix="bench-kv-tier-", dir=args.work_dir))
+    servers: dict[str, peer.Server] = {}
     props: dict[str, dict] = {}
+    ready: dict[str, float] = {}
     try:
         for side in sides:
-            srv = side_server(side, gguf, threads, llama_bin, args, work / side)
-            try:
-                ready = srv.wait_ready()
-                common.log(f"{side}: ready in {ready:.1f} s")
-                if team is None:
-                    team = build_team(srv.url, args.agents, args.context, args.rounds)
-                    common.log(f"team: {args.agents} agents x {len(team['system']) + len(team['briefs'][0])} tokens; "
-                               f"RAM budget {args.ram_tokens} tokens (~{team_tokens} tokens of KV in all)")
-                runs[side] = run_team(side, srv.url, team, args)
-                runs[side]["ready_s"] = ready
-                if side != "llama.cpp":
-                    import httpx
-                    props[side] = httpx.get(srv.url + "/polykv/pools", timeout=60).json().get("kv_tiers")
-            finally:
-                srv.stop()
+            servers[side] = side_server(side, gguf, threads, llama_bin, args, work / side)
+        for side, srv in servers.items():
+            ready[side] = srv.wait_ready()
+            common.log(f"{side}: ready in {ready[side]:.1f} s (all sides start together)")
+        team = build_team(servers[sides[0]].url, args.agents, args.context, args.rounds)
+        common.log(f"team: {args.agents} agents x {len(team['system']) + len(team['briefs'][0])} tokens; "
+                   f"RAM budget {args.ram_tokens} tokens (~{team_tokens} tokens of KV in all)")
+        disks = {s: work / s for s in ("tier", "llama.cpp") if s in servers}
+        runs = run_team(servers, team, args, disks)
+        import httpx
+
+        for side, srv in servers.items():
+            runs[side]["ready_s"] = ready[side]
+            if side != "llama.cpp":
+                props[side] = httpx.get(srv.url + "/polykv/pools", timeout=60).json().get("kv_tiers")
     finally:
+        for srv in servers.values():
+            srv.stop()
         shutil.rmtree(work, ignore_errors=True)
     summary = {s: summarize(s, r) for s, r in runs.items()}
     ref = runs.get("all_in_ram")
@@ -234,6 +295,8 @@ def main() -> int:
         elif ref is not None:
             same = [a["ids"] == b["ids"] for a, b in zip(r["turns"], ref["turns"])]
             summary[s]["greedy_equal_turns"] = f"{sum(same)}/{len(same)} (another weight format and kernels)"
+        if ref is not None and s != "all_in_ram":
+            summary[s]["turn_over_all_in_ram_paired"] = paired(r, ref)
     t = summary.get("tier")
     ratios = {}
     if t is not None:
@@ -242,28 +305,33 @@ def main() -> int:
                 ratios[s] = {"turn_p50": summary[s]["turn_p50_s"] / t["turn_p50_s"],
                              "turn_p95": summary[s]["turn_p95_s"] / t["turn_p95_s"],
                              "warm_total": summary[s]["warm_total_s"] / t["warm_total_s"]}
-    rows = [[s, v["turn_p50_s"], v["turn_p95_s"], v["warm_total_s"], v["total_s"], v["warm_prompt_tokens_computed"],
-             v.get("max_gap_over_median_gap_max"), v.get("greedy_equal_turns", "-")] for s, v in summary.items()]
-    common.print_table(["side", "turn p50 s", "turn p95 s", "warm total s", "total s", "tokens computed",
-                        "max gap / median", "greedy = RAM"], rows,
+    rows = [[s, v["turn_p50_s"], v["turn_p95_s"], (v.get("turn_over_all_in_ram_paired") or {}).get("median", 1.0),
+             v["warm_total_s"], v["warm_prompt_tokens_computed"], v["step_gap_p99_over_median"],
+             v["step_gap_max_over_median"], v["steps_over_1.1x_median_share"], v.get("greedy_equal_turns", "-")]
+            for s, v in summary.items()]
+    common.print_table(["side", "turn p50 s", "turn p95 s", "/ RAM (paired)", "warm total s", "tokens computed",
+                        "step p99/med", "step max/med", "steps >1.1x", "greedy = RAM"], rows,
                        title=f"{args.agents} agents x {args.context} tokens, RAM {args.ram_tokens} tokens, "
                              f"{args.rounds} warm rounds")
     for s, r in ratios.items():
         print(f"{s} / tier: turn p50 {r['turn_p50']:.2f}x, p95 {r['turn_p95']:.2f}x, warm total {r['warm_total']:.2f}x")
     machine = common.machine_info()
     print(common.describe_machine(machine))
+    after = common.load_snapshot()
     for r in runs.values():
         for turn in r["turns"]:
             turn["ids"] = len(turn["ids"])  # the answers themselves are compared above; the file keeps counts
+            turn["gaps"] = [round(g, 5) for g in turn["gaps"]]
     path = common.write_json("kv_tier", {
-        "config": {"agents": args.agents, "context": args.context, "rounds": args.rounds, "answer": args.answer,
+        "config": {"interleaved": True, "page_cache_dropped": not args.warm_disk, "agents": args.agents,
+                   "context": args.context, "rounds": args.rounds, "answer": args.answer,
                    "ram_tokens": args.ram_tokens, "team_kv_tokens": team_tokens, "threads": threads,
                    "gguf": Path(gguf).name, "order": sides,
                    # reduced: smaller than the issue's team (12 agents x 6,000 tokens, the defaults)
                    "quick": args.quick or (args.agents, args.context) != (FULL_AGENTS, FULL_CONTEXT),
                    "llama_server_flags": ["--parallel", "1", "-c", str(args.ram_tokens), "--slot-save-path", "DIR"]},
         "summary": summary, "ratio_vs_tier": ratios, "kv_tiers": props, "raw": runs, "machine": machine,
-        "load_before": before}, args.out)
+        "load_before": before, "load_after": after}, args.out)
     print(f"wrote {path}")
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=1, default=str)[:4000])
     return 0

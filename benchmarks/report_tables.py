@@ -526,6 +526,7 @@ TIER_SIDES = {"tier": "opencoti, disk tier", "all_in_ram": "opencoti, all in RAM
 
 def render_kv_tier(d: dict) -> str:
     cfg, summ, rat = d["config"], d["summary"], d.get("ratio_vs_tier") or {}
+    interleaved = cfg.get("interleaved", False)
     rows, lose = [], []
     tier = summ.get("tier")
     for side, label in TIER_SIDES.items():
@@ -533,6 +534,15 @@ def render_kv_tier(d: dict) -> str:
         if v is None:
             continue
         r = rat.get(side, {}) if side != "tier" else {}
+        if interleaved:
+            pr = v.get("turn_over_all_in_ram_paired")
+            rows.append([label, v["turn_p50_s"], v["turn_p95_s"],
+                         f"{times(pr['median'])} ({pr['min']:.2f}–{pr['max']:.2f})" if pr else "–",
+                         v["warm_total_s"], f"{v['warm_prompt_tokens_computed']} / {v['warm_prompt_tokens']}",
+                         times(r.get("turn_p50")) if r else "–", v.get("greedy_equal_turns", "–"),
+                         num(v["step_gap_p99_over_median"], 2), num(v["step_gap_max_over_median"], 2),
+                         f"{100 * v['steps_over_1.1x_median_share']:.0f} %"])
+            continue
         gaps = sorted(t["gap_median"] for t in (d.get("raw", {}).get(side) or {}).get("turns", [])
                       if t.get("round", 0) > 0 and t.get("gap_median"))
         step = gaps[len(gaps) // 2] if gaps else None
@@ -540,11 +550,17 @@ def render_kv_tier(d: dict) -> str:
                      f"{v['warm_prompt_tokens_computed']} / {v['warm_prompt_tokens']}",
                      times(r.get("turn_p50")) if r else "–", v.get("greedy_equal_turns", "–"),
                      v.get("cold_total_s"), step])
+    how = ("each side its own server process, all up at once; each agent's turn is taken on every side (the order "
+           "rotated turn by turn, one side computing at a time) before the next agent's, so the machine's drift "
+           "falls on all sides alike" + ("; the disk directories of the tier and of llama.cpp are dropped from the "
+                                        "OS page cache before each of their turns (a read-back comes from the disk)"
+                                        if cfg.get("page_cache_dropped") else "")
+           if interleaved else "each side its own server process, one after the other")
     head = (f"{cfg['agents']} agents, each a context of {cfg['context']} tokens at its first turn, "
             f"{cfg['rounds']} warm turn(s) each after a cold one, in rotation (each agent's tool wait is the others' "
             f"turns), {cfg['answer']}-token greedy answers; a RAM KV budget of {cfg['ram_tokens']} tokens for a team "
             f"of ~{cfg['team_kv_tokens']} tokens of KV (all in RAM: a budget that holds it all); {cfg['threads']} "
-            "threads; each side its own server process, one after the other. Turn latency: request sent to last "
+            f"threads; {how}. Turn latency: request sent to last "
             "token, warm turns only (llama.cpp's includes its slot restore; its saves count in the totals).")
     if tier is not None:
         ram, rec = summ.get("all_in_ram"), summ.get("recompute")
@@ -557,19 +573,38 @@ def render_kv_tier(d: dict) -> str:
             if x < 5:
                 lose.append(f"the tier is {x:.2f}x faster than recomputing at p50 (target ≥ 5x at 6,000-token "
                             f"contexts; this run's are {cfg['context']} tokens, where a recompute costs less).")
-        g = tier.get("max_gap_over_median_gap_max")
-        g_ram = (ram or {}).get("max_gap_over_median_gap_max")
-        if g is not None and g > 1.1:
-            lose.append(f"the longest pause between two streamed tokens of a warm turn is {g:.1f}x that turn's "
-                        "median (target: no step slower than 1.1x the median while the tier writes; a pause here "
-                        "also counts the read-back of the agent's own KV and whatever else shared the machine"
-                        + (f"; the all-in-RAM side, which writes nothing, shows {g_ram:.1f}x" if g_ram else "") + ").")
+        if interleaved:
+            g, g_ram = tier.get("step_gap_max_over_median"), (ram or {}).get("step_gap_max_over_median")
+            sh, sh_ram = tier.get("steps_over_1.1x_median_share"), (ram or {}).get("steps_over_1.1x_median_share")
+            if g is not None and g > 1.1:
+                lose.append(f"{100 * sh:.0f} % of the tier side's decode steps in warm turns took longer than 1.1x "
+                            f"their turn's median step (the longest {g:.1f}x; target: none while the tier writes)"
+                            + (f"; the all-in-RAM side, which writes nothing, had {100 * sh_ram:.0f} % (longest "
+                               f"{g_ram:.1f}x): that much is the machine's own jitter" if g_ram is not None else "")
+                            + ".")
+        else:
+            g = tier.get("max_gap_over_median_gap_max")
+            g_ram = (ram or {}).get("max_gap_over_median_gap_max")
+            if g is not None and g > 1.1:
+                lose.append(f"the longest pause between two streamed tokens of a warm turn is {g:.1f}x that turn's "
+                            "median (target: no step slower than 1.1x the median while the tier writes; a pause here "
+                            "also counts the read-back of the agent's own KV and whatever else shared the machine"
+                            + (f"; the all-in-RAM side, which writes nothing, shows {g_ram:.1f}x" if g_ram else "")
+                            + ").")
         if tier.get("greedy_equal_to_all_in_ram") is False:
             lose.append("the greedy answers differ from all-in-RAM's.")
         peer = summ.get("llama.cpp")
         if peer is not None and peer["turn_p50_s"] < tier["turn_p50_s"]:
             lose.append(f"llama.cpp's slot restore is faster at p50 ({peer['turn_p50_s']:.2f} s vs "
                         f"{tier['turn_p50_s']:.2f} s).")
+    if interleaved:
+        head += (" Paired: each warm turn's latency over all-in-RAM's same turn (median, min–max). The step columns: "
+                 "each decode step's pause between streamed tokens over its turn's median pause, across the warm "
+                 "turns (p99, max, and the share above 1.1x).")
+        return "\n".join([head, "", table(["side", "turn p50 s", "turn p95 s", "vs all in RAM, paired",
+                                           "warm total s", "prompt tokens computed (warm)", "p50 vs tier",
+                                           "greedy = all in RAM", "step p99 / median", "step max / median",
+                                           "steps > 1.1x median"], rows)] + losses(lose))
     head += (" The last two columns measure the machine while each side ran: the cold first turns are the same "
              "work on every opencoti side, and a decode step (median pause between streamed tokens of the warm "
              "turns) touches no tier; where they differ between sides, so did the machine's load.")
