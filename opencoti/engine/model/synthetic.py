@@ -25,7 +25,9 @@ HF converter permutes them). For random weights that is just a fixed
 permutation, so nothing here applies it; a loader that un-permutes gets a
 different (equally random) model that is still the same function as llama.cpp's.
 
-Only numpy, gguf and the standard library are used.
+The random blocks are made in ``ggml_blocks.py`` (the GGML type ids, block geometry and a tensor's
+plan too), the bundled tokenizer's metadata is read by ``gguf_header.py``; this module plans the
+tensors of a model and writes the file. Only numpy, gguf and the standard library are used.
 """
 
 from __future__ import annotations
@@ -33,31 +35,22 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from .gguf_header import TensorInfo, read_gguf_header, read_gguf_kv, tokenizer_kv
+from .ggml_blocks import (F16, F32, FALLBACK, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, TYPE_NAMES, TensorPlan,
+                               chunk_rows, make_chunk)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MIXES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_K_M")
 VOCAB_SIZE = 49152  # the bundled SmolLM2 tokenizer
 RMS_EPS = 1e-5
 DEFAULT_HEAD_SCALE = 8.0  # top-1 probability: median ~0.65-0.7, 10th percentile ~0.3 (measured, see tests)
-CHUNK_BYTES = 16 << 20  # generate at most this much tensor data at a time
-
-# GGML type ids and block geometry: (block elements, block bytes)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-              Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
-          Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-# llama-quantize's fallbacks when a row (ne[0]) is not a multiple of the block size
-FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 # general.file_type (llama_ftype) per mix
 FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17}
 
@@ -72,274 +65,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "8b": dict(arch="llama", hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, tied=False,
                context=131072, rope_theta=500000.0, rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192)),
 }
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor of the file: its GGUF name, numpy-order shape (rows, cols), ggml type and how to fill it."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: int
-    kind: str  # "weight" (std sigma, zero mean) | "norm" (around `scale`) | "bias" | "rope_freqs"
-    sigma: float = 0.0
-    scale: float = 1.0
-
-    @property
-    def nbytes(self) -> int:
-        per, size = BLOCKS[self.qtype]
-        n = int(np.prod(self.shape))
-        return n // per * size
-
-
-# ---------------------------------------------------------------------------
-# the bundled tokenizer's metadata (a small, fast reader of the GGUF KV section)
-# ---------------------------------------------------------------------------
-
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-              10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_kv(path: str | os.PathLike) -> list[tuple[str, int, Any, int | None]]:
-    """Every metadata key of a GGUF file as ``(key, value type, value, array sub type)``."""
-    return read_gguf_header(path)[0]
-
-
-def read_gguf_header(path: str | os.PathLike) -> tuple[list[tuple[str, int, Any, int | None]], list[TensorInfo]]:
-    """A GGUF file's metadata (as :func:`read_gguf_kv`) and its tensors' infos (absolute data offsets).
-
-    A plain parser of the KV section (GGUF v2/v3): about 0.1 s for a 49k-token
-    vocabulary, where ``gguf.GGUFReader`` takes seconds.
-    """
-    size = 8 << 20
-    while True:
-        with open(path, "rb") as f:
-            buf = f.read(size)
-        try:
-            return _parse_kv(buf, str(path))
-        except (struct.error, IndexError, UnicodeDecodeError, _Truncated):
-            if len(buf) < size:  # the whole file was read: it is broken
-                raise ValueError(f"{path}: truncated or corrupt GGUF metadata") from None
-            size *= 4
-
-
-class _Truncated(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]  # numpy order: (rows, row length)
-    qtype: int
-    offset: int  # of the first byte in the file
-    nbytes: int
-
-
-def _parse_kv(buf: bytes, path: str) -> tuple[list[tuple[str, int, Any, int | None]], list[TensorInfo]]:
-    if buf[:4] != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
-        raise ValueError(f"{path}: GGUF version {version} is not supported")
-    pos = 24
-
-    def string(p: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", buf, p)
-        if p + 8 + n > len(buf):
-            raise _Truncated
-        return buf[p + 8:p + 8 + n].decode("utf-8"), p + 8 + n
-
-    out: list[tuple[str, int, Any, int | None]] = []
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        if vtype == _STRING:
-            value, pos = string(pos)
-            out.append((key, vtype, value, None))
-        elif vtype == _ARRAY:
-            sub, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if sub == _STRING:
-                items = []
-                for _ in range(count):
-                    s, pos = string(pos)
-                    items.append(s)
-                value = items
-            elif sub in _NP_SCALAR:
-                dt = np.dtype(_NP_SCALAR[sub])
-                if pos + count * dt.itemsize > len(buf):
-                    raise _Truncated
-                arr = np.frombuffer(buf, dtype=dt, count=count, offset=pos)
-                value = [bool(x) for x in arr] if sub == 7 else arr.tolist()
-                pos += count * dt.itemsize
-            else:
-                raise ValueError(f"{path}: nested arrays in key {key!r} are not supported")
-            out.append((key, vtype, value, sub))
-        elif vtype in _SCALAR:
-            (value,) = struct.unpack_from(_SCALAR[vtype], buf, pos)
-            pos += struct.calcsize(_SCALAR[vtype])
-            out.append((key, vtype, value, None))
-        else:
-            raise ValueError(f"{path}: unknown GGUF value type {vtype} for key {key!r}")
-    raw = []
-    for _ in range(n_tensors):
-        name, pos = string(pos)
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        raw.append((name, tuple(reversed(dims)), qtype, offset))
-    align = next((int(v) for k, _, v, _ in out if k == "general.alignment"), 32)
-    start = -(-pos // align) * align
-    infos = []
-    for name, shape, qtype, offset in raw:
-        per, size = BLOCKS.get(qtype, (0, 0))
-        nbytes = int(np.prod(shape)) // per * size if per else -1
-        infos.append(TensorInfo(name, shape, qtype, start + offset, nbytes))
-    return out, infos
-
-
-@lru_cache(maxsize=4)
-def _tokenizer_kv_cached(path: str) -> tuple[tuple[str, int, Any, int | None], ...]:
-    kv = tuple(item for item in read_gguf_kv(path) if item[0].startswith("tokenizer."))
-    tokens = next((v for k, _, v, _ in kv if k == "tokenizer.ggml.tokens"), None)
-    if tokens is None:
-        raise ValueError(f"{path} has no tokenizer.ggml.tokens")
-    return kv
-
-
-def tokenizer_kv(path: str | os.PathLike | None = None) -> tuple[tuple[str, int, Any, int | None], ...]:
-    """The ``tokenizer.*`` metadata of ``path`` (default: the bundled SmolLM2 GGUF), cached per process."""
-    if path is None:
-        from .loader import bundled_gguf_path  # the only opencoti import, and only when needed
-
-        path = bundled_gguf_path()
-    return _tokenizer_kv_cached(str(Path(path).resolve()))
-
-
-# ---------------------------------------------------------------------------
-# random ggml blocks
-# ---------------------------------------------------------------------------
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    words = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
-    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(words)))
-
-
-def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
-    raw = rng.bit_generator.random_raw((n + 7) // 8)
-    return np.asarray(raw, dtype="<u8").view(np.uint8)[:n]
-
-
-def _unit(col: np.ndarray) -> np.ndarray:
-    """Two random bytes per row -> float64 uniform in [0, 1)."""
-    return (col[:, 0].astype(np.float64) + 256.0 * col[:, 1]) / 65536.0
-
-
-# per-block scale spread: d = base * u, u uniform in [0.75, 1.25); E[u^2] = 1 + 1/48
-_U_RMS = math.sqrt(1.0 + 1.0 / 48.0)
-# E[(q - center)^2] for uniform random quants
-_EQ2 = {Q4_0: 21.5, Q4_1: 21.25, Q5_0: 85.5, Q5_1: 85.25, Q8_0: 5461.5, Q4_K: 21.25, Q5_K: 85.25, Q6_K: 341.5}
-_SC_K_RMS = math.sqrt(47.5 ** 2 + (32 ** 2 - 1) / 12)  # 6-bit sub-block scales uniform in 32..63
-_SC_6_RMS = math.sqrt(63.5 ** 2 + (64 ** 2 - 1) / 12)  # Q6_K int8 scales: +-(32..95)
-
-
-def _fp16(x: np.ndarray) -> np.ndarray:
-    return _half(x).view(np.uint8).reshape(-1, 2)
-
-
-def _half(x: np.ndarray) -> np.ndarray:
-    """float64 -> float16 through float32: both casts round to nearest even in hardware (F16C) and in
-    numpy's software path alike, so the bits do not depend on the CPU."""
-    return x.astype(np.float32).astype(np.float16)
-
-
-def _sign(col: np.ndarray) -> np.ndarray:
-    return np.where(col & 1, -1.0, 1.0)
-
-
-def _fill_blocks(qtype: int, blocks: np.ndarray, sigma: float) -> None:
-    """Turn rows of random bytes (one ggml block each) into valid blocks of weights with std ``sigma``.
-
-    The quant payload stays random (any bit pattern is a valid quant); the
-    scales are overwritten, their randomness taken from the bytes they replace.
-    """
-    if qtype in (Q4_0, Q5_0, Q8_0):  # w = d * (q - center), d of random sign: zero mean
-        base = sigma / (math.sqrt(_EQ2[qtype]) * _U_RMS)
-        d = base * (0.75 + 0.5 * _unit(blocks[:, 0:2])) * _sign(blocks[:, 2])
-        blocks[:, 0:2] = _fp16(d)
-    elif qtype in (Q4_1, Q5_1):  # w = d * q + m, m = -center * d: zero mean
-        base = sigma / (math.sqrt(_EQ2[qtype]) * _U_RMS)
-        d = _half(base * (0.75 + 0.5 * _unit(blocks[:, 0:2])))
-        center = 7.5 if qtype == Q4_1 else 15.5
-        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-        blocks[:, 2:4] = _fp16(-center * d.astype(np.float64))
-    elif qtype in (Q4_K, Q5_K):  # w = d*sc*q - dmin*m, m = sc and dmin = center * d: w = d*sc*(q - center)
-        base = sigma / (math.sqrt(_EQ2[qtype]) * _SC_K_RMS * _U_RMS)
-        d = _half(base * (0.75 + 0.5 * _unit(blocks[:, 0:2])))
-        center = 7.5 if qtype == Q4_K else 15.5
-        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-        blocks[:, 2:4] = _fp16(center * d.astype(np.float64))
-        sc = 32 + (blocks[:, 4:12] & 31)  # 8 sub-block scales (= mins), 6-bit
-        packed = np.empty((blocks.shape[0], 12), dtype=np.uint8)
-        packed[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
-        packed[:, 4:8] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
-        packed[:, 8:12] = (sc[:, 4:8] & 15) | ((sc[:, 4:8] & 15) << 4)
-        blocks[:, 4:16] = packed
-    elif qtype == Q6_K:  # w = d * sc * (q - 32), sc int8 of random sign: zero mean
-        base = sigma / (math.sqrt(_EQ2[qtype]) * _SC_6_RMS * _U_RMS)
-        d = base * (0.75 + 0.5 * _unit(blocks[:, 208:210]))
-        raw = blocks[:, 192:208]
-        sc = (32 + (raw >> 2).astype(np.int16)) * np.where(raw & 1, -1, 1).astype(np.int16)  # +-(32..95)
-        blocks[:, 192:208] = sc.astype(np.int8).view(np.uint8)
-        blocks[:, 208:210] = _fp16(d)
-    else:
-        raise ValueError(f"no block generator for ggml type {qtype}")
-
-
-def _triangular(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Zero-mean, unit-std values from two uniforms: plain float64 arithmetic, so the same bits on any
-    CPU (``standard_normal`` takes exp/log from the platform's math library in its tails)."""
-    return (rng.random(n) + rng.random(n) - 1.0) * math.sqrt(6.0)
-
-
-def _chunk_rows(plan: TensorPlan) -> list[tuple[int, int]]:
-    """The tensor's data as (first row, rows) chunks of at most about CHUNK_BYTES (one chunk for 1-D)."""
-    if len(plan.shape) == 1:
-        return [(0, 1)]
-    rows, cols = plan.shape
-    per, size = BLOCKS[plan.qtype]
-    row_bytes = max(cols // per * size, cols * 16 if plan.qtype in (F16, F32) else 0)  # drawn as 2 float64
-    step = max(1, CHUNK_BYTES // row_bytes)
-    return [(r, min(step, rows - r)) for r in range(0, rows, step)]
-
-
-def _chunk(plan: TensorPlan, seed: int, index: int, rows: int, rope_factors: np.ndarray | None) -> np.ndarray:
-    """Chunk ``index`` of the tensor's data (``rows`` rows); each chunk has its own random stream,
-    so chunks can be made in parallel and the bytes do not depend on how many threads made them."""
-    rng = _rng(seed, f"{plan.name}#{index}")
-    if plan.kind == "rope_freqs":
-        assert rope_factors is not None
-        return rope_factors.astype("<f4")
-    if plan.kind in ("norm", "bias"):
-        n = int(np.prod(plan.shape))
-        if plan.kind == "norm":
-            return (plan.scale * (1.0 + 0.1 * (rng.random(n) - 0.5))).astype("<f4")
-        return (plan.sigma * _triangular(rng, n)).astype("<f4")
-    cols = plan.shape[1]
-    if plan.qtype in (F16, F32):
-        values = plan.sigma * _triangular(rng, rows * cols)
-        return _half(values) if plan.qtype == F16 else values.astype("<f4")
-    per, size = BLOCKS[plan.qtype]
-    blocks = _random_bytes(rng, rows * (cols // per) * size).reshape(-1, size)
-    _fill_blocks(plan.qtype, blocks, plan.sigma)
-    return blocks
 
 
 # ---------------------------------------------------------------------------
@@ -631,9 +356,9 @@ def write_gguf(
         with ThreadPoolExecutor(max_workers=workers) as pool:  # numpy, hashing and writes release the GIL
             ahead: deque = deque()  # at most workers + 1 chunks in memory
             for k, plan in enumerate(plans):
-                chunks = _chunk_rows(plan)
+                chunks = chunk_rows(plan)
                 for i, (_, rows) in enumerate(chunks):
-                    future = pool.submit(_chunk, plan, seed, i, rows, rope_factors)
+                    future = pool.submit(make_chunk, plan, seed, i, rows, rope_factors)
                     ahead.append((k, plan, i, i == len(chunks) - 1, future))
                     while len(ahead) > workers + 1 or (ahead and ahead[0][-1].done()):
                         write(ahead.popleft())
