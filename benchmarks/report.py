@@ -96,20 +96,28 @@ def machine_line(machine_id: str, payload: dict, name: str) -> str:
 
 
 def made_by(machine_id: str, payload: dict, name: str) -> str:
-    """``; made by `opencoti bench` (run.json ...)`` when that machine's run record lists this result's
-    run (the benchmark, with the result written before the record), else that it was run by hand."""
-    record = "run_quick.json" if quick_of(payload) else "run.json"
+    """``; made by `opencoti bench` (run.json ...)`` when one of that machine's run records (``run.json``
+    or an earlier one kept in ``history/``: ``opencoti bench --only X`` runs, one after another, each
+    replace the record) lists this result's run: the first record written after the result that has
+    the benchmark with exit code 0. Else that it was run by hand."""
+    stem = "run_quick" if quick_of(payload) else "run"
     by_hand = "; run by hand, not by `opencoti bench` (its options may differ from the script's defaults)"
-    try:
-        run = json.loads((RESULTS / machine_id / record).read_text())
-    except (OSError, ValueError):
+    when = str(payload.get("time", ""))
+    found = []
+    for path in [RESULTS / machine_id / f"{stem}.json", *(RESULTS / machine_id / "history").glob(f"{stem}-*.json")]:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        entry = next((r for r in run.get("runs") or [] if r.get("name") == name), None)
+        if entry is not None and entry.get("rc") == 0 and str(run.get("time", "")) >= when:
+            found.append((str(run.get("time", "")), path, run, entry))
+    if not found:
         return by_hand
-    entry = next((r for r in run.get("runs") or [] if r.get("name") == name), None)
-    if entry is None or entry.get("rc") != 0 or str(payload.get("time", "")) > str(run.get("time", "")):
-        return by_hand
+    _, path, run, entry = min(found, key=lambda f: f[0])
     cmd = " ".join(entry.get("command") or [])
     return (f"; made by `opencoti bench`{' --quick' if run.get('quick') else ''} "
-            f"(`benchmarks/results/{machine_id}/{record}`, {run.get('time', '?')}: `{cmd}`, "
+            f"(`benchmarks/results/{path.relative_to(RESULTS)}`, {run.get('time', '?')}: `{cmd}`, "
             f"{entry.get('seconds', '?')} s)")
 
 

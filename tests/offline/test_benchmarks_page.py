@@ -481,6 +481,16 @@ def test_the_machine_line_names_the_opencoti_bench_run_that_made_the_table(tmp_p
     payload["time"] = "2026-12-06T11:00:00+0000"  # written after that run: not its result
     (box / "demo.json").write_text(json.dumps(payload))
     assert "made by" not in report.block("demo") and "run by hand" in report.block("demo")
+    # a later `opencoti bench --only other` replaced run.json: the record that made the table is in history/
+    (box / "history").mkdir()
+    (box / "history" / "run-20261206T113000.json").write_text(json.dumps({**run, "time": "2026-12-06T11:30:00+0000"}))
+    (box / "run.json").write_text(json.dumps({"time": "2026-12-06T12:00:00+0000", "quick": False, "runs": [
+        {"name": "other", "command": ["benchmarks/other.py"], "rc": 0, "seconds": 5}]}))
+    assert "(`benchmarks/results/box-2c-0000/history/run-20261206T113000.json`, 2026-12-06T11:30:00+0000" \
+        in report.block("demo")
+    (box / "history" / "run-20261206T113000.json").write_text(json.dumps(
+        {**run, "time": "2026-12-06T11:30:00+0000", "runs": [{**run["runs"][0], "rc": 1}]}))
+    assert "run by hand" in report.block("demo")  # that run failed: not its table
     (box / "demo.json").unlink()
     (box / "demo_quick.json").write_text(json.dumps({**payload, "config": {"quick": True}}))
     assert "raw data `benchmarks/results/box-2c-0000/demo_quick.json`" in report.block("demo")
