@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType as GT
 from gguf import quants
 
 from opencoti.engine.model.gguf_index import GGUFIndex
-from opencoti.engine.model.loader import ModelLoadError, _gguf_architecture
+from opencoti.engine.errors import ModelLoadError
+from opencoti.engine.model.gguf_convert import _gguf_architecture
 
 
 def _write(path, *, alignment: int | None = None):

@@ -370,18 +370,20 @@ def test_gguf_with_a_tensor_of_the_wrong_shape_is_refused(tmp_path):
 
 def test_interrupted_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch):
     path, _ = tiny_gguf
-    real = loader._convert_gguf_into
+    from opencoti.engine.model import gguf_convert
+
+    real = gguf_convert._convert_gguf_into
 
     def crash(gguf_path, out, name, say):
         (out / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_convert_gguf_into", crash)
+    monkeypatch.setattr(gguf_convert, "_convert_gguf_into", crash)
     with pytest.raises(KeyboardInterrupt):
         load_model(path, cache_dir=str(tmp_path / "c"))
     assert list((tmp_path / "c" / "models").iterdir()) == []
 
-    monkeypatch.setattr(loader, "_convert_gguf_into", real)
+    monkeypatch.setattr(gguf_convert, "_convert_gguf_into", real)
     # a directory at the target without the completion marker is not trusted
     target = loader.convert_gguf(path, cache_dir=tmp_path / "c")
     (target / loader.MARKER_FILE).unlink()
