@@ -38,7 +38,10 @@ from . import kernels
 from .autotune import Autotuner
 from .embedding import gguf_embedding
 from .gate_text import GATE_TEXT
-from .gguf_weights import GGUFWeight, gguf_format, read_form
+from .gguf_memory import GGUF_MEMORY_FACTOR, own_format  # noqa: F401 - re-exported (weights.own_format)
+from .gguf_memory import (available_mb, gguf_candidates, head_16bit_fits, memory_against_file, own_summary,
+                          projection_sources, resident_mb)
+from .gguf_weights import GGUFWeight, gguf_format
 from .llama import LlamaForward, ModelDims, default_head_format
 from .threads import ThreadAdapter
 from ..paths import cache_root
@@ -51,8 +54,6 @@ GATE_TOKENS = 256
 GATE_KL_MAX = 0.03  # nats per position (about the old 3 % perplexity tolerance)
 GATE_TOP1_MIN = 0.95
 GATE_CLEAR_MARGIN = 0.1  # reference top-1 minus top-2 probability for a position's greedy token to count
-# auto on a GGUF file considers the formats whose weights take at most this x the file's bytes
-GGUF_MEMORY_FACTOR = 1.25
 # the gate's fp32 reference is built only when its weights take at most this share of available memory
 GATE_REFERENCE_SHARE = 0.25
 
@@ -134,7 +135,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     embedding = gguf_embedding(embed_src, dtype, device) if isinstance(embed_src, GGUFWeight) else None
 
     chooser = kernel_chooser(tuner, hf, device, dtype)
-    head_src = _projection_sources(loaded)[-1]  # the output head's weight (lm_head, or the tied embedding)
+    head_src = projection_sources(loaded)[-1]  # the output head's weight (lm_head, or the tied embedding)
 
     def own_head(fmt: str) -> bool:
         return fmt == "int4" and isinstance(head_src, GGUFWeight) and gguf_format([head_src], "int4", device) == "int4"
@@ -142,7 +143,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
     def make(fmt: str) -> LlamaForward:
         # a GGUF head that int4 serves from the file's own blocks (4-bit, or Q6_K as stored) is not timed
         head = "int4" if own_head(fmt) else head_format(tuner, fmt, hf)
-        if head == "bf16" and gguf_path is not None and not _head_16bit_fits(loaded, fmt):
+        if head == "bf16" and gguf_path is not None and not head_16bit_fits(loaded, fmt):
             head = default_head_format(fmt)  # faster, but a 16-bit head would take the model past the file's size
         return LlamaForward(hf, state, dtype=dtype, device=device, max_positions=max_positions, weights=fmt,
                             choose_kernel=chooser, threads=threads, head_format=head, embedding=embedding)
@@ -156,7 +157,7 @@ def build_forward(loaded, *, weights: str = "auto", dtype: torch.dtype, device, 
         model = _auto(loaded, make, tuner, device, say, choice, saved_kv or {})
     tuner.save()
     if gguf_path is not None:
-        _memory_against_file(model, loaded, choice, say)
+        memory_against_file(model, loaded, choice, say)
     model.weights_choice = choice
     info = model.weights_info
     msg = (f"weights: {model.weights} ({choice['reason']}); {info['weight_bytes'] / 1e6:.1f} MB per step; "
@@ -267,9 +268,9 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
     chooser = kernel_chooser(tuner, hf, device, tuner.act_dtype)  # the one make() uses
     own, formats = None, kernels.FORMATS
     if getattr(loaded, "source_gguf", None) is not None:  # only the formats that fit the file's size are timed
-        own, formats = _gguf_candidates(loaded, device, choice, say)
+        own, formats = gguf_candidates(loaded, device, choice, say)
         if len(formats) == 1:  # nothing to choose between: no kernel signatures, no timing of other formats
-            choice["reason"] = (f"auto: {own}, the file's own precision (" + _own_summary(choice) + "); the only "
+            choice["reason"] = (f"auto: {own}, the file's own precision (" + own_summary(choice) + "); the only "
                                 f"format whose weights fit in {GGUF_MEMORY_FACTOR}x the file's size")
             return make(own)
     say("auto weights: choosing the kernels of each format (cached per machine) ...")
@@ -283,7 +284,7 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
             raise RuntimeError(f"no kernel here serves the formats that fit {loaded.source_gguf} ({', '.join(formats)})")
         if len(sigs) == 1:
             fmt = next(iter(sigs))
-            choice["reason"] = (f"auto: {fmt}, the file's own precision (" + _own_summary(choice) + "); the only "
+            choice["reason"] = (f"auto: {fmt}, the file's own precision (" + own_summary(choice) + "); the only "
                                 f"format whose weights fit in {GGUF_MEMORY_FACTOR}x the file's size")
             return make(fmt)
     fingerprint = _fingerprint(loaded)
@@ -329,8 +330,8 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
         say(f"auto weights: the last measurement was disturbed ({kept.get('disturbed')}); measuring again")
     ref_state: dict = {}
 
-    reference_mb = _resident_mb(loaded, "fp32") if own is not None else 0.0
-    reference_ok = own is None or reference_mb <= GATE_REFERENCE_SHARE * _available_mb()
+    reference_mb = resident_mb(loaded, "fp32") if own is not None else 0.0
+    reference_ok = own is None or reference_mb <= GATE_REFERENCE_SHARE * available_mb()
 
     def reference():
         if not ref_state:
@@ -416,114 +417,3 @@ def _fingerprint(loaded) -> str:
         else:
             h.update(t.reshape(-1)[:4096].float().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------- GGUF sources
-_BYTES_PER_VALUE = {"int4": 20 / 32, "fp32": 4.0, "bf16": 2.0}  # native_q4 blocks: 16 B nibbles + fp16 d, m
-
-
-def _format_bytes(weight, fmt: str) -> float:
-    """Bytes ``weight`` (a ``GGUFWeight`` projection) takes in ``fmt`` as ``gguf_format`` builds it."""
-    n, k = weight.shape
-    fmt = gguf_format([weight], fmt)
-    if fmt == "int4" and read_form([weight]) == "kquant":
-        return float(weight.nbytes)  # Q4_K / Q6_K rows as stored
-    return n * k * (1.0 + 4.0 / k) if fmt == "int8" else n * k * _BYTES_PER_VALUE[fmt]
-
-
-def _projection_sources(loaded) -> list:
-    state, hf = loaded.state_dict, loaded.hf_config
-    names = [n for n in state if n.endswith("_proj.weight")]
-    head = "lm_head.weight" if "lm_head.weight" in state and not getattr(hf, "tie_word_embeddings", False) \
-        else "model.embed_tokens.weight"
-    return [state[n] for n in names] + [state[head]]
-
-
-def _resident_mb(loaded, fmt: str) -> float:
-    """MB of weights a GGUF model holds in ``fmt``: its projections and head in the format, its
-    embedding in the file's own blocks."""
-    sources = _projection_sources(loaded)
-    embed = loaded.state_dict["model.embed_tokens.weight"]
-    return (sum(_format_bytes(w, fmt) for w in sources) + embed.nbytes) / 1e6
-
-
-def _head_16bit_fits(loaded, fmt: str) -> bool:
-    """Whether a GGUF model in ``fmt`` stays within :data:`GGUF_MEMORY_FACTOR` x the file with a 16-bit
-    output head instead of an 8-bit one."""
-    head = _projection_sources(loaded)[-1]
-    extra = head.numel() * (2.0 - 1.0) / 1e6
-    return _resident_mb(loaded, fmt) + extra <= GGUF_MEMORY_FACTOR * Path(loaded.source_gguf).stat().st_size / 1e6
-
-
-def _available_mb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024 * 1.048576
-    except (OSError, ValueError, IndexError):
-        pass
-    return float("inf")
-
-
-def own_format(loaded) -> str:
-    """The format that holds a GGUF file's layer projections at their own precision: int4 when the 4-bit
-    types carry most of their weights (Q4_0/Q4_1/Q4_K, the rest in int8), int8 for 5- to 8-bit files,
-    bf16 for 16-bit, fp32 for 32-bit."""
-    sources = _projection_sources(loaded)[:-1]  # the layers' projections (the head has its own rule)
-    total = sum(w.numel() for w in sources)
-    by_bits: dict[int, int] = {}
-    for w in sources:
-        by_bits[w.bits] = by_bits.get(w.bits, 0) + w.numel()
-    if sum(v for b, v in by_bits.items() if b <= 4) * 2 >= total:
-        return "int4"
-    top = max(by_bits, key=lambda b: by_bits[b])
-    return "int8" if top <= 8 else ("bf16" if top <= 16 else "fp32")
-
-
-def _gguf_candidates(loaded, device, choice: dict, say) -> tuple[str, tuple[str, ...]]:
-    """``auto`` on a GGUF file: the file's own format and the others whose weights fit in
-    :data:`GGUF_MEMORY_FACTOR` x the file's bytes (a format that would multiply memory is never chosen
-    silently: it is not a candidate at all)."""
-    file_mb = Path(loaded.source_gguf).stat().st_size / 1e6
-    own = own_format(loaded)
-    sizes = {f: round(_resident_mb(loaded, f), 1) for f in kernels.FORMATS}
-    served = [f for f in kernels.FORMATS if kernels.candidates(f, device)]
-    fits = tuple(f for f in served if sizes[f] <= GGUF_MEMORY_FACTOR * file_mb or f == own)
-    if own not in fits:  # no kernel for the file's own format here: the smallest that has one
-        own = min(served, key=lambda f: sizes[f])
-        fits = (own,)
-    types: dict[str, int] = {}
-    for w in _projection_sources(loaded):
-        types[w.type_name] = types.get(w.type_name, 0) + 1
-    choice.update(own_format=own, file_mb=round(file_mb, 1), weights_mb=sizes,
-                  file_tensor_types=dict(sorted(types.items())), candidates=list(fits))
-    say(f"auto weights: {own} holds the file's own precision; candidates within "
-        f"{GGUF_MEMORY_FACTOR}x the file ({file_mb:.0f} MB): {', '.join(fits)}")
-    return own, fits
-
-
-def _memory_against_file(model: LlamaForward, loaded, choice: dict, say) -> None:
-    """Record the bytes the model's tensors hold against the GGUF file's (``choice["memory"]``, in
-    ``/props``). A format other than the file's own precision that holds more than
-    :data:`GGUF_MEMORY_FACTOR` x the file (``auto`` never chooses one) says so loudly (log warning,
-    progress line, ``choice["memory_warning"]``), with what the file's own would hold."""
-    held = model.tensor_bytes()
-    total = sum(held.values())
-    file_bytes = Path(loaded.source_gguf).stat().st_size
-    own = choice.get("own_format") or own_format(loaded)
-    choice["memory"] = {"tensors_mb": round(total / 1e6, 1), "file_mb": round(file_bytes / 1e6, 1),
-                        "ratio": round(total / file_bytes, 3), "own_format": own,
-                        "by_item_mb": {k: round(v / 1e6, 1) for k, v in held.items()}}
-    if model.weights != own and total > GGUF_MEMORY_FACTOR * file_bytes:
-        msg = (f"weights: {model.weights} holds {total / 1e6:.0f} MB of tensors for a {file_bytes / 1e6:.0f} MB GGUF "
-               f"file ({total / file_bytes:.1f}x); the file's own precision ({own}, --weights {own}) would hold about "
-               f"{_resident_mb(loaded, own):.0f} MB")
-        choice["memory_warning"] = msg
-        log.warning(msg)
-        say("WARNING: " + msg)
-
-
-def _own_summary(choice: dict) -> str:
-    types = ", ".join(f"{n} x {t}" for t, n in choice.get("file_tensor_types", {}).items())
-    return f"projections {types}; {choice['weights_mb'][choice['own_format']]:.0f} MB of weights for a " \
-           f"{choice['file_mb']:.0f} MB file"

@@ -42,38 +42,17 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Sequence as Seq
 
-import numpy as np
 import torch
 
 from . import kvfile
 from .files import HEADER
+from .tier_files import DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment
 
 log = logging.getLogger("opencoti.engine.persist")
 
 TIER_DIR = "kv_tier"
 MAX_SEGMENT_PAGES = 64  # pages per file at most (1,024 tokens at the default page size; ~23 MiB for the bundled model)
 DEFAULT_PENDING_MIB = 256.0  # snapshots waiting for the I/O thread at most (memory); past it, pages are dropped
-
-PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
-
-
-class Segment:
-    """One file: ``n`` consecutive pages of one chain."""
-
-    __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state", "reading", "loaded",
-                 "load_error")
-
-    def __init__(self, name: str, keys: list[bytes], tokens: list[int], start: int, parent_key: bytes,
-                 nbytes: int, k: torch.Tensor, v: torch.Tensor):
-        self.name, self.keys, self.tokens, self.start, self.parent_key = name, keys, tokens, start, parent_key
-        self.nbytes = nbytes
-        self.k: torch.Tensor | None = k  # [L, n, ps, H, D] until written (then read from the file)
-        self.v: torch.Tensor | None = v
-        self.state = PENDING
-        self.reading = False  # a prefetch of it is in flight (the reader thread)
-        self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # what the prefetch read (checked)
-        self.load_error: str | None = None  # why the prefetch could not use it
-
 
 class DiskTier:
     """The disk tier of one engine's KV pages (see the module docstring). ``spill``, ``has`` and
@@ -259,7 +238,7 @@ class DiskTier:
             got, seg.load_error = seg.load_error, None
             self._drop_loaded(seg)
         else:
-            got = _read_segment(self.dir / seg.name, seg, self.identity, _layout(kv))
+            got = read_segment(self.dir / seg.name, seg, self.identity, kv_layout(kv))
         if isinstance(got, str):
             self.stats["faults"] += 1
             log.warning("KV tier: %s not used: %s; those pages are recomputed", self.dir / seg.name, got)
@@ -273,7 +252,7 @@ class DiskTier:
         segment files now, on the reader thread. Returns how many segments are being read (the
         request waits for them: ``reading``). Within the pending-bytes bound; past it, the request
         reads them itself when it starts."""
-        self._layout = _layout(kv)
+        self._layout = kv_layout(kv)
         self._settle()
         started = 0
         seen: set[str] = set()
@@ -330,7 +309,7 @@ class DiskTier:
                 return
             t0 = time.perf_counter()
             try:
-                got = _read_segment(self.dir / seg.name, seg, self.identity, self._layout)
+                got = read_segment(self.dir / seg.name, seg, self.identity, self._layout)
             except Exception as e:  # noqa: BLE001 - a read that fails is a recompute, never a crash
                 got = f"cannot read it: {e}"
             if isinstance(got, str):
@@ -425,36 +404,6 @@ class DiskTier:
             log.warning(msg, *args)
         else:
             log.debug(msg, *args)
-
-
-def _layout(kv) -> tuple:
-    """What reading a segment needs of the KV pages (the reader thread never touches them)."""
-    return kv.num_layers, kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1], kv.dtype
-
-
-def _read_segment(path: Path, seg: Segment, identity: dict | None, layout: tuple
-                  ) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """A segment file's K and V (``[L, n, ps, H, D]`` each), checked (identity, tokens, layout,
-    checksum); or why it cannot be used."""
-    layers, ps, heads, width, dtype_t = layout
-    got = kvfile.read_checked(path, identity, seg.tokens)
-    n = len(seg.keys)
-    shape = [layers, n * ps, heads, width]
-    dtype = kvfile.np_dtype(dtype_t)
-    if isinstance(got, str):
-        return got
-    head, body = got
-    if head.get("shape") != shape or head.get("start") != seg.start or dtype is None \
-            or head.get("dtype") != str(dtype_t).replace("torch.", ""):
-        return "its header names another layout (shape, dtype or position)"
-    count = int(np.prod(shape))
-    if len(body) < 2 * count * np.dtype(dtype).itemsize:
-        return "shorter than its header says"
-    arr = torch.from_numpy(np.frombuffer(body, dtype=dtype, count=2 * count).reshape(2, *shape))
-    if dtype_t == torch.bfloat16:
-        arr = arr.view(torch.bfloat16)
-    arr = arr.view(2, layers, n, ps, heads, width)
-    return arr[0], arr[1]
 
 
 DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's

@@ -1,0 +1,64 @@
+"""The disk tier's files (``tier.py``): a ``Segment`` (one file: consecutive pages of one chain, its
+state from queued to written, failed or dropped, and what a prefetch read of it) and the reading of a
+segment's file, checked against the engine's identity, its tokens, the pages' layout and its checksum.
+The reader thread calls ``read_segment`` with the layout (``kv_layout``), never touching the pages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import kvfile
+
+PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
+
+
+class Segment:
+    """One file: ``n`` consecutive pages of one chain."""
+
+    __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state", "reading", "loaded",
+                 "load_error")
+
+    def __init__(self, name: str, keys: list[bytes], tokens: list[int], start: int, parent_key: bytes,
+                 nbytes: int, k: torch.Tensor, v: torch.Tensor):
+        self.name, self.keys, self.tokens, self.start, self.parent_key = name, keys, tokens, start, parent_key
+        self.nbytes = nbytes
+        self.k: torch.Tensor | None = k  # [L, n, ps, H, D] until written (then read from the file)
+        self.v: torch.Tensor | None = v
+        self.state = PENDING
+        self.reading = False  # a prefetch of it is in flight (the reader thread)
+        self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # what the prefetch read (checked)
+        self.load_error: str | None = None  # why the prefetch could not use it
+
+
+def kv_layout(kv) -> tuple:
+    """What reading a segment needs of the KV pages (the reader thread never touches them)."""
+    return kv.num_layers, kv.page_size, kv.num_kv_heads, kv.k_cache.shape[-1], kv.dtype
+
+
+def read_segment(path: Path, seg: Segment, identity: dict | None, layout: tuple
+                  ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A segment file's K and V (``[L, n, ps, H, D]`` each), checked (identity, tokens, layout,
+    checksum); or why it cannot be used."""
+    layers, ps, heads, width, dtype_t = layout
+    got = kvfile.read_checked(path, identity, seg.tokens)
+    n = len(seg.keys)
+    shape = [layers, n * ps, heads, width]
+    dtype = kvfile.np_dtype(dtype_t)
+    if isinstance(got, str):
+        return got
+    head, body = got
+    if head.get("shape") != shape or head.get("start") != seg.start or dtype is None \
+            or head.get("dtype") != str(dtype_t).replace("torch.", ""):
+        return "its header names another layout (shape, dtype or position)"
+    count = int(np.prod(shape))
+    if len(body) < 2 * count * np.dtype(dtype).itemsize:
+        return "shorter than its header says"
+    arr = torch.from_numpy(np.frombuffer(body, dtype=dtype, count=2 * count).reshape(2, *shape))
+    if dtype_t == torch.bfloat16:
+        arr = arr.view(torch.bfloat16)
+    arr = arr.view(2, layers, n, ps, heads, width)
+    return arr[0], arr[1]
