@@ -152,7 +152,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
         tps_headroom = x.fc_headroom if x.fc_headroom is not None else int(projected is not None and projected >= floor)
         tps_headroom = max(tps_headroom, 1) if probe else tps_headroom
     elif floor is not None and base is not None:
-        if measured is not None:
+        if measured is not None and drop is not None:  # (measured is only set with a drop here)
             tps_headroom = max(0, int((base - floor) // drop)) if drop > 0 else \
                 (headroom_sessions if base >= floor else 0)
         else:
@@ -165,6 +165,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
     # a floor with nothing measured to project from: how many fit is unknown, not a number; an idle
     # engine admits (measuring is the only way to learn), a busy one holds until its steps are measured
     unknown = floor is not None and projected is None and not thin
+    sessions_remaining: int | str
     if unknown:
         sessions_remaining = UNKNOWN
         probe = x.n_engine_inflight == 0
@@ -187,8 +188,9 @@ def compute_capacity(x: CapacityInputs) -> dict:
     elif headroom_sessions < 1:
         can, reason = False, REASON_KV
     elif below:
-        mean_only = (measured is not None and measured >= floor) if adaptive else \
-            measured is not None and x.drop_ewma is not None and base - x.drop_ewma >= floor
+        mean_only = floor is not None and ((measured is not None and measured >= floor) if adaptive else
+                                           measured is not None and x.drop_ewma is not None and base is not None
+                                           and base - x.drop_ewma >= floor)  # (below: a floor is set)
         can = False
         # the real cause: a batch size not measured enough (or nothing measured), an estimate that
         # passes with a bound that does not, or a projection below the floor (from the idle estimate)
@@ -223,7 +225,7 @@ def compute_capacity(x: CapacityInputs) -> dict:
         "context_ok": context_ok,
         "settling": settling,
         "measuring": window_open,
-        "settle_remaining_ms": x.settle_remaining_s * 1e3 if window_open else 0.0,
+        "settle_remaining_ms": x.settle_remaining_s * 1e3 if x.settle_remaining_s is not None else 0.0,
         "n_active": x.n_active,
         "n_warming": x.n_warming,
         "n_decoding": x.n_decoding,

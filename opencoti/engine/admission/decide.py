@@ -65,6 +65,7 @@ class Decision:
     deadline: float | None = None  # a queued hold: fail at this time
 
     def error(self, pool_id: int | None) -> PoolSaturatedError:
+        assert self.message is not None, "only a reject (which has a message) is an error"
         return PoolSaturatedError(self.message, retry_after=self.retry_after, pool_id=pool_id, reason=self.reason,
                                   capacity=self.capacity)
 
@@ -109,9 +110,10 @@ def decide(plan: AdmissionPlan, g: GateInputs | None) -> Decision:
     An admit that leaves no room for another new session carries ``retry_after`` (when the next
     one is likely to fit: the same estimate a 429 gives)."""
     d = _decide(plan, g)
-    left = d.capacity["sessions_remaining"] if d.capacity is not None else None
-    if d.action == ADMIT and isinstance(left, int) and left <= 1:  # not when unknown (nothing measured)
-        d = replace(d, retry_after=retry_after_s(d.capacity, g.soonest_finish_s, g.capacity.policy.settle_max_ms))
+    cap = d.capacity  # measured only with inputs (g)
+    left = cap["sessions_remaining"] if cap is not None else None
+    if d.action == ADMIT and cap is not None and g is not None and isinstance(left, int) and left <= 1:  # not when unknown
+        d = replace(d, retry_after=retry_after_s(cap, g.soonest_finish_s, g.capacity.policy.settle_max_ms))
     return d
 
 

@@ -261,7 +261,7 @@ class StepForecast:
         with ``ctx``, the level moved to that many context tokens along the context slope."""
         level = st.mean if fast else st.upper
         k = self.ctx.slope if ctx is not None else 0.0
-        if k:
+        if k and ctx is not None:
             level = max(0.5 * level, level + k * (ctx - (st.ctx if fast else st.upper_ctx)))
         return level + self.stall_s
 
@@ -306,14 +306,17 @@ class StepForecast:
         known = {x: st for x, st in self.stats.items() if st.n >= self.min_samples}
         frontier = not known or to > max(known)
         slope = self.ctx.slope if ctx_now is not None else 0.0
-        per_seq = (ctx_now / b if b > 0 else ctx_new) if slope else None
+        per_seq: float | None = None
+        shift = 0.0  # the new sessions' context
+        if slope and ctx_now is not None:
+            per_seq = ctx_now / b if b > 0 else ctx_new
+            shift = slope * (ctx_now + k * ctx_new - to * per_seq)
         # long-run means (or a significant slowdown now), at the context of now
         m = {x: self.step_s(st, ctx=None if per_seq is None else x * per_seq) for x, st in known.items()}
-        shift = slope * (ctx_now + k * ctx_new - to * per_seq) if slope else 0.0  # the new sessions' context
         now_s = m.get(b)
         hi = None if now_s is None else now_s + self.z * known[b].se_slow
         proj = self._project(b, k, to, known, m, frontier, now_s, hi)
-        if shift and proj.est_s is not None:
+        if shift and proj.est_s is not None and proj.bound_s is not None:  # (both or neither)
             # more sessions are never cheaper than now; with no step time at b measured (sessions of
             # another pool in flight), a shorter new context takes at most half the projection off,
             # as a level moved along the slope does (``step_s``): a step never costs nothing

@@ -85,6 +85,7 @@ class PoolState:
     def end_settle(self, now: float, mean_now: float | None, fold: bool) -> dict:
         """Close the window; fold the measured drop when asked and measurable. Returns an event row."""
         s = self.settle
+        assert s is not None, "end_settle closes the open window"
         self.settle = None
         self.counts["settles"] += 1
         drop = None

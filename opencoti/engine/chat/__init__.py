@@ -151,24 +151,25 @@ def _tool_turn_as_text(m: dict) -> dict:
 def apply_template(tokenizer: "Tokenizer", messages: list[dict], tools: list[dict] | None,
                    add_generation_prompt: bool) -> str:
     """Render already-normalized messages with the tokenizer's template (no validation, no injection)."""
-    _require_template(tokenizer)
+    template = _require_template(tokenizer)
     import jinja2  # a transformers dependency; imported late to keep imports cheap
 
     try:
         if tokenizer.hf_tokenizer is not None:
             return tokenizer.hf_tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=bool(add_generation_prompt),
-                chat_template=tokenizer.chat_template)
-        return _jinja_template(tokenizer.chat_template).render(
+                chat_template=template)
+        return _jinja_template(template).render(
             messages=messages, tools=tools, add_generation_prompt=bool(add_generation_prompt),
             **tokenizer.template_vars)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
 
 
-def _require_template(tokenizer: "Tokenizer") -> None:
+def _require_template(tokenizer: "Tokenizer") -> str:
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use the completion endpoint with raw text")
+    return tokenizer.chat_template
 
 
 _TEMPLATE_CACHE: dict[str, Any] = {}

@@ -287,13 +287,14 @@ class _HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
-        if add_special_tokens or len(text) <= 2 * PIECE_CHARS or not self.piece_separators:
+        backend = self._backend
+        if add_special_tokens or len(text) <= 2 * PIECE_CHARS or not self.piece_separators or backend is None:
             return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
         cuts = _cut_points(text, self.piece_separators, PIECE_CHARS) + [len(text)]
         pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
         ids: list[int] = []
         for i in range(0, len(pieces), BATCH_PIECES):  # other threads run between the calls
-            for enc in self._backend.encode_batch(pieces[i:i + BATCH_PIECES], add_special_tokens=False):
+            for enc in backend.encode_batch(pieces[i:i + BATCH_PIECES], add_special_tokens=False):
                 ids.extend(shared_ids(enc.ids))
         return ids
 

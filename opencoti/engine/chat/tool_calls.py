@@ -106,7 +106,7 @@ class ToolCall:
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
     def as_openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        d: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         if index is not None:
             d = {"index": index, **d}
         return d

@@ -48,7 +48,7 @@ class _Sat:
     def check(self, schema: Any, depth: int = 0) -> bool:
         if depth > MAX_SCHEMA_DEPTH or schema is True or not isinstance(schema, (dict, bool)):
             return True  # (too deep to judge: the grammar compiler has its own limits)
-        if schema is False:
+        if not isinstance(schema, dict):  # False
             return False
         ok = True
         ref = schema.get("$ref")
@@ -68,7 +68,8 @@ class _Sat:
         required = schema.get("required")
         if not isinstance(required, list):
             return True
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        given = schema.get("properties")
+        props = given if isinstance(given, dict) else {}
         extra = schema.get("additionalProperties", True)
         return all(self.check(props[name] if name in props else extra, depth + 1)
                    for name in required if isinstance(name, str))
@@ -77,7 +78,8 @@ class _Sat:
         n = schema.get("minItems", 0)
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             return True
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        given = schema.get("prefixItems")
+        prefix = given if isinstance(given, list) else []
         items = schema.get("items", True)
         firsts = prefix[:n] + ([items] if n > len(prefix) else [])
         return all(self.check(s, depth + 1) for s in firsts)
