@@ -95,7 +95,7 @@ def current_drafter() -> dict:
 
 def replay_request(mod: Any, costs: Any, recent: Any, prompt: list[int], answer: list[int], max_tokens: int,
                    k_max: int, budget: int, max_context: int | None = None) -> dict:
-    """One request's decode steps as the engine's core takes them (``EngineCore._with_drafts``):
+    """One request's decode steps as the engine's core takes them (``Drafter.add_drafts``):
     each step the job's ``DraftState`` proposes up to ``min(k_max, budget)`` tokens (bounded like
     ``draft_limit``), ``costs.plan`` picks how many to verify, the verified ones are accepted while
     they equal the answer, and the step emits the accepted ones plus one. ``recent``: a
@@ -278,7 +278,7 @@ def main() -> int:
                 raise SystemExit(f"round {rnd}: auto chose {eng.weights_info().get('format')}, round 0 "
                                  f"{weights.get('format')}; pass --weights")
             if on is not None:  # first, while the KV pages are all free
-                eng.core.step_costs.line = lambda: line_s  # the engine plans by the replay's line
+                eng.core.drafter.costs.line = lambda: line_s  # the engine plans by the replay's line
                 on += capture(eng, rnd, args.tokens, speculative=True)
             reqs += capture(eng, rnd, args.tokens, speculative=False)
         finally:

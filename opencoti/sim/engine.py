@@ -19,12 +19,12 @@ from typing import Any, Callable
 from ..engine.admission import AdmissionController, AdmissionPlan
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import SessionBusyError
-from ..engine.kv.pools import Pool, PoolTree
+from ..engine.kv.pools import Pool
 from ..engine.core.limits import Limits
 from ..engine.observe.metrics import Metrics
 from ..engine.polykv.state import PolyKV
 from ..engine.core.requests import Job, Sequence, Session, SessionState
-from ..engine.polykv.view import Listener
+from ..engine.polykv.view import Listener, PoolView, TreeView
 from .profile import StepClock, StepProfile
 
 
@@ -117,11 +117,11 @@ class SimCore:
         return self.polykv.sessions
 
     @property
-    def tree(self) -> PoolTree:
+    def tree(self) -> TreeView:
         return self.polykv.tree
 
     @staticmethod
-    def auto_pinned(pool: Pool, now: float) -> bool:
+    def auto_pinned(pool: PoolView, now: float) -> bool:
         return True
 
     def add_pool(self, n_tokens: int) -> Pool:
@@ -143,7 +143,7 @@ class SimCore:
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is not None and session.job is not None:
             raise SessionBusyError(f"session {session_id!r} is serving another request")
-        pool = self.tree.get(pool_id) if pool_id is not None else None
+        pool = self.polykv.tree.get(pool_id) if pool_id is not None else None
         plan = AdmissionPlan(pool_id=pool_id, session_id=session_id,
                              new_to_pool=pool is not None and (session is None or session.pool_id != pool_id),
                              prompt_len=len(prompt), prefix_len=pool.prefix_len if pool is not None else 0,
@@ -163,7 +163,7 @@ class SimCore:
         job.info = SimpleNamespace(pool_id=s.pool_id, prompt_tokens=len(req.prompt), cached_prefix_tokens=cached,
                                    admission=admission)
         kv.begin(s, job)
-        kv.adopt_seq(s, job.seq)
+        kv.adopt_seq(s, job.seq, shared=0)
         self.scheduler.waiting.append(job)
         self.counters["requests"] += 1
         self.emit("submit", job=job)

@@ -8,9 +8,9 @@ Sessions, a scheduler's job lists, KV page counts and a pool tree: the ``PolyKVV
 from __future__ import annotations
 
 from opencoti.engine.config import SamplingParams
-from opencoti.engine.kv.pools import Pool, PoolTree
+from opencoti.engine.polykv.state import PoolTree
 from opencoti.engine.core.requests import Job, Sequence, Session, SessionState
-from opencoti.engine.polykv.view import Listener
+from opencoti.engine.polykv.view import Listener, PoolView
 from opencoti.sim.engine import NoPrefixCache, SimPages, SimQueues
 
 
@@ -27,7 +27,7 @@ class FakeCore:
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0}
 
     @staticmethod
-    def auto_pinned(pool: Pool, now: float) -> bool:
+    def auto_pinned(pool: PoolView, now: float) -> bool:
         return pool.is_auto_pinned(now, bool(pool.sessions))
 
     def emit(self, event, **data):

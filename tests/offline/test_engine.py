@@ -279,7 +279,7 @@ def test_kv_tables_share_copy_truncate_drop():
     from opencoti.engine.core.requests import Sequence
     kv, tables = _tables()
     a = Sequence(list(range(1, 11)))
-    assert tables.extend(a, 10) and len(a.page_table) == 3
+    assert tables.extend_reclaiming(a, 10) and len(a.page_table) == 3
     tables.advance(a, 10)
     kv.k_cache[:, a.page_table[1]] = 7.0
     b = Sequence(list(range(1, 8)))
@@ -308,7 +308,7 @@ def test_kv_tables_refuse_without_pages():
     from opencoti.engine.core.requests import Sequence
     kv, tables = _tables(num_pages=2)
     a = Sequence(list(range(1, 9)))
-    assert tables.extend(a, 8) and not tables.extend(Sequence([1]), 1)
+    assert tables.extend_reclaiming(a, 8) and not tables.extend_reclaiming(Sequence([1]), 1)
     tables.advance(a, 6)
     b = Sequence(list(range(1, 7)))
     assert not tables.share_into(b, a.page_table, 6, borrowed=1)  # no page for the partial copy

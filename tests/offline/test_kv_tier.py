@@ -348,7 +348,7 @@ def test_evicted_chains_go_to_the_tier_root_first_and_come_back_with_their_kv():
     tier = tables.tier = MemoryTier()
     tokens = list(range(1, 14))  # 3 full pages and one token
     seq = Sequence(tokens)
-    assert tables.extend(seq, 12)
+    assert tables.extend_reclaiming(seq, 12)
     for i, page in enumerate(seq.page_table):  # recognizable KV per page
         kv.k_cache[:, page] = float(i + 1)
         kv.v_cache[:, page] = -float(i + 1)
@@ -358,7 +358,7 @@ def test_evicted_chains_go_to_the_tier_root_first_and_come_back_with_their_kv():
     assert tables.evict_cache(3) == 3 and kv.num_free == 6
     assert tier.chains == [keys]  # one chain, root first (evicted leaves first)
     other = Sequence(list(range(100, 124)))  # the freed pages get other KV
-    assert tables.extend(other, 24)
+    assert tables.extend_reclaiming(other, 24)
     kv.k_cache.zero_()
     tables.drop(other)
     assert tables.promote(tokens, b"", len(tokens) - 1, keys) == 3

@@ -17,7 +17,7 @@ import pytest
 
 from opencoti.engine import (CapacityError, InvalidRequestError, NotFoundError, PoolBusyError, PoolContractError,
                              PoolNotFoundError, SamplingParams, SessionBusyError, SessionNotFoundError)
-from opencoti.engine.kv.pools import PoolTree
+from opencoti.engine.polykv.state import PoolTree
 
 PAGE_SIZES = [1, 4, 16]
 

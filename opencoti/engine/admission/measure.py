@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import math
 
-from ..kv.pools import Pool
 from ..observe.metrics import Activity, Metrics
-from ..polykv.view import PolyKVView
+from ..polykv.view import PolyKVView, PoolView
 from .capacity import CapacityInputs
 from .forecast import StepForecast
 from .policy import ADAPTIVE, IDLE_FRESH_S
 from .state import PoolState
 
 
-def capacity_inputs(core: PolyKVView, metrics: Metrics, forecast: StepForecast, pool: Pool, st: PoolState,
+def capacity_inputs(core: PolyKVView, metrics: Metrics, forecast: StepForecast, pool: PoolView, st: PoolState,
                     expected_tokens: int | None, now: float, known: bool = False,
                     prompt_len: int | None = None) -> CapacityInputs:
     """What the capacity maths takes for pool ``pool`` at ``now`` (``st``: its admission state, whose

@@ -1,7 +1,7 @@
 """EngineCore: a request's way through the step thread — prepare -> commit -> step -> apply -> finish.
 
 It composes the parts that do the work: the ``Scheduler`` plans each step, the ``ModelRunner``
-executes it, ``PolyKV`` (``polykv/state.py``) owns the pool tree and the sessions, the
+executes it, ``PolyKV`` (``polykv/state/``) owns the pool tree and the sessions, the
 ``PrefixCache`` (``polykv/prefix.py``) shares prefixes automatically, and the KV tables (held by
 ``PolyKV``) own the pages. The core keeps the requests themselves (their jobs, tokens, events).
 
@@ -12,29 +12,31 @@ its input before it mutates anything, so a rejected call leaves the state untouc
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..admission.decide import AdmissionPlan
 from ..config import EngineConfig, SamplingParams
 from ..errors import CapacityError, InvalidRequestError, PoolContractError, SessionBusyError
 from ..kv.pages import PagePool
-from ..kv.pools import Pool, PoolTree, Residency, common_prefix_len
+from ..kv.pools import Pool, Residency, common_prefix_len
+from ..kv.prefix_index import salt_root
 from ..kv.tables import KVTables
 from .limits import Limits
 from ..polykv.prefix import PrefixCache
 from ..polykv.state import PolyKV
+from ..polykv.view import PoolView, SessionView, TreeView
 from ..results import GenerationResult, PromptProgress, RequestInfo, TokenDelta
 from .runner import ModelRunner
-from ..sampling import IncrementalDetokenizer, Sampler, StopStringMatcher, make_generator
+from ..sampling import Sampler, make_generator
+from ..sampling.text import TextOutput
 from ..sampling.state import SamplerState
 from .scheduler import Scheduler, StepStats
-from .requests import Job, MaterializeJob, Sequence, Session, SessionState
-from .speculative import MAX_DRAFT_ROWS, MAX_STEP_ROWS, DraftState, RecentOutputs, StepCosts, draft_limit
+from .requests import Job, MaterializeJob, Sequence, Session, SessionState, Work
+from .speculative import DraftState, Drafter, RecentOutputs
 
 Emit = Callable[[tuple], None]
 
@@ -80,25 +82,27 @@ class EngineCore:
                                    max_running=config.max_running)  # self: its SchedulerHooks
         self.runner = ModelRunner(model=model, backend=backend, sampler=self.sampler, kv=kv, device=device)
         self.last_step = StepStats()
-        self.step_costs = StepCosts()  # decode step seconds by row count (speculative drafts' cost)
         self.recent_outputs = RecentOutputs()  # finished answers later requests of their salt draft from
         self.prefix_cache = PrefixCache(self.polykv, self.limits, tokenizer, self.counters, self.recent_outputs)
+        # speculative drafts: other requests' answers only where caching shares across requests
+        self.drafter = Drafter(self.tables, self.recent_outputs, shared=self.tables.index is not None,
+                               max_batch_tokens=config.max_batch_tokens)
         self._request_ids = itertools.count(1)
 
     # ---- the read surface (view.PolyKVView): the state is PolyKV's
     @property
-    def sessions(self) -> dict[str, Session]:
+    def sessions(self) -> Mapping[str, SessionView]:
         return self.polykv.sessions
 
     @property
-    def tree(self) -> PoolTree:
+    def tree(self) -> TreeView:
         return self.polykv.tree
 
     @property
     def tables(self) -> KVTables:
         return self.polykv.tables
 
-    def auto_pinned(self, pool: Pool, now: float) -> bool:
+    def auto_pinned(self, pool: PoolView, now: float) -> bool:
         return self.polykv.auto_pinned(pool, now)
 
     # ======================================================================== the step
@@ -114,15 +118,15 @@ class EngineCore:
         if self.scheduler.stuck is not None:
             self._on_stuck(self.scheduler.stuck)
         if batch:
-            batch = self._with_drafts(batch)
+            batch = self.drafter.add_drafts(batch)
             try:
                 out = self.runner.execute(batch)
             except BaseException:
-                self._drop_drafts(batch)
+                self.drafter.drop_drafts(batch)
                 raise
             decoding = [n for job, n in batch if n == 1 or (isinstance(job, Job) and job.draft)]
             if len(decoding) == len(batch):
-                self.step_costs.observe(out.num_tokens, out.model_s)
+                self.drafter.costs.observe(out.num_tokens, out.model_s)
             self._apply(batch, out)
             stats.model_s = out.model_s
             stats.num_seqs = len(batch)
@@ -136,56 +140,14 @@ class EngineCore:
         self.last_step = stats
         return stats
 
-    # ---- speculative decoding (speculative.py) --------------------------------------------
-    def _with_drafts(self, batch: list) -> list:
-        """Give decoding jobs a prompt-lookup draft where the step cost model says it pays:
-        ``(job, 1)`` becomes ``(job, 1 + k)`` with the draft appended to its tokens (free pages, then
-        cache-only pages; never a session's or a pool's: ``KVTables.extend_free(from_cache=True)``)."""
-        cand = [job for job, n in batch if n == 1 and isinstance(job, Job) and job.draft_state is not None
-                and job.num_remaining == 1]
-        if not cand or any(n > 1 for _, n in batch):  # a step with prefill rows is not a decode step
-            return batch
-        budget = min(MAX_DRAFT_ROWS, MAX_STEP_ROWS - len(batch), self.config.max_batch_tokens - len(batch))
-        drafts = []
-        shared = self.tables.index is not None  # other requests' answers: only where caching shares across requests
-        for job in cand:
-            st = job.draft_state
-            st.idle += 1
-            k = draft_limit(job, min(st.k_max, budget))
-            recent = functools.partial(self.recent_outputs.lookup, job.seq.salt_root) if shared else None
-            drafts.append(st.propose(job.seq.tokens, k, recent) if k > 0 else [])
-        ks = self.step_costs.plan([j.draft_state for j in cand], len(batch), [len(d) for d in drafts])
-        chosen = {}
-        for job, draft, k in zip(cand, drafts, ks):
-            k = min(k, budget)
-            if k > 0 and self.tables.extend_free(job.seq, job.seq.num_cached + 1 + k, from_cache=True):
-                job.draft = draft[:k]
-                job.seq.tokens.extend(job.draft)
-                chosen[id(job)] = k
-                budget -= k
-        if not chosen:
-            return batch
-        return [(job, n + chosen.get(id(job), 0)) for job, n in batch]
-
-    def _drop_drafts(self, batch: list) -> None:
-        """A failed step: the drafts leave the jobs' tokens (and their pages go)."""
-        for job, _ in batch:
-            if isinstance(job, Job) and job.draft:
-                del job.seq.tokens[len(job.seq.tokens) - len(job.draft):]
-                job.draft = []
-                self.tables.trim(job.seq, job.seq.num_cached + 1)
-
+    # ---- speculative decoding (speculative.py: the Drafter) ---------------------------------
     def _apply_verified(self, job: Job, tokens: list, lps, tops) -> None:
         """Emit what a draft's verification sampled; the KV of the accepted draft tokens stays,
         the rejected rows' pages go."""
-        seq, draft = job.seq, job.draft
-        base = seq.num_cached  # the position of the token before the draft
-        del seq.tokens[base + 1:]
-        job.draft = []
+        seq = job.seq
         accepted = len(tokens) - 1
-        self.tables.trim(seq, base + 1 + accepted)
+        self.drafter.verified(job, accepted)
         self.tables.advance(seq, 1)
-        job.draft_state.update(len(draft), accepted)
         job.state = SessionState.DECODE
         for j, t in enumerate(tokens):
             self._on_token(job, t, lps[j] if lps else None, tops[j] if tops else None)
@@ -239,10 +201,10 @@ class EngineCore:
         session = None
         if session_id is not None:
             self.limits.check_session_id(session_id)
-            session = self.sessions.get(session_id)
+            session = self.polykv.sessions.get(session_id)
             if session is not None and session.job is not None:
                 raise SessionBusyError(f"session {session_id!r} is serving another request")
-        pool = self.tree.get(pool_id) if pool_id is not None else None
+        pool = self.polykv.tree.get(pool_id) if pool_id is not None else None
         if shared_prefix_n_tokens is not None:
             n = shared_prefix_n_tokens
             if pool is None:
@@ -295,18 +257,17 @@ class EngineCore:
             polykv.attach(session, pool)
         if pool is not None:
             polykv.touch(pool, hit=max(pool_p, own_p) > 0)
-        job = Job(seq=Sequence(prompt), params=params, emit=emit, session=session, wait_for=waits,
-                  prompt_len=len(prompt), max_context=self.max_context)
+        job = Job(seq=Sequence(prompt, salt_root=salt_root(req.cache_salt)), params=params, emit=emit,
+                  session=session, wait_for=waits, prompt_len=len(prompt), max_context=self.max_context)
         job.generator = make_generator(params.seed, self.config.seed) if not params.is_greedy else None
-        job.detok = IncrementalDetokenizer(self.tokenizer.decode)
-        job.stopper = StopStringMatcher(params.stop)
+        job.text_out = TextOutput(self.tokenizer.decode, params.stop)
         job.sampler_state = req.sampler_state
         k = params.speculative_max
         if k is None:
             k = self.config.speculative_max if self.config.speculative == "ngram" else 0
         job.draft_state = DraftState(k) if k > 0 else None
         cache_n = max(pool_p, own_p)
-        auto_p = self.prefix_cache.plan_auto(job, session.pool_id is not None, req.cache_salt)
+        auto_p = self.prefix_cache.plan_auto(job, session.pool_id is not None)
         job.timings.cache_n = max(cache_n, auto_p)
         job.start_from_own, job.start_prefix = own_p >= pool_p and own_p > 0, cache_n  # for try_start
         polykv.begin(session, job)
@@ -324,16 +285,17 @@ class EngineCore:
         return job
 
     # ---- SchedulerHooks (scheduler.py): what the scheduler asks while it plans
-    def try_start(self, job: Job | MaterializeJob) -> bool:
+    def try_start(self, job: Work) -> bool:
         """Set up a waiting job's page table from the KV it reuses. False: not enough pages yet."""
         if isinstance(job, MaterializeJob):
             if not self.polykv.start_materialization(job):
                 return False
             self.prefix_cache.continue_from_tier(job.seq, len(job.seq.tokens) - 1)  # an evicted pool's KV, back from disk
             return True
+        assert isinstance(job, Job)
         return self._start_session_job(job)
 
-    def waits_for_prefix(self, job: Job | MaterializeJob) -> bool:
+    def waits_for_prefix(self, job: Work) -> bool:
         """A waiting request whose next uncached prompt page a running request computes (the prefix cache's)."""
         return self.prefix_cache.waits_for_prefix(job)
 
@@ -347,6 +309,7 @@ class EngineCore:
     def _start_session_job(self, job: Job) -> bool:
         use_own, cache_n = job.start_from_own, job.start_prefix
         session = job.session
+        assert session is not None  # a generation request always has its session
         old = session.seq
         pool = self.polykv.session_pool(session)
         if job.num_preemptions or not use_own:
@@ -376,10 +339,7 @@ class EngineCore:
             if pool is not None and src is pool.seq.page_table:  # its own suffix, back from the disk tier
                 self.prefix_cache.continue_pooled(job)
         # tokens shared with the pool (the suffix is [shared, len)): P from the pool, or as before
-        job.seq.num_shared_tokens = min(old.num_shared_tokens, p) if from_own else p
-        if session.pool_id is None:
-            job.seq.num_shared_tokens = 0
-        self.polykv.adopt_seq(session, job.seq)
+        self.polykv.adopt_seq(session, job.seq, min(old.num_shared_tokens, p) if from_own else p)
         return True
 
     def _on_token(self, job: Job, token: int, logprob, top) -> None:
@@ -402,19 +362,17 @@ class EngineCore:
         elif token in p.stop_token_ids:
             finish = "stop"
         else:
-            piece = job.detok.push(token)
-            text, hit = job.stopper.feed(piece)
+            text, hit = job.text_out.push(token)
             if hit:
                 finish = "stop"
-                job.stopping_word = job.stopper.matched
+                job.stopping_word = job.text_out.matched or ""
         if finish is None:
             if p.max_tokens is not None and len(job.generated) >= p.max_tokens:
                 finish = "length"
             elif len(job.seq.tokens) >= job.max_context:
                 finish, job.truncated = "length", True
         if finish is not None and finish != "stop":
-            text += job.stopper.feed(job.detok.flush())[0] if finish == "length" else ""
-            text += job.stopper.flush()
+            text += job.text_out.finish(finish)
         job.text += text
         delta = TokenDelta(token_id=token, text=text, logprob=logprob, top_logprobs=top)
         if p.logprobs is not None:
@@ -466,15 +424,17 @@ class EngineCore:
             if isinstance(job, MaterializeJob):
                 self.scheduler.remove(job)
                 self.polykv.materialization_failed(job, error)
-            else:
+            elif isinstance(job, Job):
                 self._finish(job, "error", error)
 
-    def _on_stuck(self, job: Job) -> None:
+    def _on_stuck(self, job: Work) -> None:
         """The scheduler cannot give this job a page even alone: end it cleanly."""
         if isinstance(job, MaterializeJob):
             self.scheduler.remove(job)
             self.polykv.materialization_failed(job, self._kv_short(job, "materializing this pool"))
-        elif job.generated:
+            return
+        assert isinstance(job, Job)
+        if job.generated:
             job.truncated = True
             self._finish(job, "length")
         else:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import SamplingParams
+
+if TYPE_CHECKING:
+    from ..kv.prefix_index import Entry
 
 
 class Sequence:
@@ -31,7 +34,7 @@ class Sequence:
         # index entry of the last one, and whether its pages may enter the index at all
         self.salt_root = salt_root
         self.page_keys: list[bytes] = []
-        self.index_node = None
+        self.index_node: Entry | None = None
         self.cacheable = True
 
     @property
@@ -140,8 +143,7 @@ class Job(Work):
     max_context: int = 0
     generated: list[int] = field(default_factory=list)
     generator: Any = None
-    detok: Any = None
-    stopper: Any = None
+    text_out: Any = None  # sampling.text.TextOutput: its text, detokenized, stop strings matched
     text: str = ""
     logprobs: list = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)

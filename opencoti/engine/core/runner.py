@@ -42,7 +42,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list) -> RunOutput:
-        entries, ids, logit_rows, sample_at, sample_jobs, drafted = [], [], [], [], [], []
+        entries: list[SeqBatchEntry] = []
+        logit_rows: list[int] = []
+        ids, sample_at, sample_jobs, drafted = [], [], [], []
         row = 0
         for job, n in batch:
             seq = job.seq

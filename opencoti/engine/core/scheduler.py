@@ -76,8 +76,10 @@ class Scheduler:
         elif job in self.waiting:
             self.waiting.remove(job)
 
-    def _ensure_pages(self, job: Work, num_tokens: int) -> bool:
-        return self.tables.extend(job.seq, num_tokens)
+    def _pages_or_reclaim(self, job: Work, num_tokens: int) -> bool:
+        """Pages for ``job`` to cover ``num_tokens``; when too few are free the KV tables reclaim
+        first, which may evict cache pages, idle sessions' KV and idle pools (``PolyKV.reclaim``)."""
+        return self.tables.extend_reclaiming(job.seq, num_tokens)
 
     def preempt(self, job: Work) -> None:
         """Drop a running job's KV and requeue it at the front; it recomputes from its tokens."""
@@ -113,7 +115,7 @@ class Scheduler:
         for job in sorted((j for j in self.running if j.num_remaining == 1), key=lambda j: j.admit_seq):
             if job not in self.running:
                 continue  # preempted below
-            while not self._ensure_pages(job, job.seq.num_cached + 1):
+            while not self._pages_or_reclaim(job, job.seq.num_cached + 1):
                 if self._release_waiting():
                     continue
                 victims = [j for j in self.running if j is not job and j.admit_seq > job.admit_seq]
@@ -132,27 +134,27 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(job.num_remaining, budget)
-            if self._ensure_pages(job, job.seq.num_cached + n):
+            if self._pages_or_reclaim(job, job.seq.num_cached + n):
                 batch.append((job, n))
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
-            job = next((j for j in self.waiting if self._deps_ready(j)), None)
-            if job is None:
+            ready = next((j for j in self.waiting if self._deps_ready(j)), None)
+            if ready is None:
                 break
-            if not job.started:
-                if not self.hooks.try_start(job):
+            if not ready.started:
+                if not self.hooks.try_start(ready):
                     break  # not enough pages to set up its shared prefix: wait (FIFO)
-                job.started = True
-                job.t_start = time.perf_counter()
-            n = min(job.num_remaining, budget)
-            if not self._ensure_pages(job, job.seq.num_cached + n):
+                ready.started = True
+                ready.t_start = time.perf_counter()
+            n = min(ready.num_remaining, budget)
+            if not self._pages_or_reclaim(ready, ready.seq.num_cached + n):
                 break
-            self.waiting.remove(job)
+            self.waiting.remove(ready)
             self._admit_counter += 1
-            job.admit_seq = self._admit_counter
-            self.running.append(job)
-            job.state = SessionState.PREFILL if job.num_remaining > 1 else SessionState.DECODE
-            batch.append((job, n))
+            ready.admit_seq = self._admit_counter
+            self.running.append(ready)
+            ready.state = SessionState.PREFILL if ready.num_remaining > 1 else SessionState.DECODE
+            batch.append((ready, n))
             budget -= n
         if not batch and self.running:
             if retry and self._release_waiting():
@@ -162,7 +164,5 @@ class Scheduler:
                 return self.schedule()
             self.stuck = self.running[0]
         elif not batch and not self.running:
-            job = next((j for j in self.waiting if self._deps_ready(j)), None)
-            if job is not None:
-                self.stuck = job
+            self.stuck = next((j for j in self.waiting if self._deps_ready(j)), None)
         return batch

@@ -60,10 +60,12 @@ the model is likely to copy it again.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 NGRAM_MAX = 4  # longest context suffix matched
 NGRAM_MIN = 2  # shortest (one token matches too often to be worth a row)
@@ -383,3 +385,81 @@ def acceptance(state: DraftState | None) -> dict:
     if state is None or not state.drafted:
         return {}
     return {"draft_n": state.drafted, "draft_n_accepted": state.accepted}
+
+
+# This module imports nothing of the engine (``core/requests.py`` imports ``config.py``, which imports
+# this module; and benchmarks/replay_speculative.py loads it on its own): a job and its sequence are
+# ``Any`` here, as in ``draft_limit`` (``core.requests.Job`` and ``Sequence``).
+AnyJob = Any  # a core.requests.Job
+
+
+class DraftPages(Protocol):
+    """What drafts need of the KV tables (``KVTables``): pages for the draft rows that displace no
+    one's KV, and the rows given back (``seq``: a ``core.requests.Sequence``)."""
+
+    def extend_free(self, seq: Any, num_tokens: int, from_cache: bool = False) -> bool: ...
+
+    def trim(self, seq: Any, num_tokens: int) -> None: ...
+
+
+class Drafter:
+    """The drafts of one engine's steps: which decoding jobs verify a draft and how long
+    (``add_drafts``), the draft rows given back when a step fails (``drop_drafts``) or after its
+    verification (``verified``), and the step times the choice is made from (``costs``).
+
+    ``shared``: drafts may come from other requests' answers (``recent``; only where the prefix
+    cache shares KV across requests). ``max_batch_tokens``: the step's token budget."""
+
+    def __init__(self, pages: DraftPages, recent: RecentOutputs, *, shared: bool, max_batch_tokens: int):
+        self.pages = pages
+        self.recent = recent
+        self.shared = shared
+        self.max_batch_tokens = max_batch_tokens
+        self.costs = StepCosts()  # decode step seconds by row count
+
+    def add_drafts(self, batch: list) -> list:
+        """Give decoding jobs a prompt-lookup draft where the step cost model says it pays:
+        ``(job, 1)`` becomes ``(job, 1 + k)`` with the draft appended to its tokens (free pages, then
+        cache-only pages; never a session's or a pool's: ``KVTables.extend_free(from_cache=True)``)."""
+        cand = [job for job, n in batch if n == 1 and getattr(job, "draft_state", None) is not None
+                and job.num_remaining == 1]  # (a pool's materialization has no draft state)
+        if not cand or any(n > 1 for _, n in batch):  # a step with prefill rows is not a decode step
+            return batch
+        budget = min(MAX_DRAFT_ROWS, MAX_STEP_ROWS - len(batch), self.max_batch_tokens - len(batch))
+        drafts = []
+        for job in cand:
+            st = job.draft_state
+            st.idle += 1
+            k = draft_limit(job, min(st.k_max, budget))
+            recent = functools.partial(self.recent.lookup, job.seq.salt_root) if self.shared else None
+            drafts.append(st.propose(job.seq.tokens, k, recent) if k > 0 else [])
+        ks = self.costs.plan([j.draft_state for j in cand], len(batch), [len(d) for d in drafts])
+        chosen = {}
+        for job, draft, k in zip(cand, drafts, ks):
+            k = min(k, budget)
+            if k > 0 and self.pages.extend_free(job.seq, job.seq.num_cached + 1 + k, from_cache=True):
+                job.draft = draft[:k]
+                job.seq.tokens.extend(job.draft)
+                chosen[id(job)] = k
+                budget -= k
+        if not chosen:
+            return batch
+        return [(job, n + chosen.get(id(job), 0)) for job, n in batch]
+
+    def drop_drafts(self, batch: list) -> None:
+        """A failed step: the drafts leave the jobs' tokens (and their pages go)."""
+        for job, _ in batch:
+            if getattr(job, "draft", None):
+                del job.seq.tokens[len(job.seq.tokens) - len(job.draft):]
+                job.draft = []
+                self.pages.trim(job.seq, job.seq.num_cached + 1)
+
+    def verified(self, job: AnyJob, accepted: int) -> None:
+        """``job``'s draft was verified and its first ``accepted`` tokens matched: the draft leaves
+        its tokens (the sampled ones are appended as they are emitted), the rejected rows' pages go,
+        the accepted rows' KV stays; its acceptance rate learns from it."""
+        seq, draft = job.seq, job.draft
+        del seq.tokens[seq.num_cached + 1:]
+        job.draft = []
+        self.pages.trim(seq, seq.num_cached + 1 + accepted)
+        job.draft_state.update(len(draft), accepted)

@@ -1,8 +1,10 @@
-"""PoolTree: immutable prefix pools arranged in a tree (host-side state; no tensors here).
+"""Pools: immutable prefix pools arranged in a tree (host-side state; no tensors here).
 
 A pool owns the KV of its own range ``[D, L)`` and borrows ``[0, D)`` from its parent by page
 refcount. Pools never change after materialization: "extending" is a fork at ``D = parent.L``,
-a branch is a fork at ``D < parent.L``. The engine's step thread is the only mutator.
+a branch is a fork at ``D < parent.L``. The data type only: its fields are set by ``PolyKV``
+(``polykv/state/``, with the tree itself, ``PoolTree``) and read by everyone else through
+``polykv.view.PoolView``, on the engine's step thread.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from ..errors import CapacityError, PoolNotFoundError
 from ..core.requests import Sequence
 
 
@@ -98,51 +99,3 @@ class Pool:
         while p is not None:
             d, p = d + 1, p.parent
         return d
-
-
-class PoolTree:
-    """Id allocation, the pool budget and tree links."""
-
-    def __init__(self, max_pools: int, id_base: int = 0):
-        self.max_pools = max_pools
-        self.pools: dict[int, Pool] = {}  # live pools (not RELEASED)
-        self.released: dict[int, Pool] = {}  # released, KV still referenced by sessions
-        self._next_id = id_base + 1  # ids are id_base+1, id_base+2, ... (a cluster gives each engine its own range)
-
-    @property
-    def num_used(self) -> int:
-        return len(self.pools)
-
-    @property
-    def next_id(self) -> int:
-        """The id the next pool gets."""
-        return self._next_id
-
-    def skip_ids(self, next_id: int) -> None:
-        """Ids below ``next_id`` are spent (restored, or used before a restart); never moves back."""
-        self._next_id = max(self._next_id, int(next_id))
-
-    def get(self, pool_id: int) -> Pool:
-        pool = self.pools.get(pool_id) if isinstance(pool_id, int) and not isinstance(pool_id, bool) else None
-        if pool is None:
-            raise PoolNotFoundError(f"pool {pool_id!r} not found")
-        return pool
-
-    def check_budget(self) -> None:
-        if len(self.pools) >= self.max_pools:
-            raise CapacityError(
-                f"pool budget exhausted: {len(self.pools)}/{self.max_pools} pools in use; "
-                "release a pool or start the engine with a larger max_pools")
-
-    def add(self, parent: Pool | None, branch_pos: int, tokens: list[int], label: str = "") -> Pool:
-        self.check_budget()
-        pool = Pool(pool_id=self._next_id, parent=parent, branch_pos=branch_pos,
-                    seq=Sequence(tokens), hashes=prefix_hashes(tokens), label=label)
-        self._next_id += 1
-        self.pools[pool.pool_id] = pool
-        if parent is not None:
-            parent.children.append(pool)
-        return pool
-
-    def depth(self) -> int:
-        return max((p.depth() for p in self.pools.values()), default=0)

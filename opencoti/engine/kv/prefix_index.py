@@ -19,7 +19,7 @@ import hashlib
 import heapq
 import itertools
 from array import array
-from typing import Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 
 def salt_root(salt: str | None) -> bytes:
@@ -48,7 +48,7 @@ class Entry:
         self.children: dict[bytes, Entry] = {}
         self.tails: dict[int, Tail] = {}  # page -> tail
         self.last_access = now
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
 
 
 class Tail:
@@ -117,6 +117,7 @@ class PrefixIndex:
             if e is None or e.parent is not node or e.tokens != tuple(page_tokens):
                 break
             e.last_access = now
+            assert e.page is not None  # (only roots have none)
             m.pages.append(e.page)
             m.keys.append(k)
             node = e
@@ -167,6 +168,7 @@ class PrefixIndex:
     # ---- removal -----------------------------------------------------------------------
     def remove(self, item: "Entry | Tail") -> None:
         """Unlist one leaf (an entry without children, or a tail); the caller drops its reference."""
+        assert item.page is not None and item.parent is not None, "a root is never removed"
         self.by_page.pop(item.page, None)
         if isinstance(item, Tail):
             item.parent.tails.pop(item.page, None)
@@ -175,18 +177,18 @@ class PrefixIndex:
         self.entries.pop(item.key, None)
         item.parent.children.pop(item.key, None)
 
-    def eviction_order(self, refcount: list[int]):
+    def eviction_order(self, refcount: Seq[int]) -> Iterator[Entry | Tail]:
         """Yield cache-only leaves (refcount 1: only the index holds the page), least recently used
         first; a parent becomes a candidate once its last child is gone."""
-        heap = []
+        heap: list[tuple[int, int, Entry | Tail]] = []
         tie = itertools.count()
-        for item in self.by_page.values():
-            if refcount[item.page] == 1 and (isinstance(item, Tail) or not (item.children or item.tails)):
+        for page, item in self.by_page.items():
+            if refcount[page] == 1 and (isinstance(item, Tail) or not (item.children or item.tails)):
                 heap.append((item.last_access, next(tie), item))
         heapq.heapify(heap)
         while heap:
             _, _, item = heapq.heappop(heap)
-            if self.by_page.get(item.page) is not item or refcount[item.page] != 1:
+            if item.page is None or self.by_page.get(item.page) is not item or refcount[item.page] != 1:
                 continue
             if isinstance(item, Entry) and (item.children or item.tails):
                 continue

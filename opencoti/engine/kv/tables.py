@@ -22,13 +22,16 @@ they call nothing else outside this package.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence as Seq
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence as Seq
 
 import torch
 
 from ..core.requests import Sequence, Session
 from .pages import PagePool
 from .prefix_index import Entry, Match, PrefixIndex, Tail
+
+if TYPE_CHECKING:
+    from ..polykv.view import SeqView
 
 
 class Reclaimer(Protocol):
@@ -90,7 +93,8 @@ class KVTables:
 
     # ---- capacity ----------------------------------------------------------------------
     def _reserve(self, n: int, keep: Session | None = None) -> bool:
-        """True when ``n`` pages can be allocated now (after reclaiming if needed)."""
+        """True when ``n`` pages can be allocated now, after asking the ``Reclaimer`` when too few
+        are free (it may evict idle sessions' KV and pools, never ``keep``'s)."""
         if self.kv.can_allocate(n):
             return True
         self.reclaim(n - self.kv.num_free, keep=keep)
@@ -163,8 +167,10 @@ class KVTables:
         new.num_borrowed_pages = borrowed
         return True
 
-    def extend(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make ``seq``'s table cover ``num_tokens`` (check-then-commit, reclaiming if needed)."""
+    def extend_reclaiming(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq``'s table cover ``num_tokens`` (check-then-commit). When too few pages are free
+        it asks its ``Reclaimer`` first, which may evict cache pages, idle sessions' KV and idle
+        pools (``PolyKV.reclaim``): the scheduler's planning evicts through this call."""
         need = self.kv.pages_for(num_tokens) - len(seq.page_table)
         if need <= 0:
             return True
@@ -199,8 +205,10 @@ class KVTables:
             del seq.page_table[keep:]
             self.kv.decref(extra)
 
-    def can_copy_partial(self, n_tokens: int, keep=None) -> bool:
-        """Check (before committing) that sharing ``n_tokens`` can copy its partial last page."""
+    def reserve_partial_copy(self, n_tokens: int, keep: Session | None = None) -> bool:
+        """Make sure (before committing) that sharing ``n_tokens`` can copy its partial last page:
+        True when it has none, or a page is free, or one was freed by reclaiming (which may evict
+        idle sessions' KV and pools, never ``keep``'s pages). False: no page can be had."""
         return not n_tokens % self.page_size or self._reserve(1, keep)
 
     def advance(self, seq: Sequence, n_tokens: int) -> None:
@@ -212,8 +220,9 @@ class KVTables:
 
     def _register(self, seq: Sequence) -> None:
         index, ps = self.index, self.page_size
+        assert index is not None
         node = seq.index_node
-        if seq.page_keys and (node is None or index.by_page.get(node.page) is not node):
+        if seq.page_keys and (node is None or node.page is None or index.by_page.get(node.page) is not node):
             seq.page_keys, node = [], None  # its last entry was evicted meanwhile: walk again
         if node is None:
             node = index.root(seq.salt_root)
@@ -246,7 +255,7 @@ class KVTables:
             return
         page = seq.page_table[full]
         node = seq.index_node if full else self.index.root(seq.salt_root)
-        if node is None or (full and self.index.by_page.get(node.page) is not node):
+        if node is None or (full and (node.page is None or self.index.by_page.get(node.page) is not node)):
             return
         old = self.index.by_page.get(page)
         if isinstance(old, Tail):
@@ -280,6 +289,7 @@ class KVTables:
                     chains.append(chain)
                 chain.insert(0, item)
                 ends[id(item.parent)] = chain
+            assert item.page is not None  # (the order holds pages, never a root)
             freed.append(item.page)
             if len(freed) >= num_pages:
                 break
@@ -334,7 +344,7 @@ class KVTables:
         self.promoted_pages += added
         return added
 
-    def kv_location(self, seq: Sequence, spilled_keys: Seq[bytes] = ()) -> dict:
+    def kv_location(self, seq: SeqView, spilled_keys: Seq[bytes] = ()) -> dict:
         """Where a session's KV lives: ``kv_location`` "ram" (its own pages, or its pages all in the
         prefix cache), "disk" (some of it only in the tier) or "none" (recomputed when it comes back),
         and the tokens of each (``kv_ram_tokens``, ``kv_disk_tokens``). ``spilled_keys``: the page
@@ -387,6 +397,11 @@ class KVTables:
         rc = self.kv.refcount
         return sum(1 for p in self.index.by_page if rc[p] == 1)
 
+    def keep_out_of_index(self, seq: Sequence) -> None:
+        """``seq``'s pages are not listed in the prefix index (a session's KV loaded from its file:
+        its next request moves them into a sequence that indexes them)."""
+        seq.cacheable = False
+
     def hand_over(self, seq: Sequence, n_pages: int) -> None:
         """``seq``'s first ``n_pages`` pages are now owned by another table (a pool adopted them);
         ``seq`` keeps reading them."""
@@ -423,11 +438,13 @@ class KVTables:
 
     def _check_index(self) -> None:
         index = self.index
+        assert index is not None
         for key, e in index.entries.items():
-            assert e.key == key and index.by_page.get(e.page) is e, "index entry not listed by its page"
-            assert e.parent.children.get(key) is e, "index entry missing from its parent"
-            assert len(e.tokens) == self.page_size, "a full-page entry without a full page of tokens"
+            assert e.page is not None and e.key == key and index.by_page.get(e.page) is e, \
+                "index entry not listed by its page"
             parent = e.parent
+            assert parent is not None and parent.children.get(key) is e, "index entry missing from its parent"
+            assert len(e.tokens) == self.page_size, "a full-page entry without a full page of tokens"
             assert parent.page is None or index.by_page.get(parent.page) is parent, "an entry under an evicted parent"
         for page, item in index.by_page.items():
             assert item.page == page and self.kv.refcount[page] >= 1

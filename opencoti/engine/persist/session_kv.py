@@ -24,7 +24,6 @@ import logging
 import time
 from pathlib import Path
 
-from ..kv.pools import common_prefix_len
 from ..core.requests import Session
 from . import kvfile
 
@@ -157,13 +156,12 @@ class SessionKv:
         seq = s.seq
         if seq.page_table or not tables.extend_free(seq, n):
             return False  # no free pages for it now: recomputed on its next turn, like a session without a file
-        seq.cacheable = False  # its next request moves these pages into a sequence that indexes them
+        tables.keep_out_of_index(seq)  # its next request moves these pages into a sequence that indexes them
         if not kvfile.load_kv(path, kv, seq.page_table, 0, n, tokens[:n], identity=self.identity):
             tables.drop(seq)
             self.drop(s.session_id)
             return False
         tables.advance(seq, n)
-        pool = core.tree.pools.get(s.pool_id) if s.pool_id is not None else None
-        seq.num_shared_tokens = common_prefix_len(tokens[:n], pool.tokens) if pool is not None else 0
+        core.polykv.session_kv_loaded(s)
         self._written[s.session_id] = (n, id(seq), len(tokens))
         return True

@@ -162,7 +162,7 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
         if s is None:
             core.limits.check_session_id(sid)
         seq = Sequence(toks)
-        if toks and not core.tables.extend(seq, len(toks)):  # reclaims idle caches when needed
+        if toks and not core.tables.extend_reclaiming(seq, len(toks)):  # reclaims idle caches when needed
             raise CapacityError(f"no room for {eng.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
                                 retry_after=1.0)
         if toks and not kvfile.load_kv(path, eng.kv, seq.page_table, 0, len(toks), toks):

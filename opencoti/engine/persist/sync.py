@@ -175,7 +175,7 @@ class Persister:
         """Write every change since the last sync in one transaction (no-op when nothing changed)."""
         if self.store.closed:
             return
-        core, tree = self.core, self.core.tree
+        core, tree = self.core, self.core.polykv.tree  # the pools themselves (stored as they are)
         ops: list[Op] = []
         if tree.next_id > self._reserved:
             ops.append(("reserve", tree.next_id))
@@ -194,7 +194,7 @@ class Persister:
                     ops.append(("update", pool, key))
         for pid in sorted(set(self._pools) - set(live), reverse=True):  # leaves first
             ops.append(("delete", pid))
-        sessions = core.sessions
+        sessions = core.polykv.sessions
         for sid in set(self._sessions) - set(sessions):
             ops.append(("sdel", sid))
         for sid, s in sessions.items():
@@ -263,7 +263,7 @@ class Persister:
     def _pinned_closure(self) -> set[int]:
         """Pinned pools and their ancestors (a pinned pool keeps its ancestors resident)."""
         out: set[int] = set()
-        for p in self.core.tree.pools.values():
+        for p in self.core.polykv.tree.pools.values():
             if p.pinned:
                 q: Pool | None = p
                 while q is not None and q.pool_id not in out:
@@ -303,7 +303,7 @@ class Persister:
                 log.warning("state: removing %s/%s: %s", KV_DIR, f.name, why)
                 f.unlink(missing_ok=True)
         for pid in sorted(closure):
-            pool = self.core.tree.pools[pid]
+            pool = self.core.polykv.tree.pools[pid]
             path = self._kv_path(pid)
             if path.exists():
                 why = kvfile.mismatch(kvfile.read_header(path), pool.branch_pos, pool.tokens, self.kv_identity)
@@ -353,8 +353,8 @@ class Persister:
             return False
         if d and parent is not None and not tables.share_into(pool.seq, parent.seq.page_table, d, full):
             return False
-        if not tables.extend(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n, pool.tokens,
-                                                                  identity=self.kv_identity):
+        if not tables.extend_reclaiming(pool.seq, n) or not kvfile.load_kv(path, kv, pool.seq.page_table, d, n,
+                                                                            pool.tokens, identity=self.kv_identity):
             tables.drop(pool.seq)
             problem = kvfile.verify(path)
             if problem is not None:  # never loaded: the pool stays evicted, recomputed on first use

@@ -1,2 +1,2 @@
-"""The pool and session state: ``PolyKV`` (state.py, its one writer), the ``PrefixCache`` beside it
-(prefix.py), read-only reports (status.py) and the read-only view (view.py)."""
+"""The pool and session state: ``PolyKV`` (state/, its one writer, split by concern), the
+``PrefixCache`` beside it (prefix.py), read-only reports (status.py) and the read-only views (view.py)."""

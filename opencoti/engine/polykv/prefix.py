@@ -56,11 +56,11 @@ class PrefixCache:
         self._specials = np.array(sorted(self.tokenizer.special_token_ids), dtype=np.int64)
 
     # ---- at commit ---------------------------------------------------------------------
-    def plan_auto(self, job: Job, pooled: bool, salt: str | None) -> int:
-        """Prepare ``job`` for automatic sharing; returns the prompt tokens it is expected to
-        reuse from the index (cached now, or computed by a request ahead of it, which it will wait
-        for). What it reuses in the end is counted when it starts (``auto_start``)."""
-        job.seq.salt_root = salt_root(salt)
+    def plan_auto(self, job: Job, pooled: bool) -> int:
+        """Prepare ``job`` for automatic sharing (within its sequence's ``salt_root``); returns the
+        prompt tokens it is expected to reuse from the index (cached now, or computed by a request
+        ahead of it, which it will wait for). What it reuses in the end is counted when it starts
+        (``auto_start``)."""
         index = self.tables.index
         if index is None or pooled:
             return 0
@@ -202,8 +202,7 @@ class PrefixCache:
             return False
         if old is not seq:
             self.tables.drop(old)
-        seq.num_shared_tokens = 0
-        self.polykv.adopt_seq(session, seq)
+        self.polykv.adopt_seq(session, seq, shared=0)
         if not job.num_preemptions:
             self._recount_cache_n(job, p)
         self.counters["auto_prefix_tokens"] += p

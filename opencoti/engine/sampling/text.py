@@ -2,13 +2,14 @@
 
 - `StopStringMatcher`: incremental stop-string detection for streamed text.
 - `IncrementalDetokenizer`: token-by-token text with UTF-8 hold-back and an O(1) decode window.
+- `TextOutput`: the two together, a request's generated text as the core emits it.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-__all__ = ["StopStringMatcher", "IncrementalDetokenizer"]
+__all__ = ["StopStringMatcher", "IncrementalDetokenizer", "TextOutput"]
 
 
 class StopStringMatcher:
@@ -124,3 +125,30 @@ class IncrementalDetokenizer:
             del self._ids[:self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
+
+
+class TextOutput:
+    """A request's generated text: each token decoded (``IncrementalDetokenizer``) and fed through
+    its stop strings (``StopStringMatcher``), text that may start a stop string held back."""
+
+    __slots__ = ("detok", "stopper")
+
+    def __init__(self, decode: Callable[..., str], stop: Sequence[str]):
+        self.detok = IncrementalDetokenizer(decode)
+        self.stopper = StopStringMatcher(stop)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """The text ``token`` adds that can be emitted now, and whether a stop string was hit."""
+        return self.stopper.feed(self.detok.push(token))
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self.stopper.matched
+
+    def finish(self, reason: str) -> str:
+        """The text still held back when generation ends for ``reason`` (not ``"stop"``): at
+        ``"length"`` the detokenizer's held-back bytes too; at ``"eos"`` and the like only what the
+        stop strings held (the end token's own text is never emitted)."""
+        text = self.stopper.feed(self.detok.flush())[0] if reason == "length" else ""
+        return text + self.stopper.flush()
