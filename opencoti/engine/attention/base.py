@@ -54,7 +54,9 @@ class AttentionMetadata:
 
 def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
     """Build the step's metadata. Each page table must cover ``num_cached + num_new`` tokens."""
-    qo_lens, kv_lens, tables = [], [], []
+    qo_lens: list[int] = []
+    kv_lens: list[int] = []
+    tables: list[list[int]] = []
     qo_indptr, kv_indptr, kv_indices, last_len = [0], [0], [], []
     positions: list[int] = []
     slots: list[int] = []
@@ -84,16 +86,15 @@ def build_metadata(entries: Sequence[SeqBatchEntry], page_size: int, device: tor
         for pos in range(e.num_cached, kv_len):
             positions.append(pos)
             slots.append(table[pos // page_size] * page_size + pos % page_size)
-    i32 = dict(dtype=torch.int32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
+    i32, i64 = torch.int32, torch.int64
     return AttentionMetadata(
         page_size=page_size,
-        qo_indptr=torch.tensor(qo_indptr, **i32),
-        kv_indptr=torch.tensor(kv_indptr, **i32),
-        kv_indices=torch.tensor(kv_indices, **i32),
-        kv_last_page_len=torch.tensor(last_len, **i32),
-        positions=torch.tensor(positions, **i64),
-        slot_mapping=torch.tensor(slots, **i64),
+        qo_indptr=torch.tensor(qo_indptr, dtype=i32, device=device),
+        kv_indptr=torch.tensor(kv_indptr, dtype=i32, device=device),
+        kv_indices=torch.tensor(kv_indices, dtype=i32, device=device),
+        kv_last_page_len=torch.tensor(last_len, dtype=i32, device=device),
+        positions=torch.tensor(positions, dtype=i64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=i64, device=device),
         qo_lens=qo_lens,
         kv_lens=kv_lens,
         page_tables=tables,

@@ -126,13 +126,13 @@ def _flashinfer_levels(plan: CascadePlan, page_tables, kv_lens, qo_lens, page_si
         order = plan.order
         while i < len(order):
             s = order[i]
-            if lvl < plan.num_levels - 1 and per_seq[s][lvl] is not None:
-                g = per_seq[s][lvl]
+            shared = per_seq[s][lvl] if lvl < plan.num_levels - 1 else None
+            if shared is not None:
                 j = i
-                while j < len(order) and per_seq[order[j]][lvl] is g:
+                while j < len(order) and per_seq[order[j]][lvl] is shared:
                     j += 1
                 qo.append(cum[j])
-                kv_indices.extend(g.pages)
+                kv_indices.extend(shared.pages)
                 kv_indptr.append(len(kv_indices))
                 last.append(page_size)
                 i = j

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -79,6 +80,14 @@ class _FIWrapper:
         return self.wrapper.run(q, (k_cache, v_cache), return_lse=return_lse)
 
 
+class MultiLevel(Protocol):
+    """A multi-level cascade wrapper (FlashInfer's, or the reference's on CPU): planned, then run."""
+
+    def plan(self, arrays_list: list[PagedArrays], *, causal: bool, **kw: Any) -> None: ...
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
+
+
 class _FIMultiLevel:
     def __init__(self, wrapper):
         self.wrapper = wrapper
@@ -114,8 +123,10 @@ class FlashInferKernels:
         self.num_wrappers = 0
         merge = getattr(flashinfer, "merge_state_in_place", None)
         if merge is None:
-            from flashinfer.cascade import merge_state_in_place as merge
-        self._merge = merge
+            from flashinfer import cascade
+
+            merge = cascade.merge_state_in_place
+        self._merge: Callable[..., None] = merge
 
     def _backend_kw(self, cls) -> dict:
         if self.kernel_backend and _accepts(cls.__init__, "backend"):
@@ -181,7 +192,7 @@ class FlashInferBackend:
         self._decode_tc: bool | None = None
         self._prefill = None
         self._levels: list = []  # one prefill wrapper per shared cascade level, made on first use
-        self._multilevel: dict[int, object] = {}
+        self._multilevel: dict[int, MultiLevel] = {}
         self._torch = None
         self._warned_fallback = False
 
@@ -205,7 +216,7 @@ class FlashInferBackend:
         meta.cascade = cplan
         step = build_step_plan(meta.page_tables, meta.kv_lens, meta.qo_lens, meta.page_size, cplan)
         device = meta.positions.device
-        if step.perm is not None:
+        if step.perm is not None and step.inv_perm is not None:  # (both or neither)
             step.perm, step.inv_perm = step.perm.to(device), step.inv_perm.to(device)
         for lv in step.levels:
             if lv.rows is not None:

@@ -36,6 +36,7 @@ import logging
 import os
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -127,7 +128,8 @@ def _steps(model, page_size: int, seed: int):
     ta = table(PROMPT_A + DECODE_STEPS)
     tb = table(PROMPT_B + DECODE_STEPS)
     tc = ta[:shared // page_size] + table(len(c_ids) - shared + DECODE_STEPS)
-    steps = [("prefill A (chunk 1)", [("A", SeqBatchEntry(ta, 0, CHUNK_A))], a_ids[:CHUNK_A], None),
+    Step = tuple[str, list[tuple[str, SeqBatchEntry]], "list[int] | None", "str | None"]
+    steps: list[Step] = [("prefill A (chunk 1)", [("A", SeqBatchEntry(ta, 0, CHUNK_A))], a_ids[:CHUNK_A], None),
              ("prefill A (chunk 2, cached prefix) + B", [("A", SeqBatchEntry(ta, CHUNK_A, PROMPT_A - CHUNK_A)),
                                                          ("B", SeqBatchEntry(tb, 0, PROMPT_B))],
               a_ids[CHUNK_A:] + b_ids, None),
@@ -173,7 +175,8 @@ def check_backend(candidate, reference, model, *, page_size: int = 16, seed: int
     A step's tolerance is ``max(FLOOR, NOISE_FACTOR x the rounded reference's error so far)``. An
     exception raised by the candidate is a failed verdict, not an error here."""
     floor = FLOOR.get(model.dtype, FLOOR[torch.bfloat16])
-    verdict = {"backend": getattr(candidate, "name", type(candidate).__name__), "implementation": type(candidate).__name__,
+    verdict: dict[str, Any] = {
+        "backend": getattr(candidate, "name", type(candidate).__name__), "implementation": type(candidate).__name__,
                "reference": getattr(reference, "name", type(reference).__name__), "device": device_name(model.device),
                "dtype": str(model.dtype).replace("torch.", ""), "page_size": page_size, "metric": METRIC,
                "rule": f"max(floor {floor}, {NOISE_FACTOR} x the error of the torch backend rounded differently)",
@@ -183,7 +186,8 @@ def check_backend(candidate, reference, model, *, page_size: int = 16, seed: int
     runs = [_Run(b, model, num_pages, page_size)
             for b in (reference, _Rounded(reference, model.dtype, model.device, seed), candidate)]
     cascade0 = getattr(candidate, "cascade", None)
-    worst, noise, tol, greedy = 0.0, 0.0, floor, {}
+    worst, noise, tol = 0.0, 0.0, floor
+    greedy: dict[str, int] = {}
     try:
         for name, seqs, ids, mode in steps:
             entries = [e for _, e in seqs]
@@ -257,9 +261,12 @@ def verify(candidate, model, *, page_size: int = 16, cascade: str = "auto", cach
         return candidate, {"status": "skipped", "backend": name, "detail": "OPENCOTI_ATTENTION_CHECK=0"}
     key = cache_key(candidate, model, model.device, page_size, model_name)
     cache = _load(cache_file)
-    verdict = cache.get(key) if mode != "force" else None
-    cached = isinstance(verdict, dict) and "passed" in verdict
-    if not cached:
+    found = cache.get(key) if mode != "force" else None
+    cached = isinstance(found, dict) and "passed" in found
+    verdict: dict[str, Any]
+    if isinstance(found, dict) and cached:
+        verdict = found
+    else:
         log.info("attention backend %s: checking it against the torch backend on %s", name, device_name(model.device))
         ref = reference if reference is not None else TorchAttentionBackend(cascade="off")
         verdict = check_backend(candidate, ref, model, page_size=page_size)

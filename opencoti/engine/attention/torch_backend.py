@@ -220,7 +220,7 @@ class TorchAttentionBackend:
             qd = q.index_select(0, rows).view(bd, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
             kd = _as(k_cache[page_idx], q.dtype).view(bd, span, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, Hkv, S, D]
             vd = _as(v_cache[page_idx], q.dtype).view(bd, span, num_kv_heads, head_dim).transpose(1, 2)
-            if with_lse:
+            if lse is not None:  # with_lse
                 od, ld = _attend_lse(qd, kd, vd, mask, scale)
                 lse.index_copy_(0, rows, ld.reshape(bd, -1))
             else:
@@ -232,7 +232,7 @@ class TorchAttentionBackend:
             row = k_cache.shape[-1]  # head_dim (q8: + its scale)
             kp = _as(k_cache[pages].view(-1, num_kv_heads, row)[:n_keys], q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
             vp = _as(v_cache[pages].view(-1, num_kv_heads, row)[:n_keys], q.dtype).transpose(0, 1)[None]
-            if with_lse:
+            if lse is not None:  # with_lse
                 op, lp = _attend_lse(qp, kp, vp, mask, scale)
                 lse[start:start + q_len] = lp[0].view(num_kv_heads, group, q_len).permute(2, 0, 1).reshape(q_len, -1)
             else:

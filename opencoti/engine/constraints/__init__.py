@@ -75,7 +75,8 @@ def with_json_options(schema: dict | bool) -> dict:
         schema = {}
     if schema is False:
         schema = {"not": {}}
-    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    given = schema.get("x-guidance")
+    own = given if isinstance(given, dict) else {}
     return {**schema, "x-guidance": {**JSON_OPTIONS, **own}}
 
 
@@ -218,7 +219,8 @@ def _closed_objects(schema: Any, explicit: bool = True) -> Any:
     out = {k: (v if k in _LITERAL_KEYS else
                {n: _closed_objects(sub, explicit) for n, sub in v.items()} if k in _NAMED_KEYS and isinstance(v, dict)
                else _closed_objects(v, explicit)) for k, v in schema.items()}
-    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    given = out.get("type")
+    types = given if isinstance(given, list) else [given]
     if explicit:
         close = ("object" in types or "properties" in out) and out.get("additionalProperties", True) is True
     else:
@@ -279,7 +281,7 @@ class Constraint:
         import torch  # imported on use: the request side (ConstraintSpec) is imported by clients
         self.spec = spec
         self.lt = lt
-        self.matcher = None
+        self.matcher: Any = None  # llguidance's LLMatcher once started (llguidance is loaded on first use)
         self.dead = False  # gave up (a lazy trigger followed by text the grammar rejects)
         self._tail = bytearray()
         self.mask = torch.empty((lt.vocab_size + 31) // 32, dtype=torch.int32)
@@ -388,7 +390,9 @@ class Constraint:
                 self._shadow = False  # the output left the closed-objects variant (an extra key)
             return
         self._tail += self.lt.decode_bytes([token])
-        trig = self.spec.trigger.encode()
+        trigger = self.spec.trigger
+        assert trigger is not None  # only a lazy constraint waits for its trigger
+        trig = trigger.encode()
         i = self._tail.find(trig)
         if i < 0:
             del self._tail[:max(0, len(self._tail) - len(trig) + 1)]

@@ -79,8 +79,8 @@ def _parse_kv(buf: bytes, path: str) -> tuple[list[tuple[str, int, Any, int | No
         (vtype,) = struct.unpack_from("<I", buf, pos)
         pos += 4
         if vtype == _STRING:
-            value, pos = string(pos)
-            out.append((key, vtype, value, None))
+            text, pos = string(pos)
+            out.append((key, vtype, text, None))
         elif vtype == _ARRAY:
             sub, count = struct.unpack_from("<IQ", buf, pos)
             pos += 12
@@ -89,7 +89,7 @@ def _parse_kv(buf: bytes, path: str) -> tuple[list[tuple[str, int, Any, int | No
                 for _ in range(count):
                     s, pos = string(pos)
                     items.append(s)
-                value = items
+                value: Any = items
             elif sub in _NP_SCALAR:
                 dt = np.dtype(_NP_SCALAR[sub])
                 if pos + count * dt.itemsize > len(buf):

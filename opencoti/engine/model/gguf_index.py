@@ -56,7 +56,7 @@ class GGUFIndex:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
-        self.metadata: dict[str, object] = {}
+        self.metadata: dict[str, int | float | bool | str] = {}
         tokenizer = hashlib.sha256()
         for _ in range(n_kv):
             at = self._off

@@ -112,7 +112,7 @@ class GGUFWeight:
         """``nbytes`` at ``offset`` read straight into a new array (or ``out``: one copy out of the page
         cache, none through an intermediate bytes object)."""
         out = np.empty(nbytes, dtype=np.uint8) if out is None else out.reshape(-1)
-        view, done = memoryview(out), 0
+        view, done = memoryview(out), 0  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
         while done < nbytes:
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:

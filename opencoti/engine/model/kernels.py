@@ -58,6 +58,9 @@ class Kernel:
     def _b(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # each kernel's own
+        raise NotImplementedError
+
 
 class DenseMkldnn(Kernel):
     """oneDNN pre-packed weight (fp32 or bf16): the GEMM streams it without re-packing per call."""
@@ -71,7 +74,8 @@ class DenseMkldnn(Kernel):
         self.name = f"mkldnn_{self.fmt}"
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
         b = None if bias is None else bias.to(weight.dtype)
-        self._init(*weight.shape, weight.numel() * weight.element_size(), b)
+        n, k = weight.shape
+        self._init(n, k, weight.numel() * weight.element_size(), b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xin = x if x.dtype == self.dtype else x.to(self.dtype)
@@ -87,7 +91,8 @@ class DenseMatmul(Kernel):
         self.fmt = "bf16" if weight.dtype == torch.bfloat16 else "fp32"
         self.name = f"matmul_{self.fmt}"
         self.weight_t = weight.t().contiguous()
-        self._init(*weight.shape, weight.numel() * weight.element_size(), None if bias is None else bias.to(act_dtype))
+        n, k = weight.shape
+        self._init(n, k, weight.numel() * weight.element_size(), None if bias is None else bias.to(act_dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = x.to(self.weight_t.dtype) @ self.weight_t
@@ -106,7 +111,8 @@ class FbgemmFp16(Kernel):
         if not bool(torch.isfinite(w.half()).all()):
             raise RuntimeError("weights out of fp16 range")
         self.packed = torch.ops.quantized.linear_prepack_fp16(w.contiguous(), None)
-        self._init(*w.shape, w.numel() * 2, bias)
+        n, k = w.shape
+        self._init(n, k, w.numel() * 2, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._b(torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed))

@@ -19,6 +19,7 @@ import importlib
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 class _Layer:
     __slots__ = ("in_norm", "qkv", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm")
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: _kernels.Kernel  # hidden -> q + 2kv
+    o: _kernels.Kernel  # q -> hidden
+    gate_up: _kernels.Kernel  # hidden -> 2I
+    down: _kernels.Kernel  # I -> hidden
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
 
 
 def default_head_format(weights: str) -> str:
@@ -142,6 +151,8 @@ def default_head_format(weights: str) -> str:
 
 class LlamaForward:
     """Holds the weights and runs one step over the paged cache."""
+
+    weights_choice: dict[str, Any]  # how the format was chosen (set by weights.build_forward)
 
     def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: torch.device | str, max_positions: int, weights: str = "fp32",
@@ -334,12 +345,13 @@ class LlamaForward:
             hs = _rms_norm(x, L.in_norm, eps)
             qkv = L.qkv(hs)  # [T, q + 2kv]
             v = qkv[:, q_size + kv_size:].view(T, hkv, hd)
-            if L.q_norm is None:  # q and k rotated together
+            qn, kn = L.q_norm, L.k_norm
+            if qn is None or kn is None:  # q and k rotated together (a model has both norms or neither)
                 qk = _rotate(qkv[:, :q_size + kv_size].view(T, h + hkv, hd), cos, sin)
                 q, k = qk[:, :h].contiguous(), qk[:, h:].contiguous()  # backends take dense q/k
             else:
-                q = _rotate(_rms_norm(qkv[:, :q_size].view(T, h, hd), L.q_norm, eps), cos, sin)
-                k = _rotate(_rms_norm(qkv[:, q_size:q_size + kv_size].view(T, hkv, hd), L.k_norm, eps), cos, sin)
+                q = _rotate(_rms_norm(qkv[:, :q_size].view(T, h, hd), qn, eps), cos, sin)
+                k = _rotate(_rms_norm(qkv[:, q_size:q_size + kv_size].view(T, hkv, hd), kn, eps), cos, sin)
             attn = backend.forward(i, q, k, v.contiguous(), k_cache[i], v_cache[i], meta, self.scale)  # [T, H, D]
             x = x + L.o(attn.view(T, q_size))
             hs = _rms_norm(x, L.post_norm, eps)
@@ -378,7 +390,7 @@ class LlamaForward:
             q = qkv[:, :q_size].view(T, h, hd)
             k = qkv[:, q_size:q_size + kv_size].view(T, hkv, hd)
             v = qkv[:, q_size + kv_size:].view(T, hkv, hd)
-            if L.q_norm is not None:
+            if L.q_norm is not None and L.k_norm is not None:
                 q, k = _rms_norm(q, L.q_norm, eps), _rms_norm(k, L.k_norm, eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             rep = h // hkv

@@ -30,7 +30,8 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
@@ -45,7 +46,8 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -286,7 +288,7 @@ def gguf_block_to_int4(type_name: str, data: np.ndarray, n: int, k: int) -> Int4
     if type_name in ("Q4_0", "Q4_1"):
         bs = 18 if type_name == "Q4_0" else 20
         blocks = data.reshape(n, k // 32, bs)
-        d = _f16(blocks[..., 0:2]).reshape(n, k // 32)
+        d: np.ndarray = _f16(blocks[..., 0:2]).reshape(n, k // 32)
         if type_name == "Q4_0":
             zero = np.zeros_like(d)
             qs = blocks[..., 2:]

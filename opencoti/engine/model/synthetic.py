@@ -127,7 +127,7 @@ def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_fac
     return np.asarray(out, dtype=np.float32)
 
 
-def _check(cond: bool, message: str) -> None:
+def _check(cond: object, message: str) -> None:
     if not cond:
         raise ValueError(message)
 
@@ -210,6 +210,7 @@ def _add_kv(writer: Any, key: str, vtype: int, value: Any, sub: int | None) -> N
 
     vt = gguf.GGUFValueType(vtype)
     if vt == gguf.GGUFValueType.ARRAY:
+        assert sub is not None, "an array has a sub type"
         try:
             writer.add_key_value(key, value, vt, sub_type=gguf.GGUFValueType(sub))
         except TypeError:  # older gguf: no sub_type; the type comes from the first element
@@ -330,6 +331,7 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         fout = writer.fout[0] if isinstance(writer.fout, list) else writer.fout
+        assert fout is not None  # open since write_header_to_file
         fout.flush()
         align = writer.data_alignment
         # everything so far, hashed from the file (the writer produced it), then the data as we write it
@@ -348,7 +350,7 @@ def write_gguf(
             k, plan, i, last, future = job
             if i == 0:
                 emit(b"\0" * (-pos % align))
-            emit(memoryview(np.ascontiguousarray(future.result())).cast("B"))
+            emit(memoryview(np.ascontiguousarray(future.result())).cast("B"))  # type: ignore[arg-type]  # numpy stubs: ndarray.__buffer__ only for Python >= 3.12
             if last and progress and (k % 16 == 0 or k == len(plans) - 1):
                 progress(f"{k + 1}/{len(plans)} tensors, {pos / 2**20:.0f} MiB")
 

@@ -39,7 +39,7 @@ def _cgroup_quota_cpus(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = 
         rel = rel.lstrip("/")
         if hier == "0" and controllers == "":  # cgroup v2
             base = root
-            files = [("cpu.max", None)]
+            files: list[tuple[str, str | None]] = [("cpu.max", None)]
         elif "cpu" in controllers.split(","):  # cgroup v1
             base = root / controllers if (root / controllers).is_dir() else root / "cpu"
             files = [("cpu.cfs_quota_us", "cpu.cfs_period_us")]
@@ -148,7 +148,7 @@ class ThreadAdapter:
         else:
             est[n] = (1 - self.alpha) * est[n] + self.alpha * per_tok
         self.seen[(b, n)] = self.steps
-        best = min(est, key=est.get)
+        best = min(est, key=lambda n: est[n])
         if best != self.best[b]:
             self.best[b] = best
             self.every[b] = self.min_every

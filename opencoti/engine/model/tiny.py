@@ -43,7 +43,7 @@ _TINY_COMMON = dict(
     pad_token_id=None,
 )
 
-_TINY_ARCH = {
+_TINY_ARCH: dict[str, dict[str, Any]] = {
     # mirrors SmolLM2: tied embeddings
     "llama": dict(tie_word_embeddings=True, rope_theta=10000.0),
     "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None),

@@ -187,7 +187,7 @@ def head_format(tuner: Autotuner, fmt: str, hf) -> str:
             continue
         if name in timings:
             cost[f] = _head_cost(timings[name])
-    return min(cost, key=cost.get) if len(cost) == 2 else base
+    return min(cost, key=lambda f: cost[f]) if len(cost) == 2 else base
 
 
 def _head_cost(timings: list[float]) -> float:
@@ -266,7 +266,8 @@ def _auto(loaded, make, tuner: Autotuner, device, say, choice: dict, saved_kv: d
     counts = {s: shapes.count(s) for s in sorted(set(shapes))}
     sigs = {}
     chooser = kernel_chooser(tuner, hf, device, tuner.act_dtype)  # the one make() uses
-    own, formats = None, kernels.FORMATS
+    own: str | None = None
+    formats: tuple[str, ...] = kernels.FORMATS
     if getattr(loaded, "source_gguf", None) is not None:  # only the formats that fit the file's size are timed
         own, formats = gguf_candidates(loaded, device, choice, say)
         if len(formats) == 1:  # nothing to choose between: no kernel signatures, no timing of other formats

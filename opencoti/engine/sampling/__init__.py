@@ -119,10 +119,10 @@ class Sampler:
         raw = logits  # logprobs are reported under the model's distribution
         if states is not None and len(states) != num_rows:
             raise ValueError(f"got {num_rows} logit rows and {len(states)} sampler states")
-        with_state = states is not None and any(s is not None for s in states)
-        if with_state:
+        active = states if states is not None and any(s is not None for s in states) else None
+        if active is not None:
             logits = logits.clone()
-            process_logits(logits, params, states)
+            process_logits(logits, params, active)
         device = logits.device
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [B]
 
@@ -167,15 +167,16 @@ class Sampler:
             token_ids[rows] = self._sample_unsorted(
                 logits.index_select(0, rows), [params[i] for i in part], [uniforms[i] for i in part])
 
-        if with_state:
+        if active is not None:
             chosen = token_ids.tolist()
-            for st, tok in zip(states, chosen):
+            for st, tok in zip(active, chosen):
                 if st is not None:
                     st.accept(tok)
         if not any(p.logprobs is not None for p in params):
             return SampleOutput(token_ids.tolist(), None, None)
         out = self._with_logprobs(raw, params, token_ids)
-        if any(p.post_sampling_probs and p.logprobs is not None for p in params):
+        if any(p.post_sampling_probs and p.logprobs is not None for p in params) \
+                and out.logprobs is not None and out.top_logprobs is not None:  # (always, with logprobs)
             post_sampling_logprobs(logits, params, token_ids, out.logprobs, out.top_logprobs)
         return out
 
@@ -275,10 +276,11 @@ class Sampler:
     ) -> SampleOutput:
         norm = torch.logsumexp(logits, dim=-1)  # [B]
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - norm  # [B]
-        top_rows = [i for i, p in enumerate(params) if p.logprobs]
+        top_n = {i: p.logprobs for i, p in enumerate(params) if p.logprobs}
+        top_rows = list(top_n)
         top_logprobs: list[list[tuple[int, float]]] = [[] for _ in params]
         if top_rows:
-            num_top = max(params[i].logprobs for i in top_rows)
+            num_top = max(top_n.values())
             rows = _index(top_rows, logits.device)
             top_vals, top_ids = torch.topk(logits.index_select(0, rows), num_top, dim=-1)  # [R, n]
             top_vals = top_vals - norm.index_select(0, rows)[:, None]

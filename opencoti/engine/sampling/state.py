@@ -37,7 +37,8 @@ class SamplerState:
     def __init__(self, params: SamplingParams, prompt: Sequence[int], tokenizer, vocab_size: int):
         self.eos_ids = tuple(tokenizer.eos_token_ids)
         self.num_accepted = 0
-        self.bias_ids = self.bias_vals = None
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_vals: torch.Tensor | None = None
         self.bans = False  # some bias is -inf: the row could be left with no allowed token
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= vocab_size]
@@ -46,7 +47,8 @@ class SamplerState:
             self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self.bias_vals = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
             self.bans = bool(torch.isneginf(self.bias_vals).any())
-        self.counts = self.window = None
+        self.counts: torch.Tensor | None = None
+        self.window: deque[int] | None = None
         if params.has_penalties:
             n = params.repeat_last_n
             self.window = deque(maxlen=n if n > 0 else None)
@@ -54,7 +56,7 @@ class SamplerState:
             if params.penalty_scope == "context":
                 for t in (prompt[-n:] if n > 0 else prompt):
                     self._push(t)
-        self.constraint = None
+        self.constraint: Constraint | None = None
         if params.constraint is not None:
             self.constraint = Constraint(params.constraint, llg_tokenizer(tokenizer))
 
@@ -69,11 +71,12 @@ class SamplerState:
         return cls(params, prompt, tokenizer, vocab_size)
 
     def _push(self, token: int) -> None:
-        w = self.window
+        w, counts = self.window, self.counts
+        assert w is not None and counts is not None  # penalties: both or neither
         if w.maxlen is not None and len(w) == w.maxlen:
-            self.counts[w[0]] -= 1
+            counts[w[0]] -= 1
         w.append(token)
-        self.counts[token] += 1
+        counts[token] += 1
 
     def accept(self, token: int) -> None:
         """The token sampled for this request (called by the sampler, once per step)."""
@@ -98,25 +101,27 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Apply masks, logit bias and penalties to ``logits`` [B, V] in place (rows with a state)."""
     vocab = logits.shape[1]
     device = logits.device
-    cons_rows = [i for i, s in enumerate(states) if s is not None and s.constrained]
-    for i in cons_rows:  # end or close the document within the budget (constraints/close.py)
-        left = None if params[i].max_tokens is None else params[i].max_tokens - states[i].num_accepted
-        states[i].constraint.budget(left)
-    if cons_rows:
-        compute_masks([states[i].constraint for i in cons_rows])
-        eos = states[cons_rows[0]].eos_ids
-        apply_masks(logits, cons_rows, [states[i].constraint.mask for i in cons_rows], eos)
-    bias_rows = [i for i, s in enumerate(states) if s is not None and s.bias_ids is not None]
-    if bias_rows:
-        r = torch.cat([torch.full((len(states[i].bias_ids),), i, dtype=torch.long) for i in bias_rows])
-        ids = torch.cat([states[i].bias_ids for i in bias_rows])
-        vals = torch.cat([states[i].bias_vals for i in bias_rows])
+    present = [(i, s) for i, s in enumerate(states) if s is not None]
+    cons = [(i, s, s.constraint) for i, s in present if s.constraint is not None and s.constraint.active]
+    for i, st, c in cons:  # end or close the document within the budget (constraints/close.py)
+        max_tokens = params[i].max_tokens
+        c.budget(None if max_tokens is None else max_tokens - st.num_accepted)
+    if cons:
+        compute_masks([c for _, _, c in cons])
+        eos = cons[0][1].eos_ids
+        apply_masks(logits, [i for i, _, _ in cons], [c.mask for _, _, c in cons], eos)
+    bias = [(i, s, s.bias_ids, s.bias_vals) for i, s in present if s.bias_ids is not None and s.bias_vals is not None]
+    if bias:
+        r = torch.cat([torch.full((len(b_ids),), i, dtype=torch.long) for i, _, b_ids, _ in bias])
+        ids = torch.cat([b_ids for _, _, b_ids, _ in bias])
+        vals = torch.cat([b_vals for _, _, _, b_vals in bias])
         ok = ids < vocab
         logits.index_put_((r[ok].to(device), ids[ok].to(device)), vals[ok].to(device), accumulate=True)
-    pen_rows = [i for i, s in enumerate(states) if s is not None and s.counts is not None]
-    if pen_rows:
+    pens = [(i, s.counts) for i, s in present if s.counts is not None]
+    if pens:
+        pen_rows = [i for i, _ in pens]
         idx = torch.tensor(pen_rows, dtype=torch.long, device=device)
-        counts = torch.stack([states[i].counts for i in pen_rows]).to(device)  # [R, V]
+        counts = torch.stack([c for _, c in pens]).to(device)  # [R, V]
         cols = torch.tensor([[params[i].repeat_penalty, params[i].frequency_penalty, params[i].presence_penalty]
                              for i in pen_rows], dtype=torch.float32, device=device)  # [R, 3]
         rep, freq, pres = cols[:, 0:1], cols[:, 1:2], cols[:, 2:3]
@@ -125,11 +130,11 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         penalized = penalized - counts * freq - seen.float() * pres
         logits.index_copy_(0, idx, torch.where(seen, penalized, sub))
-    rows = [i for i in bias_rows if states[i].bans]
-    if rows:
+    banning = [(i, st) for i, st, _, _ in bias if st.bans]
+    if banning:
         # a row left with no finite logit (every allowed token banned) may only end
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        idx = torch.tensor([i for i, _ in banning], dtype=torch.long, device=device)
         dead = torch.isneginf(logits.index_select(0, idx)).all(dim=1).tolist()
-        for r, d in zip(rows, dead):
+        for (row, st), d in zip(banning, dead):
             if d:
-                logits[r, list(states[r].eos_ids)] = 0.0
+                logits[row, list(st.eos_ids)] = 0.0
