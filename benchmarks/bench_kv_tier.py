@@ -292,6 +292,8 @@ def main() -> int:
             same = [a["ids"] == b["ids"] for a, b in zip(r["turns"], ref["turns"])]
             summary[s]["greedy_equal_to_all_in_ram"] = all(same)
             summary[s]["greedy_equal_turns"] = f"{sum(same)}/{len(same)}"
+            summary[s]["greedy_differing_turns"] = [[t["round"], t["agent"]] for t, ok in zip(r["turns"], same)
+                                                    if not ok]
         elif ref is not None:
             same = [a["ids"] == b["ids"] for a, b in zip(r["turns"], ref["turns"])]
             summary[s]["greedy_equal_turns"] = f"{sum(same)}/{len(same)} (another weight format and kernels)"
