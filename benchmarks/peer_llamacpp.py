@@ -110,7 +110,7 @@ MEMORY_SMALL_KV = 512  # tokens: the "without KV" start
 
 # ============================================================================ building llama-server
 def peer_dir() -> Path:
-    from opencoti.engine.model.loader import cache_root
+    from opencoti.engine.paths import cache_root
 
     return cache_root() / "peer" / f"{SDIST.replace('-', '_')}-{SDIST_VERSION}"
 

@@ -128,7 +128,7 @@ def measure(gguf: str, args, threads: int, llama_bin: Path) -> Path:
     peer.LLAMA_FLAGS[:] = LLAMA_FLAGS
     # a first start of a new model: an empty cache but for the native kernels' build (made once per
     # machine at set-up, not per model)
-    from opencoti.engine.model.loader import cache_root
+    from opencoti.engine.paths import cache_root
 
     first_cache = tempfile.mkdtemp(prefix="opencoti-first-start-")
     if (cache_root() / "native").is_dir():
@@ -191,7 +191,7 @@ def generated(preset: str) -> Path:
     give the same bytes) into the cache directory."""
     import subprocess
 
-    from opencoti.engine.model.loader import cache_root
+    from opencoti.engine.paths import cache_root
 
     path = cache_root() / "bench-models" / f"llama{preset}-q4km.gguf"
     if not path.is_file():
