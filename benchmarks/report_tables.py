@@ -592,7 +592,11 @@ def render_kv_tier(d: dict) -> str:
                             + (f"; the all-in-RAM side, which writes nothing, shows {g_ram:.1f}x" if g_ram else "")
                             + ").")
         if tier.get("greedy_equal_to_all_in_ram") is False:
-            lose.append("the greedy answers differ from all-in-RAM's.")
+            diff, rdiff = tier.get("greedy_differing_turns"), (rec or {}).get("greedy_differing_turns")
+            lose.append(f"the greedy answers equal all-in-RAM's in {tier.get('greedy_equal_turns', '?')} warm and "
+                        "cold turns only" + (f" (turns as [round, agent]: {diff}" + (f"; recompute, which reads no tier, "
+                                                                           f"differs at {rdiff}" if rdiff else "")
+                                   + ")" if diff else "") + ".")
         peer = summ.get("llama.cpp")
         if peer is not None and peer["turn_p50_s"] < tier["turn_p50_s"]:
             lose.append(f"llama.cpp's slot restore is faster at p50 ({peer['turn_p50_s']:.2f} s vs "
