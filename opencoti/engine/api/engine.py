@@ -371,6 +371,7 @@ class Engine:
         s = self.stream(prompt, **kw)
         for _ in s:
             pass
+        assert s.result is not None  # a stream run to its end has its result (an error is raised)
         return s.result
 
     async def astream(self, prompt: str | Seq[int] | None = None, *, messages=None, tools=None, params=None,
@@ -395,6 +396,7 @@ class Engine:
         s = await self.astream(prompt, **kw)
         async for _ in s:
             pass
+        assert s.result is not None  # a stream run to its end has its result (an error is raised)
         return s.result
 
     def cancel(self, job) -> None:

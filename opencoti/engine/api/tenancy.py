@@ -19,9 +19,13 @@ import dataclasses
 import inspect
 import re
 import uuid
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable, Protocol, TypeVar
 
 from ..errors import InvalidRequestError, OpencotiError, PoolNotFoundError
+from ..polykv.view import TreeView
+
+T = TypeVar("T")
 
 SEP = ":"
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
@@ -34,10 +38,50 @@ _PASSTHROUGH = frozenset({
 })
 
 
+class AnonymousSessions(Protocol):
+    """The owner of the session state as a view uses it (``PolyKV.mark_anonymous``)."""
+
+    def mark_anonymous(self, session_id: str) -> None: ...
+
+
+class TenantCore(Protocol):
+    """What a tenant's view reads of the shared engine's core, on its step thread: the pool tree, read
+    only (whose pools are whose), and the owner of the sessions (a session the view named for its
+    client is marked anonymous there)."""
+
+    @property
+    def tree(self) -> TreeView: ...
+
+    @property
+    def polykv(self) -> AnonymousSessions: ...
+
+
+class StepThread(Protocol):
+    """What the view runs on the shared ``Engine``'s step thread, and the core it reads there. Checked
+    against ``Engine`` by mypy (``tests/offline/test_view.py``)."""
+
+    @property
+    def core(self) -> TenantCore: ...
+
+    def run_on_step_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+
+    def post_to_step_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future: ...
+
+
 def check_tenant_name(name) -> str:
     if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
         raise InvalidRequestError(f"a tenant name is 1-32 characters of A-Z a-z 0-9 _ . -, got {name!r}")
     return name
+
+
+def _pool_op(name: str) -> Callable[..., Any]:
+    """A ``TenantEngine`` method that checks the pool is the tenant's, then calls the engine's ``name``."""
+    def op(self, pool_id: int, *args, **kwargs):
+        self._check_pool(pool_id)
+        r = self._call(getattr(self._eng, name), pool_id, *args, **kwargs)
+        return self._info(r) if dataclasses.is_dataclass(r) else self._out(r)
+    op.__name__ = name
+    return op
 
 
 class TenantEngine:
@@ -45,6 +89,7 @@ class TenantEngine:
 
     def __init__(self, engine, tenant: str):
         self._eng = engine
+        self._step: StepThread = engine  # the same engine, as the view reads its core
         self.tenant = check_tenant_name(tenant)
         self._prefix = tenant + SEP
         try:
@@ -125,19 +170,18 @@ class TenantEngine:
 
     # ================================================================== ownership (step thread reads)
     def _owned(self) -> set[int]:
-        t = self.tenant
-        return self._eng.run_on_step_thread(lambda: {pid for pid, p in self._eng.core.tree.pools.items()
-                                                      if p.tenant == t})
+        t, step = self.tenant, self._step
+        return step.run_on_step_thread(lambda: {pid for pid, p in step.core.tree.pools.items() if p.tenant == t})
 
-    def _check_pool(self, pool_id) -> None:
-        t = self.tenant
+    def _check_pool(self, pool_id: int) -> None:
+        t, step = self.tenant, self._step
 
-        def check():
-            pool = self._eng.core.tree.get(pool_id)  # PoolNotFoundError for unknown ids
+        def check() -> None:
+            pool = step.core.tree.get(pool_id)  # PoolNotFoundError for unknown ids
             if pool.tenant != t:
                 raise PoolNotFoundError(f"pool {pool_id!r} not found")
 
-        self._eng.run_on_step_thread(check)
+        step.run_on_step_thread(check)
 
     # ================================================================== pools
     def create_pool(self, *, from_session: str | None = None, **kw):
@@ -173,14 +217,6 @@ class TenantEngine:
         st["tree_depth"] = max((depth(p) for p in mine), default=0)
         return st
 
-    def _pool_op(name: str):  # noqa: N805 - a method factory
-        def op(self, pool_id: int, *args, **kwargs):
-            self._check_pool(pool_id)
-            r = self._call(getattr(self._eng, name), pool_id, *args, **kwargs)
-            return self._info(r) if dataclasses.is_dataclass(r) else self._out(r)
-        op.__name__ = name
-        return op
-
     pin_pool = _pool_op("pin_pool")
     unpin_pool = _pool_op("unpin_pool")
     evict_pool = _pool_op("evict_pool")
@@ -188,7 +224,6 @@ class TenantEngine:
     release_pool = _pool_op("release_pool")
     set_admission = _pool_op("set_admission")
     admission = _pool_op("admission")
-    del _pool_op
 
     def capacity(self, pool_id: int, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
         self._check_pool(pool_id)
@@ -244,8 +279,8 @@ class TenantEngine:
         engine's own anonymous sessions (marked on the step thread, after the request was queued)."""
         if kw.get("session_id") is None:
             sid = gen["session_id"]
-
-            self._eng.post_to_step_thread(self._eng.core.polykv.mark_anonymous, sid)
+            step = self._step
+            step.post_to_step_thread(step.core.polykv.mark_anonymous, sid)
 
     def stream(self, prompt=None, **kw) -> "TenantStream":
         gen = self._gen_kwargs(kw)

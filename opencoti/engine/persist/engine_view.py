@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, TypeVar, runtime_checkable
 
 from ..polykv.view import PolyKVView
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from ..admission.state import PoolState
     from ..chat.tokenizer import Tokenizer
     from ..config import EngineConfig
+    from ..core.limits import Limits
+    from ..errors import OpencotiError
     from ..kv.pages import PagePool
     from ..kv.tables import KVTables
     from ..model.types import LoadedModel
@@ -115,6 +117,39 @@ class PersistEngine(Protocol):
 
     @property
     def kv(self) -> KvDtype: ...
+
+
+class SlotCore(PersistCore, Protocol):
+    """What the slot files (``slots.py``) need of the core besides the persister's: the request checks
+    a restored session's tokens and id go through."""
+
+    @property
+    def limits(self) -> Limits: ...
+
+
+class SlotEngine(PersistEngine, Protocol):
+    """What the slot files need of the ``Engine``: the persister's reads (the identities, the state
+    directory), its core with the request checks, and its step thread (the work on sessions and pages
+    runs there)."""
+
+    @property
+    def core(self) -> SlotCore: ...
+
+    def run_on_step_thread(self, fn: Callable[[], T]) -> T: ...
+
+
+@runtime_checkable
+class TenantSlots(Protocol):
+    """A tenant's view of an ``Engine`` (``api.tenancy.TenantEngine``) as the slot files use it: the
+    shared engine and its id of one of the tenant's sessions, the tenant (its files live apart), and
+    the rewriting of its session ids out of an error's message."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    def engine_and_session_id(self, session_id: str) -> tuple[SlotEngine, str]: ...
+
+    def rewrite_error(self, e: OpencotiError) -> OpencotiError: ...
 
 
 def identity_of(engine: PersistEngine) -> dict:

@@ -22,7 +22,7 @@ import queue
 import threading
 import zlib
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
         body.append(np.asarray(tokens, dtype="<u4"))
     crc = 0
     for part in body:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(part)).cast("B"), crc)
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(part)).cast("B"), crc)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
     meta["checksum"] = {CHECKSUM: f"{crc:08x}"}
     head = json.dumps(meta).encode()
     if len(MAGIC) + len(head) + 1 > HEADER:
@@ -98,7 +98,8 @@ def read_tokens(path: str | os.PathLike, head: dict) -> list[int] | None:
     n = head.get("n_tokens_stored")
     if not isinstance(n, int) or n < 0:
         return None
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}.get(head.get("dtype"), 0)
+    sizes: dict[Any, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+    itemsize = sizes.get(head.get("dtype"), 0)
     shape = head.get("shape")
     if not itemsize or not isinstance(shape, list):
         return None
@@ -153,7 +154,8 @@ def mismatch(head: dict | None, start: int, tokens: Sequence[int], identity: dic
     if head.get("tokens") != tokens_digest(tokens):
         return f"it holds the KV of other tokens than the pool's (another prefix){of}"
     if identity is not None and head.get("kv") != identity:
-        theirs = head.get("kv") if isinstance(head.get("kv"), dict) else {}
+        given = head.get("kv")
+        theirs = given if isinstance(given, dict) else {}
         diff = [f"{k} {theirs.get(k)!r} (this engine: {identity[k]!r})" for k in identity if theirs.get(k) != identity[k]]
         return "it was computed by " + (", ".join(diff) if diff else "an engine that did not record its identity")
     return None
@@ -171,7 +173,7 @@ def load_kv(path: str | os.PathLike, kv, page_table: Sequence[int], start: int, 
     head = read_header(path)
     dtype = _NP.get(kv.dtype)
     shape = [kv.num_layers, end - start, kv.num_kv_heads, kv.k_cache.shape[-1]]
-    if (not header_matches(head, start, tokens, identity) or dtype is None or head.get("shape") != shape
+    if (head is None or not header_matches(head, start, tokens, identity) or dtype is None or head.get("shape") != shape
             or head.get("dtype") != str(kv.dtype).replace("torch.", "")):
         return False
     count = int(np.prod(shape))
@@ -199,7 +201,8 @@ def read_checked(path: str | os.PathLike, identity: dict | None, tokens: Sequenc
     if head is None:
         return "it is missing or has no readable header" if not os.path.exists(path) else \
             "its header is unreadable (not a KV file, or cut short)"
-    why = mismatch(head, head.get("start"), tokens, identity) if isinstance(head.get("start"), int) else "no start"
+    first = head.get("start")
+    why = mismatch(head, first, tokens, identity) if isinstance(first, int) else "no start"
     if why is not None:
         return why
     data, problem = _checked_body(path, head)
@@ -216,7 +219,7 @@ def _read_body(path: str | os.PathLike, offset: int, size: int) -> np.ndarray | 
     disk idle between its requests: two read a 128 MiB body from a cold page cache in ~0.6x the
     time here). None when the file ends before ``size`` bytes (it changed while it was read)."""
     data = np.empty(size, dtype=np.uint8)
-    view = memoryview(data)
+    view = memoryview(data)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
     short = []
 
     def read(lo: int, hi: int) -> None:
@@ -255,7 +258,7 @@ def _checked_body(path: str | os.PathLike, head: dict | None) -> tuple[np.ndarra
         return empty, f"cannot read it: {e}"
     if data is None:
         return empty, "it changed while it was read"
-    if f"{zlib.crc32(data):08x}" != want[CHECKSUM]:
+    if f"{zlib.crc32(data):08x}" != want[CHECKSUM]:  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
         return data, "its checksum does not match its content (the file is corrupt)"
     return data, None
 

@@ -22,11 +22,18 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar, Union
 
 from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
-from ..core.requests import Sequence, Session
+from ..core.requests import Sequence
 from . import kvfile
-from .engine_view import identity_of, kv_identity_of
+from .engine_view import SlotEngine, TenantSlots, identity_of, kv_identity_of
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+SlotTarget = Union[SlotEngine, TenantSlots]  # the Engine, or a tenant's view of it
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _NUMBER = re.compile(r"[+-]?[0-9]+")
@@ -86,17 +93,17 @@ class SlotsNotSupportedError(OpencotiError):
     error_type = "not_supported_error"
 
 
-def _resolve(engine, session_id: str):
-    """(the Engine, the engine's session id) for an Engine or a TenantEngine."""
-    resolve = getattr(engine, "engine_and_session_id", None)
-    if resolve is not None:  # a tenant's view: its session namespace
-        return resolve(session_id)
+def _resolve(engine: SlotTarget, session_id: str) -> tuple[SlotEngine, str, str | None]:
+    """(the Engine, the engine's session id, the tenant) for an Engine or a TenantEngine."""
+    if isinstance(engine, TenantSlots):  # a tenant's view: its session namespace
+        eng, sid = engine.engine_and_session_id(session_id)
+        return eng, sid, engine.tenant
     if not isinstance(session_id, str) or not session_id:
         raise InvalidRequestError("session_id must be a non-empty string")
-    return engine, session_id
+    return engine, session_id, None
 
 
-def _path(engine, filename, tenant: str | None = None) -> Path:
+def _path(engine: SlotEngine, filename: str, tenant: str | None = None) -> Path:
     """``<state_dir>/slots/<filename>`` (a tenant's files in ``slots/<tenant>/``: its own names)."""
     state_dir = engine.config.state_dir
     if state_dir is None:
@@ -111,19 +118,20 @@ def _path(engine, filename, tenant: str | None = None) -> Path:
     return d / filename
 
 
-def save_session(engine, session_id: str, filename: str) -> dict:
+def save_session(engine: SlotTarget, session_id: str, filename: str) -> dict:
     """Write the session's cached tokens and their KV to ``filename``."""
-    eng, sid = _resolve(engine, session_id)
-    path = _path(eng, filename, getattr(engine, "tenant", None))
+    eng, sid, tenant = _resolve(engine, session_id)
+    path = _path(eng, filename, tenant)
     t0 = time.perf_counter()
+    core = eng.core
 
-    def snap():
-        s: Session = eng.core.polykv.get_session(sid)
+    def snap() -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        s = core.polykv.get_session(sid)
         if s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; save it when idle")
         n = s.seq.num_cached
         toks = list(s.seq.tokens[:n])
-        k, v = kvfile.snapshot_kv(eng.kv, s.seq.page_table, 0, n)
+        k, v = kvfile.snapshot_kv(core.kv, s.seq.page_table, 0, n)
         return toks, k, v
 
     toks, k, v = _mapped(engine, eng.run_on_step_thread, snap)
@@ -133,11 +141,11 @@ def save_session(engine, session_id: str, filename: str) -> dict:
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
 
-def restore_session(engine, session_id: str, filename: str) -> dict:
+def restore_session(engine: SlotTarget, session_id: str, filename: str) -> dict:
     """Replace the session's cache with the tokens and KV saved in ``filename`` (the session is
     created when it does not exist)."""
-    eng, sid = _resolve(engine, session_id)
-    path = _path(eng, filename, getattr(engine, "tenant", None))
+    eng, sid, tenant = _resolve(engine, session_id)
+    path = _path(eng, filename, tenant)
     t0 = time.perf_counter()
     if not path.exists():
         raise InvalidRequestError(f"no slot file named {filename!r}")
@@ -152,7 +160,7 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
                                   f"it {_kv_desc(kv_identity_of(eng))}: it cannot be restored here")
     core = eng.core
 
-    def restore():
+    def restore() -> int:
         if toks:
             core.limits.check_tokens(toks, "the saved tokens")
             core.limits.check_fits(len(toks), 0, "the saved context")
@@ -163,9 +171,9 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
             core.limits.check_session_id(sid)
         seq = Sequence(toks)
         if toks and not core.tables.extend_reclaiming(seq, len(toks)):  # reclaims idle caches when needed
-            raise CapacityError(f"no room for {eng.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
+            raise CapacityError(f"no room for {core.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
                                 retry_after=1.0)
-        if toks and not kvfile.load_kv(path, eng.kv, seq.page_table, 0, len(toks), toks):
+        if toks and not kvfile.load_kv(path, core.kv, seq.page_table, 0, len(toks), toks):
             core.tables.drop(seq)
             raise InvalidRequestError(f"{filename!r} does not match this engine's KV layout (dtype or shape)")
         # ---- committed
@@ -178,12 +186,12 @@ def restore_session(engine, session_id: str, filename: str) -> dict:
             "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
 
 
-def erase_session(engine, session_id: str) -> dict:
+def erase_session(engine: SlotTarget, session_id: str) -> dict:
     """Drop the session's cached tokens and KV (the session and its pool attachment stay)."""
-    eng, sid = _resolve(engine, session_id)
+    eng, sid, _ = _resolve(engine, session_id)
     core = eng.core
 
-    def erase():
+    def erase() -> int:
         s = core.polykv.get_session(sid)
         if s.job is not None:
             raise SessionBusyError(f"session {sid!r} is serving a request; erase it when idle")
@@ -201,10 +209,9 @@ def _kv_desc(ident) -> str:
             f"(model {ident.get('model')}, fingerprint {ident.get('fingerprint')})")
 
 
-def _mapped(engine, fn, *args):
-    """Run ``fn``; a tenant's view rewrites its session ids out of error messages."""
+def _mapped(engine: SlotTarget, run: Callable[[Callable[[], T]], T], fn: Callable[[], T]) -> T:
+    """``run(fn)``; a tenant's view rewrites its session ids out of error messages."""
     try:
-        return fn(*args)
+        return run(fn)
     except OpencotiError as e:
-        fix = getattr(engine, "rewrite_error", None)
-        raise (fix(e) if fix is not None else e) from None
+        raise (engine.rewrite_error(e) if isinstance(engine, TenantSlots) else e) from None

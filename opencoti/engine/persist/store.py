@@ -132,8 +132,8 @@ class StateStore:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StateDirError(f"cannot create the state directory {self.dir}: {e}") from e
-        self._lock_fd = self._lock()
-        self.db = None
+        self._lock_fd: int | None = self._lock()
+        self.db: sqlite3.Connection | None = None
         try:
             self._mark = read_mark(self.dir)
             in_files = pool_ids_in_files(self.dir)
@@ -147,14 +147,14 @@ class StateStore:
                                     "or move the state directory away to start afresh")
             self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._check_tables(path)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=FULL")
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
             self._durable = True
-            self.db.execute("PRAGMA foreign_keys=ON")
+            self.conn.execute("PRAGMA foreign_keys=ON")
             with self.transaction():
                 for stmt in _SCHEMA.strip().split(";"):
                     if stmt.strip():
-                        self.db.execute(stmt)
+                        self.conn.execute(stmt)
                 self._check_meta(identity or {})
                 self._raise_mark(in_files, created)
         except sqlite3.Error as e:
@@ -195,7 +195,7 @@ class StateStore:
         """Make the high-water mark (the database's and the mark file) the highest of every source:
         the database's mark, the ids in its tables, the mark file, the ids ``in_files`` (inside the
         open transaction)."""
-        db = self.db
+        db = self.conn
         stored = int(db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
         in_tables = max(db.execute("SELECT COALESCE(MAX(pool_id), 0) FROM pools").fetchone()[0],
                         db.execute("SELECT COALESCE(MAX(pool_id), 0) FROM sessions").fetchone()[0]) + 1
@@ -208,8 +208,8 @@ class StateStore:
             self.reserve_pool_ids(top)
 
     def _check_tables(self, path: Path) -> None:
-        names = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        mark = self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone() \
+        names = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        mark = self.conn.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone() \
             if "meta" in names else None
         if not _TABLES <= names or mark is None:
             raise StateDirError(f"the state database {path} holds no opencoti state (tables "
@@ -233,7 +233,7 @@ class StateStore:
         return fd
 
     def _check_meta(self, identity: dict) -> None:
-        meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
+        meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
         version = int(meta.get("schema_version", SCHEMA_VERSION))
         if version != SCHEMA_VERSION:
             raise StateDirError(f"the state directory {self.dir} has schema version {version}; this opencoti "
@@ -243,9 +243,9 @@ class StateStore:
             raise StateDirError(
                 f"the state directory {self.dir} holds pools of another model ({stored}, this engine is "
                 f"{identity}); their tokens mean nothing to this model: use another --state-dir")
-        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         if identity:
-            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('identity', ?)", (json.dumps(identity, sort_keys=True),))
+            self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('identity', ?)", (json.dumps(identity, sort_keys=True),))
 
     def close(self) -> None:
         db = getattr(self, "db", None)
@@ -254,9 +254,18 @@ class StateStore:
                 db.close()
             finally:
                 self.db = None
-        if getattr(self, "_lock_fd", None) is not None:
-            os.close(self._lock_fd)  # releases the flock
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            os.close(fd)  # releases the flock
             self._lock_fd = None
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """The open database (as sqlite3 says of a closed one: ProgrammingError once closed)."""
+        db = self.db
+        if db is None:
+            raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+        return db
 
     @property
     def closed(self) -> bool:
@@ -265,7 +274,7 @@ class StateStore:
     def set_durable(self, durable: bool) -> None:
         """FULL: the next commits survive a power loss; NORMAL: a crash of the process only (WAL)."""
         if durable != self._durable:
-            self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self.conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             self._durable = durable
 
     # ---------------------------------------------------------------- transactions
@@ -274,14 +283,14 @@ class StateStore:
             self.db = db
 
         def __enter__(self):
-            self.db.execute("BEGIN IMMEDIATE")
+            self.conn.execute("BEGIN IMMEDIATE")
             return self
 
         def __exit__(self, exc_type, exc, tb):
             if exc_type is None:
-                self.db.execute("COMMIT")
+                self.conn.execute("COMMIT")
             else:
-                self.db.execute("ROLLBACK")
+                self.conn.execute("ROLLBACK")
             return False
 
     def transaction(self) -> "_Tx":
@@ -290,19 +299,19 @@ class StateStore:
 
     # ---------------------------------------------------------------- reads
     def load(self) -> Snapshot:
-        rows = self.db.execute("SELECT pool_id, parent, branch_pos, tokens, label, pinned, tenant, admission, created "
+        rows = self.conn.execute("SELECT pool_id, parent, branch_pos, tokens, label, pinned, tenant, admission, created "
                                "FROM pools ORDER BY pool_id").fetchall()
         pools = [PoolRecord(pool_id=r[0], parent=r[1], branch_pos=r[2], tokens=decode_tokens(r[3]), label=r[4],
                             pinned=bool(r[5]), tenant=r[6], admission=json.loads(r[7]) if r[7] else None,
                             created=r[8]) for r in rows]
-        srows = self.db.execute("SELECT session_id, tenant, pool_id, tokens FROM sessions ORDER BY session_id").fetchall()
+        srows = self.conn.execute("SELECT session_id, tenant, pool_id, tokens FROM sessions ORDER BY session_id").fetchall()
         sessions = [SessionRecord(session_id=r[0], tenant=r[1], pool_id=r[2], tokens=decode_tokens(r[3]))
                     for r in srows]
         return Snapshot(pools=pools, sessions=sessions, next_pool_id=self.next_pool_id())
 
     def next_pool_id(self) -> int:
         """The id high-water mark: the database's, or the mark file's when that is higher."""
-        db = int(self.db.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
+        db = int(self.conn.execute("SELECT value FROM meta WHERE key = 'next_pool_id'").fetchone()[0])
         return max(db, self._mark)
 
     # ---------------------------------------------------------------- writes (call inside a transaction)
@@ -312,11 +321,11 @@ class StateStore:
         if next_id > self._mark:
             write_mark(self.dir, int(next_id))
             self._mark = int(next_id)
-        self.db.execute("UPDATE meta SET value = ? WHERE key = 'next_pool_id' AND CAST(value AS INTEGER) < ?",
+        self.conn.execute("UPDATE meta SET value = ? WHERE key = 'next_pool_id' AND CAST(value AS INTEGER) < ?",
                         (str(int(next_id)), int(next_id)))
 
     def put_pool(self, rec: PoolRecord) -> None:
-        self.db.execute(
+        self.conn.execute(
             "INSERT OR REPLACE INTO pools (pool_id, parent, branch_pos, tokens, label, pinned, tenant, admission, "
             "created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (rec.pool_id, rec.parent, rec.branch_pos, encode_tokens(rec.tokens), rec.label, int(rec.pinned),
@@ -324,20 +333,20 @@ class StateStore:
         self.reserve_pool_ids(rec.pool_id + 1)
 
     def update_pool(self, pool_id: int, *, pinned: bool, label: str, admission: dict | None) -> None:
-        self.db.execute("UPDATE pools SET pinned = ?, label = ?, admission = ? WHERE pool_id = ?",
+        self.conn.execute("UPDATE pools SET pinned = ?, label = ?, admission = ? WHERE pool_id = ?",
                         (int(pinned), label, json.dumps(admission, sort_keys=True) if admission else None, pool_id))
 
     def delete_pool(self, pool_id: int) -> None:
-        self.db.execute("UPDATE sessions SET pool_id = NULL WHERE pool_id = ?", (pool_id,))
-        self.db.execute("DELETE FROM pools WHERE pool_id = ?", (pool_id,))
+        self.conn.execute("UPDATE sessions SET pool_id = NULL WHERE pool_id = ?", (pool_id,))
+        self.conn.execute("DELETE FROM pools WHERE pool_id = ?", (pool_id,))
 
     def put_session(self, rec: SessionRecord) -> None:
-        self.db.execute("INSERT OR REPLACE INTO sessions (session_id, tenant, pool_id, tokens, updated) "
+        self.conn.execute("INSERT OR REPLACE INTO sessions (session_id, tenant, pool_id, tokens, updated) "
                         "VALUES (?, ?, ?, ?, ?)",
                         (rec.session_id, rec.tenant, rec.pool_id, encode_tokens(rec.tokens), time.time()))
 
     def delete_session(self, session_id: str) -> None:
-        self.db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+        self.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
 
 
 def read_mark(directory: Path) -> int:

@@ -309,7 +309,9 @@ class DiskTier:
                 return
             t0 = time.perf_counter()
             try:
-                got = read_segment(self.dir / seg.name, seg, self.identity, self._layout)
+                layout = self._layout
+                assert layout is not None  # prefetch sets it before it queues a read
+                got = read_segment(self.dir / seg.name, seg, self.identity, layout)
             except Exception as e:  # noqa: BLE001 - a read that fails is a recompute, never a crash
                 got = f"cannot read it: {e}"
             if isinstance(got, str):
