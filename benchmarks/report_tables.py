@@ -593,10 +593,19 @@ def render_kv_tier(d: dict) -> str:
                             + ").")
         if tier.get("greedy_equal_to_all_in_ram") is False:
             diff, rdiff = tier.get("greedy_differing_turns"), (rec or {}).get("greedy_differing_turns")
-            lose.append(f"the greedy answers equal all-in-RAM's in {tier.get('greedy_equal_turns', '?')} warm and "
-                        "cold turns only" + (f" (turns as [round, agent]: {diff}" + (f"; recompute, which reads no tier, "
-                                                                           f"differs at {rdiff}" if rdiff else "")
-                                   + ")" if diff else "") + ".")
+            cold = sorted({a for r, a in diff or [] if r == 0})
+            why = ""
+            if diff and all(a in cold for _, a in diff):
+                why = (f": every differing turn is of an agent whose cold first turn (round 0, before any KV was "
+                       f"reclaimed, so no tier involved) already differed, agent(s) {', '.join(map(str, cold))}"
+                       + ("; recompute differs at the same turns" if rdiff == diff else "")
+                       + ": the two computed that prompt in other chunks (the prefix cache matched a token more or "
+                         "less), and the bundled model's near-flat logits turned a rounding difference into another "
+                         "token; the answers then differ in every later turn of that agent")
+            lose.append(f"the greedy answers equal all-in-RAM's in {tier.get('greedy_equal_turns', '?')} turns (cold and "
+                        "warm)" + (f" (differing, as [round, agent]: {diff}" + (
+                            f"; recompute, which reads no tier, differs at {rdiff}" if rdiff else "") + ")"
+                                   if diff else "") + why + ".")
         peer = summ.get("llama.cpp")
         if peer is not None and peer["turn_p50_s"] < tier["turn_p50_s"]:
             lose.append(f"llama.cpp's slot restore is faster at p50 ({peer['turn_p50_s']:.2f} s vs "
