@@ -279,23 +279,23 @@ class StateStore:
 
     # ---------------------------------------------------------------- transactions
     class _Tx:
-        def __init__(self, db):
+        def __init__(self, db: sqlite3.Connection):
             self.db = db
 
-        def __enter__(self):
-            self.conn.execute("BEGIN IMMEDIATE")
+        def __enter__(self) -> "StateStore._Tx":
+            self.db.execute("BEGIN IMMEDIATE")
             return self
 
-        def __exit__(self, exc_type, exc, tb):
+        def __exit__(self, exc_type, exc, tb) -> bool:
             if exc_type is None:
-                self.conn.execute("COMMIT")
+                self.db.execute("COMMIT")
             else:
-                self.conn.execute("ROLLBACK")
+                self.db.execute("ROLLBACK")
             return False
 
     def transaction(self) -> "_Tx":
         """``with store.transaction(): ...``: all or nothing (BEGIN IMMEDIATE ... COMMIT)."""
-        return StateStore._Tx(self.db)
+        return StateStore._Tx(self.conn)
 
     # ---------------------------------------------------------------- reads
     def load(self) -> Snapshot:
