@@ -28,7 +28,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -286,7 +286,7 @@ class StateStore:
             self.db.execute("BEGIN IMMEDIATE")
             return self
 
-        def __exit__(self, exc_type, exc, tb) -> bool:
+        def __exit__(self, exc_type, exc, tb) -> Literal[False]:
             if exc_type is None:
                 self.db.execute("COMMIT")
             else:
