@@ -1,0 +1,92 @@
+"""The engine's folders are layers: a module imports only from its own folder and from folders below
+it (ENGINE_LAYERS, lowest first). The engine package's own modules (errors, config, results, checks,
+paths) are the lowest; its ``__init__``, the facade that re-exports the Engine, stands above them all.
+The imports that still point up are listed in UPWARD, each with what it waits for; the test fails on
+any other upward import and on a listed one that is gone, so the list only shrinks. The graph is
+test_import_graph's (every import anywhere in a module, relative ones resolved)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_import_graph import import_graph, modules
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# lowest first; "" is the engine package's own modules (opencoti/engine/*.py)
+ENGINE_LAYERS = ["", "native", "chat", "constraints", "sampling", "attention", "model", "kv", "polykv", "observe",
+                 "admission", "core", "persist", "api"]
+
+# module -> module imports that point up, and why they are still there (the folder-layering step of
+# issue 51: the data types in core/requests.py and core/limits.py go to the lowest layer, kv/tables.py
+# takes a Protocol of its own instead of polykv's view, kv/q8.py goes below attention)
+_DATA_TYPES = "core/requests.py and core/limits.py are the lowest layer's data types, not yet moved there"
+UPWARD: dict[str, str] = {
+    "engine.admission.controller -> engine.core.requests": _DATA_TYPES,
+    "engine.attention.torch_backend -> engine.kv.q8": "kv/q8.py (int8 KV rows) belongs below attention",
+    "engine.config -> engine.constraints": "the config checks a grammar option with constraints' parser",
+    "engine.config -> engine.core.speculative": "the speculative settings' type lives with the drafter",
+    "engine.kv.pools -> engine.core.requests": _DATA_TYPES,
+    "engine.kv.tables -> engine.core.requests": _DATA_TYPES,
+    "engine.kv.tables -> engine.polykv.view": "the sequence view kv reads belongs to kv (a Protocol of its own)",
+    "engine.observe.metrics -> engine.core.requests": _DATA_TYPES,
+    "engine.observe.metrics -> engine.core.speculative": "acceptance(), the drafter's rate, lives with the drafter",
+    "engine.polykv.prefix -> engine.core.limits": _DATA_TYPES,
+    "engine.polykv.prefix -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.prefix -> engine.core.speculative": "the n-gram matcher it shares lives with the drafter",
+    "engine.polykv.state.base -> engine.core.limits": _DATA_TYPES,
+    "engine.polykv.state.base -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.state.polykv -> engine.core.limits": _DATA_TYPES,
+    "engine.polykv.state.polykv -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.state.reclaim -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.state.restore -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.state.timers -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.state.tree -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.status -> engine.core.requests": _DATA_TYPES,
+    "engine.polykv.view -> engine.core.requests": _DATA_TYPES,
+}
+
+
+def folder_of(module: str, mods: dict) -> str | None:
+    """The engine folder a module is in ("" for the engine package's own modules), None outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["opencoti", "engine"] or len(parts) == 2:  # (the package's __init__: the facade, on top)
+        return None
+    if len(parts) == 3:
+        return parts[2] if mods[module][1] else ""
+    return parts[2]
+
+
+def upward(graph: dict[str, set[str]], mods: dict, layers: list[str]) -> set[str]:
+    rank = {f: i for i, f in enumerate(layers)}
+    out = set()
+    for mod, deps in graph.items():
+        a = folder_of(mod, mods)
+        if a is None:
+            continue
+        for dep in deps:
+            b = folder_of(dep, mods)
+            if b is None or a == b:
+                continue
+            if rank[b] > rank[a]:
+                out.add(f"{mod.removeprefix('opencoti.')} -> {dep.removeprefix('opencoti.')}")
+    return out
+
+
+def test_engine_folders_import_only_their_own_and_lower_layers():
+    mods = modules(ROOT, "opencoti")
+    graph = import_graph(ROOT, "opencoti")
+    folders = {folder_of(m, mods) for m in mods} - {None}
+    assert folders == set(ENGINE_LAYERS), f"every engine folder has its place in ENGINE_LAYERS: {folders ^ set(ENGINE_LAYERS)}"
+    found = upward(graph, mods, ENGINE_LAYERS)
+    assert sorted(found - set(UPWARD)) == [], "imports that point up a layer (move the module, or the name it needs)"
+    assert sorted(set(UPWARD) - found) == [], "listed upward imports that are gone: take them off UPWARD"
+
+
+def test_the_check_sees_an_upward_import():
+    mods = {"opencoti.engine.kv": (None, True), "opencoti.engine.kv.a": (None, False),
+            "opencoti.engine.api": (None, True), "opencoti.engine.api.b": (None, False),
+            "opencoti.engine.errors": (None, False)}
+    graph = {"opencoti.engine.kv.a": {"opencoti.engine.api.b", "opencoti.engine.errors"},
+             "opencoti.engine.api.b": {"opencoti.engine.kv.a"}, "opencoti.engine.errors": set()}
+    assert upward(graph, mods, ENGINE_LAYERS) == {"engine.kv.a -> engine.api.b"}
