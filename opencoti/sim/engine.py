@@ -20,10 +20,10 @@ from ..engine.admission import AdmissionController, AdmissionPlan
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import SessionBusyError
 from ..engine.kv.pools import Pool
-from ..engine.core.limits import Limits
+from ..engine.limits import Limits
 from ..engine.observe.metrics import Metrics
 from ..engine.polykv.state import PolyKV
-from ..engine.core.requests import Job, Sequence, Session, SessionState
+from ..engine.requests import Job, Sequence, Session, SessionState
 from ..engine.polykv.view import Listener, PoolView, TreeView
 from .profile import StepClock, StepProfile
 

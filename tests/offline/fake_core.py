@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from opencoti.engine.config import SamplingParams
 from opencoti.engine.polykv.state import PoolTree
-from opencoti.engine.core.requests import Job, Sequence, Session, SessionState
+from opencoti.engine.requests import Job, Sequence, Session, SessionState
 from opencoti.engine.polykv.view import Listener, PoolView
 from opencoti.sim.engine import NoPrefixCache, SimPages, SimQueues
 

@@ -26,7 +26,7 @@ from opencoti.engine.config import SamplingParams as SP
 from opencoti.engine.errors import PoolSaturatedError
 from opencoti.engine.kv.pools import Residency
 from opencoti.engine.observe.metrics import Metrics
-from opencoti.engine.core.requests import Job, Sequence, Session, SessionState
+from opencoti.engine.requests import Job, Sequence, Session, SessionState
 
 from fake_core import FakeCore
 

@@ -276,7 +276,7 @@ def _tables(num_pages: int = 8, page_size: int = 4):
 
 
 def test_kv_tables_share_copy_truncate_drop():
-    from opencoti.engine.core.requests import Sequence
+    from opencoti.engine.requests import Sequence
     kv, tables = _tables()
     a = Sequence(list(range(1, 11)))
     assert tables.extend_reclaiming(a, 10) and len(a.page_table) == 3
@@ -305,7 +305,7 @@ def test_kv_tables_share_copy_truncate_drop():
 
 
 def test_kv_tables_refuse_without_pages():
-    from opencoti.engine.core.requests import Sequence
+    from opencoti.engine.requests import Sequence
     kv, tables = _tables(num_pages=2)
     a = Sequence(list(range(1, 9)))
     assert tables.extend_reclaiming(a, 8) and not tables.extend_reclaiming(Sequence([1]), 1)

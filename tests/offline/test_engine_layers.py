@@ -17,33 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LAYERS = ["", "native", "chat", "constraints", "sampling", "attention", "model", "kv", "polykv", "observe",
                  "admission", "core", "persist", "api"]
 
-# module -> module imports that point up, and why they are still there (the folder-layering step of
-# issue 51: the data types in core/requests.py and core/limits.py go to the lowest layer, kv/tables.py
-# takes a Protocol of its own instead of polykv's view, kv/q8.py goes below attention)
-_DATA_TYPES = "core/requests.py and core/limits.py are the lowest layer's data types, not yet moved there"
+# module -> module imports that point up, and why they are still there (kv/tables.py to take a Protocol of
+# its own instead of polykv's view, kv/q8.py to go below attention, the lowest layer's data types to stop
+# naming kv's types)
 UPWARD: dict[str, str] = {
-    "engine.admission.controller -> engine.core.requests": _DATA_TYPES,
     "engine.attention.torch_backend -> engine.kv.q8": "kv/q8.py (int8 KV rows) belongs below attention",
     "engine.config -> engine.constraints": "the config checks a grammar option with constraints' parser",
     "engine.config -> engine.core.speculative": "the speculative settings' type lives with the drafter",
-    "engine.kv.pools -> engine.core.requests": _DATA_TYPES,
-    "engine.kv.tables -> engine.core.requests": _DATA_TYPES,
     "engine.kv.tables -> engine.polykv.view": "the sequence view kv reads belongs to kv (a Protocol of its own)",
-    "engine.observe.metrics -> engine.core.requests": _DATA_TYPES,
     "engine.observe.metrics -> engine.core.speculative": "acceptance(), the drafter's rate, lives with the drafter",
-    "engine.polykv.prefix -> engine.core.limits": _DATA_TYPES,
-    "engine.polykv.prefix -> engine.core.requests": _DATA_TYPES,
     "engine.polykv.prefix -> engine.core.speculative": "the n-gram matcher it shares lives with the drafter",
-    "engine.polykv.state.base -> engine.core.limits": _DATA_TYPES,
-    "engine.polykv.state.base -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.state.polykv -> engine.core.limits": _DATA_TYPES,
-    "engine.polykv.state.polykv -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.state.reclaim -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.state.restore -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.state.timers -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.state.tree -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.status -> engine.core.requests": _DATA_TYPES,
-    "engine.polykv.view -> engine.core.requests": _DATA_TYPES,
+    "engine.requests -> engine.kv.prefix_index": "a sequence's index node is typed by kv's Entry (for mypy only)",
 }
 
 

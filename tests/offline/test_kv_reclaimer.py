@@ -7,7 +7,7 @@ import torch
 
 from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.kv.tables import KVTables
-from opencoti.engine.core.requests import Sequence, Session
+from opencoti.engine.requests import Sequence, Session
 
 
 def _kv(num_pages: int = 4) -> PagePool:

@@ -339,7 +339,7 @@ class MemoryTier:
 def test_evicted_chains_go_to_the_tier_root_first_and_come_back_with_their_kv():
     import torch
 
-    from opencoti.engine.core.requests import Sequence
+    from opencoti.engine.requests import Sequence
     from opencoti.engine.kv.pages import PagePool
     from opencoti.engine.kv.tables import KVTables
 

@@ -12,7 +12,7 @@ import pytest
 
 from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams
 from opencoti.engine.observe.metrics import Metrics, RateWindow, SessionTps, TpsConfig
-from opencoti.engine.core.requests import SessionState
+from opencoti.engine.requests import SessionState
 
 from fake_core import FakeCore
 

@@ -13,7 +13,7 @@ from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.kv.tables import KVTables
 from opencoti.engine.polykv import status
 from opencoti.engine.core.scheduler import Scheduler
-from opencoti.engine.core.requests import Job, Sequence, SessionState
+from opencoti.engine.requests import Job, Sequence, SessionState
 
 
 class Hooks:

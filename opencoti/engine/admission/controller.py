@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 from ..checks import is_int
 from ..errors import InvalidRequestError, PoolSaturatedError
-from ..core.requests import Job
+from ..requests import Job
 from ..observe.metrics import Metrics
 from ..polykv.view import PolyKVView
 from .capacity import compute_capacity

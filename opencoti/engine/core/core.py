@@ -25,7 +25,7 @@ from ..kv.pages import PagePool
 from ..kv.pools import Pool, Residency, common_prefix_len
 from ..kv.prefix_index import salt_root
 from ..kv.tables import KVTables
-from .limits import Limits
+from ..limits import Limits
 from ..polykv.prefix import PrefixCache
 from ..polykv.state import PolyKV
 from ..polykv.view import PoolView, SessionView, TreeView
@@ -35,7 +35,7 @@ from ..sampling import Sampler, make_generator
 from ..sampling.text import TextOutput
 from ..sampling.state import SamplerState
 from .scheduler import Scheduler, StepStats
-from .requests import Job, MaterializeJob, Sequence, Session, SessionState, Work
+from ..requests import Job, MaterializeJob, Sequence, Session, SessionState, Work
 from .speculative import DraftState, Drafter, RecentOutputs
 
 Emit = Callable[[tuple], None]

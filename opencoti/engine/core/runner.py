@@ -16,7 +16,7 @@ import torch
 
 from ..attention.base import SeqBatchEntry, build_metadata
 from ..kv.pages import PagePool
-from .requests import Job
+from ..requests import Job
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Protocol
 
 from ..kv.tables import KVTables
-from .requests import SessionState, Work
+from ..requests import SessionState, Work
 
 Batch = list  # [(job, number of tokens to compute this step)]
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from ..core.requests import Sequence
+from ..requests import Sequence
 
 
 class Residency(str, enum.Enum):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterable, Protocol, Sequence as Seq
 
 import torch
 
-from ..core.requests import Sequence, Session
+from ..requests import Sequence, Session
 from .pages import PagePool
 from .prefix_index import Entry, Match, PrefixIndex, Tail
 

@@ -46,7 +46,7 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from ..core.requests import Job, SessionState
+from ..requests import Job, SessionState
 from .tps import RateWindow, SessionTps, TpsConfig
 from ..core.speculative import acceptance
 from ..polykv.view import PolyKVView

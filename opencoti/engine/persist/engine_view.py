@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..admission.state import PoolState
     from ..chat.tokenizer import Tokenizer
     from ..config import EngineConfig
-    from ..core.limits import Limits
+    from ..limits import Limits
     from ..errors import OpencotiError
     from ..kv.pages import PagePool
     from ..kv.tables import KVTables

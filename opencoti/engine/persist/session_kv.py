@@ -24,7 +24,7 @@ import logging
 import time
 from pathlib import Path
 
-from ..core.requests import Session
+from ..requests import Session
 from . import kvfile
 
 log = logging.getLogger("opencoti.engine.persist")

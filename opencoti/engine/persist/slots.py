@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar, Union
 
 from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
-from ..core.requests import Sequence
+from ..requests import Sequence
 from . import kvfile
 from .engine_view import SlotEngine, TenantSlots, identity_of, kv_identity_of
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal, TypeVar, Union
 
 from ..kv.pools import Pool, Residency
-from ..core.requests import Session
+from ..requests import Session
 from . import kvfile
 from .engine_view import PersistCore, PersistEngine, PoolPolicies, RunOnStep, identity_of, kv_identity_of
 from .files import KV_DIR, SESSION_KV_DIR, kv_file_pool_id

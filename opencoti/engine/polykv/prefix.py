@@ -29,8 +29,8 @@ import numpy as np
 
 from ..kv.prefix_index import salt_root
 from ..kv.tables import KVTables
-from ..core.limits import Limits
-from ..core.requests import Job, Session
+from ..limits import Limits
+from ..requests import Job, Session
 from ..core.speculative import RecentOutputs
 from .state import PolyKV
 

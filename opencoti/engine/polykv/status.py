@@ -8,7 +8,7 @@ import time
 
 from ..kv.pools import Pool, Residency
 from ..results import PoolInfo
-from ..core.requests import Session
+from ..requests import Session
 from .state import PolyKV
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import AbstractSet, Callable, Iterable, Mapping, Protocol, Sequence as Seq
 
-from ..core.requests import Job, SessionState, Work
+from ..requests import Job, SessionState, Work
 from ..kv.pools import Residency
 
 Listener = Callable[[str, dict], None]  # (event, data) on the step thread: submit, token, finish, materialized, step
@@ -121,7 +121,7 @@ class PoolView(Protocol):
 
 
 class SessionView(Protocol):
-    """A session, read only (``core.requests.Session``, whose fields ``PolyKV`` alone sets)."""
+    """A session, read only (``requests.Session``, whose fields ``PolyKV`` alone sets)."""
 
     @property
     def session_id(self) -> str: ...

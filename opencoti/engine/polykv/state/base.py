@@ -14,8 +14,8 @@ import time
 from typing import Callable
 
 from ...config import EngineConfig
-from ...core.limits import Limits
-from ...core.requests import Sequence, Session
+from ...limits import Limits
+from ...requests import Sequence, Session
 from ...errors import SessionNotFoundError
 from ...kv.pages import PagePool
 from ...kv.pools import Pool, Residency

@@ -26,8 +26,8 @@ import time
 from typing import Callable, Sequence as Seq
 
 from ...config import EngineConfig
-from ...core.limits import Limits
-from ...core.requests import Job, MaterializeJob, Sequence, Session
+from ...limits import Limits
+from ...requests import Job, MaterializeJob, Sequence, Session
 from ...errors import CapacityError, InvalidRequestError, PoolBusyError, PoolContractError, SessionBusyError
 from ...kv.pages import PagePool
 from ...kv.pools import Pool, Residency, common_prefix_len, prefix_hashes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ...core.requests import Session
+from ...requests import Session
 from ...kv.pools import Residency
 from .base import TreeState
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ...core.requests import MaterializeJob, Sequence, Session
+from ...requests import MaterializeJob, Sequence, Session
 from ...errors import InvalidRequestError
 from ...kv.pools import Pool, Residency, prefix_hashes
 from .base import TreeState

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ...core.requests import Session
+from ...requests import Session
 from ...errors import PoolBusyError
 from ...kv.pools import Pool, Residency
 from .base import TreeState

@@ -7,7 +7,7 @@ Part of ``PolyKV`` (the one writer of the pool tree): the pools live in ``pools`
 
 from __future__ import annotations
 
-from ...core.requests import Sequence
+from ...requests import Sequence
 from ...errors import CapacityError, PoolNotFoundError
 from ...kv.pools import Pool, Residency, prefix_hashes
 

@@ -4,14 +4,27 @@ core (requests), the pool state (``polykv``) and the persister (restored context
 
 from __future__ import annotations
 
-from ..errors import ContextLengthError, InvalidRequestError
-from ..kv.pages import PagePool
+from typing import Protocol
+
+from .errors import ContextLengthError, InvalidRequestError
 
 MAX_SESSION_ID = 128
 
 
+class PageGeometry(Protocol):
+    """What the checks read of the KV cache (``kv.pages.PagePool``): its size in pages and tokens."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    def pages_for(self, num_tokens: int) -> int: ...
+
+
 class Limits:
-    def __init__(self, *, vocab_size: int, max_context: int, kv: PagePool):
+    def __init__(self, *, vocab_size: int, max_context: int, kv: PageGeometry):
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.kv = kv

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import SamplingParams
+from .config import SamplingParams
 
 if TYPE_CHECKING:
-    from ..kv.prefix_index import Entry
+    from .kv.prefix_index import Entry
 
 
 class Sequence:
