@@ -55,7 +55,7 @@ def q8_layouts(model, ids) -> dict:
     import torch
 
     from opencoti.engine.attention.torch_backend import TorchAttentionBackend
-    from opencoti.engine.kv import q8
+    from opencoti.engine.attention import q8
     from opencoti.engine.kv.gate import paged_logits
     from opencoti.engine.model.weights import gate_metrics
 

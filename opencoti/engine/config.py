@@ -159,7 +159,7 @@ class EngineConfig:
         activations, else the activations' dtype; see ``engine.api.build.resolve_kv_dtype``). Attention reads
         16-bit and 8-bit pages and computes in fp32; a 16-bit cache holds twice the tokens of an fp32
         one in the same ``kv_budget_mib``, q8 (int8 values and an fp32 scale per head vector,
-        ``kv/q8.py``) 3.76x for 64-dimension heads.
+        ``attention/q8.py``) 3.76x for 64-dimension heads.
     pool_grace_ttl_s: seconds an interior pool stays pinned after its last descendant leaves.
     seed: default RNG seed for requests without one.
     pool_id_base: pool ids are pool_id_base+1, +2, ... (0: ids 1, 2, ...). A cluster gives each

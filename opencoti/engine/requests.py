@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence as Seq
 
 from .config import SamplingParams
 
@@ -167,3 +167,28 @@ class MaterializeJob(Work):
 
     pool: Any
     on_done: Callable[[Any], None]
+
+
+class SeqView(Protocol):
+    """A pool's or a session's sequence, read only: its tokens and the page table holding their KV."""
+
+    @property
+    def tokens(self) -> Seq[int]: ...
+
+    @property
+    def page_table(self) -> Seq[int]: ...
+
+    @property
+    def num_cached(self) -> int: ...
+
+    @property
+    def num_borrowed_pages(self) -> int: ...
+
+    @property
+    def num_shared_tokens(self) -> int: ...
+
+    @property
+    def owned_pages(self) -> Seq[int]: ...
+
+    @property
+    def cached_tokens(self) -> Seq[int]: ...

@@ -14,7 +14,7 @@ import torch
 from opencoti.engine import SamplingParams, native
 from opencoti.engine.attention.base import SeqBatchEntry, build_metadata
 from opencoti.engine.attention.torch_backend import TorchAttentionBackend
-from opencoti.engine.kv import q8
+from opencoti.engine.attention import q8
 from opencoti.engine.kv.pages import PagePool
 
 LIB = native.lib()

@@ -17,14 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LAYERS = ["", "native", "chat", "constraints", "sampling", "attention", "model", "kv", "polykv", "observe",
                  "admission", "core", "persist", "api"]
 
-# module -> module imports that point up, and why they are still there (kv/tables.py to take a Protocol of
-# its own instead of polykv's view, kv/q8.py to go below attention, the lowest layer's data types to stop
-# naming kv's types)
+# module -> module imports that point up, and why they are still there (the drafter's shared helpers and
+# modes to a module of the lowest layers, the config's check of a constraint by a name it owns)
 UPWARD: dict[str, str] = {
-    "engine.attention.torch_backend -> engine.kv.q8": "kv/q8.py (int8 KV rows) belongs below attention",
-    "engine.config -> engine.constraints": "the config checks a grammar option with constraints' parser",
-    "engine.config -> engine.core.speculative": "the speculative settings' type lives with the drafter",
-    "engine.kv.tables -> engine.polykv.view": "the sequence view kv reads belongs to kv (a Protocol of its own)",
+    "engine.config -> engine.constraints": "the config checks a constraint is a ConstraintSpec",
+    "engine.config -> engine.core.speculative": "the speculative modes live with the drafter",
     "engine.observe.metrics -> engine.core.speculative": "acceptance(), the drafter's rate, lives with the drafter",
     "engine.polykv.prefix -> engine.core.speculative": "the n-gram matcher it shares lives with the drafter",
     "engine.requests -> engine.kv.prefix_index": "a sequence's index node is typed by kv's Entry (for mypy only)",

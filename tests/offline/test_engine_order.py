@@ -24,7 +24,7 @@ LEVELS: list[list[str]] = [
     ["polykv.state"],  # PolyKV, the one owner of pools and sessions
     ["kv.tables"],  # KVTables, the one owner of page tables and refcounts
     ["kv.prefix_index", "kv.pages", "kv.gate"],
-    ["model", "attention", "sampling", "constraints", "chat", "native", "kv.q8", "admission.capacity",
+    ["model", "attention", "sampling", "constraints", "chat", "native", "attention.q8", "admission.capacity",
      "admission.forecast", "admission.policy", "admission.state", "observe.tps"],
 ]
 # Data types and checks every level uses (and packages' empty __init__ files).

@@ -16,7 +16,7 @@ from opencoti.engine import EngineConfig, SamplingParams, native
 from opencoti.engine.attention.base import SeqBatchEntry, build_metadata
 from opencoti.engine.attention.torch_backend import TorchAttentionBackend
 from opencoti.engine.errors import InvalidRequestError
-from opencoti.engine.kv import q8
+from opencoti.engine.attention import q8
 from opencoti.engine.kv.gate import kv_gate, paged_logits
 from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.model import fused as fused_mod

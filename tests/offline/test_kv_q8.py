@@ -12,7 +12,7 @@ import torch
 from starlette.testclient import TestClient
 
 from opencoti.engine import EngineConfig, SamplingParams, native
-from opencoti.engine.kv import q8
+from opencoti.engine.attention import q8
 from opencoti.engine.kv.gate import kv_gate
 from opencoti.engine.kv.pages import PagePool
 

@@ -541,7 +541,7 @@ def test_paged_decode_rejects_bad_inputs(change, match):
 
 def test_paged_decode_q8_pages_hold_head_dim_plus_4():
     args = _decode_args()
-    from opencoti.engine.kv import q8
+    from opencoti.engine.attention import q8
 
     args["k_cache"], args["v_cache"] = q8.quantize(args["k_cache"]), q8.quantize(args["v_cache"])
     LIB.paged_decode(**args)  # [..., D + 4] int8: head_dim D

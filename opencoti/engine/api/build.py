@@ -34,7 +34,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "q8": torch.int8}  # q8: kv/q8.py
+_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "q8": torch.int8}  # q8: attention/q8.py
 
 
 def resolve_kv_dtype(name: str, act_dtype: torch.dtype) -> torch.dtype:

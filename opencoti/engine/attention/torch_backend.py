@@ -22,7 +22,7 @@ run native kernels does not come here at all: ``model/fused.py`` runs every laye
 with this backend's plan (plain, or cascade with the flattened groups).
 
 The cache may hold another dtype than the activations (``EngineConfig.kv_dtype``: fp16, bf16 or q8
-pages under fp32 activations): new K/V are rounded to the cache dtype (q8: quantized, ``kv/q8.py``)
+pages under fp32 activations): new K/V are rounded to the cache dtype (q8: quantized, ``attention/q8.py``)
 as they are written, and gathered pages are converted back to the activations' dtype before
 attention, so scores, softmax and the weighted sum are computed in that dtype (the native kernel
 converts as it loads).
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kv import q8
+from . import q8
 from .base import AttentionMetadata
 from .cascade import build_cascade_plan
 

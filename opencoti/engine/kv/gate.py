@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..attention.base import SeqBatchEntry, build_metadata
-from . import q8
+from ..attention import q8
 from .pages import PagePool
 
 

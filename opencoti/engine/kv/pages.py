@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import CapacityError
-from . import q8
+from ..attention import q8
 
 
 def zeros_on_demand(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -22,16 +22,13 @@ they call nothing else outside this package.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Protocol, Sequence as Seq
+from typing import Iterable, Protocol, Sequence as Seq
 
 import torch
 
-from ..requests import Sequence, Session
+from ..requests import SeqView, Sequence, Session
 from .pages import PagePool
 from .prefix_index import Entry, Match, PrefixIndex, Tail
-
-if TYPE_CHECKING:
-    from ..polykv.view import SeqView
 
 
 class Reclaimer(Protocol):

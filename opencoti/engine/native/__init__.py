@@ -48,7 +48,7 @@ _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "reason": "not built yet", "path": None}
 
 # The KV cache element types the attention kernels read and write (``KvType`` in kernels.cpp).
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}  # int8: q8 pages (kv/q8.py)
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}  # int8: q8 pages (attention/q8.py)
 
 
 def kv_type(dtype: torch.dtype) -> int | None:

@@ -5,7 +5,7 @@ pool's tokens, so a file never loads into another prefix, and the identity of wh
 model, weight format, KV dtype, so KV saved under ``--weights int4`` never loads into an fp32
 engine) followed by K then V as
 ``[num_layers, n_tokens, num_kv_heads, head_dim]`` raw little-endian arrays (q8 pages: int8 with
-``head_dim + 4`` bytes per vector, see ``kv/q8.py``). Written to a
+``head_dim + 4`` bytes per vector, see ``attention/q8.py``). Written to a
 temporary file, fsync'ed, then renamed: a reader sees a complete file or none. The header carries
 a checksum (CRC-32, about 1 GB/s: a 90 MiB file adds ~0.1 s to its load) of everything after it;
 loading reads the file, checks the checksum, and only then copies token rows into the pages: a file
@@ -33,7 +33,7 @@ log = logging.getLogger("opencoti.engine.persist")
 
 CHECKSUM = "crc32"  # of the bytes after the header (K, V, the stored tokens)
 
-# bf16 travels as raw 16-bit words; int8 is q8 pages (kv/q8.py: head_dim + 4 bytes per vector, its scale included)
+# bf16 travels as raw 16-bit words; int8 is q8 pages (attention/q8.py: head_dim + 4 bytes per vector, its scale included)
 _NP = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int8: "|i1"}
 
 

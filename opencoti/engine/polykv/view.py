@@ -15,42 +15,19 @@ no ``add`` or link), pools are ``PoolView``, sessions ``SessionView`` and their 
 on the engine's step thread.
 
 Its own module (not ``core/core.py``) so that readers depend on this small module only: it imports
-the state's data types (``core/requests.py``, ``kv/pools.py``), never the core, the model or torch.
+the state's data types (``requests.py``, with ``SeqView``; ``kv/pools.py``), never the core, the model or torch.
 """
 
 from __future__ import annotations
 
 from typing import AbstractSet, Callable, Iterable, Mapping, Protocol, Sequence as Seq
 
-from ..requests import Job, SessionState, Work
+from ..requests import Job, SeqView, SessionState, Work
 from ..kv.pools import Residency
 
+__all__ = ["SeqView"]  # (re-exported: the sequence view is the lowest layer's, beside ``Sequence``)
+
 Listener = Callable[[str, dict], None]  # (event, data) on the step thread: submit, token, finish, materialized, step
-
-
-class SeqView(Protocol):
-    """A pool's or a session's sequence, read only: its tokens and the page table holding their KV."""
-
-    @property
-    def tokens(self) -> Seq[int]: ...
-
-    @property
-    def page_table(self) -> Seq[int]: ...
-
-    @property
-    def num_cached(self) -> int: ...
-
-    @property
-    def num_borrowed_pages(self) -> int: ...
-
-    @property
-    def num_shared_tokens(self) -> int: ...
-
-    @property
-    def owned_pages(self) -> Seq[int]: ...
-
-    @property
-    def cached_tokens(self) -> Seq[int]: ...
 
 
 class PoolView(Protocol):
