@@ -25,8 +25,6 @@ from typing import AbstractSet, Callable, Iterable, Mapping, Protocol, Sequence 
 from ..requests import Job, SeqView, SessionState, Work
 from ..kv.pools import Residency
 
-__all__ = ["SeqView"]  # (re-exported: the sequence view is the lowest layer's, beside ``Sequence``)
-
 Listener = Callable[[str, dict], None]  # (event, data) on the step thread: submit, token, finish, materialized, step
 
 
