@@ -13,7 +13,8 @@ costs ``a + b * rows`` (``--line``, default 6.2 ms + 1.1 ms a row, the line the 
 under); the plan sees that line instead of fitted step times. Two drafters: the current
 ``opencoti/engine/core/speculative.py`` and the one as of ``--baseline`` (default ``f30f4c5``, the
 drafter before per-position confidence and per-length rates), read with ``git show`` into a
-temporary file. (3) Check (``--no-engine-check`` skips it): the same requests again with
+temporary file (with the commit's ``opencoti/engine/speculation.py``, the n-gram matcher and
+``RecentOutputs`` it imports, where the commit has one). (3) Check (``--no-engine-check`` skips it): the same requests again with
 speculation on and the engine's cost line pinned to the same line (each round in a fresh engine,
 as the benchmark's servers are: draft rows take free KV pages only, which a long run's prefix
 cache would use up); the engine's ``draft_n`` /
@@ -53,6 +54,8 @@ import common  # noqa: E402
 
 TUNING_ROUNDS = 3  # rounds 0..2: the nonces the drafter's constants were chosen on; later rounds are held out
 DRAFTER_PATH = "opencoti/engine/core/speculative.py"
+# what the drafter imports of the engine (its n-gram matcher, RecentOutputs), at commits that have it
+SHARED_PATH, SHARED_MODULE = "opencoti/engine/speculation.py", "opencoti.engine.speculation"
 WARMUP_TOKENS = 8  # bench_speculative's warm-up request (PROMPTS["novel"], 8 tokens)
 ROOT = b"round"  # the replay's one salt root (each round is replayed with its own RecentOutputs)
 
@@ -60,7 +63,9 @@ ROOT = b"round"  # the replay's one salt root (each round is replayed with its o
 # ============================================================================ drafters
 def load_drafter(commit: str) -> tuple[ModuleType, str]:
     """The drafter module as of ``commit`` (``git show`` into a temporary file, imported under a
-    name of its own) and the commit's full hash."""
+    name of its own in the drafter's package) and the commit's full hash. Where the commit has the
+    module the drafter imports its shared parts from (:data:`SHARED_PATH`), the drafter imports the
+    commit's, not the working tree's."""
     def git(*args: str) -> str:
         proc = subprocess.run(["git", *args], cwd=common.REPO_ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -69,8 +74,27 @@ def load_drafter(commit: str) -> tuple[ModuleType, str]:
 
     full = git("rev-parse", "--verify", f"{commit}^{{commit}}").strip()
     source = git("show", f"{full}:{DRAFTER_PATH}")
-    name = f"speculative_{full[:10]}"
-    with tempfile.NamedTemporaryFile("w", suffix=".py", prefix=name + "_", delete=False) as f:
+    has_shared = SHARED_PATH in git("ls-tree", "-r", "--name-only", full, "--", SHARED_PATH).split()
+    import opencoti.engine.core  # noqa: F401 - the package the drafter's relative imports resolve in
+
+    package = "opencoti.engine.core"
+    saved = sys.modules.get(SHARED_MODULE)
+    try:
+        if has_shared:
+            sys.modules[SHARED_MODULE] = exec_source(f"opencoti.engine.speculation_{full[:10]}",
+                                                     git("show", f"{full}:{SHARED_PATH}"))
+        module = exec_source(f"{package}.speculative_{full[:10]}", source)
+    finally:
+        if saved is not None:
+            sys.modules[SHARED_MODULE] = saved
+        else:
+            sys.modules.pop(SHARED_MODULE, None)
+    return module, full
+
+
+def exec_source(name: str, source: str) -> ModuleType:
+    """``source`` imported as the module ``name`` (from a temporary file; kept in ``sys.modules``)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", prefix=name.rpartition(".")[2] + "_", delete=False) as f:
         f.write(source)
         path = f.name
     try:
@@ -81,7 +105,7 @@ def load_drafter(commit: str) -> tuple[ModuleType, str]:
         spec.loader.exec_module(module)
     finally:
         Path(path).unlink()
-    return module, full
+    return module
 
 
 def current_drafter() -> dict:
@@ -90,7 +114,8 @@ def current_drafter() -> dict:
         return subprocess.run(["git", *args], cwd=common.REPO_ROOT, capture_output=True, text=True)
 
     head = git("rev-parse", "HEAD").stdout.strip() or "?"
-    return {"commit": head, "modified": git("diff", "--quiet", "HEAD", "--", DRAFTER_PATH).returncode != 0}
+    return {"commit": head,
+            "modified": git("diff", "--quiet", "HEAD", "--", DRAFTER_PATH, SHARED_PATH).returncode != 0}
 
 
 def replay_request(mod: Any, costs: Any, recent: Any, prompt: list[int], answer: list[int], max_tokens: int,

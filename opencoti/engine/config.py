@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from .checks import is_int as _is_int, is_number as _is_number
 from .errors import InvalidRequestError
-from .core.speculative import MODES as SPECULATIVE_MODES
+from .speculation import MODES as SPECULATIVE_MODES
 
 _MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the same)
@@ -18,6 +18,14 @@ KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "q8")  # EngineConfig.kv_dtype
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise InvalidRequestError(message)
+
+
+class OutputConstraint:
+    """The type of ``SamplingParams.constraint``: the base of ``constraints.ConstraintSpec``, its one
+    subclass, declared in the engine's lowest layer so that the check of a request's parameters
+    imports nothing above it."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -116,10 +124,8 @@ class SamplingParams:
         _check(self.penalty_scope in ("context", "output"),
                f"penalty_scope must be 'context' or 'output', got {self.penalty_scope!r}")
         _check(isinstance(self.post_sampling_probs, bool), "post_sampling_probs must be a boolean")
-        if self.constraint is not None:
-            from .constraints import ConstraintSpec
-
-            _check(isinstance(self.constraint, ConstraintSpec), "constraint must be a ConstraintSpec")
+        _check(self.constraint is None or isinstance(self.constraint, OutputConstraint),
+               "constraint must be a ConstraintSpec")
 
     @property
     def has_penalties(self) -> bool:

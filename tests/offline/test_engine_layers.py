@@ -17,13 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LAYERS = ["", "native", "chat", "constraints", "sampling", "attention", "model", "kv", "polykv", "observe",
                  "admission", "core", "persist", "api"]
 
-# module -> module imports that point up, and why they are still there (the drafter's shared helpers and
-# modes to a module of the lowest layers, the config's check of a constraint by a name it owns)
+# module -> module imports that point up, and why they are still there
 UPWARD: dict[str, str] = {
-    "engine.config -> engine.constraints": "the config checks a constraint is a ConstraintSpec",
-    "engine.config -> engine.core.speculative": "the speculative modes live with the drafter",
-    "engine.observe.metrics -> engine.core.speculative": "acceptance(), the drafter's rate, lives with the drafter",
-    "engine.polykv.prefix -> engine.core.speculative": "the n-gram matcher it shares lives with the drafter",
+    "engine.polykv.prefix -> engine.core.speculative": "RecentOutputs, now in speculation.py (the file is mid-edit)",
     "engine.requests -> engine.kv.prefix_index": "a sequence's index node is typed by kv's Entry (for mypy only)",
 }
 

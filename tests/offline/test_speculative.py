@@ -7,6 +7,7 @@ import torch
 
 from opencoti.engine import EngineConfig, InvalidRequestError, SamplingParams
 from opencoti.engine.constraints import ConstraintSpec
+from opencoti.engine import speculation
 from opencoti.engine.core import speculative
 from opencoti.engine.core.speculative import DraftState, StepCosts, expected_tokens
 
@@ -70,12 +71,12 @@ def test_occurrences_that_disagree_at_the_first_token_draft_short_or_nothing():
 
 def test_only_the_latest_occurrences_vote():
     """An n-gram keeps its OCCURRENCES latest ends: old continuations stop voting."""
-    old = [1, 2, 3, 4] * speculative.OCCURRENCES
-    new = [1, 2, 3, 5] * speculative.OCCURRENCES
+    old = [1, 2, 3, 4] * speculation.OCCURRENCES
+    new = [1, 2, 3, 5] * speculation.OCCURRENCES
     st = DraftState(4)
     assert st.propose(old + new + [1, 2, 3], 1) == [5]
     assert st.probs == pytest.approx([st.rate])  # the kept occurrences all agree
-    assert all(isinstance(ends, int) or len(ends) <= speculative.OCCURRENCES for ends in st.ends.values())
+    assert all(isinstance(ends, int) or len(ends) <= speculation.OCCURRENCES for ends in st.ends.values())
 
 
 def test_drafts_of_a_match_length_that_fails_get_a_lower_rate_never_a_higher_one():
@@ -171,7 +172,7 @@ def test_step_costs_keep_the_median_of_recent_samples():
 
 
 def test_recent_outputs_draft_by_salt_and_longest_match():
-    rec = speculative.RecentOutputs(size=2)
+    rec = speculation.RecentOutputs(size=2)
     rec.add(b"a", [5, 6, 7, 8, 9])
     rec.add(b"b", [5, 6, 1, 2])
     assert rec.lookup(b"a", (6, 7), 2) == [8, 9] and rec.lookup(b"b", (5, 6), 4) == [1, 2]
@@ -190,7 +191,7 @@ def test_recent_outputs_draft_by_salt_and_longest_match():
 def test_recent_outputs_index_forgets_only_what_left():
     """One index over every kept answer: an n-gram two answers share stays findable (in the later
     one) when the earlier leaves; the later answer's own entries leave with it."""
-    rec = speculative.RecentOutputs(size=2)
+    rec = speculation.RecentOutputs(size=2)
     rec.add(b"a", [1, 2, 3, 4])
     rec.add(b"a", [1, 2, 9, 9])
     assert rec.lookup(b"a", (1, 2), 2) == [9, 9]  # the latest answer holding it

@@ -26,6 +26,7 @@ from .close import CLOSE_HORIZON, CloseWatch
 from .llg import apply_masks, compute_masks, llg_tokenizer, load_llguidance
 from .sat import check_satisfiable
 from ..checks import check_schema_depth, schema_too_deep
+from ..config import OutputConstraint
 from ..errors import InvalidRequestError
 from ..chat.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_key  # noqa: F401 - re-exported
 
@@ -133,7 +134,7 @@ def tool_calls_lark(tools: Sequence[dict], name: str | None = None, parallel: bo
 
 
 @dataclass(frozen=True)
-class ConstraintSpec:
+class ConstraintSpec(OutputConstraint):
     """What a request's output must match (see the module docstring).
 
     kind: json_schema | json_object | grammar (llama.cpp GBNF or llguidance Lark) | regex | tool_calls

@@ -36,7 +36,8 @@ from ..sampling.text import TextOutput
 from ..sampling.state import SamplerState
 from .scheduler import Scheduler, StepStats
 from ..requests import Job, MaterializeJob, Sequence, Session, SessionState, Work
-from .speculative import DraftState, Drafter, RecentOutputs
+from ..speculation import RecentOutputs
+from .speculative import DraftState, Drafter
 
 Emit = Callable[[tuple], None]
 

@@ -2,13 +2,15 @@
 
 Agents repeat themselves: tool results quoted back, JSON keys and argument names, a restated plan,
 lines of the shared brief. For a decoding job the drafter finds the earlier occurrences of its
-last ``n`` tokens (``n`` from :data:`NGRAM_MAX` down to :data:`NGRAM_MIN`, the longest that
+last ``n`` tokens (``n`` from ``NGRAM_MAX`` down to ``NGRAM_MIN``, the longest that
 occurred) in its context -- the prompt, its pool's prefix included, and what it generated -- and
 proposes the tokens that followed them there. No second model. Where its own context has no match for an ``n``, the answers
 of recently finished requests of the same cache salt are looked up too (:class:`RecentOutputs`:
 agents of a team answer in the same shapes -- the same JSON keys, a restated plan, a quoted brief),
 within the same namespace as the prefix cache: requests with different salts never draft from each
-other, and an engine without the prefix cache drafts from each request's own context only.
+other, and an engine without the prefix cache drafts from each request's own context only. The
+n-gram matcher, :class:`RecentOutputs` and the modes are the engine's lowest layer's
+(``engine/speculation.py``: the prefix cache, the config and the metrics use them too).
 
 Verification: the job's last token and its ``k`` draft tokens run in one step as ``k + 1`` decode
 rows over the session's page table (row ``i`` attends to the positions before it and itself, so
@@ -32,7 +34,7 @@ whole step (every job in the batch waits for the longer step), and none when no 
 :data:`MIN_GAIN`.
 
 The probabilities are per position, not one rate per job (:func:`continuation`): each n-gram
-keeps its :data:`OCCURRENCES` latest ends, the draft follows the continuation most of them agree
+keeps its ``OCCURRENCES`` latest ends, the draft follows the continuation most of them agree
 on, and each position's probability is the job's rate times the share of the other occurrences
 (still agreeing up to it) that continue the same way. Boilerplate -- JSON keys, a quoted
 sentence -- repeats the same way every time and keeps the job's rate; where the occurrences
@@ -67,54 +69,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-NGRAM_MAX = 4  # longest context suffix matched
-NGRAM_MIN = 2  # shortest (one token matches too often to be worth a row)
+from ..speculation import NGRAM_MAX, NGRAM_MIN, RecentOutputs, ngram_occurrences
+
 MAX_DRAFT_ROWS = 16  # draft rows in one step at most
 MAX_STEP_ROWS = 31  # decode rows whose results do not depend on each other (the native int16 row kernels)
 MIN_GAIN = 1.05  # tokens per second of the step must grow by this factor
 EXPLORE_EVERY = 8
 PROBE_EVERY = 64  # a probe row costs ~1 % of the steps between probes (one job alone or eight)
 PRIOR = (1.2, 2.0)  # acceptance prior: 1.2 matches of 2 positions
-OCCURRENCES = 8  # latest occurrences kept per n-gram of a job's context (their continuations vote)
 AGREE_PRIOR = 0.25  # pseudo-occurrences agreeing with a draft position (smooths the share that agree)
 ORDER_PRIOR = 4.0  # weight (tested positions) of the job's rate in the rate of drafts matched on n tokens
 STOP_BELOW = 0.05  # a draft ends where the chance that all of it is accepted falls below this
 DECAY = 0.8
-MODES = ("ngram", "off")
 SAMPLES = 9  # step times kept per row count
-RECENT_OUTPUTS = 64  # finished answers (per engine, all salts) other requests may draft from
-
-
-def _ngrams(tokens: list[int], start: int, stop: int):
-    """The n-grams (``NGRAM_MIN`` .. ``NGRAM_MAX`` tokens) ending at positions ``start .. stop``, as
-    (n-gram, end) in order of their ends."""
-    for end in range(max(start, 1), stop + 1):
-        for n in range(NGRAM_MIN, NGRAM_MAX + 1):
-            if end - n < 0:
-                break
-            yield tuple(tokens[end - n:end]), end
-
-
-def _ngram_ends(tokens: list[int], start: int, stop: int, last: dict) -> None:
-    """Record in ``last`` the n-grams ending at positions ``start .. stop`` (each maps to where it ends)."""
-    for key, end in _ngrams(tokens, start, stop):
-        last[key] = end
-
-
-def _ngram_occurrences(tokens: list[int], start: int, stop: int, ends: dict) -> None:
-    """Record in ``ends`` the n-grams ending at positions ``start .. stop``: each n-gram maps to
-    where it ended, an int while it occurred once (most n-grams: half the memory of a list), then
-    a list of the :data:`OCCURRENCES` latest positions, oldest first."""
-    for key, end in _ngrams(tokens, start, stop):
-        seen = ends.get(key)
-        if seen is None:
-            ends[key] = end
-        elif isinstance(seen, int):
-            ends[key] = [seen, end]
-        else:
-            seen.append(end)
-            if len(seen) > OCCURRENCES:
-                del seen[0]
 
 
 def continuation(tokens: list[int], ends: Sequence[int], k: int, rate: float) -> tuple[list[int], list[float]]:
@@ -153,51 +120,6 @@ def continuation(tokens: list[int], ends: Sequence[int], k: int, rate: float) ->
     return draft, probs
 
 
-class RecentOutputs:
-    """The answers of recently finished requests, with one n-gram index over all of them: a lookup
-    is one dict read, however many answers are kept."""
-
-    def __init__(self, size: int = RECENT_OUTPUTS):
-        self.size = size
-        self._answers: deque[tuple[int, bytes, dict]] = deque()  # (serial, salt root, its n-gram ends)
-        # (salt root, n-gram) -> (serial, tokens, end) of the latest kept answer holding it
-        self._index: dict[tuple[bytes, tuple], tuple[int, list[int], int]] = {}
-        self._serial = 0
-
-    def __len__(self) -> int:
-        return len(self._answers)
-
-    @property
-    def ngrams(self) -> int:
-        """N-grams indexed (each of a kept answer; an answer that left took its own with it)."""
-        return len(self._index)
-
-    def add(self, root: bytes, answer: list[int]) -> None:
-        if len(answer) <= NGRAM_MIN:
-            return
-        tokens = list(answer)
-        last: dict = {}
-        _ngram_ends(tokens, NGRAM_MIN, len(tokens) - 1, last)  # n-grams with a token after them
-        self._serial += 1
-        for key, end in last.items():
-            self._index[(root, key)] = (self._serial, tokens, end)
-        self._answers.append((self._serial, root, last))
-        while len(self._answers) > self.size:  # the oldest answer leaves: its entries no later answer took
-            serial, old_root, old = self._answers.popleft()
-            for key in old:
-                entry = self._index.get((old_root, key))
-                if entry is not None and entry[0] == serial:
-                    del self._index[(old_root, key)]
-
-    def lookup(self, root: bytes, key: tuple, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed ``key`` in the latest answer of salt ``root`` holding it."""
-        entry = self._index.get((root, key))
-        if entry is None:
-            return []
-        _serial, tokens, end = entry
-        return tokens[end:end + k]
-
-
 @dataclass
 class DraftState:
     """One job's drafter: an index of its context's n-grams, its acceptance rate, and the
@@ -221,7 +143,7 @@ class DraftState:
 
     def _index(self, tokens: list[int], upto: int) -> None:
         """Record the n-grams ending at positions up to ``upto``."""
-        _ngram_occurrences(tokens, self.indexed, upto, self.ends)
+        ngram_occurrences(tokens, self.indexed, upto, self.ends)
         self.indexed = max(self.indexed, upto + 1)
 
     def propose(self, tokens: list[int], k: int,
@@ -380,22 +302,15 @@ def draft_limit(job, k: int) -> int:
     return max(0, min(k, left, room))
 
 
-def acceptance(state: DraftState | None) -> dict:
-    """llama.cpp's timings fields for a request's drafts."""
-    if state is None or not state.drafted:
-        return {}
-    return {"draft_n": state.drafted, "draft_n_accepted": state.accepted}
-
-
-# This module imports nothing of the engine (``core/requests.py`` imports ``config.py``, which imports
-# this module; and benchmarks/replay_speculative.py loads it on its own): a job and its sequence are
-# ``Any`` here, as in ``draft_limit`` (``core.requests.Job`` and ``Sequence``).
-AnyJob = Any  # a core.requests.Job
+# This module imports nothing of the engine but ``speculation.py`` (benchmarks/replay_speculative.py
+# loads it, and that, from any commit, on their own): a job and its sequence are ``Any`` here, as in
+# ``draft_limit`` (``requests.Job`` and ``Sequence``).
+AnyJob = Any  # a requests.Job
 
 
 class DraftPages(Protocol):
     """What drafts need of the KV tables (``KVTables``): pages for the draft rows that displace no
-    one's KV, and the rows given back (``seq``: a ``core.requests.Sequence``)."""
+    one's KV, and the rows given back (``seq``: a ``requests.Sequence``)."""
 
     def extend_free(self, seq: Any, num_tokens: int, from_cache: bool = False) -> bool: ...
 

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 
 from ..requests import Job, SessionState
 from .tps import RateWindow, SessionTps, TpsConfig
-from ..core.speculative import acceptance
+from ..speculation import acceptance
 from ..polykv.view import PolyKVView
 
 __all__ = ["Activity", "Metrics", "RateWindow", "SessionTps", "TpsConfig"]
