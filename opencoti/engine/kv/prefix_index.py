@@ -35,6 +35,14 @@ def page_key(parent: bytes, tokens: Seq[int]) -> bytes:
     return h.digest()
 
 
+def tail_key(parent: bytes, tokens: Seq[int]) -> bytes:
+    """The key of a tail (a partial last page) under the page ``parent``: its own hash domain, so
+    it never equals a full page's key."""
+    h = hashlib.blake2b(b"opencoti-tail\0" + parent, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
 class Entry:
     """One indexed page (or a root, with ``page`` None)."""
 
@@ -121,18 +129,23 @@ class PrefixIndex:
             m.pages.append(e.page)
             m.keys.append(k)
             node = e
-        start = len(m.pages) * ps
-        rest = tokens[start:limit]
+        rest = tokens[len(m.pages) * ps:limit]
         if rest:
-            best, best_n = None, 0
-            for cand in list(node.children.values()) + list(node.tails.values()):
-                n = _common(cand.tokens, rest)
-                if n > best_n:
-                    best, best_n = cand, n
+            best, best_n = self.best_partial(node, rest)
             if best is not None:
                 best.last_access = now
                 m.partial_page, m.partial_tokens = best.page, best_n
         return m
+
+    @staticmethod
+    def best_partial(node: Entry, rest: Seq[int]) -> "tuple[Entry | Tail | None, int]":
+        """The page under ``node`` (a child or a tail) sharing the most leading tokens with ``rest``."""
+        best, best_n = None, 0
+        for cand in list(node.children.values()) + list(node.tails.values()):
+            n = common_prefix(cand.tokens, rest)
+            if n > best_n:
+                best, best_n = cand, n
+        return best, best_n
 
     def pending_key(self, keys: list[bytes], n_cached_pages: int) -> bytes | None:
         """The first of ``keys`` (a prompt's page keys) past the indexed ones, if any."""
@@ -199,7 +212,7 @@ class PrefixIndex:
                 heapq.heappush(heap, (parent.last_access, next(tie), parent))
 
 
-def _common(a: tuple, b: Seq[int]) -> int:
+def common_prefix(a: tuple, b: Seq[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

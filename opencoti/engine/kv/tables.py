@@ -49,8 +49,21 @@ class Tier(Protocol):
         called before their pages are freed. Must not block (it may drop them instead)."""
         ...
 
+    def spill_tails(self, kv: PagePool, tails: list[Tail]) -> None:
+        """Keep the KV of these evicted tails (partial last pages, valid for their ``tokens``)."""
+        ...
+
     def has(self, key: bytes) -> bool:
         """Whether the tier holds the page of this chained key."""
+        ...
+
+    def tail(self, parent_key: bytes, rest: Seq[int]) -> tuple[bytes, int] | None:
+        """The key of the tail it holds under the page ``parent_key`` that shares the most leading
+        tokens with ``rest``, and how many; None: none."""
+        ...
+
+    def fetch_tail(self, key: bytes, kv: PagePool):
+        """``(k, v, tokens)`` of the tail ``key`` (``[L, len(tokens), H, D]`` each), checked; None: cannot."""
         ...
 
     def prefetch(self, keys: Seq[bytes], kv: PagePool) -> int:
@@ -276,10 +289,15 @@ class KVTables:
             return 0
         freed: list[int] = []
         chains: list[list[Entry]] = []
+        tails: list[Tail] = []  # partial last pages: kept too (a session's next turn continues its tail)
         ends: dict[int, list[Entry]] = {}  # id(an entry) -> the chain waiting for it as its head's parent
         for item in self.index.eviction_order(self.kv.refcount):
             self.index.remove(item)
-            if self.tier is not None and isinstance(item, Entry):  # leaves first: a chain grows at its head
+            if self.tier is None:
+                pass
+            elif isinstance(item, Tail):
+                tails.append(item)
+            else:  # leaves first: a chain grows at its head
                 chain = ends.pop(id(item), None)
                 if chain is None:
                     chain = []
@@ -290,8 +308,11 @@ class KVTables:
             freed.append(item.page)
             if len(freed) >= num_pages:
                 break
-        if chains and self.tier is not None:
-            self.tier.spill(self.kv, chains)  # before the pages are freed (it copies them)
+        if self.tier is not None:  # before the pages are freed (it copies them)
+            if chains:
+                self.tier.spill(self.kv, chains)
+            if tails:
+                self.tier.spill_tails(self.kv, tails)
         self.kv.decref(freed)
         self.evicted_pages += len(freed)
         return len(freed)
@@ -309,37 +330,64 @@ class KVTables:
         j = i
         while j < len(keys) and (j + 1) * ps <= limit and keys[j] not in index.entries and tier.has(keys[j]):
             j += 1
-        if j == i:
-            return 0
         node = index.entries[keys[i - 1]] if i else index.root(salt_root)
-        got = tier.fetch(keys[i:j], [tuple(tokens[x * ps:(x + 1) * ps]) for x in range(i, j)], node.key, self.kv)
-        if got is None:
-            return 0
-        k, v = got
-        held = list(m.pages)
-        self.kv.incref(held)  # the match stays resident while pages are reclaimed for what follows it
-        try:
-            n = k.shape[1]
-            if not self._reserve(n):
-                n = min(n, self.kv.num_free)
-            if n <= 0:
-                return 0
-            pages = self.kv.allocate(n)
-        finally:
-            self.kv.decref(held)
-        idx = torch.tensor(pages, dtype=torch.long, device=self.kv.k_cache.device)
-        self.kv.k_cache.index_copy_(1, idx, k[:, :n].to(self.kv.k_cache.device))
-        self.kv.v_cache.index_copy_(1, idx, v[:, :n].to(self.kv.v_cache.device))
+        held = list(m.pages)  # the match stays resident while pages are reclaimed for what follows it
         added = 0
-        for x, page in enumerate(pages):
-            e = index.add(keys[i + x], node, page, tuple(tokens[(i + x) * ps:(i + x + 1) * ps]))
-            if e is None:  # (a collision: cannot happen for keys the index does not list) the rest goes
-                self.kv.decref(pages[x:])
-                break
-            node = e  # the index holds the page's one reference: a cache page
-            added += 1
+        if j > i:
+            got = tier.fetch(keys[i:j], [tuple(tokens[x * ps:(x + 1) * ps]) for x in range(i, j)], node.key, self.kv)
+            if got is None:
+                return 0
+            k, v = got
+            pages = self._allocate_held(k.shape[1], held)
+            idx = torch.tensor(pages, dtype=torch.long, device=self.kv.k_cache.device)
+            self.kv.k_cache.index_copy_(1, idx, k[:, :len(pages)].to(self.kv.k_cache.device))
+            self.kv.v_cache.index_copy_(1, idx, v[:, :len(pages)].to(self.kv.v_cache.device))
+            for x, page in enumerate(pages):
+                e = index.add(keys[i + x], node, page, tuple(tokens[(i + x) * ps:(i + x + 1) * ps]))
+                if e is None:  # (a collision: cannot happen for keys the index does not list) the rest goes
+                    self.kv.decref(pages[x:])
+                    break
+                node = e  # the index holds the page's one reference: a cache page
+                held.append(page)
+                added += 1
+            if added < j - i:
+                self.promoted_pages += added
+                return added
+        added += self._promote_tail(node, tokens[(i + added) * ps:limit], held)
         self.promoted_pages += added
         return added
+
+    def _allocate_held(self, n: int, held: list[int]) -> list[int]:
+        """Up to ``n`` pages (reclaiming others, never ``held``'s pages)."""
+        self.kv.incref(held)
+        try:
+            if not self._reserve(n):
+                n = min(n, self.kv.num_free)
+            return self.kv.allocate(n) if n > 0 else []
+        finally:
+            self.kv.decref(held)
+
+    def _promote_tail(self, node: Entry, rest: Seq[int], held: list[int]) -> int:
+        """The tail under ``node`` the tier holds, when it continues ``rest`` further than what the
+        index holds there, comes back as a tail (copied by the match that follows). 1: it did."""
+        assert self.tier is not None and self.index is not None
+        found = self.tier.tail(node.key, rest) if rest else None
+        if found is None or found[1] <= self.index.best_partial(node, rest)[1]:
+            return 0
+        got = self.tier.fetch_tail(found[0], self.kv)
+        if got is None:
+            return 0
+        k, v, tail_tokens = got
+        pages = self._allocate_held(1, held)
+        if not pages:
+            return 0
+        t = len(tail_tokens)
+        self.kv.k_cache[:, pages[0], :t] = k.to(self.kv.k_cache.device)
+        self.kv.v_cache[:, pages[0], :t] = v.to(self.kv.v_cache.device)
+        if not self.index.add_tail(node, pages[0], tuple(tail_tokens)):
+            self.kv.decref(pages)
+            return 0
+        return 1
 
     def kv_location(self, seq: SeqView, spilled_keys: Seq[bytes] = ()) -> dict:
         """Where a session's KV lives: ``kv_location`` "ram" (its own pages, or its pages all in the

@@ -6,10 +6,13 @@ an evicted pool's pages and plain cache pages all become cache-only pages first 
 in the prefix index by their chained page key) and are then evicted LRU, leaves first. The tier
 hooks that door: the pages of each evicted chain (a run of pages where each is the parent of the
 next) are copied on the step thread (a memory copy: ~0.1 ms a page for the bundled model) and
-written by an I/O thread as one *segment* file. A later request whose prompt continues a resident
-prefix with keys the tier holds gets those pages back into RAM as cache pages
-(``KVTables.promote``) before the index is matched, so every path that reuses cached KV (a
-session's next turn, a prefix shared by another request) reads them instead of recomputing them.
+written by an I/O thread as one *segment* file. An evicted *tail* (a finished request's partial last
+page, which a session's next turn continues) is a segment of its own, its valid slots only, found by
+the key of the page before it and its tokens; it comes back as a tail and is copied, not recomputed.
+A later request whose prompt continues a resident prefix with keys the tier holds gets those pages
+back into RAM as cache pages (``KVTables.promote``) before the index is matched, so every path that
+reuses cached KV (a session's next turn, a prefix shared by another request) reads them instead of
+recomputing them.
 
 Format. A segment is a KV file (``kvfile``: 4 KiB header, K then V as ``[layers, tokens, heads,
 dim]``, CRC-32 of the body, the tokens appended), written to a temporary name and renamed, so a
@@ -44,9 +47,10 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from . import kvfile
+from ..kv.prefix_index import common_prefix, tail_key
 from .files import HEADER
-from .tier_files import DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment
+from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment, tier_budget_mib,
+                         write_segment)
 
 log = logging.getLogger("opencoti.engine.persist")
 
@@ -70,7 +74,8 @@ class DiskTier:
             f.unlink(missing_ok=True)
         if stale:
             log.info("KV tier: removed %d files of an earlier run from %s", len(stale), self.dir)
-        self.pages: dict[bytes, tuple[Segment, int]] = {}  # page key -> (segment, index in it)
+        self.pages: dict[bytes, tuple[Segment, int]] = {}  # page key (or a tail's) -> (segment, index in it)
+        self.tails: dict[bytes, dict[bytes, Segment]] = {}  # parent page key -> tail key -> its segment
         self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
         self.used_bytes = 0
         self._names = itertools.count(1)
@@ -88,8 +93,8 @@ class DiskTier:
         self.wake: Callable[[], None] | None = None  # called (reader thread) when a prefetch is done
         self._layout: tuple | None = None  # (kv page geometry) for the reader thread
         self.stats = {"spilled_pages": 0, "spilled_segments": 0, "dropped_pages_queue_full": 0,
-                      "skipped_pages_over_budget": 0, "evicted_segments": 0, "read_pages": 0,
-                      "read_segments": 0, "read_from_memory": 0, "faults": 0, "write_errors": 0,
+                      "spilled_tails": 0, "skipped_pages_over_budget": 0, "evicted_segments": 0, "read_pages": 0,
+                      "read_segments": 0, "read_tails": 0, "read_from_memory": 0, "faults": 0, "write_errors": 0,
                       "write_seconds": 0.0, "read_seconds": 0.0, "prefetched_segments": 0,
                       "prefetch_seconds": 0.0}
 
@@ -129,11 +134,24 @@ class DiskTier:
                     run = []
             self._write(kv, run)
 
-    def _write(self, kv, run: list) -> None:
+    def spill_tails(self, kv, tails: list) -> None:
+        """Tails leave RAM: each (``page``, ``tokens``, ``parent``) a finished request's partial last
+        page, valid for its tokens; a file each. One the tier holds already is not written again."""
+        self._sweep_failed()
+        for t in tails:
+            key = tail_key(t.parent.key, t.tokens)
+            held = self.pages.get(key)
+            if held is not None and held[0].state in (PENDING, WRITTEN) and held[0].name in self.segments:
+                self.segments.move_to_end(held[0].name)
+                continue
+            self._write(kv, [t], tail=key)
+
+    def _write(self, kv, run: list, tail: bytes | None = None) -> None:
         if not run:
             return
         n, ps = len(run), kv.page_size
-        size = HEADER + n * kv.page_bytes + 4 * n * ps
+        slots = len(run[0].tokens) if tail is not None else ps  # a tail's valid slots only
+        size = HEADER + n * kv.page_bytes * slots // ps + 4 * n * slots
         if size > self.budget:
             self.stats["skipped_pages_over_budget"] += n
             return
@@ -144,11 +162,17 @@ class DiskTier:
             return
         self._make_room(size)
         index = torch.tensor([e.page for e in run], dtype=torch.long, device=kv.k_cache.device)
-        k = kv.k_cache.index_select(1, index).cpu()  # [L, n, ps, H, D]
-        v = kv.v_cache.index_select(1, index).cpu()
+        k = kv.k_cache.index_select(1, index)[:, :, :slots].cpu()  # [L, n, ps, H, D] (a tail: its slots)
+        v = kv.v_cache.index_select(1, index)[:, :, :slots].cpu()
         tokens = [t for e in run for t in e.tokens]
-        seg = Segment(f"{next(self._names)}.kv", [e.key for e in run], tokens, (run[0].depth - 1) * ps,
-                      run[0].parent.key, size, k, v)
+        parent = run[0].parent
+        if tail is not None:
+            seg = Segment(f"{next(self._names)}.kv", [tail], tokens, parent.depth * ps, parent.key, size, k, v,
+                          tail=True)
+            self.tails.setdefault(parent.key, {})[tail] = seg
+        else:
+            seg = Segment(f"{next(self._names)}.kv", [e.key for e in run], tokens, (run[0].depth - 1) * ps,
+                          parent.key, size, k, v)
         for i, key in enumerate(seg.keys):
             self.pages[key] = (seg, i)
         self.segments[seg.name] = seg
@@ -157,6 +181,7 @@ class DiskTier:
             self._pending_bytes += size
         self.stats["spilled_pages"] += n
         self.stats["spilled_segments"] += 1
+        self.stats["spilled_tails"] += tail is not None
         self._put(("save", seg))
 
     def _make_room(self, size: int) -> None:
@@ -169,6 +194,12 @@ class DiskTier:
         """The segment's pages are no longer served; its file goes."""
         self._drop_loaded(seg)
         self.segments.pop(seg.name, None)
+        if seg.tail:
+            under = self.tails.get(seg.parent_key, {})
+            if under.get(seg.keys[0]) is seg:
+                del under[seg.keys[0]]
+                if not under:
+                    del self.tails[seg.parent_key]
         for key in seg.keys:
             if self.pages.get(key, (None,))[0] is seg:
                 del self.pages[key]
@@ -222,6 +253,36 @@ class DiskTier:
         self.stats["read_pages"] += i
         self.stats["read_seconds"] += time.perf_counter() - t0
         return (torch.cat(ks, 1) if len(ks) > 1 else ks[0]), (torch.cat(vs, 1) if len(vs) > 1 else vs[0])
+
+    def tail(self, parent_key: bytes, rest: Seq[int]) -> tuple[bytes, int] | None:
+        """The tail under the page ``parent_key`` sharing the most leading tokens with ``rest``:
+        ``(its key, how many)``; None when none shares any."""
+        best, best_n = None, 0
+        for key, seg in self.tails.get(parent_key, {}).items():
+            if seg.state in (PENDING, WRITTEN):
+                n = common_prefix(tuple(seg.tokens), rest)
+                if n > best_n:
+                    best, best_n = key, n
+        return None if best is None else (best, best_n)
+
+    def fetch_tail(self, key: bytes, kv) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """The K and V (``[L, len(tokens), H, D]`` each) and tokens of the tail ``key``, checked;
+        None when it cannot deliver it (a file that cannot be used is forgotten, logged)."""
+        held = self.pages.get(key)
+        if held is None or not held[0].tail or held[0].reading:
+            return None
+        seg = held[0]
+        t0 = time.perf_counter()
+        data = self._data(seg, kv)
+        if data is None:
+            self._forget(seg)
+            return None
+        if seg.name in self.segments:
+            self.segments.move_to_end(seg.name)
+        self.stats["read_pages"] += 1
+        self.stats["read_tails"] += 1
+        self.stats["read_seconds"] += time.perf_counter() - t0
+        return data[0][:, 0], data[1][:, 0], seg.tokens
 
     def _data(self, seg: Segment, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
         k, v = seg.k, seg.v  # (the I/O thread marks it written before it lets these go)
@@ -375,11 +436,7 @@ class DiskTier:
             t0 = time.perf_counter()
             try:
                 if seg.state == PENDING and seg.k is not None:
-                    L, n, ps, H, D = seg.k.shape
-                    kvfile.write_kv(path, seg.k.reshape(L, n * ps, H, D), seg.v.reshape(L, n * ps, H, D),
-                                    seg.start, seg.tokens, store_tokens=True, durable=False,
-                                    extra={"kv": self.identity, "tier": {"parent_key": seg.parent_key.hex(),
-                                                                         "pages": n, "page_size": ps}})
+                    write_segment(path, seg, self.identity)
                     if seg.state == PENDING:
                         seg.state = WRITTEN
             except OSError as e:
@@ -406,22 +463,6 @@ class DiskTier:
             log.warning(msg, *args)
         else:
             log.debug(msg, *args)
-
-
-DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's
-
-
-def tier_budget_mib(config, directory: Path) -> float:
-    """The tier's disk budget: ``kv_disk_budget_mib``, or (None) the default capped at half the
-    space free on ``directory``'s disk now, so the tier never fills a disk others write to."""
-    if config.kv_disk_budget_mib is not None:
-        return float(config.kv_disk_budget_mib)
-    try:
-        st = os.statvfs(directory)
-        free_mib = st.f_bavail * st.f_frsize / 2**20
-    except (OSError, AttributeError):
-        return DEFAULT_KV_DISK_BUDGET_MIB
-    return min(DEFAULT_KV_DISK_BUDGET_MIB, free_mib / 2)
 
 
 def open_tier(engine) -> DiskTier | None:

@@ -72,9 +72,11 @@ class PrefixCache:
         tier, resident = self.tables.tier, n
         while tier is not None and n < len(keys) and tier.has(keys[n]):
             n += 1  # on disk: read back when it starts (KVTables.promote)
-        if tier is not None and n > resident:  # read ahead while it waits; it starts once they are read
-            job.tier_keys = keys[resident:n]
-            tier.prefetch(job.tier_keys, self.tables.kv)
+        if tier is not None:  # read ahead while it waits; it starts once they are read
+            tail = tier.tail(keys[n - 1] if n else job.seq.salt_root, tokens[n * ps:limit])  # and the partial page
+            job.tier_keys = keys[resident:n] + ([tail[0]] if tail is not None else [])
+            if job.tier_keys:
+                tier.prefetch(job.tier_keys, self.tables.kv)
         while n < len(keys) and self._owner(keys[n]) is not None:
             n += 1  # computed by a request ahead of this one (running or queued): it will wait for it
         for k in keys[n:]:  # pages this request computes: later arrivals expect them
