@@ -346,9 +346,8 @@ class MemoryTier:
                 break
             got.append(held)
             parent_key = key
-        if not got:
-            return None
-        return torch.stack([g[0] for g in got], 1), torch.stack([g[1] for g in got], 1)
+        return [(torch.stack([g[0] for g in got[:1]], 1), torch.stack([g[1] for g in got[:1]], 1)),
+                (torch.stack([g[0] for g in got[1:]], 1), torch.stack([g[1] for g in got[1:]], 1))] if got else []
 
 
 def test_evicted_chains_go_to_the_tier_root_first_and_come_back_with_their_kv():

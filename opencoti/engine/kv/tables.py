@@ -74,9 +74,9 @@ class Tier(Protocol):
         """Whether a read ahead of some of ``keys`` is still in flight."""
         ...
 
-    def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv: PagePool):
-        """``(k, v)``, ``[L, n, page_size, H, D]`` each, of the longest checked run of ``keys`` it
-        can deliver (``n`` may be less than asked); None: none."""
+    def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv: PagePool) -> list:
+        """The longest checked run of ``keys`` it can deliver (maybe fewer than asked; empty: none), as
+        parts ``(k, v)``, ``[L, n, page_size, H, D]`` each."""
         ...
 
     def status(self) -> dict:
@@ -334,14 +334,16 @@ class KVTables:
         held = list(m.pages)  # the match stays resident while pages are reclaimed for what follows it
         added = 0
         if j > i:
-            got = tier.fetch(keys[i:j], [tuple(tokens[x * ps:(x + 1) * ps]) for x in range(i, j)], node.key, self.kv)
-            if got is None:
-                return 0
-            k, v = got
-            pages = self._allocate_held(k.shape[1], held)
-            idx = torch.tensor(pages, dtype=torch.long, device=self.kv.k_cache.device)
-            self.kv.k_cache.index_copy_(1, idx, k[:, :len(pages)].to(self.kv.k_cache.device))
-            self.kv.v_cache.index_copy_(1, idx, v[:, :len(pages)].to(self.kv.v_cache.device))
+            parts = tier.fetch(keys[i:j], [tuple(tokens[x * ps:(x + 1) * ps]) for x in range(i, j)], node.key, self.kv)
+            pages = self._allocate_held(sum(k.shape[1] for k, _ in parts), held)
+            at, dev = 0, self.kv.k_cache.device
+            for k, v in parts:  # each file's part straight into its pages (no copy into one tensor first)
+                n = min(k.shape[1], len(pages) - at)
+                if n > 0:
+                    idx = torch.tensor(pages[at:at + n], dtype=torch.long, device=dev)
+                    self.kv.k_cache.index_copy_(1, idx, k[:, :n].to(dev))
+                    self.kv.v_cache.index_copy_(1, idx, v[:, :n].to(dev))
+                at += n
             for x, page in enumerate(pages):
                 e = index.add(keys[i + x], node, page, tuple(tokens[(i + x) * ps:(i + x + 1) * ps]))
                 if e is None:  # (a collision: cannot happen for keys the index does not list) the rest goes

@@ -49,14 +49,18 @@ import torch
 
 from ..kv.prefix_index import common_prefix, tail_key
 from .files import HEADER
-from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment, tier_budget_mib,
-                         write_segment)
+from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment, set_thread_nice,
+                         tier_budget_mib, write_segment)
 
 log = logging.getLogger("opencoti.engine.persist")
 
 TIER_DIR = "kv_tier"
 MAX_SEGMENT_PAGES = 64  # pages per file at most (1,024 tokens at the default page size; ~23 MiB for the bundled model)
 DEFAULT_PENDING_MIB = 256.0  # snapshots waiting for the I/O thread at most (memory); past it, pages are dropped
+# the I/O thread's CPU priority (Linux nice): the lowest, so writing and checksumming files never takes a core
+# from a decode step (benchmarks/bench_kv_tier_steps.py measures both); read before each write
+IO_NICE = 19
+READERS = 3  # threads reading ahead (files at once): one left the disk idle between small files
 
 class DiskTier:
     """The disk tier of one engine's KV pages (see the module docstring). ``spill``, ``has`` and
@@ -87,7 +91,7 @@ class DiskTier:
         # prefetches: segments a queued request will read, read and checked by a thread of their own
         # (not behind the writes), so the step that starts the request only copies them into pages
         self._rq: queue.SimpleQueue = queue.SimpleQueue()
-        self._reader: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
         self._prefetched_bytes = 0  # of the segments in _fetched (step thread only)
         self._fetched: set[Segment] = set()  # prefetched (or being read), not consumed yet
         self.wake: Callable[[], None] | None = None  # called (reader thread) when a prefetch is done
@@ -110,8 +114,7 @@ class DiskTier:
     def status(self) -> dict:
         return {"enabled": True, "dir": str(self.dir), "budget_bytes": self.budget, "used_bytes": self.used_bytes,
                 "pages": len(self.pages), "segments": len(self.segments), "pending_bytes": self._pending_bytes,
-                "prefetched_bytes": self._prefetched_bytes,
-                "max_pending_bytes": self.max_pending, **self.stats}
+                "prefetched_bytes": self._prefetched_bytes, "max_pending_bytes": self.max_pending, **self.stats}
 
     # ------------------------------------------------------------------ writes
     def spill(self, kv, chains: list[list]) -> None:
@@ -215,11 +218,11 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads
     def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The K and V (``[L, n, ps, H, D]`` each) of the longest run of ``keys`` (each page's
-        tokens ``page_tokens``, the first one's parent ``parent_key``) the tier can deliver, checked;
-        None when it has none. A file that cannot be used is forgotten (logged): the caller
-        computes what is not returned."""
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The K and V (``[L, n, ps, H, D]`` each, a part per file: never copied into one) of the
+        longest run of ``keys`` (each page's tokens ``page_tokens``, the first one's parent
+        ``parent_key``) the tier can deliver, checked; empty when it has none. A file that cannot be
+        used is forgotten (logged): the caller computes what is not returned."""
         t0 = time.perf_counter()
         ks, vs = [], []
         i, prev = 0, parent_key
@@ -248,11 +251,9 @@ class DiskTier:
                 self.segments.move_to_end(seg.name)
             prev = keys[j - 1]
             i = j
-        if not ks:
-            return None
         self.stats["read_pages"] += i
         self.stats["read_seconds"] += time.perf_counter() - t0
-        return (torch.cat(ks, 1) if len(ks) > 1 else ks[0]), (torch.cat(vs, 1) if len(vs) > 1 else vs[0])
+        return list(zip(ks, vs))
 
     def tail(self, parent_key: bytes, rest: Seq[int]) -> tuple[bytes, int] | None:
         """The tail under the page ``parent_key`` sharing the most leading tokens with ``rest``:
@@ -332,9 +333,11 @@ class DiskTier:
             seg.reading = True
             self._fetched.add(seg)
             self._prefetched_bytes += seg.nbytes
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read_ahead, name="opencoti-kv-tier-read", daemon=True)
-                self._reader.start()
+            if not self._readers:  # several: a turn's pages are often many small files (evicted a chunk at a time)
+                self._readers = [threading.Thread(target=self._read_ahead, name=f"opencoti-kv-tier-read-{i}", daemon=True)
+                                 for i in range(READERS)]
+                for t in self._readers:
+                    t.start()
             self._rq.put(seg)
             started += 1
         self.stats["prefetched_segments"] += started
@@ -344,10 +347,8 @@ class DiskTier:
         """Whether a prefetch of one of ``keys``' segments is still in flight."""
         for key in keys:
             held = self.pages.get(key)
-            if held is None:
-                return False
-            if held[0].reading:
-                return True
+            if held is None or held[0].reading:
+                return held is not None
         return False
 
     def _drop_loaded(self, seg: Segment) -> None:
@@ -380,7 +381,8 @@ class DiskTier:
             elif seg.state != DROPPED:
                 seg.loaded = got
             seg.reading = False  # (after loaded: the step thread reads ``reading`` first)
-            self.stats["prefetch_seconds"] += time.perf_counter() - t0
+            with self._lock:  # (several readers)
+                self.stats["prefetch_seconds"] += time.perf_counter() - t0
             if self.wake is not None:
                 try:
                     self.wake()
@@ -408,16 +410,18 @@ class DiskTier:
             if seg.state == PENDING:
                 seg.state = DROPPED
         self.wake = None
-        if self._reader is not None:
+        for _ in self._readers:
             self._rq.put(None)
-            self._reader.join()
-            self._reader = None
+        for t in self._readers:
+            t.join()
+        self._readers = []
         if self._thread is not None:
             self._q.put(None)
             self._thread.join()
             self._thread = None
 
     def _run(self) -> None:
+        nice = 0
         while True:
             item = self._q.get()
             if item is None:
@@ -426,6 +430,8 @@ class DiskTier:
             if kind == "flush":
                 seg.set()
                 continue
+            if IO_NICE != nice:
+                nice = set_thread_nice(IO_NICE, nice)
             path = self.dir / seg.name
             if kind == "drop":
                 try:

@@ -2,12 +2,14 @@
 state from queued to written, failed or dropped, and what a prefetch read of it) and the reading of a
 segment's file, checked against the engine's identity, its tokens, the pages' layout and its checksum.
 The reader thread calls ``read_segment`` with the layout (``kv_layout``), never touching the pages;
-the I/O thread ``write_segment``. And the tier's disk budget (``tier_budget_mib``).
+the I/O thread ``write_segment`` (at its own CPU priority: ``set_thread_nice``). And the tier's disk
+budget (``tier_budget_mib``).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -93,3 +95,13 @@ def tier_budget_mib(config, directory: Path) -> float:
     except (OSError, AttributeError):
         return DEFAULT_KV_DISK_BUDGET_MIB
     return min(DEFAULT_KV_DISK_BUDGET_MIB, free_mib / 2)
+
+
+def set_thread_nice(want: int, now: int) -> int:
+    """Set the calling thread's nice (Linux: a thread's own priority; the I/O thread's); returns the one
+    it has after (raising it back needs privileges a process may lack: then it stays)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), want)
+        return want
+    except (OSError, AttributeError):
+        return now
