@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, Unpack
 
 import httpx
 
@@ -13,7 +13,7 @@ from ..engine.errors import OpencotiError
 from ..ops.results import (AdmissionPolicy, Capacity, ChatChunk, ChatCompletion, CompactionResult, Completion, Pool,
                            PoolTree, SessionStatus, TpsSnapshot)
 from .base import ClientBase
-from .calls import chat_body, checked_str, completion_body, prefix_body, release_query, sampling
+from .calls import ChatArgs, CompletionArgs, chat_request, checked_str, completion_request, prefix_body, release_query
 from .events import aggregate_chat, completion_from_dict
 from .transport import AsyncHttpTransport, AsyncInProcessTransport
 
@@ -89,31 +89,14 @@ class AsyncPolyKVClient(ClientBase):
                                                          "add_generation_prompt": add_generation_prompt}))["prompt"]
 
     # ---------------------------------------------------------------- generation
-    def chat_stream(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: Any = None,
-                    pool_id: int | None = None, session_id: str | None = None, overcommit: bool = False,
-                    shared_prefix_n_tokens: int | None = None, parallel_tool_calls: bool | None = None,
-                    temperature: float | None = None, max_tokens: int | None = None, top_p: float | None = None,
-                    top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
-                    stop: Sequence[str] | None = None, ignore_eos: bool = False,
-                    extra_body: dict | None = None) -> AsyncIterator[ChatChunk]:
-        return self._stream(chat_body(messages, tools, tool_choice, pool_id, session_id, overcommit,
-                                      shared_prefix_n_tokens, parallel_tool_calls,
-                                      sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos),
-                                      extra_body))
+    def chat_stream(self, messages: list[dict], **kw: Unpack[ChatArgs]) -> AsyncIterator[ChatChunk]:
+        return self._stream(chat_request(messages, kw))
 
-    async def chat(self, messages: list[dict], **kw) -> ChatCompletion:
+    async def chat(self, messages: list[dict], **kw: Unpack[ChatArgs]) -> ChatCompletion:
         return aggregate_chat([c async for c in self.chat_stream(messages, **kw)])
 
-    async def complete(self, prompt: str | Sequence[int], *, pool_id: int | None = None, session_id: str | None = None,
-                       overcommit: bool = False, shared_prefix_n_tokens: int | None = None,
-                       temperature: float | None = None, max_tokens: int | None = None, top_p: float | None = None,
-                       top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
-                       stop: Sequence[str] | None = None, ignore_eos: bool = False,
-                       extra_body: dict | None = None) -> Completion:
-        body = completion_body(prompt, pool_id, session_id, overcommit, shared_prefix_n_tokens,
-                               sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos),
-                               extra_body)
-        return completion_from_dict(await self._call("complete", body=body))
+    async def complete(self, prompt: str | Sequence[int], **kw: Unpack[CompletionArgs]) -> Completion:
+        return completion_from_dict(await self._call("complete", body=completion_request(prompt, kw)))
 
     # ---------------------------------------------------------------- pools
     async def create_pool(self, *, tokens: Sequence[int] | None = None, text: str | None = None,

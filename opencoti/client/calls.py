@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 from ..engine.errors import InvalidRequestError
 
@@ -25,9 +25,66 @@ def release_query(immediate: bool, cascade_sessions: bool = False) -> dict | Non
     return q or None
 
 
-def sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos) -> dict:
-    return {"temperature": temperature, "max_tokens": max_tokens, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-            "seed": seed, "stop": list(stop) if stop else None, "ignore_eos": ignore_eos or None}
+class SamplingArgs(TypedDict, total=False):
+    """How a generation request samples (each left out or None: the server's default)."""
+
+    temperature: float | None
+    max_tokens: int | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    stop: Sequence[str] | None
+    ignore_eos: bool
+
+
+class CompletionArgs(SamplingArgs, total=False):
+    """The keyword arguments of the clients' ``complete``: where it runs (``pool_id``, ``session_id``,
+    ``overcommit``, ``shared_prefix_n_tokens``), how it samples, and ``extra_body``: more request
+    fields (any field of the route's body, e.g. penalties), sent as given."""
+
+    pool_id: int | None
+    session_id: str | None
+    overcommit: bool
+    shared_prefix_n_tokens: int | None
+    extra_body: dict | None
+
+
+class ChatArgs(CompletionArgs, total=False):
+    """The keyword arguments of the clients' ``chat_stream`` and ``chat``: ``complete``'s, and the tools."""
+
+    tools: list[dict] | None
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+
+
+def _known(kw: dict, args: type, method: str) -> None:
+    """A keyword argument ``args`` does not name is a TypeError, as it is for a declared signature."""
+    for k in kw:
+        if k not in args.__annotations__:
+            raise TypeError(f"{method}() got an unexpected keyword argument {k!r}")
+
+
+def sampling(kw: SamplingArgs) -> dict:
+    stop = kw.get("stop")
+    return {"temperature": kw.get("temperature"), "max_tokens": kw.get("max_tokens"), "top_p": kw.get("top_p"),
+            "top_k": kw.get("top_k"), "min_p": kw.get("min_p"), "seed": kw.get("seed"),
+            "stop": list(stop) if stop else None, "ignore_eos": kw.get("ignore_eos") or None}
+
+
+def chat_request(messages: list[dict], kw: ChatArgs) -> dict:
+    """The body of a chat completion request (``chat_stream``'s arguments)."""
+    _known(dict(kw), ChatArgs, "chat_stream")
+    return chat_body(messages, kw.get("tools"), kw.get("tool_choice"), kw.get("pool_id"), kw.get("session_id"),
+                     kw.get("overcommit", False), kw.get("shared_prefix_n_tokens"), kw.get("parallel_tool_calls"),
+                     sampling(kw), kw.get("extra_body"))
+
+
+def completion_request(prompt: str | Sequence[int], kw: CompletionArgs) -> dict:
+    """The body of a raw-text completion request (``complete``'s arguments)."""
+    _known(dict(kw), CompletionArgs, "complete")
+    return completion_body(prompt, kw.get("pool_id"), kw.get("session_id"), kw.get("overcommit", False),
+                           kw.get("shared_prefix_n_tokens"), sampling(kw), kw.get("extra_body"))
 
 
 def chat_body(messages, tools, tool_choice, pool_id, session_id, overcommit, shared_prefix_n_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Unpack
 
 import httpx
 
@@ -12,7 +12,7 @@ from ..engine.errors import OpencotiError
 from ..ops.results import (AdmissionPolicy, Capacity, ChatChunk, ChatCompletion, CompactionResult, Completion, Pool,
                            PoolTree, SessionStatus, TpsSnapshot)
 from .base import ClientBase
-from .calls import chat_body, checked_str, completion_body, prefix_body, release_query, sampling
+from .calls import ChatArgs, CompletionArgs, chat_request, checked_str, completion_request, prefix_body, release_query
 from .events import aggregate_chat, completion_from_dict
 from .transport import HttpTransport, InProcessTransport
 
@@ -101,37 +101,24 @@ class PolyKVClient(ClientBase):
                                                   "add_generation_prompt": add_generation_prompt})["prompt"]
 
     # ---------------------------------------------------------------- generation
-    def chat_stream(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: Any = None,
-                    pool_id: int | None = None, session_id: str | None = None, overcommit: bool = False,
-                    shared_prefix_n_tokens: int | None = None, parallel_tool_calls: bool | None = None,
-                    temperature: float | None = None, max_tokens: int | None = None, top_p: float | None = None,
-                    top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
-                    stop: Sequence[str] | None = None, ignore_eos: bool = False,
-                    extra_body: dict | None = None) -> Iterator[ChatChunk]:
-        """Stream a chat completion (OpenAI messages / tools). The first chunk carries ``info``
-        (session, pool, cached prefix tokens); the last ``finish_reason``, ``usage``, ``timings``.
-        Closing the iterator early cancels the request. ``extra_body``: more request fields (any
-        field of ``POST /v1/chat/completions``, e.g. penalties), sent as given."""
-        return self._stream(chat_body(messages, tools, tool_choice, pool_id, session_id, overcommit,
-                                      shared_prefix_n_tokens, parallel_tool_calls,
-                                      sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos),
-                                      extra_body))
+    def chat_stream(self, messages: list[dict], **kw: Unpack[ChatArgs]) -> Iterator[ChatChunk]:
+        """Stream a chat completion (OpenAI messages / tools; keyword arguments: ``calls.ChatArgs``:
+        ``tools``, ``tool_choice``, ``pool_id``, ``session_id``, ``overcommit``,
+        ``shared_prefix_n_tokens``, ``parallel_tool_calls``, ``temperature``, ``max_tokens``,
+        ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``ignore_eos``, ``extra_body``). The first
+        chunk carries ``info`` (session, pool, cached prefix tokens); the last ``finish_reason``,
+        ``usage``, ``timings``. Closing the iterator early cancels the request. ``extra_body``: more
+        request fields (any field of ``POST /v1/chat/completions``, e.g. penalties), sent as given."""
+        return self._stream(chat_request(messages, kw))
 
-    def chat(self, messages: list[dict], **kw) -> ChatCompletion:
+    def chat(self, messages: list[dict], **kw: Unpack[ChatArgs]) -> ChatCompletion:
         """A chat completion (same arguments as ``chat_stream``)."""
         return aggregate_chat(list(self.chat_stream(messages, **kw)))
 
-    def complete(self, prompt: str | Sequence[int], *, pool_id: int | None = None, session_id: str | None = None,
-                 overcommit: bool = False, shared_prefix_n_tokens: int | None = None,
-                 temperature: float | None = None, max_tokens: int | None = None, top_p: float | None = None,
-                 top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] | None = None, ignore_eos: bool = False,
-                 extra_body: dict | None = None) -> Completion:
-        """A raw-text completion (llama.cpp ``/completion``) of a text or token-id prompt."""
-        body = completion_body(prompt, pool_id, session_id, overcommit, shared_prefix_n_tokens,
-                               sampling(temperature, max_tokens, top_p, top_k, min_p, seed, stop, ignore_eos),
-                               extra_body)
-        return completion_from_dict(self._call("complete", body=body))
+    def complete(self, prompt: str | Sequence[int], **kw: Unpack[CompletionArgs]) -> Completion:
+        """A raw-text completion (llama.cpp ``/completion``) of a text or token-id prompt (keyword
+        arguments: ``calls.CompletionArgs``, ``chat_stream``'s but the tools)."""
+        return completion_from_dict(self._call("complete", body=completion_request(prompt, kw)))
 
     # ---------------------------------------------------------------- pools
     def create_pool(self, *, tokens: Sequence[int] | None = None, text: str | None = None,

@@ -351,78 +351,49 @@ class OpencotiChatModel(BaseChatModel):
         req["messages"] = convert_messages(messages)
         return req, own
 
-    def _should_release(self, req: dict) -> bool:
-        return self.release_anonymous_sessions and not req.get("session_id")
-
-    def _final(self, end: ChatChunk, info: GenerationInfo | None, status: SessionStatus | None,
-               own: dict) -> ChatGenerationChunk:
-        override = own.get("model")
-        name = override if isinstance(override, str) else self.model_name
-        if end.model and self._served_name is None:
-            self._served_name = end.model
-        md = response_metadata(end, info, status, name)
-        usage = usage_metadata(end) if own.get("stream_usage", self.stream_usage) else None
-        msg = AIMessageChunk(content="", usage_metadata=usage, response_metadata=md, chunk_position="last")
-        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": md["finish_reason"],
-                                                                 "model_name": md["model_name"]})
-
     # ---------------------------------------------------------------- streaming (the primitive)
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        req, own = self._request(messages, stop, kwargs)
+        run = _Run(self, *self._request(messages, stop, kwargs))
         self._ensure_profile()
         client = self.polykv_client
-        msgs = req.pop("messages")
-        info: GenerationInfo | None = None
-        events = client.chat_stream(msgs, **req)
+        events = client.chat_stream(run.req.pop("messages"), **run.req)
         try:
             for ev in events:
-                info = info or ev.info
+                chunk = run.chunk(ev)
                 if ev.finish_reason is not None:
-                    status = None
-                    if self.include_session_status and info is not None and info.session_id:
-                        status = client.session_status(info.session_id)
-                    yield self._final(ev, info, status, own)
-                    continue
-                msg = chunk_from_event(ev)
-                if msg is not None:
-                    chunk = ChatGenerationChunk(message=msg)
-                    if run_manager and msg.content:
-                        run_manager.on_llm_new_token(msg.content, chunk=chunk)
+                    sid = run.status_of()
+                    yield run.final(ev, client.session_status(sid) if sid else None)
+                elif chunk is not None:
+                    if run_manager and chunk.message.content:
+                        run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
                     yield chunk
         finally:
             events.close()
-            if info is not None and self._should_release(req):
-                _quietly(client.release_session, info.session_id)
+            if (sid := run.to_release()) is not None:
+                _quietly(client.release_session, sid)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        req, own = self._request(messages, stop, kwargs)
+        run = _Run(self, *self._request(messages, stop, kwargs))
         await self._aensure_profile()
         client = self.async_polykv_client
-        msgs = req.pop("messages")
-        info: GenerationInfo | None = None
-        events = client.chat_stream(msgs, **req)
+        events = client.chat_stream(run.req.pop("messages"), **run.req)
         try:
             async for ev in events:
-                info = info or ev.info
+                chunk = run.chunk(ev)
                 if ev.finish_reason is not None:
-                    status = None
-                    if self.include_session_status and info is not None and info.session_id:
-                        status = await client.session_status(info.session_id)
-                    yield self._final(ev, info, status, own)
-                    continue
-                msg = chunk_from_event(ev)
-                if msg is not None:
-                    chunk = ChatGenerationChunk(message=msg)
-                    if run_manager and msg.content:
-                        await run_manager.on_llm_new_token(msg.content, chunk=chunk)
+                    sid = run.status_of()
+                    yield run.final(ev, await client.session_status(sid) if sid else None)
+                elif chunk is not None:
+                    if run_manager and chunk.message.content:
+                        await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
                     yield chunk
         finally:
             await events.aclose()
-            if info is not None and self._should_release(req):
-                await _aquietly(client.release_session, info.session_id)
+            if (sid := run.to_release()) is not None:
+                await _aquietly(client.release_session, sid)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -494,6 +465,43 @@ class OpencotiChatModel(BaseChatModel):
         parser_none = RunnablePassthrough.assign(parsed=lambda _: None)
         with_fallback = parser_assign.with_fallbacks([parser_none], exception_key="parsing_error")
         return RunnableMap(raw=llm) | with_fallback
+
+
+class _Run:
+    """One streamed request: what its events become, which ``_stream`` and ``_astream`` share (they
+    differ only in their I/O: the client, the callbacks, the session's status and its release)."""
+
+    def __init__(self, model: OpencotiChatModel, req: dict, own: dict):
+        self.model, self.req, self.own = model, req, own
+        self.info: GenerationInfo | None = None  # the request's (from its first event)
+
+    def chunk(self, ev: ChatChunk) -> ChatGenerationChunk | None:
+        """A token event's chunk (None: it makes none; and for the final event, :meth:`final`'s)."""
+        self.info = self.info or ev.info
+        msg = chunk_from_event(ev) if ev.finish_reason is None else None
+        return ChatGenerationChunk(message=msg) if msg is not None else None
+
+    def status_of(self) -> str | None:
+        """The session whose status the final chunk reports (None: none)."""
+        info = self.info
+        return info.session_id if self.model.include_session_status and info is not None and info.session_id else None
+
+    def final(self, end: ChatChunk, status: SessionStatus | None) -> ChatGenerationChunk:
+        """The final event's chunk: the answer's metadata (finish reason, usage, the session's ``status``)."""
+        model, override = self.model, self.own.get("model")
+        name = override if isinstance(override, str) else model.model_name
+        if end.model and model._served_name is None:
+            model._served_name = end.model
+        md = response_metadata(end, self.info, status, name)
+        usage = usage_metadata(end) if self.own.get("stream_usage", model.stream_usage) else None
+        msg = AIMessageChunk(content="", usage_metadata=usage, response_metadata=md, chunk_position="last")
+        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": md["finish_reason"],
+                                                                 "model_name": md["model_name"]})
+
+    def to_release(self) -> str | None:
+        """The session to release once the stream ends (an anonymous one, where the model says so)."""
+        release = self.model.release_anonymous_sessions and not self.req.get("session_id")
+        return self.info.session_id if self.info is not None and release else None
 
 
 def _quietly(fn: Callable, *args) -> None:

@@ -15,7 +15,6 @@ ChatOllama's where they map to something real), what goes to the server as is, a
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from langchain_core.language_models.model_profile import ModelProfile
@@ -167,11 +166,10 @@ _CLIENT_PARAMS: frozenset[str] | None = None
 
 
 def client_params() -> frozenset[str]:
-    """The request fields ``PolyKVClient.chat_stream`` takes by name (the rest go in ``extra_body``)."""
+    """The request fields ``PolyKVClient.chat_stream`` takes by name (``calls.ChatArgs``; the rest go
+    in ``extra_body``)."""
     global _CLIENT_PARAMS
     if _CLIENT_PARAMS is None:
-        from ..client import PolyKVClient
-        sig = inspect.signature(PolyKVClient.chat_stream)
-        _CLIENT_PARAMS = frozenset(n for n, p in sig.parameters.items()
-                                   if p.kind == p.KEYWORD_ONLY and n != "extra_body")
+        from ..client.calls import ChatArgs
+        _CLIENT_PARAMS = frozenset(ChatArgs.__annotations__) - {"extra_body"}
     return _CLIENT_PARAMS
