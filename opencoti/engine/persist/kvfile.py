@@ -53,9 +53,17 @@ def _slots(page_table: Sequence[int], page_size: int, start: int, end: int, devi
 
 
 def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies (on the CPU) of the K and V of positions ``[start, end)``: ``[layers, n, H, D]`` each."""
-    pages, slots = _slots(page_table, kv.page_size, start, end, kv.k_cache.device)
-    return tuple(c[:, pages, slots].contiguous().cpu() for c in (kv.k_cache, kv.v_cache))  # type: ignore[return-value]
+    """Copies (on the CPU) of the K and V of positions ``[start, end)``: ``[layers, n, H, D]`` each.
+    Gathered a page at a time (a position at a time took ~2x as long: it runs on the step thread)."""
+    ps = kv.page_size
+    first, last = start // ps, (end + ps - 1) // ps
+    idx = torch.tensor(list(page_table[first:last]), dtype=torch.long, device=kv.k_cache.device)
+    out = []
+    for c in (kv.k_cache, kv.v_cache):
+        g = c.index_select(1, idx)  # [L, pages, ps, H, D]
+        g = g.reshape(g.shape[0], -1, *g.shape[3:])[:, start - first * ps:end - first * ps]
+        out.append(g.contiguous().cpu())
+    return out[0], out[1]
 
 
 def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int], *,
