@@ -63,7 +63,7 @@ class Session:
         self.tenant: str | None = None  # the owning tenant's name, kept with the session's saved record
         self.seq = Sequence()
         self.job: "Job | None" = None
-        self.last_access = time.monotonic()
+        self.last_access = time.monotonic()  # (a pool's is wall-clock: Pool.last_access_wall)
         self.created = time.monotonic()
         # the prefix-index keys of the pages its KV was in when memory pressure took them (PolyKV.reclaim):
         # where they are now (RAM cache, disk tier, nowhere) is where its KV is

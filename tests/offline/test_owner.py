@@ -34,8 +34,8 @@ TABLES = "opencoti/engine/kv/tables.py"
 REQUEST_RUNNERS = ("opencoti/engine/core/core.py", "opencoti/engine/core/speculative.py", "opencoti/sim/engine.py")
 
 POOL_SESSION = {"residency", "pinned", "release_at", "grace_until", "cache_hits", "rematerializations", "tenant",
-                "children", "parent", "label", "last_access", "pool_id", "anonymous", "job", "seq", "sessions",
-                "pools", "released", "spilled_keys", "num_shared_tokens"}
+                "children", "parent", "label", "last_access", "last_access_wall", "pool_id", "anonymous", "job", "seq",
+                "sessions", "pools", "released", "spilled_keys", "num_shared_tokens"}
 PAGE_TABLE = {"page_table", "num_cached", "num_borrowed_pages", "page_keys", "index_node", "cacheable", "salt_root"}
 # attribute -> the modules (a path, or a package ending in "/") that may write it
 OWNERS: dict[str, tuple[str, ...]] = {

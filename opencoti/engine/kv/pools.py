@@ -58,7 +58,9 @@ class Pool:
     residency: Residency = Residency.MATERIALIZING
     children: list["Pool"] = field(default_factory=list)
     sessions: set = field(default_factory=set)  # session ids attached
-    last_access: float = field(default_factory=time.time)
+    # when a request last used it, wall-clock (time.time(): what the pool reports as last_access_ts);
+    # the engine's other times, a session's last_access among them, are time.monotonic()
+    last_access_wall: float = field(default_factory=time.time)
     grace_until: float = 0.0  # monotonic deadline of the auto-pin grace TTL
     release_at: float | None = None  # a release deferred by the grace TTL takes effect then (monotonic)
     rematerializations: int = 0

@@ -69,7 +69,7 @@ class PolyKV(TreeState):
         session.last_access = time.monotonic()
         pool = self.session_pool(session)
         if pool is not None:
-            pool.last_access = time.time()
+            pool.last_access_wall = time.time()
 
     def adopt_seq(self, session: Session, seq: Sequence, shared: int) -> None:
         """``seq`` (set up by the KV tables from what the session's request reuses) is the
@@ -118,7 +118,7 @@ class PolyKV(TreeState):
     # ======================================================================== pools in requests
     def touch(self, pool: Pool, hit: bool = False) -> None:
         """A request uses ``pool`` now; ``hit``: it reuses some of its KV."""
-        pool.last_access = time.time()
+        pool.last_access_wall = time.time()
         if hit:
             pool.cache_hits += 1
 
@@ -209,7 +209,7 @@ class PolyKV(TreeState):
         waits = self.restorer.ensure_resident(parent) if not zero_copy else []
         pool = self.tree.add(parent, d, toks, label)
         pool.pinned = bool(pinned)
-        parent.last_access = time.time()
+        parent.last_access_wall = time.time()
         if zero_copy:
             assert session is not None
             self._adopt_session_pages(pool, session, d)

@@ -45,7 +45,7 @@ class Reclaim:
                      if p.residency == Residency.RESIDENT and not p.pinned and not state.auto_pinned(p, now)]
             if not cands:
                 break
-            state.evict_kv(min(cands, key=lambda p: p.last_access))
+            state.evict_kv(min(cands, key=lambda p: p.last_access_wall))
             tables.evict_cache(short())
             state.counters["evicted_pools"] += 1
         return kv.num_free - start

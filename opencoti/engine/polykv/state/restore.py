@@ -50,7 +50,7 @@ class Restore:
     def materialized(self, job: MaterializeJob) -> None:
         pool = job.pool
         pool.residency = Residency.RESIDENT
-        pool.last_access = time.time()
+        pool.last_access_wall = time.time()
         for fn in self.state.listeners:
             fn("materialized", {"pool": pool})
         job.on_done(pool)
@@ -94,7 +94,7 @@ class Restore:
     def pool_loaded(self, pool: Pool) -> None:
         """A pool's KV was loaded into its page table (persist: a saved KV file)."""
         pool.residency = Residency.RESIDENT
-        pool.last_access = time.time()
+        pool.last_access_wall = time.time()
 
     def restore_session_kv(self, session_id: str, seq: Sequence) -> Session:
         """Session ``session_id`` (created when new) continues from ``seq``, whose KV was loaded into
