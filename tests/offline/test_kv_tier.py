@@ -431,3 +431,20 @@ def test_an_evicted_tail_comes_back_as_a_tail_and_its_slots_are_copied_not_recom
     tier.tails.clear()  # no tail kept: the pages come back, the rest is computed
     assert tables.promote(turn, b"", len(turn) - 1, keys) == 2
     assert tables.match(turn, b"", len(turn) - 1, keys).partial_tokens == 0
+
+
+def test_the_io_thread_writes_at_the_lowest_cpu_priority_and_only_it(make_engine, tmp_path):
+    import os
+    import threading
+
+    from opencoti.engine.persist import tier as tier_mod
+
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    agent_team(eng, turns=1)  # something was written: the I/O thread runs
+    flush(eng)
+    io = eng.kv_tier._thread
+    assert io is not None and io.native_id is not None and tier_mod.IO_NICE == 19
+    assert os.getpriority(os.PRIO_PROCESS, io.native_id) == 19
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    step = eng._thread.native_id
+    assert step is not None and os.getpriority(os.PRIO_PROCESS, step) == ours  # the step thread keeps the process's
