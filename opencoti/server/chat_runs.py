@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from ..ops import Context
@@ -36,8 +35,7 @@ def pool_header(request: Request) -> int | None:
 async def start_chat(request: Request, state: ServerState, ctx: Context,
                      body: ChatCompletionRequest) -> tuple[Prepared, Generation | Response]:
     """Prepare the chat (in a worker thread) and start it (held by admission when the pool is full)."""
-    prepared = await run_in_threadpool(prepare_chat_request, ctx, body)
-    return prepared, await Generation.start(request, state, prepared)
+    return await Generation.prepare_and_start(request, state, ctx, prepare_chat_request, body)
 
 
 def named_event(kind: str, data: dict[str, Any]) -> bytes:

@@ -39,7 +39,8 @@ from ..ops.generation import FINISH_OPENAI, ChatTurn, Prepared, opencoti_block
 from ..ops.schemas import MAX_CHOICES
 from .errors import SafeJSONResponse, error_event
 from .state import ServerState
-from .streaming import DONE, SSE_HEADERS, ClientDisconnected, Tracker, sse, until_disconnect
+from .streaming import (DONE, SSE_HEADERS, ClientDisconnected, OpenAIChunks, Tracker, openai_head, or_499, sse,
+                        until_disconnect)
 from .tenants import request_tenant
 
 _MASK64 = (1 << 64) - 1
@@ -286,9 +287,9 @@ def stream_runs(runs: Runs, first: list[bytes], on_delta: Callable, on_end: Call
                              headers={**SSE_HEADERS, **(_headers(runs) if headers is None else headers)})
 
 
-def _openai_last(runs: Runs, include_usage: bool, chunk: Callable) -> Callable:
+def _openai_last(runs: Runs, chunk: OpenAIChunks) -> Callable:
     def last():
-        if include_usage:
+        if chunk.include_usage:
             yield chunk([], usage=runs.usage(), timings=[r.timings for r in runs.results])
         yield DONE
     return last
@@ -301,13 +302,11 @@ async def chat_choices(request: Request, state: ServerState, prepared: Prepared,
     if isinstance(runs, Response):
         return runs
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-    fingerprint = f"opencoti-{model}"
     turns = [ChatTurn(prepared) for _ in range(body.n)]
     if not body.stream:
-        try:
-            results = await collect_runs(request, runs)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        results = await or_499(collect_runs(request, runs))
+        if isinstance(results, Response):
+            return results
         out = []
         for i, (turn, r) in enumerate(zip(turns, results)):
             content, calls, finish = turn.whole(r)
@@ -317,19 +316,10 @@ async def chat_choices(request: Request, state: ServerState, prepared: Prepared,
             lp = {"content": [logprob(d) for d in r.logprobs or []]} if body.logprobs else None
             out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         return SafeJSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint, "choices": out, "usage": runs.usage(),
+            **openai_head("chat.completion", cid, created, model), "choices": out, "usage": runs.usage(),
             "timings": [r.timings for r in results], "opencoti": opencoti_block(runs.info)},
             headers=_headers(runs))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(chs, **extra) -> bytes:
-        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": fingerprint, "choices": chs}
-        if include_usage:
-            d["usage"] = None
-        d.update(extra)
-        return sse(d)
+    chunk = OpenAIChunks.of("chat.completion.chunk", cid, created, model, body)
 
     def one(i, delta, finish=None, logprobs=None) -> list:
         return [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
@@ -348,7 +338,7 @@ async def chat_choices(request: Request, state: ServerState, prepared: Prepared,
         yield chunk(one(i, {}, finish), timings=r.timings)
 
     first = [chunk(one(i, {"role": "assistant", "content": None})) for i in range(body.n)]
-    return stream_runs(runs, first, on_delta, on_end, _openai_last(runs, include_usage, chunk))
+    return stream_runs(runs, first, on_delta, on_end, _openai_last(runs, chunk))
 
 
 async def completion_choices(request: Request, state: ServerState, prepared: list[Prepared], body, model: str,
@@ -362,28 +352,18 @@ async def completion_choices(request: Request, state: ServerState, prepared: lis
     echoes = [(p.prompt_text or "") if body.echo else "" for p in prepared for _ in range(body.n)]
     want_lp = body.logprobs is not None
     if not body.stream:
-        try:
-            results = await collect_runs(request, runs)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        results = await or_499(collect_runs(request, runs))
+        if isinstance(results, Response):
+            return results
         out = [{"text": echoes[i] + r.text, "index": i,
                 "logprobs": logprobs(r.logprobs or [], len(echoes[i])) if want_lp else None,
                 "finish_reason": FINISH_OPENAI.get(r.stop_reason, "stop")} for i, r in enumerate(results)]
         return SafeJSONResponse({
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": f"opencoti-{model}", "choices": out,
+            **openai_head("text_completion", cid, created, model), "choices": out,
             "usage": runs.usage(), "timings": [r.timings for r in results],
             "opencoti": opencoti_block(runs.info)}, headers=_headers(runs))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk = OpenAIChunks.of("text_completion", cid, created, model, body)
     offsets = [len(e) for e in echoes]
-
-    def chunk(chs, **extra) -> bytes:
-        d = {"id": cid, "object": "text_completion", "created": created, "model": model,
-             "system_fingerprint": f"opencoti-{model}", "choices": chs}
-        if include_usage:
-            d["usage"] = None
-        d.update(extra)
-        return sse(d)
 
     def on_delta(i, d):
         lp = logprobs([d], offsets[i]) if want_lp else None
@@ -398,4 +378,4 @@ async def completion_choices(request: Request, state: ServerState, prepared: lis
 
     first = [chunk([{"text": e, "index": i, "logprobs": None, "finish_reason": None}])
              for i, e in enumerate(echoes) if e]
-    return stream_runs(runs, first, on_delta, on_end, _openai_last(runs, include_usage, chunk))
+    return stream_runs(runs, first, on_delta, on_end, _openai_last(runs, chunk))

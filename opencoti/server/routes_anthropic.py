@@ -33,7 +33,7 @@ from .chat_runs import ChatTurn, named_event, pool_header, start_chat
 from .errors import SafeJSONResponse, anthropic_error, error_responses
 from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
-from .streaming import ClientDisconnected
+from .streaming import or_499
 
 router = APIRouter(route_class=JsonRoute)
 
@@ -56,10 +56,9 @@ async def messages(request: Request, body: MessagesRequest, ctx: Context = Depen
     stops = body.stop_sequences
 
     if not body.stream:
-        try:
-            result = await gen.collect()
-        except ClientDisconnected:
-            return Response(status_code=499)
+        result = await or_499(gen.collect())
+        if isinstance(result, Response):
+            return result
         content, calls, _ = turn.whole(result)
         return SafeJSONResponse(message(mid, model, info, result, content, calls, stops),
                                 headers=generation_headers(info, result.timings))

@@ -34,7 +34,7 @@ from .choices import chat_choices, collect_runs, completion_choices, start_runs,
 from .errors import ApiError, SafeJSONResponse, error_responses
 from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
-from .streaming import DONE, ClientDisconnected, Generation, sse
+from .streaming import DONE, Generation, OpenAIChunks, openai_head, or_499, sse
 
 router = APIRouter(route_class=JsonRoute)
 
@@ -102,8 +102,7 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
     if prompts[0] is not body.prompt:
         body = body.model_copy(update={"prompt": prompts[0]})
     t_start = time.perf_counter()
-    prepared = await run_in_threadpool(prepare_completion, ctx, body)
-    gen = await Generation.start(request, state, prepared)
+    prepared, gen = await Generation.prepare_and_start(request, state, ctx, prepare_completion, body)
     if isinstance(gen, Response):
         return gen
     info = gen.info
@@ -115,10 +114,9 @@ async def _completion(request: Request, body: CompletionRequest, ctx: Context, s
         return pick_fields(out, body.response_fields) if body.response_fields else out
 
     if not body.stream:
-        try:
-            result = await gen.collect()
-        except ClientDisconnected:
-            return Response(status_code=499)
+        result = await or_499(gen.collect())
+        if isinstance(result, Response):
+            return result
         out = llama_final(ctx, body, prepared, info, result, result.text)
         out["index"] = index
         if body.n_probs:
@@ -244,10 +242,9 @@ async def _completion_many(request: Request, body: CompletionRequest, ctx: Conte
         return pick_fields(out, body.response_fields) if body.response_fields else out
 
     if not body.stream:
-        try:
-            results = await collect_runs(request, runs)
-        except ClientDisconnected:
-            return Response(status_code=499)
+        results = await or_499(collect_runs(request, runs))
+        if isinstance(results, Response):
+            return results
         return SafeJSONResponse([final(i, r, r.text, probs=True) for i, r in enumerate(results)])
 
     counts = [0] * len(prompts)
@@ -284,8 +281,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
         many = await run_in_threadpool(prepare_each, prepare_openai_completion, ctx, body, prompts)
         return await completion_choices(request, state, many, body, ctx.model_name,
                                         lambda deltas, off: _completion_logprobs(ctx, deltas, off))
-    prepared = await run_in_threadpool(prepare_openai_completion, ctx, body)
-    gen = await Generation.start(request, state, prepared)
+    prepared, gen = await Generation.prepare_and_start(request, state, ctx, prepare_openai_completion, body)
     if isinstance(gen, Response):
         return gen
     info = gen.info
@@ -298,28 +294,17 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
         return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
 
     if not body.stream:
-        try:
-            result = await gen.collect()
-        except ClientDisconnected:
-            return Response(status_code=499)
+        result = await or_499(gen.collect())
+        if isinstance(result, Response):
+            return result
         lp = _completion_logprobs(ctx, result.logprobs or [], len(echo)) if want_lp else None
         return SafeJSONResponse({
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": f"opencoti-{model}",
+            **openai_head("text_completion", cid, created, model),
             "choices": [choice(echo + result.text, FINISH_OPENAI.get(result.stop_reason, "stop"), lp)],
             "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info),
         }, headers=generation_headers(info, result.timings))
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices, **extra) -> bytes:
-        d = {"id": cid, "object": "text_completion", "created": created, "model": model,
-             "system_fingerprint": f"opencoti-{model}", "choices": choices}
-        if include_usage:
-            d["usage"] = None
-        d.update(extra)
-        return sse(d)
-
+    chunk = OpenAIChunks.of("text_completion", cid, created, model, body)
     offset = len(echo)
 
     def on_delta(d):
@@ -330,7 +315,7 @@ async def v1_completions(request: Request, body: OpenAICompletionRequest, ctx: C
 
     def on_end(result):
         yield chunk([choice("", FINISH_OPENAI.get(result.stop_reason, "stop"))], timings=result.timings)
-        if include_usage:
+        if chunk.include_usage:
             yield chunk([], usage=usage(info, result), timings=result.timings)
         yield DONE
 
@@ -353,21 +338,18 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
     info = gen.info
     headers = info_headers(info)
     cid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), ctx.model_name
-    fingerprint = f"opencoti-{ctx.model_name}"
     turn = ChatTurn(prepared)
 
     if not body.stream:
-        try:
-            result = await gen.collect()
-        except ClientDisconnected:
-            return Response(status_code=499)
+        result = await or_499(gen.collect())
+        if isinstance(result, Response):
+            return result
         content, calls, finish = turn.whole(result)
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
         lp = {"content": [_chat_logprob(ctx, d) for d in result.logprobs or []]} if body.logprobs else None
-        out = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-               "system_fingerprint": fingerprint,
+        out = {**openai_head("chat.completion", cid, created, model),
                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
                "usage": usage(info, result), "timings": result.timings, "opencoti": opencoti_block(info)}
         if body.verbose:  # llama.cpp's __verbose: what the model was given and how it sampled
@@ -375,17 +357,11 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
                                 "generation_settings": generation_settings(ctx, prepared.params)}
         return SafeJSONResponse(out, headers=generation_headers(info, result.timings))
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = OpenAIChunks.of("chat.completion.chunk", cid, created, model, body)
 
     def chunk(delta: dict | None, finish=None, logprobs=None, **extra) -> bytes:
-        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": fingerprint,
-             "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                                   "finish_reason": finish}]}
-        if include_usage:
-            d["usage"] = None
-        d.update(extra)
-        return sse(d)
+        return chunks([] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                                 "finish_reason": finish}], **extra)
 
     def on_delta(d):
         text = turn.feed(d.text)
@@ -399,7 +375,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, ctx: C
         if calls:
             yield chunk({"tool_calls": [c.as_openai(index=i) for i, c in enumerate(calls)]})
         yield chunk({}, finish, timings=result.timings)
-        if include_usage:
+        if chunks.include_usage:
             yield chunk(None, usage=usage(info, result), timings=result.timings)
         yield DONE
 

@@ -32,7 +32,7 @@ from .chat_runs import ChatTurn, LiveTimings, named_event, pool_header, start_ch
 from .errors import ApiError, SafeJSONResponse, error_responses
 from .routing import JsonRoute
 from .state import ServerState, get_ctx, get_state
-from .streaming import ClientDisconnected
+from .streaming import or_499
 
 router = APIRouter(route_class=JsonRoute)
 
@@ -67,10 +67,9 @@ async def responses(request: Request, body: ResponsesRequest, ctx: Context = Dep
         return out
 
     if not body.stream:
-        try:
-            result = await gen.collect()
-        except ClientDisconnected:
-            return Response(status_code=499)
+        result = await or_499(gen.collect())
+        if isinstance(result, Response):
+            return result
         content, calls, _ = turn.whole(result)
         return SafeJSONResponse(done(result, content, calls), headers=generation_headers(info, result.timings))
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from ..engine.results import GenerationResult, PromptProgress, TokenDelta
@@ -38,6 +40,36 @@ def sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def openai_head(kind: str, cid: str, created: int, model: str) -> dict:
+    """The fields an OpenAI answer and each of its stream's chunks open with (``kind``: the ``object``)."""
+    return {"id": cid, "object": kind, "created": created, "model": model, "system_fingerprint": f"opencoti-{model}"}
+
+
+@dataclass(frozen=True)
+class OpenAIChunks:
+    """The chunks of one OpenAI stream (``kind``: ``chat.completion.chunk`` or ``text_completion``):
+    ``chunks(choices, **extra)`` is one SSE event. ``include_usage`` (the request's
+    ``stream_options.include_usage``): every chunk carries ``usage: null``, and the stream's last
+    one, before ``[DONE]``, the usage."""
+
+    kind: str
+    cid: str
+    created: int
+    model: str
+    include_usage: bool
+
+    @classmethod
+    def of(cls, kind: str, cid: str, created: int, model: str, body: Any) -> "OpenAIChunks":
+        return cls(kind, cid, created, model, bool(body.stream_options and body.stream_options.include_usage))
+
+    def __call__(self, choices: list, **extra: Any) -> bytes:
+        d = {**openai_head(self.kind, self.cid, self.created, self.model), "choices": choices}
+        if self.include_usage:
+            d["usage"] = None
+        d.update(extra)
+        return sse(d)
+
+
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready."""
 
@@ -49,6 +81,15 @@ async def wait_disconnect(request: Request) -> None:
         if msg["type"] == "http.disconnect":
             return
         await asyncio.sleep(0.05)  # a stray http.request message: don't spin
+
+
+async def or_499(work: Awaitable[T]) -> T | Response:
+    """A non-streaming answer's ``work`` (``Generation.collect``), or the 499 response when the
+    client went away first (ClientDisconnected)."""
+    try:
+        return await work
+    except ClientDisconnected:
+        return Response(status_code=499)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -140,6 +181,15 @@ class Generation:
             tracker.done(None)
             raise
         return cls(request, state, stream, tracker)
+
+    @classmethod
+    async def prepare_and_start(cls, request: Request, state: ServerState, ctx: Any,
+                                prepare: Callable[[Any, Any], Prepared],
+                                body: Any) -> "tuple[Prepared, Generation | Response]":
+        """A route's start: ``prepare(ctx, body)`` in a worker thread (the prompt tokenized, the
+        template rendered), then :meth:`start`."""
+        prepared = await run_in_threadpool(prepare, ctx, body)
+        return prepared, await cls.start(request, state, prepared)
 
     async def collect(self) -> GenerationResult:
         """The whole result (non-streaming answers); raises ClientDisconnected."""
