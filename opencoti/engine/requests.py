@@ -5,12 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence as Seq
+from typing import Any, Callable, Protocol, Sequence as Seq
 
 from .config import SamplingParams
 
-if TYPE_CHECKING:
-    from .kv.prefix_index import Entry
+
+class IndexNode(Protocol):
+    """A sequence's place in the prefix index (``kv.prefix_index.Entry``, which only ``KVTables``
+    reads and writes): declared here so that the lowest layer imports nothing above it."""
+
+    @property
+    def page(self) -> int | None: ...
 
 
 class Sequence:
@@ -34,7 +39,7 @@ class Sequence:
         # index entry of the last one, and whether its pages may enter the index at all
         self.salt_root = salt_root
         self.page_keys: list[bytes] = []
-        self.index_node: Entry | None = None
+        self.index_node: IndexNode | None = None  # (an Entry)
         self.cacheable = True
 
     @property

@@ -1,9 +1,9 @@
 """The engine's folders are layers: a module imports only from its own folder and from folders below
 it (ENGINE_LAYERS, lowest first). The engine package's own modules (errors, config, results, checks,
 paths) are the lowest; its ``__init__``, the facade that re-exports the Engine, stands above them all.
-The imports that still point up are listed in UPWARD, each with what it waits for; the test fails on
-any other upward import and on a listed one that is gone, so the list only shrinks. The graph is
-test_import_graph's (every import anywhere in a module, relative ones resolved)."""
+Every import between engine folders points down: UPWARD, the list of exceptions (each with what it
+waits for), is empty, and the test fails on any upward import and on a listed one that is gone. The
+graph is test_import_graph's (every import anywhere in a module, relative ones resolved)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_LAYERS = ["", "native", "chat", "constraints", "sampling", "attention", "model", "kv", "polykv", "observe",
                  "admission", "core", "persist", "api"]
 
-# module -> module imports that point up, and why they are still there
-UPWARD: dict[str, str] = {
-    "engine.polykv.prefix -> engine.core.speculative": "RecentOutputs, now in speculation.py (the file is mid-edit)",
-    "engine.requests -> engine.kv.prefix_index": "a sequence's index node is typed by kv's Entry (for mypy only)",
-}
+# module -> module imports that point up, and why they are still there (none: keep it so)
+UPWARD: dict[str, str] = {}
 
 
 def folder_of(module: str, mods: dict) -> str | None:

@@ -22,7 +22,7 @@ they call nothing else outside this package.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence as Seq
+from typing import Iterable, Protocol, Sequence as Seq, cast
 
 import torch
 
@@ -231,7 +231,7 @@ class KVTables:
     def _register(self, seq: Sequence) -> None:
         index, ps = self.index, self.page_size
         assert index is not None
-        node = seq.index_node
+        node = cast("Entry | None", seq.index_node)  # (only these tables set it, to an Entry)
         if seq.page_keys and (node is None or node.page is None or index.by_page.get(node.page) is not node):
             seq.page_keys, node = [], None  # its last entry was evicted meanwhile: walk again
         if node is None:
@@ -264,7 +264,7 @@ class KVTables:
         if not part or len(seq.page_keys) != full or len(seq.page_table) <= full:
             return
         page = seq.page_table[full]
-        node = seq.index_node if full else self.index.root(seq.salt_root)
+        node = cast("Entry | None", seq.index_node) if full else self.index.root(seq.salt_root)
         if node is None or (full and (node.page is None or self.index.by_page.get(node.page) is not node)):
             return
         old = self.index.by_page.get(page)

@@ -31,7 +31,7 @@ from ..kv.prefix_index import salt_root
 from ..kv.tables import KVTables
 from ..limits import Limits
 from ..requests import Job, Session
-from ..core.speculative import RecentOutputs
+from ..speculation import RecentOutputs
 from .state import PolyKV
 
 RECENT_REQUESTS = 64  # finished requests a prompt can be realigned to (per engine, all salts)
