@@ -57,9 +57,10 @@ log = logging.getLogger("opencoti.engine.persist")
 TIER_DIR = "kv_tier"
 MAX_SEGMENT_PAGES = 64  # pages per file at most (1,024 tokens at the default page size; ~23 MiB for the bundled model)
 DEFAULT_PENDING_MIB = 256.0  # snapshots waiting for the I/O thread at most (memory); past it, pages are dropped
-# the I/O thread's CPU priority (Linux nice): the lowest, so writing and checksumming files never takes a core
-# from a decode step (benchmarks/bench_kv_tier_steps.py measures both); read before each write
-IO_NICE = 19
+# the I/O thread's CPU priority (Linux nice), read before each write: the process's (0). At 19 the decode steps
+# beside a write were no faster (median 1.64x the quiet step against 1.57x) and a write took twice as long
+# (benchmarks/bench_kv_tier_steps.py, kv_tier_steps.json): the slowdown is not the thread's share of a core
+IO_NICE = 0
 READERS = 3  # threads reading ahead (files at once): one left the disk idle between small files
 
 class DiskTier:
