@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence as Seq
 
 from .config import SamplingParams
+from .results import RequestInfo
+
+if TYPE_CHECKING:
+    import torch
 
 
 class IndexNode(Protocol):
@@ -18,7 +22,7 @@ class IndexNode(Protocol):
     def page(self) -> int | None: ...
 
 
-class Sequence:
+class SeqState:
     """Tokens plus the page table holding their KV.
 
     ``tokens[:num_cached]`` have KV in the pages ``page_table``. The first ``num_borrowed_pages``
@@ -66,7 +70,7 @@ class Session:
         self.anonymous = anonymous  # nobody named it: it expires when idle for session_ttl_s
         self.pool_id: int | None = None
         self.tenant: str | None = None  # the owning tenant's name, kept with the session's saved record
-        self.seq = Sequence()
+        self.seq = SeqState()
         self.job: "Job | None" = None
         self.last_access = time.monotonic()  # (a pool's is wall-clock: Pool.last_access_wall)
         self.created = time.monotonic()
@@ -119,7 +123,7 @@ class Timings:
 class Work:
     """What the scheduler needs of any job: compute ``seq.tokens[num_cached:]`` into the cache."""
 
-    seq: Sequence
+    seq: SeqState
     wait_for: list = field(default_factory=list)  # pools that must be resident before starting
     state: SessionState = SessionState.WAITING
     started: bool = False
@@ -147,7 +151,7 @@ class Job(Work):
     prompt_len: int = 0
     max_context: int = 0
     generated: list[int] = field(default_factory=list)
-    generator: Any = None
+    generator: torch.Generator | None = None  # its sampling's own (a seed given)
     text_out: Any = None  # sampling.text.TextOutput: its text, detokenized, stop strings matched
     text: str = ""
     logprobs: list = field(default_factory=list)
@@ -157,12 +161,12 @@ class Job(Work):
     finish_reason: str | None = None
     stopping_word: str = ""
     truncated: bool = False
-    info: Any = None  # RequestInfo
+    info: RequestInfo | None = None
     sampler_state: Any = None  # SamplerState: constraint matcher, penalty window, logit bias
-    prompt_keys: list = field(default_factory=list)  # prefix-index keys of the prompt's full pages
-    tier_keys: list = field(default_factory=list)  # of those, the pages on disk it waits to be read ahead
+    prompt_keys: list[bytes] = field(default_factory=list)  # prefix-index keys of the prompt's full pages
+    tier_keys: list[bytes] = field(default_factory=list)  # of those, the pages on disk it waits to be read ahead
     draft_state: Any = None  # speculative.DraftState (None: no speculative decoding)
-    draft: list = field(default_factory=list)  # draft tokens appended to seq.tokens for this step
+    draft: list[int] = field(default_factory=list)  # draft tokens appended to seq.tokens for this step
 
 
 @dataclass(kw_only=True)

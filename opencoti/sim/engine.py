@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..engine.admission import AdmissionController, AdmissionPlan
@@ -23,7 +22,8 @@ from ..engine.kv.pools import Pool
 from ..engine.limits import Limits
 from ..engine.observe.metrics import Metrics
 from ..engine.polykv.state import PolyKV
-from ..engine.requests import Job, Sequence, Session, SessionState
+from ..engine.requests import Job, SeqState, Session, SessionState
+from ..engine.results import RequestInfo
 from ..engine.polykv.view import Listener, PoolView, TreeView
 from .profile import StepClock, StepProfile
 
@@ -158,10 +158,10 @@ class SimCore:
             kv.detach(s)
             kv.attach(s, pool)
         cached = min(pool.prefix_len, len(req.prompt) - 1) if pool is not None else 0
-        job = SimJob(seq=Sequence(list(req.prompt)), params=req.params, emit=req.emit, session=s,
+        job = SimJob(seq=SeqState(list(req.prompt)), params=req.params, emit=req.emit, session=s,
                      prompt_len=len(req.prompt), max_context=self.max_context, sim_cached=cached)
-        job.info = SimpleNamespace(pool_id=s.pool_id, prompt_tokens=len(req.prompt), cached_prefix_tokens=cached,
-                                   admission=admission)
+        job.info = RequestInfo(request_id="", session_id=s.session_id, pool_id=s.pool_id, prompt_tokens=len(req.prompt),
+                               cached_prefix_tokens=cached, admission=admission)
         kv.begin(s, job)
         kv.adopt_seq(s, job.seq, shared=0)
         self.scheduler.waiting.append(job)

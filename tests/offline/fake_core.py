@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from opencoti.engine.config import SamplingParams
 from opencoti.engine.polykv.state import PoolTree
-from opencoti.engine.requests import Job, Sequence, Session, SessionState
+from opencoti.engine.requests import Job, SeqState, Session, SessionState
 from opencoti.engine.polykv.view import Listener, PoolView
 from opencoti.sim.engine import NoPrefixCache, SimPages, SimQueues
 
@@ -37,7 +37,7 @@ class FakeCore:
     def job(self, sid, n_prompt=10, max_tokens=50, state=SessionState.DECODE):
         s = self.sessions.get(sid) or Session(sid)
         self.sessions[sid] = s
-        job = Job(seq=Sequence(list(range(1, n_prompt + 1))), params=SamplingParams.greedy(max_tokens),
+        job = Job(seq=SeqState(list(range(1, n_prompt + 1))), params=SamplingParams.greedy(max_tokens),
                   emit=lambda ev: None, session=s, prompt_len=n_prompt, max_context=self.max_context)
         job.state, job.started = state, state != SessionState.WAITING
         s.job, s.seq = job, job.seq

@@ -26,7 +26,7 @@ from opencoti.engine.config import SamplingParams as SP
 from opencoti.engine.errors import PoolSaturatedError
 from opencoti.engine.kv.pools import Residency
 from opencoti.engine.observe.metrics import Metrics
-from opencoti.engine.requests import Job, Sequence, Session, SessionState
+from opencoti.engine.requests import Job, SeqState, Session, SessionState
 
 from fake_core import FakeCore
 
@@ -270,7 +270,7 @@ class Harness:
             raise self.adm.rejected(pool.pool_id, d)
         assert d.action == ADMIT
         s = core.sessions.setdefault(sid, Session(sid))
-        job = Job(seq=Sequence(list(range(1, n_prompt + 1))), params=params, emit=lambda ev: None, session=s,
+        job = Job(seq=SeqState(list(range(1, n_prompt + 1))), params=params, emit=lambda ev: None, session=s,
                   prompt_len=n_prompt, max_context=core.max_context)
         job.info = SimpleNamespace(pool_id=pool.pool_id, prompt_tokens=n_prompt, cached_prefix_tokens=20)
         s.job, s.seq, s.pool_id = job, job.seq, pool.pool_id

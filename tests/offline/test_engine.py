@@ -276,18 +276,18 @@ def _tables(num_pages: int = 8, page_size: int = 4):
 
 
 def test_kv_tables_share_copy_truncate_drop():
-    from opencoti.engine.requests import Sequence
+    from opencoti.engine.requests import SeqState
     kv, tables = _tables()
-    a = Sequence(list(range(1, 11)))
+    a = SeqState(list(range(1, 11)))
     assert tables.extend_reclaiming(a, 10) and len(a.page_table) == 3
     tables.advance(a, 10)
     kv.k_cache[:, a.page_table[1]] = 7.0
-    b = Sequence(list(range(1, 8)))
+    b = SeqState(list(range(1, 8)))
     assert tables.share_into(b, a.page_table, 6, borrowed=1)  # one full page shared, the partial one copied
     assert b.page_table[0] == a.page_table[0] and b.page_table[1] != a.page_table[1]
     assert kv.refcount[a.page_table[0]] == 2 and bool((kv.k_cache[:, b.page_table[1]] == 7.0).all())
     tables.check_integrity([a, b])
-    c = Sequence(list(range(1, 7)))
+    c = SeqState(list(range(1, 7)))
     old_table = list(a.page_table)
     assert tables.continue_from(a, c, 6, borrowed=0)  # a's own partial page: truncated in place
     assert c.page_table == old_table[:2] and a.page_table == [] and kv.num_used == 3
@@ -305,12 +305,12 @@ def test_kv_tables_share_copy_truncate_drop():
 
 
 def test_kv_tables_refuse_without_pages():
-    from opencoti.engine.requests import Sequence
+    from opencoti.engine.requests import SeqState
     kv, tables = _tables(num_pages=2)
-    a = Sequence(list(range(1, 9)))
-    assert tables.extend_reclaiming(a, 8) and not tables.extend_reclaiming(Sequence([1]), 1)
+    a = SeqState(list(range(1, 9)))
+    assert tables.extend_reclaiming(a, 8) and not tables.extend_reclaiming(SeqState([1]), 1)
     tables.advance(a, 6)
-    b = Sequence(list(range(1, 7)))
+    b = SeqState(list(range(1, 7)))
     assert not tables.share_into(b, a.page_table, 6, borrowed=1)  # no page for the partial copy
     assert b.page_table == [] and kv.refcount == [1, 1]  # nothing changed
 

@@ -7,7 +7,7 @@ import torch
 
 from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.kv.tables import KVTables
-from opencoti.engine.requests import Sequence, Session
+from opencoti.engine.requests import SeqState, Session
 
 
 def _kv(num_pages: int = 4) -> PagePool:
@@ -17,15 +17,15 @@ def _kv(num_pages: int = 4) -> PagePool:
 def test_without_a_reclaimer_only_free_pages_are_used():
     kv = _kv()
     tables = KVTables(kv)
-    a = Sequence(list(range(16)))
+    a = SeqState(list(range(16)))
     assert tables.extend_reclaiming(a, 16) and kv.num_free == 0
-    b = Sequence(list(range(4)))
+    b = SeqState(list(range(4)))
     assert not tables.extend_reclaiming(b, 4) and b.page_table == []
 
 
 def test_the_reclaimer_is_asked_for_the_shortfall_and_what_it_frees_is_used():
     kv = _kv()
-    held = Sequence(list(range(16)))
+    held = SeqState(list(range(16)))
     asked: list[tuple[int, object]] = []
 
     def reclaim(num_pages: int, keep: Session | None = None) -> int:
@@ -35,7 +35,7 @@ def test_the_reclaimer_is_asked_for_the_shortfall_and_what_it_frees_is_used():
 
     tables = KVTables(kv, reclaim=reclaim)
     assert tables.extend_reclaiming(held, 16) and asked == []  # pages were free: not asked
-    b = Sequence(list(range(8)))
+    b = SeqState(list(range(8)))
     assert tables.extend_reclaiming(b, 8) and asked == [(2, None)] and len(b.page_table) == 2
     tables.check_integrity([b])
 
@@ -45,10 +45,10 @@ def test_a_reclaimer_that_frees_too_little_leaves_the_table_unchanged():
     keep = Session("s")
     asked: list[tuple[int, object]] = []
     tables = KVTables(kv, reclaim=lambda n, keep=None: asked.append((n, keep)) or 0)
-    a = Sequence(list(range(14)))
+    a = SeqState(list(range(14)))
     assert tables.extend_reclaiming(a, 14) and kv.num_free == 0
     tables.advance(a, 14)
-    c = Sequence(list(range(14)))
+    c = SeqState(list(range(14)))
     assert not tables.share_into(c, a.page_table, 14, borrowed=3, keep=keep)  # its partial page needs a copy
     assert asked == [(1, keep)] and c.page_table == [] and kv.num_free == 0
     tables.check_integrity([a])

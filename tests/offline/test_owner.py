@@ -41,7 +41,7 @@ PAGE_TABLE = {"page_table", "num_cached", "num_borrowed_pages", "page_keys", "in
 OWNERS: dict[str, tuple[str, ...]] = {
     **{name: (POLYKV,) for name in POOL_SESSION},
     **{name: (TABLES,) for name in PAGE_TABLE - {"salt_root"}},
-    "salt_root": (),  # given to Sequence(...) only
+    "salt_root": (),  # given to SeqState(...) only
     "tokens": REQUEST_RUNNERS,
 }
 MUTATORS = {"add", "discard", "remove", "pop", "popitem", "clear", "update", "append", "extend", "insert",

@@ -13,7 +13,7 @@ from opencoti.engine.kv.pages import PagePool
 from opencoti.engine.kv.tables import KVTables
 from opencoti.engine.polykv import status
 from opencoti.engine.core.scheduler import Scheduler
-from opencoti.engine.requests import Job, Sequence, SessionState
+from opencoti.engine.requests import Job, SeqState, SessionState
 
 
 class Hooks:
@@ -40,7 +40,7 @@ def _scheduler(num_pages: int, hooks: Hooks, page_size: int = 4) -> Scheduler:
 
 
 def _job(n_tokens: int, events: list) -> Job:
-    return Job(seq=Sequence(list(range(1, n_tokens + 1))), params=SamplingParams.greedy(4), emit=events.append)
+    return Job(seq=SeqState(list(range(1, n_tokens + 1))), params=SamplingParams.greedy(4), emit=events.append)
 
 
 def test_a_job_starts_only_when_the_hooks_say_it_may():

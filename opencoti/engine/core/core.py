@@ -35,7 +35,7 @@ from ..sampling import Sampler, make_generator
 from ..sampling.text import TextOutput
 from ..sampling.state import SamplerState
 from .scheduler import Scheduler, StepStats
-from ..requests import Job, MaterializeJob, Sequence, Session, SessionState, Work
+from ..requests import Job, MaterializeJob, SeqState, Session, SessionState, Work
 from ..speculation import RecentOutputs
 from .speculative import DraftState, Drafter
 
@@ -258,7 +258,7 @@ class EngineCore:
             polykv.attach(session, pool)
         if pool is not None:
             polykv.touch(pool, hit=max(pool_p, own_p) > 0)
-        job = Job(seq=Sequence(prompt, salt_root=salt_root(req.cache_salt)), params=params, emit=emit,
+        job = Job(seq=SeqState(prompt, salt_root=salt_root(req.cache_salt)), params=params, emit=emit,
                   session=session, wait_for=waits, prompt_len=len(prompt), max_context=self.max_context)
         job.generator = make_generator(params.seed, self.config.seed) if not params.is_greedy else None
         job.text_out = TextOutput(self.tokenizer.decode, params.stop)
@@ -405,6 +405,7 @@ class EngineCore:
         if error is not None:
             job.emit(("error", error))
             return
+        assert job.info is not None  # (set when it was accepted: a request that ends was)
         result = GenerationResult(
             text=job.text, token_ids=list(job.generated), stop_reason=reason, stopping_word=job.stopping_word,
             truncated=job.truncated, timings=t.as_dict(), info=job.info,

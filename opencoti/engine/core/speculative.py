@@ -304,13 +304,13 @@ def draft_limit(job, k: int) -> int:
 
 # This module imports nothing of the engine but ``speculation.py`` (benchmarks/replay_speculative.py
 # loads it, and that, from any commit, on their own): a job and its sequence are ``Any`` here, as in
-# ``draft_limit`` (``requests.Job`` and ``Sequence``).
+# ``draft_limit`` (``requests.Job`` and ``SeqState``).
 AnyJob = Any  # a requests.Job
 
 
 class DraftPages(Protocol):
     """What drafts need of the KV tables (``KVTables``): pages for the draft rows that displace no
-    one's KV, and the rows given back (``seq``: a ``requests.Sequence``)."""
+    one's KV, and the rows given back (``seq``: a ``requests.SeqState``)."""
 
     def extend_free(self, seq: Any, num_tokens: int, from_cache: bool = False) -> bool: ...
 

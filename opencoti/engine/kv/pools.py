@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from ..requests import Sequence
+from ..requests import SeqState
 
 
 class Residency(str, enum.Enum):
@@ -52,7 +52,7 @@ class Pool:
     pool_id: int
     parent: "Pool | None"
     branch_pos: int  # D
-    seq: Sequence  # tokens [0, L); page table covering them while resident
+    seq: SeqState  # tokens [0, L); page table covering them while resident
     hashes: list[bytes]
     pinned: bool = False
     residency: Residency = Residency.MATERIALIZING

@@ -5,7 +5,7 @@ refcount, the partial last page copied, so a page is never written by two holder
 table to cover more tokens, truncating it in place, moving a cache to a new sequence, dropping a
 table, and the integrity check. The rest of the engine decides *what* to share or drop; this
 class is the only code that touches ``PagePool.incref/decref/allocate/copy_page`` or assigns a
-``Sequence.page_table``.
+``SeqState.page_table``.
 
 Ownership: a sequence owns ``page_table[num_borrowed_pages:]`` (pages it allocated itself) and
 only reads the leading borrowed pages. Pages that are in use but owned by no pool or session are
@@ -26,7 +26,7 @@ from typing import Iterable, Protocol, Sequence as Seq, cast
 
 import torch
 
-from ..requests import SeqView, Sequence, Session
+from ..requests import SeqView, SeqState, Session
 from .pages import PagePool
 from .prefix_index import Entry, Match, PrefixIndex, Tail
 
@@ -132,7 +132,7 @@ class KVTables:
         self.kv.decref([copy_from])
         return full_pages + [page]
 
-    def share_into(self, seq: Sequence, src: Seq[int], n_tokens: int, borrowed: int, keep=None) -> bool:
+    def share_into(self, seq: SeqState, src: Seq[int], n_tokens: int, borrowed: int, keep=None) -> bool:
         """Give an empty ``seq`` the KV of ``[0, n_tokens)`` of ``src`` (its first ``borrowed``
         pages read-only). False (nothing changed) when the partial page cannot be copied."""
         assert not seq.page_table, "share_into needs a sequence without pages"
@@ -144,7 +144,7 @@ class KVTables:
         seq.num_borrowed_pages = borrowed
         return True
 
-    def share_match(self, seq: Sequence, match: Match) -> bool:
+    def share_match(self, seq: SeqState, match: Match) -> bool:
         """Give an empty ``seq`` the KV of an index match (full pages by refcount, the partial page
         copied); its pages are borrowed from the cache. False (nothing changed) when no page is free."""
         assert not seq.page_table, "share_match needs a sequence without pages"
@@ -156,7 +156,7 @@ class KVTables:
         seq.num_borrowed_pages = len(match.pages)
         return True
 
-    def continue_from(self, old: Sequence, new: Sequence, n_tokens: int, borrowed: int) -> bool:
+    def continue_from(self, old: SeqState, new: SeqState, n_tokens: int, borrowed: int) -> bool:
         """``new`` takes over ``old``'s KV of ``[0, n_tokens)``; ``old`` is emptied. In place (no
         copy, no new page) when the partial page is ``old``'s own and nobody else holds it."""
         full, part = divmod(n_tokens, self.page_size)
@@ -177,7 +177,7 @@ class KVTables:
         new.num_borrowed_pages = borrowed
         return True
 
-    def extend_reclaiming(self, seq: Sequence, num_tokens: int) -> bool:
+    def extend_reclaiming(self, seq: SeqState, num_tokens: int) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` (check-then-commit). When too few pages are free
         it asks its ``Reclaimer`` first, which may evict cache pages, idle sessions' KV and idle
         pools (``PolyKV.reclaim``): the scheduler's planning evicts through this call."""
@@ -189,7 +189,7 @@ class KVTables:
         seq.page_table.extend(self.kv.allocate(need))
         return True
 
-    def extend_free(self, seq: Sequence, num_tokens: int, from_cache: bool = False) -> bool:
+    def extend_free(self, seq: SeqState, num_tokens: int, from_cache: bool = False) -> bool:
         """``extend`` from free pages only (no reclaim): for work that is worth doing only when it
         displaces no one's KV. ``from_cache``: pages only the prefix cache holds count as free too
         (its least recently used leaves, as a decoding sequence's own growth takes them; never a
@@ -206,7 +206,7 @@ class KVTables:
         seq.page_table.extend(self.kv.allocate(need))
         return True
 
-    def trim(self, seq: Sequence, num_tokens: int) -> None:
+    def trim(self, seq: SeqState, num_tokens: int) -> None:
         """Release ``seq``'s own pages past those covering ``num_tokens`` (rolled-back draft rows).
         Borrowed pages and pages holding computed KV stay."""
         keep = max(self.kv.pages_for(num_tokens), seq.num_borrowed_pages, self.kv.pages_for(seq.num_cached))
@@ -221,14 +221,14 @@ class KVTables:
         idle sessions' KV and pools, never ``keep``'s pages). False: no page can be had."""
         return not n_tokens % self.page_size or self._reserve(1, keep)
 
-    def advance(self, seq: Sequence, n_tokens: int) -> None:
+    def advance(self, seq: SeqState, n_tokens: int) -> None:
         """``n_tokens`` more of ``seq``'s tokens now have KV in its pages (computed this step); full
         pages enter the prefix index."""
         seq.num_cached += n_tokens
         if self.index is not None and seq.cacheable and len(seq.page_keys) < seq.num_cached // self.page_size:
             self._register(seq)
 
-    def _register(self, seq: Sequence) -> None:
+    def _register(self, seq: SeqState) -> None:
         index, ps = self.index, self.page_size
         assert index is not None
         node = cast("Entry | None", seq.index_node)  # (only these tables set it, to an Entry)
@@ -255,7 +255,7 @@ class KVTables:
             seq.page_keys.append(key)
             seq.index_node = node = e
 
-    def cache_tail(self, seq: Sequence) -> None:
+    def cache_tail(self, seq: SeqState) -> None:
         """List ``seq``'s partial last page as a tail (valid for its computed slots), so the next
         request continuing this text copies it instead of recomputing it."""
         if self.index is None or not seq.cacheable:
@@ -410,7 +410,7 @@ class KVTables:
         where = "disk" if disk else "ram" if ram else "none"
         return {"kv_location": where, "kv_ram_tokens": ram * self.page_size, "kv_disk_tokens": disk * self.page_size}
 
-    def extend_from_index(self, seq: Sequence, limit: int, keys: list[bytes]) -> int:
+    def extend_from_index(self, seq: SeqState, limit: int, keys: list[bytes]) -> int:
         """``seq`` holds the KV of its first ``num_cached`` tokens (a pool's prefix shared into it):
         continue it with the index's pages that hold the next of ``tokens[:limit]`` (``keys``: their
         chained page keys) and that only the cache holds, as its own pages (so each page keeps one
@@ -444,18 +444,18 @@ class KVTables:
         rc = self.kv.refcount
         return sum(1 for p in self.index.by_page if rc[p] == 1)
 
-    def keep_out_of_index(self, seq: Sequence) -> None:
+    def keep_out_of_index(self, seq: SeqState) -> None:
         """``seq``'s pages are not listed in the prefix index (a session's KV loaded from its file:
         its next request moves them into a sequence that indexes them)."""
         seq.cacheable = False
 
-    def hand_over(self, seq: Sequence, n_pages: int) -> None:
+    def hand_over(self, seq: SeqState, n_pages: int) -> None:
         """``seq``'s first ``n_pages`` pages are now owned by another table (a pool adopted them);
         ``seq`` keeps reading them."""
         assert n_pages <= len(seq.page_table)
         seq.num_borrowed_pages = n_pages
 
-    def drop(self, seq: Sequence) -> None:
+    def drop(self, seq: SeqState) -> None:
         """Release every page of ``seq``'s table; its tokens stay (they can be recomputed). Pages
         the prefix index lists stay resident as cache."""
         self.kv.decref(seq.page_table)
@@ -465,7 +465,7 @@ class KVTables:
         seq.page_keys, seq.index_node = [], None
 
     # ---- checks ------------------------------------------------------------------------
-    def check_integrity(self, holders: Iterable[Sequence]) -> int:
+    def check_integrity(self, holders: Iterable[SeqState]) -> int:
         """Refcount == number of tables holding each page (+1 when the index lists it); every
         owned page has one owner. Returns the number of cache pages (in use, owned by no table)."""
         seqs = list(holders)

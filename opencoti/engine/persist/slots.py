@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar, Union
 
 from ..errors import CapacityError, InvalidRequestError, OpencotiError, SessionBusyError
-from ..requests import Sequence
+from ..requests import SeqState
 from . import kvfile
 from .engine_view import SlotEngine, TenantSlots, identity_of, kv_identity_of
 
@@ -169,7 +169,7 @@ def restore_session(engine: SlotTarget, session_id: str, filename: str) -> dict:
             raise SessionBusyError(f"session {sid!r} is serving a request; restore it when idle")
         if s is None:
             core.limits.check_session_id(sid)
-        seq = Sequence(toks)
+        seq = SeqState(toks)
         if toks and not core.tables.extend_reclaiming(seq, len(toks)):  # reclaims idle caches when needed
             raise CapacityError(f"no room for {core.kv.pages_for(len(toks))} KV pages to restore {filename!r}",
                                 retry_after=1.0)

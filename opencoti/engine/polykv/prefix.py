@@ -236,7 +236,8 @@ class PrefixCache:
         delta = p - job.timings.cache_n
         if delta:
             job.timings.cache_n = p
-            job.info.cached_prefix_tokens = p
+            if job.info is not None:  # (set when it was accepted)
+                job.info.cached_prefix_tokens = p
             self.counters["cached_prompt_tokens"] += delta
 
     def _mark_inflight(self, job: Job, start: int) -> None:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ...config import EngineConfig
 from ...limits import Limits
-from ...requests import Sequence, Session
+from ...requests import SeqState, Session
 from ...errors import SessionNotFoundError
 from ...kv.pages import PagePool
 from ...kv.pools import Pool, Residency
@@ -66,7 +66,7 @@ class TreeState:
         """A request is in flight on one of the pool's sessions (idle sessions do not count)."""
         return any(s is not None and s.job is not None for s in map(self.sessions.get, pool.sessions))
 
-    def holders(self) -> list[Sequence]:
+    def holders(self) -> list[SeqState]:
         """Every sequence that holds pages: pools (live and released) and sessions."""
         return ([p.seq for p in self.tree.pools.values()] + [p.seq for p in self.tree.released.values()]
                 + [s.seq for s in self.sessions.values()])
@@ -104,7 +104,7 @@ class TreeState:
         if s.seq.page_keys:
             s.spilled_keys = list(s.seq.page_keys)
         self.tables.drop(s.seq)
-        s.seq = Sequence()
+        s.seq = SeqState()
         if detach:
             self.detach(s)
 

@@ -27,7 +27,7 @@ from typing import Callable, Sequence as Seq
 
 from ...config import EngineConfig
 from ...limits import Limits
-from ...requests import Job, MaterializeJob, Sequence, Session
+from ...requests import Job, MaterializeJob, SeqState, Session
 from ...errors import CapacityError, InvalidRequestError, PoolBusyError, PoolContractError, SessionBusyError
 from ...kv.pages import PagePool
 from ...kv.pools import Pool, Residency, common_prefix_len, prefix_hashes
@@ -71,7 +71,7 @@ class PolyKV(TreeState):
         if pool is not None:
             pool.last_access_wall = time.time()
 
-    def adopt_seq(self, session: Session, seq: Sequence, shared: int) -> None:
+    def adopt_seq(self, session: Session, seq: SeqState, shared: int) -> None:
         """``seq`` (set up by the KV tables from what the session's request reuses) is the
         session's cache from now on; the old one was handed over or dropped by the caller. Its
         first ``shared`` tokens are its pool's (none when it has no pool): its suffix is the rest."""
@@ -339,5 +339,5 @@ class PolyKV(TreeState):
     def pool_loaded(self, pool: Pool) -> None:
         self.restorer.pool_loaded(pool)
 
-    def restore_session_kv(self, session_id: str, seq: Sequence) -> Session:
+    def restore_session_kv(self, session_id: str, seq: SeqState) -> Session:
         return self.restorer.restore_session_kv(session_id, seq)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ...requests import MaterializeJob, Sequence, Session
+from ...requests import MaterializeJob, SeqState, Session
 from ...errors import InvalidRequestError
 from ...kv.pools import Pool, Residency, prefix_hashes
 from .base import TreeState
@@ -71,7 +71,7 @@ class Restore:
         tree = self.state.tree
         if pool_id in tree.pools or pool_id in tree.released:
             raise InvalidRequestError(f"pool {pool_id} exists already")
-        pool = Pool(pool_id=pool_id, parent=parent, branch_pos=branch_pos, seq=Sequence(tokens),
+        pool = Pool(pool_id=pool_id, parent=parent, branch_pos=branch_pos, seq=SeqState(tokens),
                     hashes=prefix_hashes(tokens), pinned=pinned, residency=Residency.EVICTED, label=label,
                     tenant=tenant)
         tree.restore(pool)
@@ -84,7 +84,7 @@ class Restore:
     def restore_session(self, session_id: str, tokens: list[int], pool: Pool | None, tenant: str | None) -> Session:
         """A saved session back, without KV (its next request recomputes what it needs), on its pool."""
         s = Session(session_id)
-        s.seq = Sequence(tokens)
+        s.seq = SeqState(tokens)
         s.tenant = tenant
         if pool is not None:
             self.state.attach(s, pool)
@@ -96,7 +96,7 @@ class Restore:
         pool.residency = Residency.RESIDENT
         pool.last_access_wall = time.time()
 
-    def restore_session_kv(self, session_id: str, seq: Sequence) -> Session:
+    def restore_session_kv(self, session_id: str, seq: SeqState) -> Session:
         """Session ``session_id`` (created when new) continues from ``seq``, whose KV was loaded into
         its own pages; its old cache and pool attachment are replaced."""
         state = self.state

@@ -7,7 +7,7 @@ Part of ``PolyKV`` (the one writer of the pool tree): the pools live in ``pools`
 
 from __future__ import annotations
 
-from ...requests import Sequence
+from ...requests import SeqState
 from ...errors import CapacityError, PoolNotFoundError
 from ...kv.pools import Pool, Residency, prefix_hashes
 
@@ -56,7 +56,7 @@ class PoolTree:
         """A new pool (materializing) under ``parent``, with the next id."""
         self.check_budget()
         pool = Pool(pool_id=self._next_id, parent=parent, branch_pos=branch_pos,
-                    seq=Sequence(tokens), hashes=prefix_hashes(tokens), label=label)
+                    seq=SeqState(tokens), hashes=prefix_hashes(tokens), label=label)
         self._next_id += 1
         self._link(pool)
         return pool
