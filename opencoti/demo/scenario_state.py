@@ -6,7 +6,7 @@ from typing import Annotated, Optional, TypedDict
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 
-from ..engine.kv.pools import common_prefix_len
+from ..engine.kv.pool import common_prefix_len
 from ..langgraph import PolyKVMessagesState, append_list, keep_latest
 
 

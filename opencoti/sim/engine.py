@@ -18,7 +18,7 @@ from typing import Any, Callable
 from ..engine.admission import AdmissionController, AdmissionPlan
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import SessionBusyError
-from ..engine.kv.pools import Pool
+from ..engine.kv.pool import Pool
 from ..engine.limits import Limits
 from ..engine.observe.metrics import Metrics
 from ..engine.polykv.state import PolyKV

@@ -24,7 +24,7 @@ from opencoti.engine.admission import (ADMIT, HOLD, REASON_CONTEXT, REASON_FLOOR
                                        decide, fold_drop)
 from opencoti.engine.config import SamplingParams as SP
 from opencoti.engine.errors import PoolSaturatedError
-from opencoti.engine.kv.pools import Residency
+from opencoti.engine.kv.pool import Residency
 from opencoti.engine.observe.metrics import Metrics
 from opencoti.engine.requests import Job, SeqState, Session, SessionState
 

@@ -28,7 +28,7 @@ LEVELS: list[list[str]] = [
      "admission.forecast", "admission.policy", "admission.state", "observe.tps"],
 ]
 # Data types and checks every level uses (and packages' empty __init__ files).
-DATA = {"requests", "limits", "speculation", "core.speculative", "kv.pools", "polykv.view", "admission.decide",
+DATA = {"requests", "limits", "speculation", "core.speculative", "kv.pool", "polykv.view", "admission.decide",
         "config", "errors", "results", "checks", "paths", "kv", "core", "polykv", "observe"}
 
 

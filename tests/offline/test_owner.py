@@ -16,7 +16,7 @@ A write is an assignment (``=``, ``+=``, annotated, ``del``) to such a field, to
 (``x.page_table[i] = ...``, ``del seq.tokens[n:]``), or a call of a mutator on it
 (``pool.sessions.add``, ``tree.pools.pop``, ``seq.page_table.extend``...). A class sets its own
 attributes in its own ``__init__`` (``self.x = ...``: a new object, not an existing pool's); that is
-the only write allowed outside the owner, the data types' modules (``kv/pools.py``,
+the only write allowed outside the owner, the data types' modules (``kv/pool.py``,
 ``requests.py``) included.
 
 Names are matched by attribute name, so a field of the same name on another object (the prefix
@@ -121,7 +121,7 @@ def test_each_field_is_written_only_by_its_owner():
 def test_no_file_is_exempt():
     """Every module is scanned; the owners are real modules, each writing what it owns."""
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "opencoti").rglob("*.py")}
-    assert {"opencoti/engine/kv/pools.py", "opencoti/engine/requests.py"} <= files
+    assert {"opencoti/engine/kv/pool.py", "opencoti/engine/requests.py"} <= files
     for owners in OWNERS.values():
         for o in owners:
             assert (o in files) if not o.endswith("/") else any(f.startswith(o) for f in files), o

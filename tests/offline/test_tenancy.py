@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from opencoti.engine import InvalidRequestError, PoolNotFoundError, SamplingParams, SessionNotFoundError
-from opencoti.engine.kv.pools import Pool
+from opencoti.engine.kv.pool import Pool
 from opencoti.engine.polykv.state import PoolTree
 from opencoti.engine.api.tenancy import TenantEngine
 

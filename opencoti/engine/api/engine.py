@@ -24,7 +24,7 @@ from ..core.core import EngineCore
 from ..errors import EngineClosedError, InvalidRequestError
 from ..observe.metrics import Metrics
 from .build import build_parts, resolve_device, resolve_dtype
-from .pools import PoolAPI
+from .pool_api import PoolAPI
 from ..polykv import status
 from ..persist.sync import open_state
 from ..persist.tier import open_tier

@@ -22,7 +22,7 @@ from ..admission.decide import AdmissionPlan
 from ..config import EngineConfig, SamplingParams
 from ..errors import CapacityError, InvalidRequestError, PoolContractError, SessionBusyError
 from ..kv.pages import PagePool
-from ..kv.pools import Pool, Residency, common_prefix_len
+from ..kv.pool import Pool, Residency, common_prefix_len
 from ..kv.prefix_index import salt_root
 from ..kv.tables import KVTables
 from ..limits import Limits

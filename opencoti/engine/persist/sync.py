@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Literal, TypeVar, Union
 
-from ..kv.pools import Pool, Residency
+from ..kv.pool import Pool, Residency
 from ..requests import Session
 from . import kvfile
 from .engine_view import PersistCore, PersistEngine, PoolPolicies, RunOnStep, identity_of, kv_identity_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ..kv.pools import Pool, Residency
+from ..kv.pool import Pool, Residency
 from ..results import PoolInfo
 from ..requests import Session
 from .state import PolyKV

@@ -15,7 +15,7 @@ no ``add`` or link), pools are ``PoolView``, sessions ``SessionView`` and their 
 on the engine's step thread.
 
 Its own module (not ``core/core.py``) so that readers depend on this small module only: it imports
-the state's data types (``requests.py``, with ``SeqView``; ``kv/pools.py``), never the core, the model or torch.
+the state's data types (``requests.py``, with ``SeqView``; ``kv/pool.py``), never the core, the model or torch.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from __future__ import annotations
 from typing import AbstractSet, Callable, Iterable, Mapping, Protocol, Sequence as Seq
 
 from ..requests import Job, SeqView, SessionState, Work
-from ..kv.pools import Residency
+from ..kv.pool import Residency
 
 Listener = Callable[[str, dict], None]  # (event, data) on the step thread: submit, token, finish, materialized, step
 
 
 class PoolView(Protocol):
-    """A pool of the tree, read only (``kv.pools.Pool``, whose fields ``PolyKV`` alone sets)."""
+    """A pool of the tree, read only (``kv.pool.Pool``, whose fields ``PolyKV`` alone sets)."""
 
     @property
     def pool_id(self) -> int: ...

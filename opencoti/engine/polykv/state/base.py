@@ -18,7 +18,7 @@ from ...limits import Limits
 from ...requests import SeqState, Session
 from ...errors import SessionNotFoundError
 from ...kv.pages import PagePool
-from ...kv.pools import Pool, Residency
+from ...kv.pool import Pool, Residency
 from ...kv.tables import KVTables
 from ..view import PoolView
 from .tree import PoolTree

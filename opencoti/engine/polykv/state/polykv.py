@@ -30,7 +30,7 @@ from ...limits import Limits
 from ...requests import Job, MaterializeJob, SeqState, Session
 from ...errors import CapacityError, InvalidRequestError, PoolBusyError, PoolContractError, SessionBusyError
 from ...kv.pages import PagePool
-from ...kv.pools import Pool, Residency, common_prefix_len, prefix_hashes
+from ...kv.pool import Pool, Residency, common_prefix_len, prefix_hashes
 from ...kv.tables import KVTables
 from .base import Listener, TreeState
 from .reclaim import Reclaim

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from ...requests import Session
-from ...kv.pools import Residency
+from ...kv.pool import Residency
 from .base import TreeState
 
 

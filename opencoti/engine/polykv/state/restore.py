@@ -10,7 +10,7 @@ from typing import Callable
 
 from ...requests import MaterializeJob, SeqState, Session
 from ...errors import InvalidRequestError
-from ...kv.pools import Pool, Residency, prefix_hashes
+from ...kv.pool import Pool, Residency, prefix_hashes
 from .base import TreeState
 
 Done = Callable[[object], None]  # called with the Pool once resident, or the error of a failed materialization

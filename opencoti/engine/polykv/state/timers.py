@@ -8,7 +8,7 @@ import time
 
 from ...requests import Session
 from ...errors import PoolBusyError
-from ...kv.pools import Pool, Residency
+from ...kv.pool import Pool, Residency
 from .base import TreeState
 
 

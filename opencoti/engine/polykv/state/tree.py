@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...requests import SeqState
 from ...errors import CapacityError, PoolNotFoundError
-from ...kv.pools import Pool, Residency, prefix_hashes
+from ...kv.pool import Pool, Residency, prefix_hashes
 
 
 class PoolTree:

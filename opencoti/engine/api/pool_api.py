@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError, PoolBusyError, SessionBusyError
-from ..kv.pools import Residency
+from ..kv.pool import Residency
 from ..polykv import status
 from ..results import PoolInfo
 
