@@ -105,8 +105,7 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads of the state
     def has(self, key: bytes) -> bool:
-        e = self.pages.get(key)
-        return e is not None and e[0].state in (PENDING, WRITTEN)
+        return (e := self.pages.get(key)) is not None and e[0].state in (PENDING, WRITTEN)
 
     @property
     def pending_bytes(self) -> int:
@@ -126,9 +125,7 @@ class DiskTier:
         for chain in chains:
             run: list = []
             for e in chain:
-                held = self.pages.get(e.key)
-                if held is not None and held[0].state in (PENDING, WRITTEN) and held[0].name in self.segments:
-                    self.segments.move_to_end(held[0].name)
+                if self._touch(e.key):
                     self._write(kv, run)
                     run = []
                     continue
@@ -139,16 +136,19 @@ class DiskTier:
             self._write(kv, run)
 
     def spill_tails(self, kv, tails: list) -> None:
-        """Tails leave RAM: each (``page``, ``tokens``, ``parent``) a finished request's partial last
-        page, valid for its tokens; a file each. One the tier holds already is not written again."""
+        """Tails (``page``, ``tokens``, ``parent``: partial last pages) leave RAM: a file each, unless held."""
         self._sweep_failed()
         for t in tails:
             key = tail_key(t.parent.key, t.tokens)
-            held = self.pages.get(key)
-            if held is not None and held[0].state in (PENDING, WRITTEN) and held[0].name in self.segments:
-                self.segments.move_to_end(held[0].name)
-                continue
-            self._write(kv, [t], tail=key)
+            if not self._touch(key):
+                self._write(kv, [t], tail=key)
+
+    def _touch(self, key: bytes) -> bool:
+        """Whether the tier holds ``key``'s page already (written or queued); if so it is used now (LRU)."""
+        name = self.pages[key][0].name if self.has(key) else ""
+        if name in self.segments:
+            self.segments.move_to_end(name)
+        return name in self.segments
 
     def _write(self, kv, run: list, tail: bytes | None = None) -> None:
         if not run:
