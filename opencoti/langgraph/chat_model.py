@@ -14,7 +14,6 @@ The message converters live in ``convert`` and the parameter rules in ``params``
 from __future__ import annotations
 
 import asyncio
-from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -23,19 +22,17 @@ from langchain_core.language_models.chat_models import (BaseChatModel, LangSmith
                                                         generate_from_stream)
 from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env, secret_from_env
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ..client import AsyncPolyKVClient, ChatChunk, GenerationInfo, OpencotiError, PolyKVClient, SessionStatus
 from .convert import (chunk_from_event, convert_message_to_dict, convert_messages, format_tool_choice,  # noqa: F401
                       parse_json_answer, response_metadata, usage_metadata)
-from . import params
+from .structured import structured_output
 from .params import build_extra, client_params, model_profile, served_model_facts, split_call_kwargs
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
@@ -435,37 +432,7 @@ class OpencotiChatModel(BaseChatModel):
         (constrained to JSON where supported)."""
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
-        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        constrained = params.STRUCTURED_OUTPUT and method in ("json_schema", "json_mode")
-        if constrained:
-            fmt: dict[str, Any] = {"type": "json_object"}
-            if method == "json_schema":
-                fn = convert_to_openai_tool(schema, strict=strict)["function"]
-                fmt = {"type": "json_schema", "json_schema": {"name": fn["name"], "schema": fn["parameters"],
-                                                              **({"strict": True} if strict else {})}}
-            llm = self.bind(response_format=fmt, ls_structured_output_format={
-                "kwargs": {"method": method, "strict": strict}, "schema": schema})
-            parser = RunnableLambda(lambda msg: parse_json_answer(msg, schema if is_pydantic else None))
-        elif method in ("function_calling", "json_schema"):
-            tool = convert_to_openai_tool(schema, strict=strict)
-            name = tool["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, strict=strict,
-                                  ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
-                                                               "schema": tool})
-            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
-                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
-        elif method == "json_mode":
-            llm = self.bind(ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
-            parser = RunnableLambda(lambda msg: parse_json_answer(msg, schema if is_pydantic else None))
-        else:
-            raise ValueError(f"method must be function_calling | json_schema | json_mode, got {method!r}")
-        if not include_raw:
-            return llm | parser
-        parser_assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
-        parser_none = RunnablePassthrough.assign(parsed=lambda _: None)
-        with_fallback = parser_assign.with_fallbacks([parser_none], exception_key="parsing_error")
-        return RunnableMap(raw=llm) | with_fallback
-
+        return structured_output(self, schema, method, include_raw, strict)
 
 class _Run:
     """One streamed request: what its events become, which ``_stream`` and ``_astream`` share (they

@@ -64,3 +64,29 @@ def test_the_check_sees_an_upward_import():
     graph = {"opencoti.engine.kv.a": {"opencoti.engine.api.b", "opencoti.engine.errors"},
              "opencoti.engine.api.b": {"opencoti.engine.kv.a"}, "opencoti.engine.errors": set()}
     assert upward(graph, mods, ENGINE_LAYERS) == {"engine.kv.a -> engine.api.b"}
+
+
+MAX_LINES = 500
+
+
+def too_long(root: Path, limit: int = MAX_LINES) -> dict[str, int]:
+    """Modules under ``root`` longer than ``limit`` lines (path -> lines)."""
+    out = {}
+    for p in sorted(root.rglob("*.py")):
+        n = len(p.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out[str(p.relative_to(root.parent))] = n
+    return out
+
+
+def test_no_module_is_longer_than_500_lines():
+    """A module a reader takes in one sitting: split one that grows past this by concern."""
+    assert too_long(ROOT / "opencoti") == {}
+
+
+def test_the_length_check_sees_a_long_module(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (pkg / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert too_long(pkg) == {"pkg/long.py": MAX_LINES + 1}
