@@ -433,19 +433,13 @@ def test_an_evicted_tail_comes_back_as_a_tail_and_its_slots_are_copied_not_recom
     assert tables.match(turn, b"", len(turn) - 1, keys).partial_tokens == 0
 
 
-def test_the_io_thread_writes_at_its_own_cpu_priority_and_only_it(make_engine, tmp_path, monkeypatch):
-    import os
-    import threading
-
-    from opencoti.engine.persist import tier as tier_mod
-
-    assert tier_mod.IO_NICE == 0  # the default: the measured best (bench_kv_tier_steps)
-    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    monkeypatch.setattr(tier_mod, "IO_NICE", max(ours, 7))  # (raising a nice needs no privilege)
+def test_the_step_loop_paces_the_tier_writes_between_its_steps(make_engine, tmp_path):
+    """The engine's step loop drives the tier's pacer: the writes of an agent team take their turns (a
+    chunk each) and every segment is written; after the loop goes idle nothing waits for a turn."""
     eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
-    agent_team(eng, turns=1)  # something was written: the I/O thread ran
+    assert eng.step_pacer is eng.kv_tier.pacer and eng.step_pacer.share is not None
+    agent_team(eng, turns=1)
     flush(eng)
-    io, step = eng.kv_tier._thread, eng._thread
-    assert io is not None and io.native_id is not None and step.native_id is not None
-    assert os.getpriority(os.PRIO_PROCESS, io.native_id) == max(ours, 7)
-    assert os.getpriority(os.PRIO_PROCESS, step.native_id) == ours  # the step thread keeps the process's
+    st = eng.kv_tier.status()
+    assert st["spilled_segments"] > 0 and st["write_errors"] == 0
+    assert eng.step_pacer.stats["turns"] >= st["spilled_segments"]  # (a segment: one turn a chunk)

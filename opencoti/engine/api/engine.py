@@ -27,6 +27,7 @@ from .build import build_parts, resolve_device, resolve_dtype
 from .pool_api import PoolAPI
 from ..polykv import status
 from ..persist.sync import open_state
+from ..persist.pacer import StepPacer
 from ..persist.tier import open_tier
 from ..results import GenerationResult, PoolInfo
 from .streams import AsyncTokenStream, TokenStream
@@ -99,6 +100,8 @@ class Engine:
         # config.state_dir: restore the stored pools and sessions, keep in sync
         self.persister = open_state(self, admission=self.admission_controller)
         self.kv_tier = open_tier(self)  # reclaimed KV goes to disk and comes back (None: dropped, recomputed)
+        # the step loop gives the tier's writes their turns between steps (no tier: nothing to pace)
+        self.step_pacer = self.kv_tier.pacer if self.kv_tier is not None else StepPacer(share=None)
         self.pool_api = PoolAPI(self.core, run=self.run_on_step_thread, tokenize=self.tokenize,
                                 apply_chat_template=self.apply_chat_template, metrics=self.metrics,
                                 page_bytes=self.kv.page_bytes)
@@ -114,10 +117,12 @@ class Engine:
     # ======================================================================== step loop
     def _loop(self) -> None:
         core = self.core
+        pacer = self.step_pacer
         busy = False
         while True:
             if busy and not core.has_work:
                 busy = False
+                pacer.idle()  # the disk tier writes freely while nothing computes
                 self._idle_check()
                 if self._cmds.empty():  # a request already waiting goes first; trimmed at the next idle
                     self._trim_when_idle()
@@ -155,6 +160,8 @@ class Engine:
                     cmd = None
             if core.has_work:
                 busy = True
+                pacer.step_begin()
+                t0 = time.perf_counter()
                 try:
                     stats = core.step()
                     for fn in core.listeners:
@@ -162,6 +169,8 @@ class Engine:
                 except Exception as e:  # a bug or OOM in a step: fail the batch, keep serving
                     log.exception("engine step failed")
                     self.core.fail_all(e)
+                finally:
+                    pacer.step_end(time.perf_counter() - t0)
 
     def _trim_when_idle(self) -> None:
         """The loop went idle: give what the steps freed (prefill temporaries stay in the C heap:
@@ -188,6 +197,7 @@ class Engine:
         self.core.fail_all(EngineClosedError("engine shut down"))
         self.admission_controller.close(EngineClosedError("engine shut down"))  # requests held by admission
         self.persister.close()
+        self.step_pacer.idle()  # no step will run again: a write waiting for its turn goes on
         if self.kv_tier is not None:
             self.kv_tier.close()
         while True:

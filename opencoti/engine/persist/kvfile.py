@@ -22,7 +22,8 @@ import queue
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -67,11 +68,15 @@ def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[to
 
 
 def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int], *,
-             extra: dict | None = None, store_tokens: bool = False, durable: bool = True) -> int:
+             extra: dict | None = None, store_tokens: bool = False, durable: bool = True,
+             chunk_bytes: int | None = None, turn: Callable[[], ContextManager] | None = None) -> int:
     """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written. ``store_tokens``
     appends the token ids themselves (``read_tokens``); ``extra`` goes into the header. ``durable``:
     fsync the file and its directory (a cache that is verified by its checksum when read, like the
-    disk tier's files, skips it: the rename alone makes a process crash leave a whole file or none)."""
+    disk tier's files, skips it: the rename alone makes a process crash leave a whole file or none).
+    ``chunk_bytes`` / ``turn``: the body is checksummed and written a chunk at a time, each inside a
+    ``turn()`` (the disk tier's pacing, ``pacer.StepPacer``); the header, which holds the checksum,
+    is written last."""
     path = Path(path)
     meta = {"dtype": str(k.dtype).replace("torch.", ""), "shape": list(k.shape), "start": start,
             "end": start + k.shape[1], "tokens": tokens_digest(tokens), **(extra or {})}
@@ -80,18 +85,22 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
     body = [(t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy() for t in (k, v)]
     if store_tokens:
         body.append(np.asarray(tokens, dtype="<u4"))
-    crc = 0
-    for part in body:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(part)).cast("B"), crc)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
-    meta["checksum"] = {CHECKSUM: f"{crc:08x}"}
-    head = json.dumps(meta).encode()
-    if len(MAGIC) + len(head) + 1 > HEADER:
+    if len(MAGIC) + len(json.dumps({**meta, "checksum": {CHECKSUM: "0" * 8}}).encode()) + 1 > HEADER:
         raise ValueError("KV file header too large")
     tmp = path.with_name(path.name + ".tmp")
+    crc = 0
     with open(tmp, "wb") as f:
-        f.write((MAGIC + head + b"\n").ljust(HEADER, b"\0"))
+        f.seek(HEADER)
         for part in body:
-            f.write(np.ascontiguousarray(part).data)
+            data = memoryview(np.ascontiguousarray(part)).cast("B")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            step = chunk_bytes or max(1, len(data))
+            for at in range(0, len(data), step):
+                with turn() if turn is not None else nullcontext():
+                    crc = zlib.crc32(data[at:at + step], crc)
+                    f.write(data[at:at + step])
+        meta["checksum"] = {CHECKSUM: f"{crc:08x}"}
+        f.seek(0)
+        f.write((MAGIC + json.dumps(meta).encode() + b"\n").ljust(HEADER, b"\0"))
         f.flush()
         if durable:
             os.fsync(f.fileno())

@@ -23,7 +23,8 @@ What can go wrong degrades to a recompute, never to wrong KV: a write that fails
 loses that segment; a read verifies the header's identity and token digest and the checksum, and a
 missing, cut-short, swapped or corrupt file is forgotten and logged, and the request computes the
 pages it could not read. Writes never block a step: the snapshots waiting for the I/O thread are
-bounded (``max_pending_bytes``); past that, the pages are dropped (recomputed if needed again).
+bounded (``max_pending_bytes``); past that, the pages are dropped (recomputed if needed again). The
+I/O thread writes a chunk at a time between steps (``pacer.StepPacer``), so the writes do not slow them.
 
 Budget. The files stay within ``budget_bytes``: the least recently used segments (written or
 read) are removed first. The directory is emptied at start: the tier is a cache of this process's
@@ -49,7 +50,8 @@ import torch
 
 from ..kv.prefix_index import common_prefix, tail_key
 from .files import HEADER
-from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment, set_thread_nice,
+from .pacer import StepPacer
+from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment,
                          tier_budget_mib, write_segment)
 
 log = logging.getLogger("opencoti.engine.persist")
@@ -57,10 +59,6 @@ log = logging.getLogger("opencoti.engine.persist")
 TIER_DIR = "kv_tier"
 MAX_SEGMENT_PAGES = 64  # pages per file at most (1,024 tokens at the default page size; ~23 MiB for the bundled model)
 DEFAULT_PENDING_MIB = 256.0  # snapshots waiting for the I/O thread at most (memory); past it, pages are dropped
-# the I/O thread's CPU priority (Linux nice), read before each write: the process's (0). At 19 the decode steps
-# beside a write were no faster (median 1.64x the quiet step against 1.57x) and a write took twice as long
-# (benchmarks/bench_kv_tier_steps.py, kv_tier_steps.json): the slowdown is not the thread's share of a core
-IO_NICE = 0
 READERS = 3  # threads reading ahead (files at once): one left the disk idle between small files
 
 class DiskTier:
@@ -89,6 +87,7 @@ class DiskTier:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._warned: dict[str, float] = {}
+        self.pacer = StepPacer()  # the writes' turns between steps (the engine's step loop drives it)
         # prefetches: segments a queued request will read, read and checked by a thread of their own
         # (not behind the writes), so the step that starts the request only copies them into pages
         self._rq: queue.SimpleQueue = queue.SimpleQueue()
@@ -422,7 +421,6 @@ class DiskTier:
             self._thread = None
 
     def _run(self) -> None:
-        nice = 0
         while True:
             item = self._q.get()
             if item is None:
@@ -431,8 +429,6 @@ class DiskTier:
             if kind == "flush":
                 seg.set()
                 continue
-            if IO_NICE != nice:
-                nice = set_thread_nice(IO_NICE, nice)
             path = self.dir / seg.name
             if kind == "drop":
                 try:
@@ -443,7 +439,8 @@ class DiskTier:
             t0 = time.perf_counter()
             try:
                 if seg.state == PENDING and seg.k is not None:
-                    write_segment(path, seg, self.identity)
+                    with self.pacer.writing():
+                        write_segment(path, seg, self.identity, self.pacer)
                     if seg.state == PENDING:
                         seg.state = WRITTEN
             except OSError as e:

@@ -2,20 +2,20 @@
 state from queued to written, failed or dropped, and what a prefetch read of it) and the reading of a
 segment's file, checked against the engine's identity, its tokens, the pages' layout and its checksum.
 The reader thread calls ``read_segment`` with the layout (``kv_layout``), never touching the pages;
-the I/O thread ``write_segment`` (at its own CPU priority: ``set_thread_nice``). And the tier's disk
+the I/O thread ``write_segment``, a chunk a turn of the step pacer (``pacer.py``). And the tier's disk
 budget (``tier_budget_mib``).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import kvfile
+from .pacer import StepPacer
 
 PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
 
@@ -70,15 +70,17 @@ def read_segment(path: Path, seg: Segment, identity: dict | None, layout: tuple
     return arr[0], arr[1]
 
 
-def write_segment(path: Path, seg: Segment, identity: dict | None) -> None:
-    """Write a segment's file (the I/O thread): its K and V, tokens, position and where it hangs."""
+def write_segment(path: Path, seg: Segment, identity: dict | None, pacer: StepPacer) -> None:
+    """Write a segment's file (the I/O thread): its K and V, tokens, position and where it hangs, a chunk
+    a turn of ``pacer`` (between the engine's steps)."""
     assert seg.k is not None and seg.v is not None
     L, n, ps, H, D = seg.k.shape  # (a tail: ps is its slots)
     where = {"parent_key": seg.parent_key.hex(), "pages": n, "page_size": ps}
     if seg.tail:
         where = {"parent_key": seg.parent_key.hex(), "tail": True, "slots": ps}
     kvfile.write_kv(path, seg.k.reshape(L, n * ps, H, D), seg.v.reshape(L, n * ps, H, D), seg.start, seg.tokens,
-                    store_tokens=True, durable=False, extra={"kv": identity, "tier": where})
+                    store_tokens=True, durable=False, extra={"kv": identity, "tier": where},
+                    chunk_bytes=pacer.chunk_bytes, turn=pacer.turn)
 
 
 DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's
@@ -95,13 +97,3 @@ def tier_budget_mib(config, directory: Path) -> float:
     except (OSError, AttributeError):
         return DEFAULT_KV_DISK_BUDGET_MIB
     return min(DEFAULT_KV_DISK_BUDGET_MIB, free_mib / 2)
-
-
-def set_thread_nice(want: int, now: int) -> int:
-    """Set the calling thread's nice (Linux: a thread's own priority; the I/O thread's); returns the one
-    it has after (raising it back needs privileges a process may lack: then it stays)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), want)
-        return want
-    except (OSError, AttributeError):
-        return now
