@@ -42,16 +42,32 @@ def _quantile(vals: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def classify(times: list[float], windows: list[tuple[str, float, float, int]]) -> dict[tuple[str, int], list[float]]:
-    """Inter-token gaps by what overlapped them: ("copy" | "write" | "quiet", the mode: 1 paced, 0 not)."""
-    out: dict[tuple[str, int], list[float]] = {}
-    for a, b in zip(times, times[1:]):
-        kind, mode = "quiet", -1
-        for w, lo, hi, n in windows:
+def classify(spans: list[tuple[float, float]], windows: list[tuple[str, float, float, int]]
+             ) -> dict[tuple[str, int], list[float]]:
+    """Each span's duration over the quiet steps' median *around it* (so the context's growth and the
+    machine's drift over the run cancel), by what overlapped it: ("copy" | "write" | "quiet", the mode:
+    1 paced, 0 not). ``windows`` come in (copy, write) pairs, one pair a burst; the quiet steps between
+    two bursts are their local baseline (a burst's: the quiet before it and after it); a quiet step's is
+    its own quiet stretch (its spread is the machine's jitter)."""
+    ends = [hi for w, lo, hi, n in windows if w == "write"]
+    tagged = []
+    for a, b in spans:
+        kind, mode, burst = "quiet", -1, sum(hi <= a for hi in ends)  # (quiet: the stretch after that many)
+        for i, (w, lo, hi, n) in enumerate(windows):
             if lo < b and hi > a:
                 if w == "copy" or kind == "quiet":
-                    kind, mode = w, n
-        out.setdefault((kind, mode if kind != "quiet" else -1), []).append(b - a)
+                    kind, mode, burst = w, n, i // 2
+        tagged.append((kind, mode, burst, b - a))
+    stretch: dict[int, list[float]] = {}
+    for kind, _, burst, d in tagged:
+        if kind == "quiet":
+            stretch.setdefault(burst, []).append(d)
+    base = {k: statistics.median(v) for k, v in stretch.items()}
+    out: dict[tuple[str, int], list[float]] = {}
+    for kind, mode, burst, d in tagged:
+        around = [base[burst]] if kind == "quiet" else [base[j] for j in (burst, burst + 1) if j in base]
+        if around:
+            out.setdefault((kind, mode), []).append(d / statistics.mean(around))
     return out
 
 
@@ -63,6 +79,8 @@ def main() -> int:
     p.add_argument("--quiet-s", type=float, default=0.6, help="seconds between bursts (after a burst is written)")
     p.add_argument("--pacing", choices=["both", "on", "off"], default="both",
                    help="the writes paced between steps (on), beside them (off), or alternating burst by burst")
+    p.add_argument("--share", type=float, default=None,
+                   help="the writer's share of the steps' time when paced (default: the engine's, pacer.DEFAULT_SHARE)")
     args = p.parse_args()
     common.set_threads(args.threads)
     if args.quick:
@@ -73,7 +91,7 @@ def main() -> int:
     eng = common.make_engine(args, state_dir=work, kv_budget_tokens=args.context + args.answer + 64)
     tier = eng.kv_tier
     assert tier is not None, "the tier is on where a state directory exists"
-    share = tier.pacer.share
+    share = tier.pacer.share if args.share is None else args.share
     assert share is not None, "the engine paces the tier's writes by default"
     modes = {"both": [1, 0], "on": [1], "off": [0]}[args.pacing]  # 1: paced, 0: unpaced
     rng = random.Random(0)
@@ -95,6 +113,17 @@ def main() -> int:
 
     threading.Thread(target=consume, daemon=True).start()
     first.wait()
+    # each step's own compute time, beside the gaps the client sees (a step waiting for a chunk, or slowed
+    # by work beside it, shows in one or the other)
+    step_spans: list[tuple[float, float]] = []
+    step_end = tier.pacer.step_end
+
+    def timed_step_end(seconds: float) -> None:
+        now = time.perf_counter()
+        step_spans.append((now - seconds, now))
+        step_end(seconds)
+
+    tier.pacer.step_end = timed_step_end  # type: ignore[method-assign]
     time.sleep(args.quiet_s)
     ps, burst = eng.kv.page_size, 0
     while not done.is_set():
@@ -123,43 +152,50 @@ def main() -> int:
         burst += 1
         time.sleep(args.quiet_s)
     eng.shutdown()
-    gaps = classify(times[1:], windows)  # (the first gap is the first decode step after the prefill)
-    quiet = gaps.get(("quiet", -1), [])
-    q_med = statistics.median(quiet) if quiet else None
+    gaps = classify(list(zip(times[1:], times[2:])), windows)  # (from the 2nd gap: the 1st follows the prefill)
+    computes = classify(step_spans[2:], windows)
     rows = []
     for (kind, mode), vals in sorted(gaps.items()):
+        comp = computes.get((kind, mode))
         rows.append({
             "class": kind, "paced": None if mode < 0 else bool(mode), "steps": len(vals),
-            "median_ms": statistics.median(vals) * 1e3, "p99_ms": _quantile(vals, 0.99) * 1e3,
-            "max_ms": max(vals) * 1e3,
-            "median_vs_quiet": common.ratio(statistics.median(vals), q_med),
-            "p99_vs_quiet": common.ratio(_quantile(vals, 0.99), q_med),
-            "share_over_1_1x_quiet": sum(v > 1.1 * q_med for v in vals) / len(vals) if q_med else None,
+            "median_vs_quiet": statistics.median(vals), "p99_vs_quiet": _quantile(vals, 0.99),
+            "max_vs_quiet": max(vals), "share_over_1_1x_quiet": sum(v > 1.1 for v in vals) / len(vals),
+            # the step's own compute (core.step), without the loop's wait for a chunk and its other work
+            "compute_median_vs_quiet": statistics.median(comp) if comp else None,
         })
     for r in rows:
-        common.log(f"{r['class']:5s} paced {r['paced']}: {r['steps']:4d} steps, median {r['median_ms']:.1f} ms "
-                   f"({r['median_vs_quiet']:.2f}x quiet), p99 {r['p99_vs_quiet']:.2f}x, "
-                   f"{100 * r['share_over_1_1x_quiet']:.0f}% over 1.1x")
+        common.log(f"{r['class']:5s} paced {r['paced']}: {r['steps']:4d} steps, median {r['median_vs_quiet']:.2f}x "
+                   f"the quiet steps around, p99 {r['p99_vs_quiet']:.2f}x, "
+                   f"{100 * r['share_over_1_1x_quiet']:.0f}% over 1.1x; compute {r['compute_median_vs_quiet']}x")
     st = tier.status()
     common.log(f"{burst} bursts of {args.burst_pages} pages; copy {statistics.median(copy_ms_per_page):.3f} ms/page; "
                f"write {st['write_seconds']:.2f} s for {st['spilled_pages']} pages")
     copy_ms = statistics.median(copy_ms_per_page)
     report = {
-        "headers": ["decode steps overlapping", "writes paced", "steps", "median ms", "median / quiet",
-                    "p99 / quiet", "steps > 1.1x quiet median"],
+        "headers": ["decode steps overlapping", "writes paced", "steps", "median / quiet around",
+                    "p99 / quiet around", "steps > 1.1x quiet around", "step compute median / quiet around"],
         "rows": [[{"copy": "the step thread's copy of a burst", "write": "the tier writing (I/O thread)",
                    "quiet": "nothing (quiet)"}[r["class"]],
                   "–" if r["paced"] is None else ("yes (default)" if r["paced"] else "no"), r["steps"],
-                  round(r["median_ms"], 1), round(r["median_vs_quiet"], 2), round(r["p99_vs_quiet"], 2),
-                  f"{100 * r['share_over_1_1x_quiet']:.0f} %"] for r in rows],
+                  round(r["median_vs_quiet"], 2), round(r["p99_vs_quiet"], 2),
+                  f"{100 * r['share_over_1_1x_quiet']:.0f} %",
+                  "–" if r["compute_median_vs_quiet"] is None else round(r["compute_median_vs_quiet"], 2)]
+                 for r in rows],
         "notes": [f"One session decodes {args.answer} tokens (one a step, no speculation) after a {args.context}-token "
                   f"prompt; every {args.quiet_s} s a burst of {args.burst_pages} of its pages "
                   f"({args.burst_pages * eng.kv.page_bytes / 2**20:.0f} MiB) is handed to the tier as if reclaimed: "
-                  f"{burst} bursts. Each gap between two tokens is classed by what overlapped it."]
+                  f"{burst} bursts. Each gap between two tokens is classed by what overlapped it and divided by "
+                  "the median of the quiet steps around it (before and after its burst), so the context's growth "
+                  "over the answer and the machine's drift cancel."]
         + [f"While the tier wrote {'paced' if r['paced'] else 'unpaced'}, {100 * r['share_over_1_1x_quiet']:.0f} % of steps took "
-           f"longer than 1.1x the quiet median (median {r['median_vs_quiet']:.2f}x, p99 {r['p99_vs_quiet']:.2f}x); "
+           f"longer than 1.1x the quiet steps around them (median {r['median_vs_quiet']:.2f}x, p99 {r['p99_vs_quiet']:.2f}x); "
            f"quiet steps: {100 * next((q['share_over_1_1x_quiet'] for q in rows if q['class'] == 'quiet'), 0):.0f} % "
            "(the machine's own jitter)." for r in rows if r["class"] == "write"]
+        + [f"Paced, a step waited {1e3 * tier.pacer.stats['step_wait_s'] / max(1, tier.pacer.stats['step_waits']):.2f} ms "
+           f"on average for the writer's turns ({tier.pacer.stats['turns']} chunks of {tier.pacer.chunk_bytes // 1024} "
+           f"KiB, {1e3 * tier.pacer.stats['turn_s'] / max(1, tier.pacer.stats['turns']):.2f} ms each; the writer's "
+           f"share {share})."]
         + [f"The copy that reclaiming does on the step thread costs {copy_ms:.3f} ms a page "
            f"({copy_ms * 375:.0f} ms for a 6,000-token context reclaimed at once): the step that reclaims is slower "
            "by that much, whatever the disk does."],
