@@ -28,8 +28,9 @@ from typing import Iterator
 
 DEFAULT_SHARE = 0.03
 """The writer's time per second of the steps' while the engine computes. Measured one session decoding beside
-90 MiB bursts (``bench_kv_tier_steps.py --share``, 2-core AMD EPYC): the steps' median over the quiet steps
-around them was 1.00x at 0.03 and 1.06-1.14x at 0.05 (a waiting step also pays the writer's wake-up)."""
+90 MiB bursts (``bench_kv_tier_steps.py --share``, 2-core AMD EPYC, ``results/*/tier48_share/``): the steps'
+median over the quiet steps around them was 1.00x at 0.03 and 1.06x at 0.05 (a waiting step also pays the
+writer's wake-up)."""
 CHUNK_BYTES = 256 * 1024
 """A turn's bytes (0.24-0.83 ms of checksum and page-cache copy here; a 12 ms step's share is 0.36 ms)."""
 MAX_CREDIT_S = 0.05
