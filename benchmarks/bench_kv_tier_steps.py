@@ -17,6 +17,7 @@ cost per page. The writes are measured paced (the engine's default: a chunk at a
 from __future__ import annotations
 
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -152,6 +153,7 @@ def main() -> int:
         burst += 1
         time.sleep(args.quiet_s)
     eng.shutdown()
+    shutil.rmtree(work, ignore_errors=True)  # the tier's files (GBs over a run)
     gaps = classify(list(zip(times[1:], times[2:])), windows)  # (from the 2nd gap: the 1st follows the prefill)
     computes = classify(step_spans[2:], windows)
     rows = []
