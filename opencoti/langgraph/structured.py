@@ -8,9 +8,10 @@ decodes under constraints (``params.STRUCTURED_OUTPUT``); otherwise ``json_schem
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -20,13 +21,10 @@ from pydantic import BaseModel
 from . import params
 from .convert import parse_json_answer
 
-if TYPE_CHECKING:
-    from .chat_model import OpencotiChatModel
 
-
-def structured_output(model: OpencotiChatModel, schema: dict | type, method: str, include_raw: bool,
+def structured_output(model: BaseChatModel, schema: dict | type, method: str, include_raw: bool,
                       strict: bool | None) -> Runnable[LanguageModelInput, dict | BaseModel]:
-    """``model`` bound for ``schema`` by ``method``, piped into the parser of its answer (with the raw
+    """``model`` (an ``OpencotiChatModel``) bound for ``schema`` by ``method``, piped into the parser of its answer (with the raw
     message and any parsing error beside it where ``include_raw``)."""
     is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
     pyd: Any = schema if is_pydantic else None  # the class answers are validated into (None: a dict)
