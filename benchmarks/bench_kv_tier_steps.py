@@ -83,6 +83,8 @@ def main() -> int:
     p.add_argument("--share", type=float, default=None,
                    help="the writer's share of the steps' time when paced (default: the engine's, pacer.DEFAULT_SHARE)")
     args = p.parse_args()
+    if args.share is not None and not 0 < args.share <= 1:
+        p.error("--share must be in (0, 1]")
     common.set_threads(args.threads)
     if args.quick:
         args.context, args.answer, args.burst_pages = 256, 300, 64
@@ -129,7 +131,7 @@ def main() -> int:
     ps, burst = eng.kv.page_size, 0
     while not done.is_set():
         mode = modes[burst % len(modes)]  # (the window's mode: 1 paced, 0 not)
-        tier.pacer.share = share if mode else None  # read at each chunk's turn and each step
+        tier.pacer.share = share if mode else None  # (switched with no write pending)
 
         def spill(burst=burst) -> tuple[float, float, int]:
             seq = eng.core.sessions["decoder"].seq

@@ -274,10 +274,10 @@ _WRITTEN: set[Path] = set()  # results this process wrote: rewritten in place, n
 
 def write_json(name: str, payload: dict, out: str | None = None) -> Path:
     """Write a result; an earlier one at the same path is kept in ``history/`` first (:func:`keep_earlier`).
-    A script run by hand with ``--quick`` (no ``--out``) writes ``<name>_quick.json``: never the full result."""
-    if not out and "--quick" in sys.argv[1:] and not name.endswith("_quick"):
-        name += "_quick"
-    path = Path(out) if out else results_dir() / f"{name}.json"
+    A reduced run (``config.quick``) with no ``out`` (a script run by hand with ``--quick``) writes
+    ``<name>_quick.json``: never the full result."""
+    quick = bool((payload.get("config") or {}).get("quick")) and not name.endswith("_quick")
+    path = Path(out) if out else results_dir() / f"{name}{'_quick' if quick else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.resolve().is_relative_to(RESULTS_DIR.resolve()) and path.resolve() not in _WRITTEN:
         keep_earlier(path)  # not a file this process wrote before (bench_cluster writes after every round)

@@ -449,11 +449,9 @@ def test_every_run_is_kept_and_a_quick_run_never_replaces_a_full_one(tmp_path, m
     assert json.loads((folder / "history" / "demo-20261206T100000.json").read_text())["n"] == 1
     common.write_json("demo", {"config": {"quick": False}, "n": 3})  # the same process again (a partial write)
     assert len(list((folder / "history").iterdir())) == 1
-    monkeypatch.setattr(common.sys, "argv", ["bench_demo.py", "--quick"])  # a script run by hand, --quick
-    common.write_json("demo", {"config": {"quick": True}, "n": 4})
+    common.write_json("demo", {"config": {"quick": True}, "n": 4})  # a script run by hand with --quick
     assert json.loads((folder / "demo.json").read_text())["n"] == 3
     assert json.loads((folder / "demo_quick.json").read_text())["n"] == 4
-    monkeypatch.setattr(common.sys, "argv", ["bench_demo.py"])
     # opencoti bench --quick: every script into its own <name>_quick.json; the full run: the scripts' defaults
     calls = []
     monkeypatch.setattr(run_all.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)

@@ -443,3 +443,4 @@ def test_the_step_loop_paces_the_tier_writes_between_its_steps(make_engine, tmp_
     st = eng.kv_tier.status()
     assert st["spilled_segments"] > 0 and st["write_errors"] == 0
     assert eng.step_pacer.stats["turns"] >= st["spilled_segments"]  # (a segment: one turn a chunk)
+    assert eng.step_pacer.stats["steps"] > 0  # the loop told it of its steps (else every turn would be free)

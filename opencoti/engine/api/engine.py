@@ -122,7 +122,6 @@ class Engine:
         while True:
             if busy and not core.has_work:
                 busy = False
-                pacer.idle()  # the disk tier writes freely while nothing computes
                 self._idle_check()
                 if self._cmds.empty():  # a request already waiting goes first; trimmed at the next idle
                     self._trim_when_idle()
@@ -134,6 +133,7 @@ class Engine:
                 if core.has_work:
                     cmd = self._cmds.get_nowait()
                 else:
+                    pacer.idle()  # the disk tier writes freely while nothing computes
                     waits = [] if release_at is None else [release_at - time.monotonic()]
                     expiry = core.polykv.next_expiry()  # an idle anonymous session to end
                     if expiry is not None:

@@ -92,7 +92,7 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
     with open(tmp, "wb") as f:
         f.seek(HEADER)
         for part in body:
-            data = memoryview(np.ascontiguousarray(part)).cast("B")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            data = memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
             step = chunk_bytes or max(1, len(data))
             for at in range(0, len(data), step):
                 with turn() if turn is not None else nullcontext():

@@ -28,9 +28,9 @@ from typing import Iterator
 
 DEFAULT_SHARE = 0.03
 """The writer's time per second of the steps' while the engine computes. Measured one session decoding beside
-90 MiB bursts (``bench_kv_tier_steps.py --share``, 2-core AMD EPYC, ``results/*/tier48_share/``): the steps'
-median over the quiet steps around them was 1.00x at 0.03 and 1.06x at 0.05 (a waiting step also pays the
-writer's wake-up)."""
+90 MiB bursts (``bench_kv_tier_steps.py --share``, 2-core AMD EPYC, ``results/*/tier48_share/`` and
+``kv_tier_steps.json``): the steps' median over the quiet steps around them was 1.00x and 1.09x at 0.03 (two
+runs), 1.06x at 0.05 (a waiting step also pays the writer's wake-up)."""
 CHUNK_BYTES = 256 * 1024
 """A turn's bytes (0.24-0.83 ms of checksum and page-cache copy here; a 12 ms step's share is 0.36 ms)."""
 MAX_CREDIT_S = 0.05
@@ -52,13 +52,17 @@ class StepPacer:
         self._busy = False  # a chunk in flight
         self._charged_at = 0.0  # when its time was last charged to the credit
         self._writers = 0  # files being written (the writer wants turns)
-        self.stats = {"turns": 0, "turn_s": 0.0, "step_waits": 0, "step_wait_s": 0.0, "step_wait_timeouts": 0}
+        self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_waits": 0, "step_wait_s": 0.0,
+                      "step_wait_timeouts": 0}
 
     # ------------------------------------------------------------------ the step loop
     def step_begin(self) -> None:
         """A step starts: wait for a chunk in flight (or one the writer is owed), then hold turns."""
         with self._cv:
+            if self._idle and self._busy:  # a chunk begun while idle: its time so far was free
+                self._charged_at = time.monotonic()
             self._idle = False
+            self.stats["steps"] += 1
             if self.share is not None and (self._busy or (self._writers and self._credit > 0)):
                 t0 = time.monotonic()
                 deadline = t0 + max(self._credit, 0.0) + GRACE_S
@@ -72,7 +76,7 @@ class StepPacer:
                 self.stats["step_wait_s"] += time.monotonic() - t0
             if self._busy:  # a chunk runs on into the step (a blocked disk): charge its time so far
                 now = time.monotonic()
-                self._credit -= now - self._charged_at
+                self._charge(now - self._charged_at)
                 self._charged_at = now
             self._credit = min(self._credit, 0.0)  # unused credit lapses; a debt stays
             self._stepping = True
@@ -83,8 +87,13 @@ class StepPacer:
             self._stepping = False
             if self.share is not None:
                 self._credit = min(self._credit + seconds * self.share, MAX_CREDIT_S)
-                if self._writers:
-                    self._cv.notify_all()
+            if self._writers:
+                self._cv.notify_all()
+
+    def _charge(self, seconds: float) -> None:
+        """The writer worked ``seconds`` while the engine computes. The debt is capped at what one step
+        lends: a write the disk held up used no CPU, and should not hold the writes back for long."""
+        self._credit = max(self._credit - seconds, -MAX_CREDIT_S)
 
     def idle(self) -> None:
         """No step to run (the loop waits for requests), or the engine is closing: turns are free."""
@@ -112,7 +121,7 @@ class StepPacer:
             yield
             return
         with self._cv:
-            while self._stepping or (not self._idle and self._credit <= 0):
+            while self.share is not None and (self._stepping or (not self._idle and self._credit <= 0)):
                 self._cv.wait(0.1)
             self._busy = True
             t0 = self._charged_at = time.monotonic()
@@ -123,7 +132,7 @@ class StepPacer:
                 now = time.monotonic()
                 self._busy = False
                 if not self._idle:
-                    self._credit -= now - self._charged_at
+                    self._charge(now - self._charged_at)
                 self.stats["turns"] += 1
                 self.stats["turn_s"] += now - t0
                 self._cv.notify_all()

@@ -22,9 +22,10 @@ format, KV dtype), the digest of its tokens, its position and the key of the pag
 What can go wrong degrades to a recompute, never to wrong KV: a write that fails (a full disk)
 loses that segment; a read verifies the header's identity and token digest and the checksum, and a
 missing, cut-short, swapped or corrupt file is forgotten and logged, and the request computes the
-pages it could not read. Writes never block a step: the snapshots waiting for the I/O thread are
-bounded (``max_pending_bytes``); past that, the pages are dropped (recomputed if needed again). The
-I/O thread writes a chunk at a time between steps (``pacer.StepPacer``), so the writes do not slow them.
+pages it could not read. A step never waits for the disk's backlog: the snapshots waiting for the I/O
+thread are bounded (``max_pending_bytes``); past that, the pages are dropped (recomputed if needed again).
+The I/O thread writes a chunk at a time between steps (``pacer.StepPacer``): a step waits for the chunk in
+flight at most its credit (3 % of the step before, at most 50 ms) + 2 ms.
 
 Budget. The files stay within ``budget_bytes``: the least recently used segments (written or
 read) are removed first. The directory is emptied at start: the tier is a cache of this process's
