@@ -15,6 +15,9 @@ MAX_STOP_STRINGS = 16  # stop strings per request (the OpenAPI schema says the s
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "q8")  # EngineConfig.kv_dtype
 
 
+DEFAULT_KV_DISK_WRITE_SHARE = 0.03  # the disk tier's writes' share of the steps' time (persist/pacer.py)
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise InvalidRequestError(message)
@@ -180,6 +183,10 @@ class EngineConfig:
         ``DEFAULT_KV_DISK_BUDGET_MIB`` capped at half the disk space free at start; 0: off (reclaimed
         KV is dropped and recomputed). It needs the prefix cache (the tier keeps its pages).
     kv_disk_dir: where the tier's files go (default: ``<state_dir>/kv_tier``; emptied at start).
+    kv_disk_write_share: the tier's writes run between decode steps, a chunk at a time: after a step
+        the writer may work this share of its time (as fast as the disk goes while nothing computes);
+        0: unpaced, the writer runs beside the steps (on a CPU whose cores a step holds, the steps it
+        overlaps stall). Default 0.03, measured (``persist/pacer.py``).
     kv_idle_spill_s: a session with no request in flight for longer than this leaves RAM before the
         prefix cache's pages and before sessions idle for less (which go before pools; running
         requests are preempted only after all of them).
@@ -219,6 +226,7 @@ class EngineConfig:
     kv_disk_budget_mib: float | None = None
     kv_disk_dir: str | None = None
     kv_idle_spill_s: float = 1.0
+    kv_disk_write_share: float = DEFAULT_KV_DISK_WRITE_SHARE
     prefix_cache: bool = True
     session_ttl_s: float = 300.0
     speculative: str = "ngram"
@@ -266,6 +274,8 @@ class EngineConfig:
                f"kv_disk_budget_mib must be a number >= 0 or None (auto), got {self.kv_disk_budget_mib!r}")
         _check(self.kv_disk_dir is None or (isinstance(self.kv_disk_dir, str) and self.kv_disk_dir.strip() != ""),
                f"kv_disk_dir must be a directory path or None, got {self.kv_disk_dir!r}")
+        _check(_is_number(self.kv_disk_write_share) and 0 <= self.kv_disk_write_share <= 1,
+               f"kv_disk_write_share must be a number in [0, 1] (0: unpaced), got {self.kv_disk_write_share!r}")
         _check(_is_number(self.kv_idle_spill_s) and self.kv_idle_spill_s >= 0,
                f"kv_idle_spill_s must be a number >= 0, got {self.kv_idle_spill_s!r}")
         _check(self.speculative in SPECULATIVE_MODES, f"speculative must be ngram|off, got {self.speculative!r}")

@@ -89,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "space free at start). See docs/persistence.md")
     p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="where the KV tier's files go (default: kv_tier/ in the state directory; emptied at start)")
+    p.add_argument("--kv-disk-write-share", type=float, default=0.03, metavar="F",
+                   help="the KV tier writes between decode steps, at most this share of their time (at the disk's "
+                        "speed while nothing computes); 0: unpaced, beside the steps (default 0.03, measured on CPU: "
+                        "docs/persistence.md)")
     p.add_argument("--kv-idle-spill-s", type=float, default=1.0, metavar="S",
                    help="a session with no request in flight for longer than this leaves RAM first when pages run "
                         "short, before the prefix cache's pages (default 1.0)")
@@ -152,7 +156,7 @@ def run(args) -> int:
             state_dir=resolve_state_dir(args.state_dir, args.port), weights=args.weights,
             kv_dtype=args.kv_dtype, session_kv_budget_mib=args.session_kv_budget_mib, speculative=args.speculative,
             kv_disk_budget_mib=args.kv_disk_budget_mib, kv_disk_dir=args.kv_disk_dir,
-            kv_idle_spill_s=args.kv_idle_spill_s,
+            kv_idle_spill_s=args.kv_idle_spill_s, kv_disk_write_share=args.kv_disk_write_share,
             speculative_max=args.draft_max, seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from starlette.testclient import TestClient
 
 from opencoti.engine import SamplingParams
@@ -444,3 +445,19 @@ def test_the_step_loop_paces_the_tier_writes_between_its_steps(make_engine, tmp_
     assert st["spilled_segments"] > 0 and st["write_errors"] == 0
     assert eng.step_pacer.stats["turns"] >= st["spilled_segments"]  # (a segment: one turn a chunk)
     assert eng.step_pacer.stats["steps"] > 0  # the loop told it of its steps (else every turn would be free)
+
+
+def test_the_write_share_is_a_setting_and_0_writes_unpaced(make_engine, tmp_path):
+    from opencoti.engine import EngineConfig
+    from opencoti.engine.persist.pacer import DEFAULT_SHARE
+
+    assert EngineConfig().kv_disk_write_share == DEFAULT_SHARE == 0.03
+    assert make_engine(state_dir=str(tmp_path / "a"), kv_disk_write_share=0.1, **SMALL).step_pacer.share == 0.1
+    eng = make_engine(state_dir=str(tmp_path / "b"), kv_disk_write_share=0, **SMALL)
+    assert eng.step_pacer.share is None
+    agent_team(eng, turns=1)
+    flush(eng)
+    assert eng.kv_tier.status()["spilled_segments"] > 0 and eng.step_pacer.stats["turns"] == 0  # (none counted)
+    for bad in (-0.1, 1.5, "x", float("nan")):
+        with pytest.raises(ValueError, match="kv_disk_write_share"):
+            EngineConfig(kv_disk_write_share=bad)

@@ -102,6 +102,8 @@ class Engine:
         self.kv_tier = open_tier(self)  # reclaimed KV goes to disk and comes back (None: dropped, recomputed)
         # the step loop gives the tier's writes their turns between steps (no tier: nothing to pace)
         self.step_pacer = self.kv_tier.pacer if self.kv_tier is not None else StepPacer(share=None)
+        if self.kv_tier is not None:
+            self.step_pacer.share = config.kv_disk_write_share or None  # (0: unpaced)
         self.pool_api = PoolAPI(self.core, run=self.run_on_step_thread, tokenize=self.tokenize,
                                 apply_chat_template=self.apply_chat_template, metrics=self.metrics,
                                 page_bytes=self.kv.page_bytes)

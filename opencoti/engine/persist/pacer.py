@@ -26,7 +26,9 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-DEFAULT_SHARE = 0.03
+from ..config import DEFAULT_KV_DISK_WRITE_SHARE
+
+DEFAULT_SHARE = DEFAULT_KV_DISK_WRITE_SHARE  # (``EngineConfig.kv_disk_write_share``)
 """The writer's time per second of the steps' while the engine computes. Measured one session decoding beside
 90 MiB bursts (``bench_kv_tier_steps.py --share``, 2-core AMD EPYC, ``results/*/tier48_share/`` and
 ``kv_tier_steps.json``): the steps' median over the quiet steps around them was 1.00x and 1.09x at 0.03 (two
