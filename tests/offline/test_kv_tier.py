@@ -445,6 +445,8 @@ def test_the_step_loop_paces_the_tier_writes_between_its_steps(make_engine, tmp_
     assert st["spilled_segments"] > 0 and st["write_errors"] == 0
     assert eng.step_pacer.stats["turns"] >= st["spilled_segments"]  # (a segment: one turn a chunk)
     assert eng.step_pacer.stats["steps"] > 0  # the loop told it of its steps (else every turn would be free)
+    pacing = eng.stats()["kv_tiers"]["disk"]["pacing"]  # what a user sees
+    assert pacing["share"] == 0.03 and pacing["turns"] >= st["spilled_segments"] and pacing["step_wait_s"] >= 0
 
 
 def test_the_write_share_is_a_setting_and_0_writes_unpaced(make_engine, tmp_path):

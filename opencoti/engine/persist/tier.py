@@ -114,7 +114,8 @@ class DiskTier:
     def status(self) -> dict:
         return {"enabled": True, "dir": str(self.dir), "budget_bytes": self.budget, "used_bytes": self.used_bytes,
                 "pages": len(self.pages), "segments": len(self.segments), "pending_bytes": self._pending_bytes,
-                "prefetched_bytes": self._prefetched_bytes, "max_pending_bytes": self.max_pending, **self.stats}
+                "prefetched_bytes": self._prefetched_bytes, "max_pending_bytes": self.max_pending, **self.stats,
+                "pacing": {"share": self.pacer.share, **self.pacer.stats}}  # (the writes' turns, the steps' waits)
 
     # ------------------------------------------------------------------ writes
     def spill(self, kv, chains: list[list]) -> None:
