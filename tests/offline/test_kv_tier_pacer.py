@@ -169,3 +169,26 @@ def test_an_empty_kv_file_and_a_header_too_large(tmp_path):
     with pytest.raises(ValueError, match="header too large"):
         kvfile.write_kv(big, k, k, 0, [], extra={"pad": "x" * HEADER}, chunk_bytes=64, turn=nullcontext)
     assert not big.exists() and not (tmp_path / "big.kv.tmp").exists()
+
+
+def test_a_segment_dropped_while_it_is_written_stops_at_its_next_chunk(tmp_path):
+    from opencoti.engine.persist.tier_files import DROPPED, PENDING, Segment, write_segment
+
+    k = torch.zeros(2, 4, 16, 1, 8, dtype=torch.float16)  # [L, n pages, page size, H, D]
+    seg = Segment("s.kv", [bytes(16)] * 4, list(range(64)), 0, bytes(16), 2 * k.numel() * 2, k, k.clone())
+    pacer = StepPacer(share=None, chunk_bytes=256)
+    calls = []
+    turn = pacer.turn
+
+    def counting_turn():
+        calls.append(1)
+        if len(calls) == 3:
+            seg.state = DROPPED  # evicted by the step thread meanwhile
+        return turn()
+
+    pacer.turn = counting_turn  # type: ignore[method-assign]
+    write_segment(tmp_path / "s.kv", seg, None, pacer)
+    assert len(calls) == 3 and not (tmp_path / "s.kv").exists() and not (tmp_path / "s.kv.tmp").exists()
+    seg.state = PENDING
+    write_segment(tmp_path / "s.kv", seg, None, StepPacer(share=None, chunk_bytes=256))  # not dropped: written
+    assert (tmp_path / "s.kv").exists()

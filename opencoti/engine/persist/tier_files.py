@@ -70,17 +70,31 @@ def read_segment(path: Path, seg: Segment, identity: dict | None, layout: tuple
     return arr[0], arr[1]
 
 
+class _Dropped(Exception):
+    """The segment was dropped (evicted, the tier closed) while its file was being written."""
+
+
 def write_segment(path: Path, seg: Segment, identity: dict | None, pacer: StepPacer) -> None:
     """Write a segment's file (the I/O thread): its K and V, tokens, position and where it hangs, a chunk
-    a turn of ``pacer`` (between the engine's steps)."""
+    a turn of ``pacer`` (between the engine's steps). A segment dropped meanwhile stops at its next chunk,
+    its temporary file removed: its turns go to the segments still wanted."""
     assert seg.k is not None and seg.v is not None
     L, n, ps, H, D = seg.k.shape  # (a tail: ps is its slots)
     where = {"parent_key": seg.parent_key.hex(), "pages": n, "page_size": ps}
     if seg.tail:
         where = {"parent_key": seg.parent_key.hex(), "tail": True, "slots": ps}
-    kvfile.write_kv(path, seg.k.reshape(L, n * ps, H, D), seg.v.reshape(L, n * ps, H, D), seg.start, seg.tokens,
-                    store_tokens=True, durable=False, extra={"kv": identity, "tier": where},
-                    chunk_bytes=pacer.chunk_bytes, turn=pacer.turn)
+
+    def turn():
+        if seg.state != PENDING:
+            raise _Dropped
+        return pacer.turn()
+
+    try:
+        kvfile.write_kv(path, seg.k.reshape(L, n * ps, H, D), seg.v.reshape(L, n * ps, H, D), seg.start,
+                        seg.tokens, store_tokens=True, durable=False, extra={"kv": identity, "tier": where},
+                        chunk_bytes=pacer.chunk_bytes, turn=turn)
+    except _Dropped:
+        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
 
 
 DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's
