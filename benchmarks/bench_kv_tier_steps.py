@@ -176,6 +176,8 @@ def main() -> int:
     common.log(f"{burst} bursts of {args.burst_pages} pages; copy {statistics.median(copy_ms_per_page):.3f} ms/page; "
                f"write {st['write_seconds']:.2f} s for {st['spilled_pages']} pages")
     copy_ms = statistics.median(copy_ms_per_page)
+    pst = tier.pacer.stats
+    direct = tier.stats.get("direct_writes", 0) > 0
     report = {
         "headers": ["decode steps overlapping", "writes paced", "steps", "median / quiet around",
                     "p99 / quiet around", "steps > 1.1x quiet around", "step compute median / quiet around"],
@@ -196,10 +198,11 @@ def main() -> int:
            f"longer than 1.1x the quiet steps around them (median {r['median_vs_quiet']:.2f}x, p99 {r['p99_vs_quiet']:.2f}x); "
            f"quiet steps: {100 * next((q['share_over_1_1x_quiet'] for q in rows if q['class'] == 'quiet'), 0):.0f} % "
            "(the machine's own jitter)." for r in rows if r["class"] == "write"]
-        + [f"Paced, a step waited {1e3 * tier.pacer.stats['step_wait_s'] / max(1, tier.pacer.stats['step_waits']):.2f} ms "
-           f"on average for the writer's turns ({tier.pacer.stats['turns']} chunks of {tier.pacer.chunk_bytes // 1024} "
-           f"KiB, {1e3 * tier.pacer.stats['turn_s'] / max(1, tier.pacer.stats['turns']):.2f} ms each; the writer's "
-           f"share {share})."]
+        + [f"Paced, {pst['step_turns']} steps each ran one window of the writer's work before they began "
+           f"({tier.pacer.chunk_bytes // 1024} KiB: checksum and copy, "
+           f"{1e3 * pst['step_turn_s'] / max(1, pst['step_turns']):.2f} ms each; the writer's share {share}; "
+           f"files written {'O_DIRECT' if direct else 'buffered'}); {pst['step_waits']} steps waited for a window "
+           f"begun while idle, {1e3 * pst['step_wait_s'] / max(1, pst['step_waits']):.2f} ms on average."]
         + [f"The copy that reclaiming does on the step thread costs {copy_ms:.3f} ms a page "
            f"({copy_ms * 375:.0f} ms for a 6,000-token context reclaimed at once): the step that reclaims is slower "
            "by that much, whatever the disk does."],

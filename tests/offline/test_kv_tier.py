@@ -436,7 +436,10 @@ def test_an_evicted_tail_comes_back_as_a_tail_and_its_slots_are_copied_not_recom
 
 def test_the_step_loop_paces_the_tier_writes_between_its_steps(make_engine, tmp_path):
     """The engine's step loop drives the tier's pacer: the writes of an agent team take their turns (a
-    chunk each) and every segment is written; after the loop goes idle nothing waits for a turn."""
+    window each) and every segment is written (``O_DIRECT`` where the filesystem allows it); after the
+    loop goes idle nothing waits for a turn."""
+    from opencoti.engine.persist.body_writer import BodySink
+
     eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
     assert eng.step_pacer is eng.kv_tier.pacer and eng.step_pacer.share is not None
     agent_team(eng, turns=1)
@@ -445,6 +448,9 @@ def test_the_step_loop_paces_the_tier_writes_between_its_steps(make_engine, tmp_
     assert st["spilled_segments"] > 0 and st["write_errors"] == 0
     assert eng.step_pacer.stats["turns"] >= st["spilled_segments"]  # (a segment: one turn a chunk)
     assert eng.step_pacer.stats["steps"] > 0  # the loop told it of its steps (else every turn would be free)
+    probe = BodySink(tmp_path / "probe", 4096, direct=True)
+    probe.close()
+    assert st["direct_writes"] == (st["spilled_segments"] if probe.direct else 0)
     pacing = eng.stats()["kv_tiers"]["disk"]["pacing"]  # what a user sees
     assert pacing["share"] == 0.03 and pacing["turns"] >= st["spilled_segments"] and pacing["step_wait_s"] >= 0
 

@@ -22,12 +22,12 @@ import queue
 import threading
 import zlib
 from pathlib import Path
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from .body_writer import BodySink, windows
 from .files import HEADER, MAGIC, fsync_dir, read_header
 
 log = logging.getLogger("opencoti.engine.persist")
@@ -69,14 +69,17 @@ def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[to
 
 def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int], *,
              extra: dict | None = None, store_tokens: bool = False, durable: bool = True,
-             chunk_bytes: int | None = None, turn: Callable[[], ContextManager] | None = None) -> int:
+             chunk_bytes: int | None = None, paced: Callable[[Callable[[], None]], None] | None = None,
+             direct: bool = False, info: dict | None = None) -> int:
     """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written. ``store_tokens``
     appends the token ids themselves (``read_tokens``); ``extra`` goes into the header. ``durable``:
     fsync the file and its directory (a cache that is verified by its checksum when read, like the
     disk tier's files, skips it: the rename alone makes a process crash leave a whole file or none).
-    ``chunk_bytes`` / ``turn``: the body is checksummed and written a chunk at a time, each inside a
-    ``turn()`` (the disk tier's pacing, ``pacer.StepPacer``); the header, which holds the checksum,
-    is written last."""
+    ``chunk_bytes`` / ``paced``: the body is checksummed and written a window at a time, each window's
+    work run by ``paced(work)`` (the disk tier's pacing, ``pacer.StepPacer.run``); the header, which
+    holds the checksum, is written last. ``direct``: write with ``O_DIRECT`` where the filesystem allows it (``body_writer``:
+    the checksum and a copy into an aligned buffer are the paced work, the write runs beside the steps;
+    ``info["direct"]`` says whether it did)."""
     path = Path(path)
     meta = {"dtype": str(k.dtype).replace("torch.", ""), "shape": list(k.shape), "start": start,
             "end": start + k.shape[1], "tokens": tokens_digest(tokens), **(extra or {})}
@@ -89,21 +92,25 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
         raise ValueError("KV file header too large")
     tmp = path.with_name(path.name + ".tmp")
     crc = 0
-    with open(tmp, "wb") as f:
-        f.seek(HEADER)
-        for part in body:
-            data = memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
-            step = chunk_bytes or max(1, len(data))
-            for at in range(0, len(data), step):
-                with turn() if turn is not None else nullcontext():
-                    crc = zlib.crc32(data[at:at + step], crc)
-                    f.write(data[at:at + step])
+    parts = [memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)) for part in body]  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    step = chunk_bytes or max(1, sum(len(d) for d in parts))
+    sink = BodySink(tmp, step, direct)
+    run = paced or (lambda fn: fn())
+    try:
+        for window in windows(parts, step):
+            def work(window=window) -> None:
+                nonlocal crc
+                for piece in window:
+                    crc = zlib.crc32(piece, crc)
+                    sink.put(piece)
+            run(work)
+            sink.send()  # (a direct file: the device writes the window beside the steps)
         meta["checksum"] = {CHECKSUM: f"{crc:08x}"}
-        f.seek(0)
-        f.write((MAGIC + json.dumps(meta).encode() + b"\n").ljust(HEADER, b"\0"))
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
+        sink.finish((MAGIC + json.dumps(meta).encode() + b"\n").ljust(HEADER, b"\0"), durable)
+        if info is not None:
+            info["direct"] = sink.direct  # (False where the filesystem refused O_DIRECT)
+    finally:
+        sink.close()
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)

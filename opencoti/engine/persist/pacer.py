@@ -6,25 +6,29 @@ session decoded (``benchmarks/bench_kv_tier_steps.py``): steps beside the tier's
 quiet step at nice 0 and at nice 19 alike, and a bare 90 MiB write into the page cache made the
 steps it overlapped 6-12x slower (the kernel's copy is not preempted as a thread is).
 
-How. The I/O thread writes a file in chunks (``CHUNK_BYTES``, checksummed as it goes), and each chunk
-takes a *turn*. Turns run only between steps: after a step of ``t`` seconds the writer may work
-``share * t`` seconds before the next step starts (a chunk that runs over is a debt paid from the
-next steps' share); the step thread waits for a chunk in flight, at most that long plus ``GRACE_S``
-(a disk that blocks a write never holds a step longer). While the engine is idle (no step to run)
-turns are free. So a decode step's gap grows by about ``share``, and the writes go at ``share`` of
-the engine's time while it computes and at the disk's speed while it waits (agents waiting on tools).
-With ``share=None`` nothing is paced: the writer runs beside the steps.
+How. The I/O thread writes a file a window (``CHUNK_BYTES``) at a time, and hands each window's CPU work
+(its checksum and its copy into an aligned buffer, ``body_writer``) to ``run``. While the engine computes,
+that work runs *on the step thread, before a step*, when the steps so far have lent it credit: after a
+step of ``t`` seconds the writer may work ``share * t`` (a window that runs over is a debt paid from the
+next steps' share). So no step waits for another thread to wake up or for a disk: the step runs ~0.1 ms
+of memory work and starts, and the window's write itself (``O_DIRECT``: the device copies it) goes on
+beside the steps on the I/O thread. While the engine is idle (no step to run) the I/O thread does the
+work itself, at the disk's speed; a step that begins meanwhile waits for that window, at most
+``GRACE_S``. With ``share=None`` nothing is paced: the I/O thread does everything beside the steps.
 
-Threads: ``step_begin`` / ``step_end`` / ``idle`` are called by the engine's step loop; ``writing``
-and ``turn`` by the I/O thread.
+An earlier design let the I/O thread work between steps while the step thread waited for it: each waiting
+step paid the writer's wake-up on top of its share (0.72 ms a step on average; median 1.09x the quiet
+steps, 47 % of steps over 1.1x their local median, ``results/*/kv_tier_steps`` history).
+
+Threads: ``step_begin`` / ``step_end`` / ``idle`` are called by the engine's step loop; ``run`` by the
+I/O thread.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable
 
 from ..config import DEFAULT_KV_DISK_WRITE_SHARE
 
@@ -34,11 +38,25 @@ DEFAULT_SHARE = DEFAULT_KV_DISK_WRITE_SHARE  # (``EngineConfig.kv_disk_write_sha
 ``kv_tier_steps.json``): the steps' median over the quiet steps around them was 1.00x and 1.09x at 0.03 (two
 runs), 1.06x at 0.05 (a waiting step also pays the writer's wake-up)."""
 CHUNK_BYTES = 256 * 1024
-"""A turn's bytes (0.24-0.83 ms of checksum and page-cache copy here; a 12 ms step's share is 0.36 ms)."""
+"""A window's bytes (its checksum and copy: ~0.15 ms here; a 12 ms step's share is 0.36 ms)."""
 MAX_CREDIT_S = 0.05
 """The most one step (a long prefill) lends the writer before the next step."""
 GRACE_S = 0.002
-"""How much longer than its credit a step waits for a chunk in flight before it starts anyway."""
+"""How long a step that begins waits for a window the I/O thread started while the engine was idle."""
+
+
+class _Job:
+    __slots__ = ("fn", "taken", "done", "error")
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn, self.taken, self.done = fn, False, False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the thread that asked
+            self.error = e
 
 
 class StepPacer:
@@ -48,93 +66,88 @@ class StepPacer:
         self.share = share
         self.chunk_bytes = chunk_bytes
         self._cv = threading.Condition(threading.Lock())
-        self._idle = True  # no step to run: turns are free
-        self._stepping = False
+        self._idle = True  # no step to run: the I/O thread works itself
         self._credit = 0.0  # seconds the writer may still work before the next step
-        self._busy = False  # a chunk in flight
-        self._charged_at = 0.0  # when its time was last charged to the credit
-        self._writers = 0  # files being written (the writer wants turns)
-        self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_waits": 0, "step_wait_s": 0.0,
-                      "step_wait_timeouts": 0}
+        self._job: _Job | None = None  # a window's work waiting for a step to run it
+        self._busy = False  # the I/O thread runs a window itself (the engine was idle)
+        self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_turns": 0, "step_turn_s": 0.0,
+                      "step_waits": 0, "step_wait_s": 0.0}
 
     # ------------------------------------------------------------------ the step loop
     def step_begin(self) -> None:
-        """A step starts: wait for a chunk in flight (or one the writer is owed), then hold turns."""
+        """A step starts: run the writer's waiting window first if the steps lent it the time."""
         with self._cv:
-            if self._idle and self._busy:  # a chunk begun while idle: its time so far was free
-                self._charged_at = time.monotonic()
             self._idle = False
             self.stats["steps"] += 1
-            if self.share is not None and (self._busy or (self._writers and self._credit > 0)):
+            if self._busy:  # a window the I/O thread began while idle: let it finish, briefly
                 t0 = time.monotonic()
-                deadline = t0 + max(self._credit, 0.0) + GRACE_S
-                while self._busy or (self._writers and self._credit > 0):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self.stats["step_wait_timeouts"] += 1
-                        break
-                    self._cv.wait(left)
+                while self._busy and time.monotonic() - t0 < GRACE_S:
+                    self._cv.wait(GRACE_S)
                 self.stats["step_waits"] += 1
                 self.stats["step_wait_s"] += time.monotonic() - t0
-            if self._busy:  # a chunk runs on into the step (a blocked disk): charge its time so far
-                now = time.monotonic()
-                self._charge(now - self._charged_at)
-                self._charged_at = now
+            job = self._job
+            if job is None or job.taken or self.share is None or self._credit <= 0:
+                job = None
+            else:
+                job.taken = True
+        if job is not None:
+            t0 = time.perf_counter()
+            job.run()
+            dt = time.perf_counter() - t0
+            with self._cv:
+                job.done = True
+                self._credit = max(self._credit - dt, -MAX_CREDIT_S)  # a debt is capped at what one step lends
+                self.stats["turns"] += 1
+                self.stats["turn_s"] += dt
+                self.stats["step_turns"] += 1
+                self.stats["step_turn_s"] += dt
+                self._cv.notify_all()
+        with self._cv:
             self._credit = min(self._credit, 0.0)  # unused credit lapses; a debt stays
-            self._stepping = True
 
     def step_end(self, seconds: float) -> None:
-        """A step of ``seconds`` ended: the writer may work its share of them now."""
+        """A step of ``seconds`` ended: the writer may work its share of them before the next one."""
         with self._cv:
-            self._stepping = False
             if self.share is not None:
                 self._credit = min(self._credit + seconds * self.share, MAX_CREDIT_S)
-            if self._writers:
-                self._cv.notify_all()
-
-    def _charge(self, seconds: float) -> None:
-        """The writer worked ``seconds`` while the engine computes. The debt is capped at what one step
-        lends: a write the disk held up used no CPU, and should not hold the writes back for long."""
-        self._credit = max(self._credit - seconds, -MAX_CREDIT_S)
+            elif self._job is not None:
+                self._cv.notify_all()  # pacing switched off: a waiting writer works itself
 
     def idle(self) -> None:
-        """No step to run (the loop waits for requests), or the engine is closing: turns are free."""
+        """No step to run (the loop waits for requests), or the engine is closing: the writer works itself."""
         with self._cv:
-            self._idle, self._stepping, self._credit = True, False, 0.0
+            self._idle, self._credit = True, 0.0
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ the I/O thread
-    @contextmanager
-    def writing(self) -> Iterator[None]:
-        """A file is being written: a step owes the writer its turn until it is done."""
-        with self._cv:
-            self._writers += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._writers -= 1
-                self._cv.notify_all()
-
-    @contextmanager
-    def turn(self) -> Iterator[None]:
-        """One chunk's work, when the engine is idle or between steps with credit left."""
-        if self.share is None:
-            yield
+    def run(self, fn: Callable[[], None]) -> None:
+        """Run one window's CPU work: on the step thread between steps while the engine computes, here
+        while it is idle (or unpaced). Returns when it ran; raises what it raised."""
+        if self.share is None:  # unpaced: beside the steps (not counted)
+            fn()
             return
+        job = _Job(fn)
         with self._cv:
-            while self.share is not None and (self._stepping or (not self._idle and self._credit <= 0)):
+            while True:
+                if job.done:
+                    break
+                if not job.taken and (self._idle or self.share is None):
+                    job.taken, self._busy = True, True
+                    if self._job is job:
+                        self._job = None
+                    break
+                self._job = job
                 self._cv.wait(0.1)
-            self._busy = True
-            t0 = self._charged_at = time.monotonic()
-        try:
-            yield
-        finally:
+            if self._job is job:
+                self._job = None
+        if not job.done:  # ours to run
+            t0 = time.perf_counter()
+            job.run()
+            dt = time.perf_counter() - t0
             with self._cv:
-                now = time.monotonic()
                 self._busy = False
-                if not self._idle:
-                    self._charge(now - self._charged_at)
                 self.stats["turns"] += 1
-                self.stats["turn_s"] += now - t0
+                self.stats["turn_s"] += dt
                 self._cv.notify_all()
+        if job.error is not None:
+            raise job.error

@@ -2,8 +2,9 @@
 state from queued to written, failed or dropped, and what a prefetch read of it) and the reading of a
 segment's file, checked against the engine's identity, its tokens, the pages' layout and its checksum.
 The reader thread calls ``read_segment`` with the layout (``kv_layout``), never touching the pages;
-the I/O thread ``write_segment``, a chunk a turn of the step pacer (``pacer.py``). And the tier's disk
-budget (``tier_budget_mib``).
+the I/O thread ``write_segment``, a window at a time through the step pacer (``pacer.py``), with
+``O_DIRECT`` where the filesystem allows it (``body_writer.py``). And the tier's disk budget
+(``tier_budget_mib``).
 """
 
 from __future__ import annotations
@@ -74,27 +75,30 @@ class _Dropped(Exception):
     """The segment was dropped (evicted, the tier closed) while its file was being written."""
 
 
-def write_segment(path: Path, seg: Segment, identity: dict | None, pacer: StepPacer) -> None:
+def write_segment(path: Path, seg: Segment, identity: dict | None, pacer: StepPacer) -> bool:
     """Write a segment's file (the I/O thread): its K and V, tokens, position and where it hangs, a chunk
     a turn of ``pacer`` (between the engine's steps). A segment dropped meanwhile stops at its next chunk,
-    its temporary file removed: its turns go to the segments still wanted."""
+    its temporary file removed: its turns go to the segments still wanted. True: written with ``O_DIRECT``."""
     assert seg.k is not None and seg.v is not None
     L, n, ps, H, D = seg.k.shape  # (a tail: ps is its slots)
     where = {"parent_key": seg.parent_key.hex(), "pages": n, "page_size": ps}
     if seg.tail:
         where = {"parent_key": seg.parent_key.hex(), "tail": True, "slots": ps}
 
-    def turn():
+    def paced(work) -> None:
         if seg.state != PENDING:
             raise _Dropped
-        return pacer.turn()
+        pacer.run(work)
 
+    info: dict = {}
     try:
         kvfile.write_kv(path, seg.k.reshape(L, n * ps, H, D), seg.v.reshape(L, n * ps, H, D), seg.start,
                         seg.tokens, store_tokens=True, durable=False, extra={"kv": identity, "tier": where},
-                        chunk_bytes=pacer.chunk_bytes, turn=turn)
+                        chunk_bytes=pacer.chunk_bytes, paced=paced, direct=True,
+                        info=info)
     except _Dropped:
         path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+    return bool(info.get("direct"))
 
 
 DEFAULT_KV_DISK_BUDGET_MIB = 4096.0  # ~180k tokens of the bundled model's fp16 KV, ~130k of a 1B model's
