@@ -38,7 +38,7 @@ def start_server(model: str | None, probe_log: str | None = None) -> tuple[subpr
         env = {**os.environ, "STALL_LOG": probe_log}
     else:
         cmd, env = [sys.executable, "-m", "opencoti", "serve", *opts], None
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    proc = common.track(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env))
     while True:
         line = proc.stderr.readline()
         if not line and proc.poll() is not None:

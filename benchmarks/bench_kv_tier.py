@@ -328,7 +328,7 @@ def main() -> int:
         "config": {"interleaved": True, "page_cache_dropped": not args.warm_disk, "agents": args.agents,
                    "context": args.context, "rounds": args.rounds, "answer": args.answer,
                    "ram_tokens": args.ram_tokens, "team_kv_tokens": team_tokens, "threads": threads,
-                   "gguf": Path(gguf).name, "order": sides,
+                   "gguf": Path(gguf).name, "order": sides, "llama_build": peer.build_info(llama_bin),
                    # reduced: smaller than the team (12 agents x 6,000 tokens, the defaults)
                    "quick": args.quick or (args.agents, args.context) != (FULL_AGENTS, FULL_CONTEXT),
                    "llama_server_flags": ["--parallel", "1", "-c", str(args.ram_tokens), "--slot-save-path", "DIR"]},

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO_ROOT, base_parser, describe_machine, log, machine_info, print_table,  # noqa: E402
+from common import (REPO_ROOT, track, base_parser, describe_machine, log, machine_info, print_table,  # noqa: E402
                     summarize, write_json)
 
 EMPTY_GRAPH = '''from typing import TypedDict
@@ -75,9 +75,9 @@ def start_once(folder: Path, expect: set[str], timeout: float) -> dict:
     base = f"http://127.0.0.1:{port}"
     logf = open(folder / "dev.log", "w")
     t0 = time.monotonic()
-    proc = subprocess.Popen([str(exe), "dev", "--no-browser", "--no-reload", "--host", "127.0.0.1", "--port",
+    proc = track(subprocess.Popen([str(exe), "dev", "--no-browser", "--no-reload", "--host", "127.0.0.1", "--port",
                              str(port), "--config", str(folder / "langgraph.json")],
-                            cwd=folder, env=env, stdout=logf, stderr=subprocess.STDOUT)
+                            cwd=folder, env=env, stdout=logf, stderr=subprocess.STDOUT))
     ok_s = ready_s = None
     try:
         while time.monotonic() - t0 < timeout:

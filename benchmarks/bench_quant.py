@@ -69,7 +69,7 @@ class Burner:
         cmd = [sys.executable, "-c", "while 1: pass"]
         if shutil.which("taskset"):
             cmd = ["taskset", "-c", "0"] + cmd
-        self.proc = subprocess.Popen(cmd)
+        self.proc = common.track(subprocess.Popen(cmd))
         time.sleep(0.5)
 
     def stop(self) -> None:

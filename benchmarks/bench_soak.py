@@ -54,7 +54,7 @@ def start_server(model: str | None, max_pools: int, extra: list[str]) -> tuple[s
            "--max-pools", str(max_pools), *extra]
     if model:
         cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc = common.track(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
     tail: list[str] = []
     while True:
         line = proc.stderr.readline()

@@ -30,6 +30,59 @@ if str(REPO_ROOT) not in sys.path:  # `import opencoti` from a checkout, whereve
 import opencoti  # noqa: E402,F401 - before torch: sets the OpenMP wait policy for everything measured here
 
 
+# ============================================================================ child processes
+_CHILDREN: list[subprocess.Popen] = []
+
+
+def track(proc: subprocess.Popen) -> subprocess.Popen:
+    """A server or worker this benchmark started: stopped when the benchmark exits in any way but SIGKILL
+    (done, an exception, Ctrl-C, or SIGTERM from ``timeout`` or ``kill``, which ends the run through its
+    ``finally`` blocks; ``stop_children`` at exit). Returns ``proc``."""
+    _CHILDREN.append(proc)
+    return proc
+
+
+def stop_children(grace_s: float = 30.0) -> None:
+    """SIGTERM every tracked process still running (its process group when it leads one: a server's own
+    children), then SIGKILL what has not exited after ``grace_s``."""
+    import signal
+
+    def send(p: subprocess.Popen, sig: int) -> None:
+        try:
+            if os.getpgid(p.pid) == p.pid:
+                os.killpg(p.pid, sig)
+            else:
+                os.kill(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    live = [p for p in _CHILDREN if p.poll() is None]
+    for p in live:
+        send(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            send(p, signal.SIGKILL)
+            p.wait()
+    _CHILDREN.clear()
+
+
+def _exit_on_sigterm() -> None:
+    import atexit
+    import signal
+    import threading
+
+    atexit.register(stop_children)
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+_exit_on_sigterm()
+
+
 # ============================================================================ command line
 def base_parser(description: str) -> argparse.ArgumentParser:
     """Options every benchmark takes: --dtype, --threads, --device, --weights, --quick, --out."""

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, log, write_json  # noqa: E402
+from common import REPO_ROOT, log, track, write_json  # noqa: E402
 
 # the test files of the suite that describe a text model behind one server (the others need
 # embeddings, rerankers, LoRA, draft models, vision, the router or MCP: a different server)
@@ -94,7 +94,7 @@ def run_suite(name: str, args, gguf: Path) -> dict:
     log(f"{name}: {' '.join(cmd)}")
     server_log = open(Path(args.work) / f"{name}-server.log", "w")
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    proc = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    proc = track(subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT))
     try:
         wait_healthy(port, proc)
         junit = Path(args.work) / f"{name}-junit.xml"

@@ -69,23 +69,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from llama_build import SDIST, SDIST_VERSION, build_info, build_llama_server  # noqa: E402
 
-SDIST = "llama-cpp-python"
-SDIST_VERSION = "0.3.36"
 LLAMA_FLAGS = ["--parallel", "8", "--kv-unified", "-c", "16384"]
 SERVERS = {  # name -> (server, extra flags)
     "opencoti": ("opencoti", []),  # its defaults: n-gram speculation on
@@ -108,53 +104,6 @@ REPEATS = {"decode_1": 2}  # requests per server and round (each its own prompt)
 TARGETS = {"sessions_8": 1.5}  # ratio targets (8 sessions: >= 1.5x), judged per comparison and per run
 MEMORY_SMALL_KV = 512  # tokens: the "without KV" start
 
-# ============================================================================ building llama-server
-def peer_dir() -> Path:
-    from opencoti.engine.paths import cache_root
-
-    return cache_root() / "peer" / f"{SDIST.replace('-', '_')}-{SDIST_VERSION}"
-
-
-def build_llama_server() -> Path:
-    """The cached llama-server binary, built from the registry's sdist the first time."""
-    out = peer_dir() / "bin" / "llama-server"
-    if out.exists() and (out.parent / "llama-quantize").exists():
-        return out
-    legacy = peer_dir().parent / f"{SDIST}-{SDIST_VERSION}" / "build" / "bin"
-    if (legacy / "llama-server").exists():  # a build made by hand with the same commands
-        return _install(legacy, out)
-    if not shutil.which("cmake"):
-        raise SystemExit("building llama-server needs cmake (apt-get install cmake)")
-    work = Path(tempfile.mkdtemp(prefix="llama-build-"))
-    common.log(f"downloading the {SDIST}=={SDIST_VERSION} sdist (llama.cpp's sources) ...")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"{SDIST}=={SDIST_VERSION}", "-d", str(work)], check=True)
-    archive = next(work.glob("*.tar.gz"))
-    with tarfile.open(archive) as tf:
-        tf.extractall(work, filter="data")
-    src = next(work.glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
-    build = work / "build"
-    common.log("building llama-server (CMake Release, native; ~20 min on 2 cores) ...")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j",
-                    str(os.cpu_count() or 2)], check=True)
-    _install(build / "bin", out)
-    shutil.rmtree(work, ignore_errors=True)
-    return out
-
-
-def _install(bin_dir: Path, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for lib in bin_dir.glob("*.so*"):  # shared ggml/llama libraries, when built shared
-        shutil.copy2(lib, out.parent / lib.name)
-    for tool in ("llama-server", "llama-quantize"):  # llama-quantize makes k-quant test models (scripts/)
-        if (bin_dir / tool).exists():
-            shutil.copy2(bin_dir / tool, out.parent / tool)
-    return out
-
-
 # ============================================================================ servers
 def free_port() -> int:
     with socket.socket() as s:
@@ -167,8 +116,8 @@ class Server:
         self.name, self.cmd, self.port = name, cmd, port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"peer-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = common.track(subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                                  start_new_session=True))
 
     def wait_ready(self, timeout: float = 900) -> float:
         import httpx
@@ -311,7 +260,7 @@ def w_decode_1_long(url: str, tokens: int, nonce: str) -> float:
 
 
 def burn() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+    return common.track(subprocess.Popen([sys.executable, "-c", "while 1: pass"]))
 
 
 def parallel(n: int, fn) -> list:
@@ -601,8 +550,7 @@ def main() -> int:
     from opencoti.engine.model.loader import bundled_gguf_path
     from opencoti.engine.model.threads import usable_cpus
 
-    # SIGTERM (timeout, kill) ends the run through the finally blocks: no server is left behind
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # (SIGTERM - timeout, kill - ends the run through its finally blocks and common.stop_children)
     gguf = args.model or str(bundled_gguf_path())
     threads = args.threads or usable_cpus()
     names = [n for n, (kind, _) in SERVERS.items() if args.only in (None, kind)]
@@ -670,6 +618,7 @@ def main() -> int:
     path = common.write_json("peer_llamacpp", {
         "config": {"rounds": args.rounds, "tokens": args.tokens, "threads": threads, "gguf": Path(gguf).name,
                    "llama_server_flags": LLAMA_FLAGS, "llama_cpp_source": f"{SDIST}=={SDIST_VERSION} (vendored)",
+                   "llama_build": build_info(llama_bin),
                    "servers": {n: SERVERS[n] for n in names}, "opencoti_weights": weights, "repeats": REPEATS,
                    "interleaved": True, "targets": TARGETS, "memory_kv_tokens": args.memory_kv_tokens,
                    "quick": args.quick, "command": sys.argv[1:]},

@@ -176,7 +176,8 @@ def measure(gguf: str, args, threads: int, llama_bin: Path) -> Path:
         "config": {"rounds": args.rounds, "tokens": args.tokens, "threads": threads, "gguf": Path(gguf).name,
                    "gguf_mib": round(size_mib, 1), "llama_server_flags": LLAMA_FLAGS,
                    "opencoti_flags": OPENCOTI_FLAGS,
-                   "llama_cpp_source": f"{peer.SDIST}=={peer.SDIST_VERSION} (vendored)", "quick": args.quick},
+                   "llama_cpp_source": f"{peer.SDIST}=={peer.SDIST_VERSION} (vendored)", "quick": args.quick,
+                   "llama_build": peer.build_info(llama_bin)},
         "servers": info, "raw": raw, "median": med, "ratio": ratios, "machine": machine,
         "load_before": before}
     row, notes = table_row({**payload, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})

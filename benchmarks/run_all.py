@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         common.log(f"{name}: {' '.join(cmd[1:])}")
         before = common.load_snapshot()
         t0 = time.perf_counter()
-        rc = subprocess.call(cmd, cwd=common.REPO_ROOT)
+        proc = common.track(subprocess.Popen(cmd, cwd=common.REPO_ROOT))  # stopped (SIGTERM) if this run is
+        rc = proc.wait()  # ended: the benchmark then stops its own servers (subprocess.call would SIGKILL it)
         runs.append({"name": name, "command": cmd[1:], "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
                      "load_before": before, "load_after": common.load_snapshot()})
         if rc != 0:
