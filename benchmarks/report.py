@@ -164,8 +164,41 @@ def earlier_line(machine_id: str, payload: dict, name: str, kept: bool = False) 
             + f": `{file}`")
 
 
+def run_costs() -> str:
+    """What each headline benchmark costs: the seconds of its latest full and quick run in the committed
+    ``opencoti bench`` records (``run.json``, ``run_quick.json`` and those kept in ``history/``)."""
+    import run_all
+
+    latest: dict[tuple[str, bool], tuple[str, str, dict]] = {}  # (name, quick) -> (time, machine, entry)
+    for path in [*RESULTS.glob("*/run.json"), *RESULTS.glob("*/run_quick.json"),
+                 *RESULTS.glob("*/history/run-*.json"), *RESULTS.glob("*/history/run_quick-*.json")]:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        machine = path.parent.parent.name if path.parent.name == "history" else path.parent.name
+        for entry in run.get("runs") or []:
+            key = (entry.get("name"), bool(run.get("quick")))
+            when = str(run.get("time", ""))
+            if entry.get("rc") == 0 and (key not in latest or latest[key][0] < when):
+                latest[key] = (when, machine, {**entry, "_record": f"benchmarks/results/{path.relative_to(RESULTS)}"})
+
+    def cell(name: str, quick: bool) -> str:
+        if (name, quick) not in latest:
+            return "not run by `opencoti bench` yet"
+        when, machine, e = latest[(name, quick)]
+        load = [f"{x:.1f}" for x in ((e.get("load_before") or {}).get("loadavg") or [])[:1]
+                + ((e.get("load_after") or {}).get("loadavg") or [])[:1]]
+        return (f"{e.get('seconds')} s (`{machine}`, {when[:16]}, load {' → '.join(load) or '?'}; "
+                f"`{e['_record']}`)")
+
+    rows = [[f"`{name}`", cell(name, False), cell(name, True)] for name, *_ in run_all.HEADLINE]
+    return table(["benchmark", "full run (the published configuration)", "quick run (`--quick`)"], rows) + "\n"
+
+
 def regenerate(text: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + block(m.group("name")) + m.group(4), text)
+    return BLOCK.sub(lambda m: m.group(1) + (run_costs() if m.group("name") == "run_costs" else block(m.group("name")))
+                     + m.group(4), text)
 
 
 def main(argv: list[str] | None = None) -> int:
