@@ -222,7 +222,7 @@ def main() -> None:
     payload["machine_end"] = common.machine_info()
     payload["seconds"] = time.perf_counter() - t0
     write_json("admission_sim", payload, args.out)
-    if args.plot:
+    if args.plot and not args.quick:  # (the docs' plot is the full run's: a quick run never replaces it)
         plot(profiles, sets["held_out"][0], Path(args.plot))
 
 

@@ -672,7 +672,7 @@ def write_outputs(payload: dict, json_path: Path, args) -> None:
     md = json_path.with_suffix(".md")
     md.write_text(markdown_report(payload))
     print(f"wrote {md}")
-    if not args.no_plots:
+    if not args.no_plots and not args.quick:  # (the docs' plots are the full run's: a quick run never replaces them)
         try:
             import plots
 

@@ -8,6 +8,8 @@ regenerates the tables of ``docs/benchmarks.md`` from the result files (``benchm
 a quick run never replaces a full one, and the page shows a quick result only where no full run
 exists. Every earlier result a run replaces is kept in ``history/`` (``common.write_json``). A
 benchmark that fails is reported and the others still run; the exit code is non-zero when any failed.
+A run ended by SIGTERM or Ctrl-C hands the signal on to the benchmark it runs (which stops its servers)
+and still writes its record, the interrupted benchmark marked ``interrupted``.
 """
 
 from __future__ import annotations
@@ -50,27 +52,37 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(names))
     if unknown:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(names)}")
-    runs = []
-    failed = []
-    for name, script, full, quick in HEADLINE:
-        if name not in only:
-            continue
-        cmd = [sys.executable, str(common.BENCH_DIR / script), *(quick if args.quick else full)]
-        if args.quick:  # its own file: a quick run never replaces the full run's
-            cmd += ["--out", str(common.results_dir() / f"{name}_quick.json")]
-        common.log(f"{name}: {' '.join(cmd[1:])}")
-        before = common.load_snapshot()
-        t0 = time.perf_counter()
-        proc = common.track(subprocess.Popen(cmd, cwd=common.REPO_ROOT))  # stopped (SIGTERM) if this run is
-        rc = proc.wait()  # ended: the benchmark then stops its own servers (subprocess.call would SIGKILL it)
-        runs.append({"name": name, "command": cmd[1:], "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
-                     "load_before": before, "load_after": common.load_snapshot()})
-        if rc != 0:
-            failed.append(name)
-            common.log(f"{name}: FAILED (exit {rc})")
-    common.write_json("run_quick" if args.quick else "run",
-                      {"quick": args.quick, "only": only if args.only else None, "runs": runs, "failed": failed,
-                       "machine": common.machine_info()})
+    runs: list[dict] = []
+    failed: list[str] = []
+    interrupted = None
+    try:
+        for name, script, full, quick in HEADLINE:
+            if name not in only:
+                continue
+            cmd = [sys.executable, str(common.BENCH_DIR / script), *(quick if args.quick else full)]
+            if args.quick:  # its own file: a quick run never replaces the full run's
+                cmd += ["--out", str(common.results_dir() / f"{name}_quick.json")]
+            common.log(f"{name}: {' '.join(cmd[1:])}")
+            before = common.load_snapshot()
+            t0 = time.perf_counter()
+            interrupted = {"name": name, "command": cmd[1:], "rc": None, "load_before": before, "t0": t0}
+            proc = common.track(subprocess.Popen(cmd, cwd=common.REPO_ROOT))  # stopped (SIGTERM) if this run
+            rc = proc.wait()  # is ended: the benchmark then stops its own servers (subprocess.call: SIGKILL)
+            interrupted = None
+            runs.append({"name": name, "command": cmd[1:], "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
+                         "load_before": before, "load_after": common.load_snapshot()})
+            if rc != 0:
+                failed.append(name)
+                common.log(f"{name}: FAILED (exit {rc})")
+    finally:  # an interrupted run (SIGTERM, Ctrl-C) records what it ran, and which benchmark it stopped
+        if interrupted is not None:
+            t0 = interrupted.pop("t0")
+            runs.append({**interrupted, "seconds": round(time.perf_counter() - t0, 1), "interrupted": True,
+                         "load_after": common.load_snapshot()})
+            failed.append(interrupted["name"])
+        common.write_json("run_quick" if args.quick else "run",
+                          {"quick": args.quick, "only": only if args.only else None, "runs": runs, "failed": failed,
+                           "interrupted": interrupted is not None, "machine": common.machine_info()})
     if not args.no_report:
         rc = subprocess.call([sys.executable, str(common.BENCH_DIR / "report.py")], cwd=common.REPO_ROOT)
         if rc != 0:

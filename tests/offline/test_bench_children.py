@@ -86,6 +86,11 @@ def test_run_all_ended_by_sigterm_lets_the_running_benchmark_stop_its_servers(tm
         proc.send_signal(signal.SIGTERM)  # as `timeout` does: only run_all gets it
         proc.wait(timeout=60)
         assert _gone(child), "the benchmark run_all was running left its server behind"
+        import json
+
+        record = json.loads((tmp_path / "run.json").read_text())  # what an interrupted run ran is recorded
+        assert record["interrupted"] is True and record["failed"] == ["fake"]
+        assert record["runs"][0]["name"] == "fake" and record["runs"][0]["interrupted"] is True
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)

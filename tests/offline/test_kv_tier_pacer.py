@@ -237,7 +237,9 @@ def test_a_direct_file_is_opened_o_direct_where_the_filesystem_allows_it(tmp_pat
         assert bool(flags & O_DIRECT) == sink.direct
     finally:
         sink.close()
-    assert not BodySink(tmp_path / "odd", 100, direct=True).direct  # a window not a multiple of ALIGN: buffered
+    odd = BodySink(tmp_path / "odd", 100, direct=True)
+    assert not odd.direct and odd.view is not None  # a window not a multiple of ALIGN: buffered, still staged
+    odd.close()
 
 
 def test_a_filesystem_refusing_o_direct_gets_the_same_file_buffered(tmp_path, monkeypatch):
@@ -275,3 +277,32 @@ def test_a_filesystem_refusing_o_direct_gets_the_same_file_buffered(tmp_path, mo
     with pytest.raises(OSError):  # any other error is the writer's to handle (the tier: that segment is lost)
         kvfile.write_kv(tmp_path / "c.kv", k, v, 0, [], durable=False, chunk_bytes=4096, direct=True)
     assert not (tmp_path / "c.kv").exists()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_paced_file_is_written_outside_the_paced_work(tmp_path, monkeypatch, direct):
+    """The paced work (run on the step thread) only checksums and copies: every write to the file happens
+    outside it, on the writer's thread, so a disk that blocks a write never holds a step."""
+    k, v = _kv(2)
+    inside = [False]
+    writes: list[bool] = []
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, offset):
+        writes.append(inside[0])
+        return real_pwrite(fd, data, offset)
+
+    def paced(work):
+        inside[0] = True
+        try:
+            work()
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    kvfile.write_kv(tmp_path / "a.kv", k, v, 0, list(range(300)), store_tokens=True, durable=False,
+                    chunk_bytes=4096, paced=paced, direct=direct)
+    assert writes and not any(writes)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    kvfile.write_kv(tmp_path / "ref.kv", k, v, 0, list(range(300)), store_tokens=True, durable=False)
+    assert (tmp_path / "a.kv").read_bytes() == (tmp_path / "ref.kv").read_bytes()

@@ -11,7 +11,8 @@ aligned staging buffer take the pacer's turn; the write itself runs beside the s
 The file is the same byte for byte either way: the body goes in ``ALIGN``-multiple windows at
 ``HEADER`` (itself a multiple), the last window padded with zeros and the file then cut to its size,
 the header written last at offset 0. A filesystem that refuses ``O_DIRECT`` (``EINVAL`` on open or on a
-write: tmpfs on older kernels, some network filesystems) gets the rest of the file written buffered.
+write: tmpfs on older kernels, some network filesystems) gets the rest of the file written buffered, by
+the I/O thread all the same.
 """
 
 from __future__ import annotations
@@ -49,11 +50,14 @@ def windows(parts: list[memoryview], step: int) -> Iterator[list[memoryview]]:
 
 class BodySink:
     """Writes a KV file's body from offset ``HEADER``, then its header at 0. ``put`` takes a window's
-    pieces (inside the pacer's turn: a buffered write copies them into the page cache there), ``send``
-    writes a full staged window (outside the turn: a direct write runs beside the steps)."""
+    pieces (the pacer's turn: on the step thread between steps) and, when staged, copies them into an
+    aligned buffer; ``send`` writes a full staged window (on the I/O thread, beside the steps). A paced
+    file is always staged, direct or not: a disk that blocks a write then holds the I/O thread, never a
+    step. Unstaged (a file written at once), ``put`` writes."""
 
-    def __init__(self, path: Path, step: int, direct: bool):
+    def __init__(self, path: Path, step: int, direct: bool, staged: bool = False):
         self.path = path
+        staged = bool(direct or staged) and step > 0
         self.direct = bool(direct and O_DIRECT and step % ALIGN == 0 and step > 0)
         self.fd = -1
         if self.direct:
@@ -66,7 +70,7 @@ class BodySink:
         if not self.direct:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.step = step
-        self.buf = mmap.mmap(-1, max(step, ALIGN)) if self.direct else None  # page-aligned
+        self.buf = mmap.mmap(-1, max(step, ALIGN)) if staged else None  # page-aligned
         self.view = memoryview(self.buf) if self.buf is not None else None
         self.fill = 0  # bytes staged
         self.at = HEADER  # the file offset of the staged bytes (or of the next buffered write)
@@ -80,7 +84,7 @@ class BodySink:
         self.fill += len(piece)
 
     def send(self) -> None:
-        """Write the staged window if it is full (direct files)."""
+        """Write the staged window if it is full (staged files)."""
         if self.view is not None and self.fill >= self.step:
             self._pwrite(self.view[:self.fill], self.at)
             self.at += self.fill

@@ -94,7 +94,7 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
     crc = 0
     parts = [memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)) for part in body]  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
     step = chunk_bytes or max(1, sum(len(d) for d in parts))
-    sink = BodySink(tmp, step, direct)
+    sink = BodySink(tmp, step, direct, staged=paced is not None)  # (paced: the I/O thread writes)
     run = paced or (lambda fn: fn())
     try:
         for window in windows(parts, step):
