@@ -32,12 +32,19 @@ import opencoti  # noqa: E402,F401 - before torch: sets the OpenMP wait policy f
 
 # ============================================================================ child processes
 _CHILDREN: list[subprocess.Popen] = []
+_AT_EXIT = False
 
 
 def track(proc: subprocess.Popen) -> subprocess.Popen:
     """A server or worker this benchmark started: stopped when the benchmark exits in any way but SIGKILL
     (done, an exception, Ctrl-C, or SIGTERM from ``timeout`` or ``kill``, which ends the run through its
     ``finally`` blocks; ``stop_children`` at exit). Returns ``proc``."""
+    global _AT_EXIT
+    if not _AT_EXIT:
+        import atexit
+
+        atexit.register(stop_children)
+        _AT_EXIT = True
     _CHILDREN.append(proc)
     return proc
 
@@ -69,18 +76,21 @@ def stop_children(grace_s: float = 30.0) -> None:
     _CHILDREN.clear()
 
 
-def _exit_on_sigterm() -> None:
-    import atexit
+def install_exit_handlers() -> None:
+    """SIGTERM exits through ``finally`` blocks and ``stop_children`` (Python's default dies at once).
+    Installed at import when a benchmark script is the program run (not when a test imports this
+    module: there SIGTERM must stay pytest's)."""
     import signal
     import threading
 
-    atexit.register(stop_children)
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-_exit_on_sigterm()
+_MAIN = getattr(sys.modules.get("__main__"), "__file__", None)
+if _MAIN and Path(_MAIN).resolve().parent == BENCH_DIR:
+    install_exit_handlers()
 
 
 # ============================================================================ command line

@@ -96,7 +96,10 @@ def try_server(binary: Path, timeout: float = 180) -> str | None:
         while time.monotonic() - t0 < timeout:
             rc = proc.poll()
             if rc is not None:
-                why = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+                try:
+                    why = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+                except ValueError:  # (a real-time signal has no name)
+                    why = f"signal {-rc}"
                 return f"it died on load ({why}): {Path(log.name).read_text()[-500:]}"
             try:
                 r = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hello", "n_predict": 2},
@@ -131,8 +134,9 @@ def build_llama_server() -> Path:
         common.log(f"the cached llama-server does not run here ({problem[:120]}); building again")
         shutil.rmtree(out.parent)
     legacy = peer_dir().parent / f"{SDIST}-{SDIST_VERSION}" / "build" / "bin"
-    if (legacy / "llama-server").exists():  # a build made by hand with the same commands
-        return _install(legacy, out, {"flags": None, "note": "a build made by hand, found at " + str(legacy)})
+    if (legacy / "llama-server").exists() and try_server(legacy / "llama-server") is None:  # made by hand
+        return _install(legacy, out, {"flags": None, "note": "a build made by hand, found at " + str(legacy),
+                                      "tries": [{"flags": None, "tried": "answered"}]})
     if not shutil.which("cmake"):
         raise SystemExit("building llama-server needs cmake (apt-get install cmake)")
     work = Path(tempfile.mkdtemp(prefix="llama-build-"))

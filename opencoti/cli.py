@@ -125,7 +125,14 @@ def cmd_bench(args) -> int:
     if args.name in (None, "all"):
         cmd = [sys.executable, str(root / "run_all.py")] + (["--quick"] if args.quick else []) \
             + (["--only", args.only] if args.only else [])
-        return subprocess.call(cmd)
+        import signal
+
+        proc = subprocess.Popen(cmd)  # SIGTERM (timeout, kill) is handed on: the run stops its benchmarks' servers
+        old = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+        try:
+            return proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, old)
     for path in (root / f"bench_{args.name}.py", root / f"{args.name}.py"):
         if path.exists():
             break

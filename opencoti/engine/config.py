@@ -183,10 +183,11 @@ class EngineConfig:
         ``DEFAULT_KV_DISK_BUDGET_MIB`` capped at half the disk space free at start; 0: off (reclaimed
         KV is dropped and recomputed). It needs the prefix cache (the tier keeps its pages).
     kv_disk_dir: where the tier's files go (default: ``<state_dir>/kv_tier``; emptied at start).
-    kv_disk_write_share: the tier's writes run between decode steps, a chunk at a time: after a step
-        the writer may work this share of its time (as fast as the disk goes while nothing computes);
-        0: unpaced, the writer runs beside the steps (on a CPU whose cores a step holds, the steps it
-        overlaps stall). Default 0.03, measured (``persist/pacer.py``).
+    kv_disk_write_share: the tier's files go a 256 KiB window at a time; each window's checksum and
+        copy run on the step thread before a step when the steps have lent the writer this share of
+        their time (as fast as the disk goes while nothing computes), its ``O_DIRECT`` write beside the
+        steps; 0: unpaced, the writer does everything beside the steps (on a CPU whose cores a step
+        holds, the steps it overlaps stall). Default 0.03, measured (``persist/pacer.py``).
     kv_idle_spill_s: a session with no request in flight for longer than this leaves RAM before the
         prefix cache's pages and before sessions idle for less (which go before pools; running
         requests are preempted only after all of them).

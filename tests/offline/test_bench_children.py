@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(f"""
     import subprocess, sys, time
     sys.path.insert(0, {str(BENCH)!r})
     import common
+    common.install_exit_handlers()  # (a benchmark script gets them at import; this one lives elsewhere)
     child = common.track(subprocess.Popen(["sleep", "1000"], start_new_session=True))
     print(child.pid, flush=True)
     if sys.argv[1] == "raise":
@@ -74,6 +75,7 @@ def test_run_all_ended_by_sigterm_lets_the_running_benchmark_stop_its_servers(tm
         import sys
         sys.path.insert(0, {str(BENCH)!r})
         import common, run_all
+        common.install_exit_handlers()
         common.results_dir = lambda: __import__("pathlib").Path({str(tmp_path)!r})
         run_all.HEADLINE = [("fake", {str(script)!r}, ["wait"], ["wait"])]
         sys.exit(run_all.main(["--no-report"]))

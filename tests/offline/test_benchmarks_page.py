@@ -454,7 +454,19 @@ def test_every_run_is_kept_and_a_quick_run_never_replaces_a_full_one(tmp_path, m
     assert json.loads((folder / "demo_quick.json").read_text())["n"] == 4
     # opencoti bench --quick: every script into its own <name>_quick.json; the full run: the scripts' defaults
     calls = []
-    monkeypatch.setattr(run_all.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
+
+    class Finished:  # a benchmark that ran and exited 0 (run_all waits on a Popen: SIGTERM is handed on)
+        def __init__(self, cmd, cwd=None):
+            calls.append(cmd)
+            self.pid, self.returncode = -1, 0
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(run_all.subprocess, "Popen", Finished)
     monkeypatch.setattr(common, "machine_info", lambda: {})
     monkeypatch.setattr(common, "load_snapshot", lambda: {})
     assert run_all.main(["--quick", "--no-report"]) == 0

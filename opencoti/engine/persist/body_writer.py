@@ -3,7 +3,7 @@ for the disk tier - with ``O_DIRECT`` where the filesystem allows it.
 
 Why ``O_DIRECT``. A buffered write is the kernel copying the bytes into the page cache on the writing
 thread's CPU, and on a CPU the engine's step uses every core: measured on a 2-core AMD EPYC while one
-session decoded (``benchmarks/results/*/tier48_share/interference.py``), steps overlapping a buffered
+session decoded (``benchmarks/results/*/tier48_share/interference_direct.py``), steps overlapping a buffered
 90 MiB write were ~9x a quiet step, steps overlapping the same bytes written with ``O_DIRECT`` (256 KiB
 at a time, the device copying them) ~1.2x. So with a direct file only the checksum and the copy into an
 aligned staging buffer take the pacer's turn; the write itself runs beside the steps.
@@ -11,8 +11,7 @@ aligned staging buffer take the pacer's turn; the write itself runs beside the s
 The file is the same byte for byte either way: the body goes in ``ALIGN``-multiple windows at
 ``HEADER`` (itself a multiple), the last window padded with zeros and the file then cut to its size,
 the header written last at offset 0. A filesystem that refuses ``O_DIRECT`` (``EINVAL`` on open or on a
-write: tmpfs on older kernels, some network filesystems) gets the rest of the file written buffered, by
-the I/O thread all the same.
+write: tmpfs on older kernels, some network filesystems) gets the rest of the file written buffered.
 """
 
 from __future__ import annotations
@@ -50,14 +49,15 @@ def windows(parts: list[memoryview], step: int) -> Iterator[list[memoryview]]:
 
 class BodySink:
     """Writes a KV file's body from offset ``HEADER``, then its header at 0. ``put`` takes a window's
-    pieces (the pacer's turn: on the step thread between steps) and, when staged, copies them into an
-    aligned buffer; ``send`` writes a full staged window (on the I/O thread, beside the steps). A paced
-    file is always staged, direct or not: a disk that blocks a write then holds the I/O thread, never a
-    step. Unstaged (a file written at once), ``put`` writes."""
+    pieces (the pacer's work: on the step thread between steps). A direct file copies them into an
+    aligned buffer there and ``send`` writes the full window on the I/O thread, beside the steps. A
+    buffered file (a file written at once, or a filesystem that refuses ``O_DIRECT``) is written by
+    ``put`` itself: its copy into the page cache then takes the pacer's turn, as measured best for
+    buffered writes (a kernel copy beside a step slows it several times), though a disk that throttles
+    buffered writes can then hold that step."""
 
-    def __init__(self, path: Path, step: int, direct: bool, staged: bool = False):
+    def __init__(self, path: Path, step: int, direct: bool):
         self.path = path
-        staged = bool(direct or staged) and step > 0
         self.direct = bool(direct and O_DIRECT and step % ALIGN == 0 and step > 0)
         self.fd = -1
         if self.direct:
@@ -70,8 +70,15 @@ class BodySink:
         if not self.direct:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.step = step
-        self.buf = mmap.mmap(-1, max(step, ALIGN)) if staged else None  # page-aligned
-        self.view = memoryview(self.buf) if self.buf is not None else None
+        self.buf: mmap.mmap | None = None
+        self.view: memoryview | None = None
+        if self.direct:
+            try:  # page-aligned; room for a window padded to ALIGN and for the header
+                self.buf = mmap.mmap(-1, -(-max(step, HEADER) // ALIGN) * ALIGN)
+            except BaseException:
+                os.close(self.fd)
+                raise
+            self.view = memoryview(self.buf)
         self.fill = 0  # bytes staged
         self.at = HEADER  # the file offset of the staged bytes (or of the next buffered write)
 
@@ -84,7 +91,7 @@ class BodySink:
         self.fill += len(piece)
 
     def send(self) -> None:
-        """Write the staged window if it is full (staged files)."""
+        """Write the staged window if it is full (direct files)."""
         if self.view is not None and self.fill >= self.step:
             self._pwrite(self.view[:self.fill], self.at)
             self.at += self.fill
@@ -129,6 +136,8 @@ class BodySink:
                     raise
                 self._go_buffered()  # the filesystem took the open but not the write
                 continue
+            if n <= 0:
+                raise OSError(errno.EIO, f"{self.path}: a write wrote nothing")
             data, offset = data[n:], offset + n
 
     def _go_buffered(self) -> None:

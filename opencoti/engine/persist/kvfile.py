@@ -94,7 +94,7 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
     crc = 0
     parts = [memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)) for part in body]  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
     step = chunk_bytes or max(1, sum(len(d) for d in parts))
-    sink = BodySink(tmp, step, direct, staged=paced is not None)  # (paced: the I/O thread writes)
+    sink = BodySink(tmp, step, direct)
     run = paced or (lambda fn: fn())
     try:
         for window in windows(parts, step):
@@ -109,8 +109,11 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
         sink.finish((MAGIC + json.dumps(meta).encode() + b"\n").ljust(HEADER, b"\0"), durable)
         if info is not None:
             info["direct"] = sink.direct  # (False where the filesystem refused O_DIRECT)
-    finally:
+    except BaseException:
         sink.close()
+        tmp.unlink(missing_ok=True)  # (a full disk, a dropped segment: no half-written file stays)
+        raise
+    sink.close()
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)

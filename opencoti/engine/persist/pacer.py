@@ -42,7 +42,8 @@ CHUNK_BYTES = 256 * 1024
 MAX_CREDIT_S = 0.05
 """The most one step (a long prefill) lends the writer before the next step."""
 GRACE_S = 0.002
-"""How long a step that begins waits for a window the I/O thread started while the engine was idle."""
+"""How long a step that begins waits for a window the I/O thread started while the engine was idle (one
+step, once per window)."""
 
 
 class _Job:
@@ -70,6 +71,8 @@ class StepPacer:
         self._credit = 0.0  # seconds the writer may still work before the next step
         self._job: _Job | None = None  # a window's work waiting for a step to run it
         self._busy = False  # the I/O thread runs a window itself (the engine was idle)
+        self._busy_seq = 0  # counts the windows the I/O thread ran itself
+        self._waited = 0  # the last of them a step waited for
         self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_turns": 0, "step_turn_s": 0.0,
                       "step_waits": 0, "step_wait_s": 0.0}
 
@@ -79,10 +82,14 @@ class StepPacer:
         with self._cv:
             self._idle = False
             self.stats["steps"] += 1
-            if self._busy:  # a window the I/O thread began while idle: let it finish, briefly
+            if self._busy and self._waited != self._busy_seq:  # a window the I/O thread began while idle:
+                self._waited = self._busy_seq  # let it finish, briefly (one step waits for it, once)
                 t0 = time.monotonic()
-                while self._busy and time.monotonic() - t0 < GRACE_S:
-                    self._cv.wait(GRACE_S)
+                while self._busy and self._waited == self._busy_seq:
+                    left = GRACE_S - (time.monotonic() - t0)
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
                 self.stats["step_waits"] += 1
                 self.stats["step_wait_s"] += time.monotonic() - t0
             job = self._job
@@ -133,6 +140,7 @@ class StepPacer:
                     break
                 if not job.taken and (self._idle or self.share is None):
                     job.taken, self._busy = True, True
+                    self._busy_seq += 1
                     if self._job is job:
                         self._job = None
                     break

@@ -25,7 +25,7 @@ missing, cut-short, swapped or corrupt file is forgotten and logged, and the req
 pages it could not read. The snapshots waiting for the I/O thread are bounded (``max_pending_bytes``);
 past that, pages are dropped. Files go a 256 KiB window at a time, ``O_DIRECT`` (``body_writer``): each
 window's checksum and copy run on the step thread before a step, within 3 % of the steps' time
-(``pacer.StepPacer``), its write beside the steps; no step waits for the disk or another thread.
+(``pacer.StepPacer``), its write beside the steps (a step waits at most 2 ms, for a window begun idle).
 
 Budget. The files stay within ``budget_bytes``: the least recently used segments (written or
 read) are removed first. The directory is emptied at start: the tier is a cache of this process's
