@@ -94,23 +94,21 @@ class StepPacer:
                 self.stats["step_wait_s"] += time.monotonic() - t0
             job = self._job
             if job is None or job.taken or self.share is None or self._credit <= 0:
-                job = None
-            else:
-                job.taken = True
-        if job is not None:
-            t0 = time.perf_counter()
-            job.run()
-            dt = time.perf_counter() - t0
-            with self._cv:
-                job.done = True
-                self._credit = max(self._credit - dt, -MAX_CREDIT_S)  # a debt is capped at what one step lends
-                self.stats["turns"] += 1
-                self.stats["turn_s"] += dt
-                self.stats["step_turns"] += 1
-                self.stats["step_turn_s"] += dt
-                self._cv.notify_all()
+                self._credit = min(self._credit, 0.0)  # unused credit lapses; a debt stays
+                return  # (the common case: one lock a step)
+            job.taken = True
+        t0 = time.perf_counter()
+        job.run()
+        dt = time.perf_counter() - t0
         with self._cv:
-            self._credit = min(self._credit, 0.0)  # unused credit lapses; a debt stays
+            job.done = True
+            # a debt is capped at what one step lends; unused credit lapses
+            self._credit = min(max(self._credit - dt, -MAX_CREDIT_S), 0.0)
+            self.stats["turns"] += 1
+            self.stats["turn_s"] += dt
+            self.stats["step_turns"] += 1
+            self.stats["step_turn_s"] += dt
+            self._cv.notify_all()
 
     def step_end(self, seconds: float) -> None:
         """A step of ``seconds`` ended: the writer may work its share of them before the next one."""
