@@ -82,7 +82,11 @@ def main() -> int:
                    help="the writes paced between steps (on), beside them (off), or alternating burst by burst")
     p.add_argument("--share", type=float, default=None,
                    help="the writer's share of the steps' time when paced (default: the engine's, pacer.DEFAULT_SHARE)")
+    p.add_argument("--chunk-kib", type=int, default=None,
+                   help="the writer's window in KiB (a multiple of 4; default: the engine's, pacer.CHUNK_BYTES)")
     args = p.parse_args()
+    if args.chunk_kib is not None and (args.chunk_kib <= 0 or args.chunk_kib % 4):
+        p.error("--chunk-kib must be a positive multiple of 4")
     if args.share is not None and not 0 < args.share <= 1:
         p.error("--share must be in (0, 1]")
     common.set_threads(args.threads)
@@ -96,6 +100,8 @@ def main() -> int:
     assert tier is not None, "the tier is on where a state directory exists"
     share = tier.pacer.share if args.share is None else args.share
     assert share is not None, "the engine paces the tier's writes by default"
+    if args.chunk_kib is not None:
+        tier.pacer.chunk_bytes = args.chunk_kib * 1024
     modes = {"both": [1, 0], "on": [1], "off": [0]}[args.pacing]  # 1: paced, 0: unpaced
     rng = random.Random(0)
     prompt = [rng.randint(100, 20000) for _ in range(args.context)]
