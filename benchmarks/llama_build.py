@@ -30,11 +30,12 @@ SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 BASE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
-# ggml's x86 options and the /proc/cpuinfo flag each needs (all of them, for the AVX-512 ones)
+# ggml's x86 options and the /proc/cpuinfo flag each needs (all of them, for the AVX-512 ones), spelled as Linux
+# spells them (avx512vbmi without an underscore, avx512_vnni and avx512_bf16 with one)
 X86_OPTIONS = [("GGML_SSE42", ("sse4_2",)), ("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)),
                ("GGML_FMA", ("fma",)), ("GGML_F16C", ("f16c",)), ("GGML_BMI2", ("bmi2",)),
                ("GGML_AVX_VNNI", ("avx_vnni",)), ("GGML_AVX512", ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
-               ("GGML_AVX512_VBMI", ("avx512_vbmi",)), ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+               ("GGML_AVX512_VBMI", ("avx512vbmi",)), ("GGML_AVX512_VNNI", ("avx512_vnni",)),
                ("GGML_AVX512_BF16", ("avx512_bf16",))]
 AMX_OFF = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 

@@ -22,7 +22,7 @@ import queue
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ def snapshot_kv(kv, page_table: Sequence[int], start: int, end: int) -> tuple[to
 
 def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: int, tokens: Sequence[int], *,
              extra: dict | None = None, store_tokens: bool = False, durable: bool = True,
-             chunk_bytes: int | None = None, paced: Callable[[Iterator[Callable[[], None]]], None] | None = None,
+             chunk_bytes: int | None = None, paced: Callable[[Callable[[], None]], None] | None = None,
              direct: bool = False, info: dict | None = None) -> int:
     """Write a snapshot (see ``snapshot_kv``) atomically; returns the bytes written. ``store_tokens``
     appends the token ids themselves (``read_tokens``); ``extra`` goes into the header. ``durable``:
@@ -95,27 +95,18 @@ def write_kv(path: str | os.PathLike, k: torch.Tensor, v: torch.Tensor, start: i
     parts = [memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)) for part in body]  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
     step = chunk_bytes or max(1, sum(len(d) for d in parts))
     sink = BodySink(tmp, step, direct)
-    header: list[bytes] = []  # (the header, once the body's checksum is known)
-
-    def works() -> Iterator[Callable[[], None]]:
+    run = paced or (lambda fn: fn())
+    try:
         for window in windows(parts, step):
             def work(window=window) -> None:
                 nonlocal crc
                 for piece in window:
                     crc = zlib.crc32(piece, crc)
                     sink.put(piece)
-                sink.send()  # (a direct file: the window, once full, goes to the device)
-            yield work
+            run(work)
+            sink.send()  # (a direct file: the device writes the window beside the steps)
         meta["checksum"] = {CHECKSUM: f"{crc:08x}"}
-        header.append((MAGIC + json.dumps(meta).encode() + b"\n").ljust(HEADER, b"\0"))
-        yield lambda: sink.finish(header[0], durable)
-
-    try:
-        if paced is None:
-            for work in works():
-                work()
-        else:
-            paced(works())
+        sink.finish((MAGIC + json.dumps(meta).encode() + b"\n").ljust(HEADER, b"\0"), durable)
         if info is not None:
             info["direct"] = sink.direct  # (False where the filesystem refused O_DIRECT)
     except BaseException:

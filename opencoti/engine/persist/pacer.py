@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable
 
 from ..config import DEFAULT_KV_DISK_WRITE_SHARE
 
@@ -47,34 +47,17 @@ step, once per window)."""
 
 
 class _Job:
-    """One file's windows: ``works`` yields each window's work; ``nxt`` is the next one to run."""
-    __slots__ = ("works", "nxt", "running", "done", "error")
+    __slots__ = ("fn", "taken", "done", "error")
 
-    def __init__(self, works: Iterator[Callable[[], None]]):
-        self.works = works
-        self.nxt: Callable[[], None] | None = None
-        self.running, self.done = False, False
+    def __init__(self, fn: Callable[[], None]):
+        self.fn, self.taken, self.done = fn, False, False
         self.error: BaseException | None = None
-        self.advance()
 
-    def advance(self) -> None:
-        """Fetch the next window's work (done when there is none, or the iterator raised)."""
+    def run(self) -> None:
         try:
-            self.nxt = next(self.works, None)
-        except BaseException as e:  # noqa: BLE001 - raised again on the writer's thread
-            self.nxt, self.error = None, e
-        if self.nxt is None:
-            self.done = True
-
-    def run_one(self) -> None:
-        fn, self.nxt = self.nxt, None
-        assert fn is not None
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - raised again on the writer's thread
-            self.error, self.done = e, True
-            return
-        self.advance()
+            self.fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the thread that asked
+            self.error = e
 
 
 class StepPacer:
@@ -91,7 +74,7 @@ class StepPacer:
         self._busy_seq = 0  # counts the windows the I/O thread ran itself
         self._waited = 0  # the last of them a step waited for
         self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_turns": 0, "step_turn_s": 0.0,
-                      "step_waits": 0, "step_wait_s": 0.0, "writer_wakes": 0}
+                      "step_waits": 0, "step_wait_s": 0.0}
 
     # ------------------------------------------------------------------ the step loop
     def step_begin(self) -> None:
@@ -110,23 +93,22 @@ class StepPacer:
                 self.stats["step_waits"] += 1
                 self.stats["step_wait_s"] += time.monotonic() - t0
             job = self._job
-            if job is None or job.running or job.done or self.share is None or self._credit <= 0:
+            if job is None or job.taken or self.share is None or self._credit <= 0:
                 self._credit = min(self._credit, 0.0)  # unused credit lapses; a debt stays
                 return  # (the common case: one lock a step)
-            job.running = True
+            job.taken = True
         t0 = time.perf_counter()
-        job.run_one()
+        job.run()
         dt = time.perf_counter() - t0
         with self._cv:
-            job.running = False
+            job.done = True
             # a debt is capped at what one step lends; unused credit lapses
             self._credit = min(max(self._credit - dt, -MAX_CREDIT_S), 0.0)
             self.stats["turns"] += 1
             self.stats["turn_s"] += dt
             self.stats["step_turns"] += 1
             self.stats["step_turn_s"] += dt
-            if job.done:  # the writer's file is done (or failed): it wakes once a file, not once a window
-                self._cv.notify_all()
+            self._cv.notify_all()
 
     def step_end(self, seconds: float) -> None:
         """A step of ``seconds`` ended: the writer may work its share of them before the next one."""
@@ -143,42 +125,35 @@ class StepPacer:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ the I/O thread
-    def run_all(self, works: Iterable[Callable[[], None]]) -> None:
-        """Run one file's windows in order (each a window's work): on the step thread, one before a step,
-        while the engine computes; here while it is idle (or unpaced). This thread sleeps meanwhile and
-        wakes once, when the last window ran (or one raised, or the iterator did: raised here)."""
-        job = _Job(iter(works))
+    def run(self, fn: Callable[[], None]) -> None:
+        """Run one window's CPU work: on the step thread between steps while the engine computes, here
+        while it is idle (or unpaced). Returns when it ran; raises what it raised."""
         if self.share is None:  # unpaced: beside the steps (not counted)
-            while not job.done:
-                job.run_one()
-        else:
-            with self._cv:
-                self._job = job
-                try:
-                    while not job.done:
-                        if job.running or not (self._idle or self.share is None):
-                            self._cv.wait(1.0)  # (woken by idle(), an unpaced step's end, the job's end)
-                            self.stats["writer_wakes"] += 1
-                            continue
-                        job.running = self._busy = True  # ours to run: the engine is idle
-                        self._busy_seq += 1
-                        self._cv.release()
-                        try:
-                            t0 = time.perf_counter()
-                            job.run_one()
-                            dt = time.perf_counter() - t0
-                        finally:
-                            self._cv.acquire()
-                            job.running = self._busy = False
-                        self.stats["turns"] += 1
-                        self.stats["turn_s"] += dt
-                        self._cv.notify_all()  # (a step waiting for this window)
-                finally:
+            fn()
+            return
+        job = _Job(fn)
+        with self._cv:
+            while True:
+                if job.done:
+                    break
+                if not job.taken and (self._idle or self.share is None):
+                    job.taken, self._busy = True, True
+                    self._busy_seq += 1
                     if self._job is job:
                         self._job = None
+                    break
+                self._job = job
+                self._cv.wait(0.1)
+            if self._job is job:
+                self._job = None
+        if not job.done:  # ours to run
+            t0 = time.perf_counter()
+            job.run()
+            dt = time.perf_counter() - t0
+            with self._cv:
+                self._busy = False
+                self.stats["turns"] += 1
+                self.stats["turn_s"] += dt
+                self._cv.notify_all()
         if job.error is not None:
             raise job.error
-
-    def run(self, fn: Callable[[], None]) -> None:
-        """Run one window's work (``run_all`` of one)."""
-        self.run_all((fn,))

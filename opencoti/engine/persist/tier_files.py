@@ -85,13 +85,10 @@ def write_segment(path: Path, seg: Segment, identity: dict | None, pacer: StepPa
     if seg.tail:
         where = {"parent_key": seg.parent_key.hex(), "tail": True, "slots": ps}
 
-    def paced(works) -> None:
-        def unless_dropped():
-            for work in works:
-                if seg.state != PENDING:
-                    raise _Dropped
-                yield work
-        pacer.run_all(unless_dropped())
+    def paced(work) -> None:
+        if seg.state != PENDING:
+            raise _Dropped
+        pacer.run(work)
 
     info: dict = {}
     try:
