@@ -52,6 +52,7 @@ import torch
 from ..kv.prefix_index import common_prefix, tail_key
 from .files import HEADER
 from .pacer import StepPacer
+from .staging import DEFAULT_KEEP_MIB, Staging
 from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment,
                          tier_budget_mib, write_segment)
 
@@ -89,6 +90,8 @@ class DiskTier:
         self._thread: threading.Thread | None = None
         self._warned: dict[str, float] = {}
         self.pacer = StepPacer()  # the writes' turns between steps (the engine's step loop drives it)
+        # the snapshots' buffers, used again once written (a fresh one costs the kernel's faults on the step)
+        self.staging = Staging(min(self.max_pending, DEFAULT_KEEP_MIB * 2**20))
         # prefetches: segments a queued request will read, read and checked by a thread of their own
         # (not behind the writes), so the step that starts the request only copies them into pages
         self._rq: queue.SimpleQueue = queue.SimpleQueue()
@@ -115,6 +118,7 @@ class DiskTier:
         return {"enabled": True, "dir": str(self.dir), "budget_bytes": self.budget, "used_bytes": self.used_bytes,
                 "pages": len(self.pages), "segments": len(self.segments), "pending_bytes": self._pending_bytes,
                 "prefetched_bytes": self._prefetched_bytes, "max_pending_bytes": self.max_pending, **self.stats,
+                **self.staging.stats, "staging_kept_bytes": self.staging.kept_bytes,
                 "pacing": {"share": self.pacer.share, **self.pacer.stats}}  # (the writes' turns, the steps' waits)
 
     # ------------------------------------------------------------------ writes
@@ -167,8 +171,16 @@ class DiskTier:
             return
         self._make_room(size)
         index = torch.tensor([e.page for e in run], dtype=torch.long, device=kv.k_cache.device)
-        k = kv.k_cache.index_select(1, index)[:, :, :slots].cpu()  # [L, n, ps, H, D] (a tail: its slots)
-        v = kv.v_cache.index_select(1, index)[:, :, :slots].cpu()
+        bufs = None
+        if tail is None and kv.k_cache.device.type == "cpu":  # into buffers used again (no fresh memory)
+            shape = (kv.k_cache.shape[0], n, *kv.k_cache.shape[2:])
+            (k, kb), (v, vb) = (self.staging.take(shape, kv.k_cache.dtype) for _ in range(2))
+            torch.index_select(kv.k_cache, 1, index, out=k)  # [L, n, ps, H, D]
+            torch.index_select(kv.v_cache, 1, index, out=v)
+            bufs = (kb, vb)
+        else:
+            k = kv.k_cache.index_select(1, index)[:, :, :slots].cpu()  # (a tail: its slots)
+            v = kv.v_cache.index_select(1, index)[:, :, :slots].cpu()
         tokens = [t for e in run for t in e.tokens]
         parent = run[0].parent
         if tail is not None:
@@ -178,6 +190,7 @@ class DiskTier:
         else:
             seg = Segment(f"{next(self._names)}.kv", [e.key for e in run], tokens, (run[0].depth - 1) * ps,
                           parent.key, size, k, v)
+            seg.bufs = bufs
         for i, key in enumerate(seg.keys):
             self.pages[key] = (seg, i)
         self.segments[seg.name] = seg
@@ -457,6 +470,9 @@ class DiskTier:
                     pass
             finally:
                 seg.k = seg.v = None
+                for buf in seg.bufs or ():
+                    self.staging.give(buf)  # (used again once no reader's view of it is alive)
+                seg.bufs = None
                 with self._lock:
                     self._pending_bytes -= seg.nbytes
                 self.stats["write_seconds"] += time.perf_counter() - t0

@@ -25,7 +25,7 @@ class Segment:
     """One file: ``n`` consecutive pages of one chain."""
 
     __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state", "reading", "loaded",
-                 "load_error", "tail")
+                 "load_error", "tail", "bufs")
 
     def __init__(self, name: str, keys: list[bytes], tokens: list[int], start: int, parent_key: bytes,
                  nbytes: int, k: torch.Tensor, v: torch.Tensor, tail: bool = False):
@@ -38,6 +38,7 @@ class Segment:
         self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # what the prefetch read (checked)
         self.load_error: str | None = None  # why the prefetch could not use it
         self.tail = tail  # one partial last page (valid for its tokens), not full pages
+        self.bufs: tuple | None = None  # the staging buffers behind k and v (given back once written)
 
 
 def kv_layout(kv) -> tuple:
