@@ -143,18 +143,22 @@ def main() -> int:
     step_spans: list[tuple[float, float]] = []
     step_end = tier.pacer.step_end
     lending = [True]  # paced: False while the writer's work is held (the steps lend it no time)
+    lend_lock = threading.Lock()  # (a step's end and a hold do not interleave: no credit after a hold)
 
     def timed_step_end(seconds: float) -> None:
         now = time.perf_counter()
         step_spans.append((now - seconds, now))
-        step_end(seconds if lending[0] else 0.0)  # (timed either way; lent or not)
+        with lend_lock:
+            step_end(seconds if lending[0] else 0.0)  # (timed either way; lent or not)
 
     tier.pacer.step_end = timed_step_end  # type: ignore[method-assign]
 
-    def hold() -> None:  # (the credit left from the last on-window lapses: nothing more runs on a step)
-        lending[0] = False
-        with tier.pacer._cv:
-            tier.pacer._credit = min(tier.pacer._credit, 0.0)
+    def hold() -> None:  # (the credit left from the last on-window lapses: nothing more runs on a step;
+        # the pacer's own fields, under its lock: a benchmark's baseline, not an engine feature)
+        with lend_lock:
+            lending[0] = False
+            with tier.pacer._cv:
+                tier.pacer._credit = min(tier.pacer._credit, 0.0)
 
     time.sleep(args.quiet_s)
     ps, burst = eng.kv.page_size, 0

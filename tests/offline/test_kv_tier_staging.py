@@ -50,6 +50,22 @@ def test_free_buffers_beyond_keep_bytes_go_back_to_the_kernel():
     assert st2.kept_bytes == 0 and st2.stats["staging_reused"] == 0
 
 
+def test_buffers_waiting_for_readers_are_bounded_and_free_ones_are_let_go_when_given_back():
+    nbytes = torch.Size(SHAPE).numel() * 2
+    st = Staging(keep_bytes=2 * nbytes)
+    views = []
+    for _ in range(5):  # readers hold a view of every snapshot: none can be used again
+        t, b = st.take(SHAPE, torch.float16)
+        views.append(t[:, :1])
+        del t
+        st.give(b)
+    assert st.kept_bytes <= 2 * nbytes  # the oldest were forgotten (freed when their readers let go)
+    assert torch.all(views[0] == views[0])  # (a forgotten buffer's memory is still the reader's)
+    views.clear()
+    st.give(st.take(SHAPE, torch.float16)[1])  # given back with no reader: kept for the next snapshot
+    assert 0 < st.kept_bytes <= 2 * nbytes
+
+
 class _Entry:
     def __init__(self, key: bytes, page: int, tokens: tuple, parent, depth: int):
         self.key, self.page, self.tokens, self.parent, self.depth = key, page, tokens, parent, depth

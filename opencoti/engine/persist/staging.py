@@ -11,7 +11,11 @@ its tensor.
 A buffer is used again only when nothing else holds its memory: the tier hands out views of a pending
 snapshot to a request that reads its pages back (``DiskTier.fetch``), and such a view can outlive the
 write. So a buffer the writer gives back waits until the storage's use count says the pool's own tensor
-is its only holder. At most ``keep_bytes`` of free buffers are kept; the rest go back to the kernel.
+is its only holder (the count sees tensors - views, ``.numpy()`` arrays, memoryviews -; code that kept
+a view's bare ``untyped_storage()`` would not be seen: none does). At most ``keep_bytes`` of free
+buffers are kept and at most ``keep_bytes`` of given-back ones wait for their readers (the oldest are
+forgotten past that: their memory goes back to the kernel once the reader is done); the rest go back
+to the kernel at once.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ def _holders(flat: torch.Tensor) -> int:
 
 def _fresh(nbytes: int) -> torch.Tensor:
     """A flat uint8 buffer of ``nbytes`` mapped directly from the kernel (freed with the tensor)."""
-    import warnings
+    return torch.frombuffer(mmap.mmap(-1, max(1, nbytes)), dtype=torch.uint8)
 
-    with warnings.catch_warnings():  # ("the given buffer is not writable": it is - an anonymous map)
-        warnings.simplefilter("ignore")
-        return torch.frombuffer(mmap.mmap(-1, max(1, nbytes)), dtype=torch.uint8)
+
+AVAILABLE = _use_count is not None
+"""Whether buffers can be used again at all (without torch's count, the tier copies into fresh memory)."""
 
 
 class Buffer:
@@ -81,11 +85,23 @@ class Staging:
             self.stats["staging_fresh"] += 1
         return buf.flat[:nbytes].view(dtype).view(tuple(shape)), buf
 
+    def snapshot(self, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[Buffer, Buffer]]:
+        """The K and V of ``pages`` (``[L, n, ps, H, D]`` each, copied from the caches along dim 1) in
+        buffers of the pool, and those buffers (``give`` each back once written)."""
+        shape = (k_cache.shape[0], len(pages), *k_cache.shape[2:])
+        (k, kb), (v, vb) = (self.take(shape, k_cache.dtype) for _ in range(2))
+        torch.index_select(k_cache, 1, pages, out=k)
+        torch.index_select(v_cache, 1, pages, out=v)
+        return k, v, (kb, vb)
+
     def give(self, buf: Buffer | None) -> None:
-        """The writer is done with ``buf`` (its snapshot written, or dropped)."""
+        """The writer is done with ``buf`` (its snapshot written, or dropped): kept for the next snapshot,
+        or let go (so buffers are not held after reclaims stop)."""
         if buf is not None:
             with self._lock:
                 self._returned.append(buf)
+                self._collect()
 
     def _collect(self) -> None:
         still = []
@@ -95,9 +111,12 @@ class Staging:
             elif sum(b.flat.numel() for b in self._free) + buf.flat.numel() <= self.keep_bytes:
                 self._free.append(buf)
             # (else: dropped - its memory goes back to the kernel)
+        while sum(b.flat.numel() for b in still) > self.keep_bytes:
+            still.pop(0)  # (forgotten: freed when its reader lets go)
         self._returned = still
 
     @property
     def kept_bytes(self) -> int:
+        """Bytes of the buffers the pool holds, free or waiting for a reader."""
         with self._lock:
-            return sum(b.flat.numel() for b in self._free)
+            return sum(b.flat.numel() for b in self._free + self._returned)

@@ -5,7 +5,7 @@ prefix cache's eviction (``KVTables.evict_cache``). A session's KV that ``PolyKV
 an evicted pool's pages and plain cache pages all become cache-only pages first (they stay listed
 in the prefix index by their chained page key) and are then evicted LRU, leaves first. The tier
 hooks that door: the pages of each evicted chain (a run of pages where each is the parent of the
-next) are copied on the step thread (a memory copy: ~0.1 ms a page for the bundled model) and
+next) are copied on the step thread (a memory copy into buffers used again, ``staging``) and
 written by an I/O thread as one *segment* file. An evicted *tail* (a finished request's partial last
 page, which a session's next turn continues) is a segment of its own, its valid slots only, found by
 the key of the page before it and its tokens; it comes back as a tail and is copied, not recomputed.
@@ -52,9 +52,8 @@ import torch
 from ..kv.prefix_index import common_prefix, tail_key
 from .files import HEADER
 from .pacer import StepPacer
-from .staging import DEFAULT_KEEP_MIB, Staging
-from .tier_files import (DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment,
-                         tier_budget_mib, write_segment)
+from .staging import AVAILABLE as STAGING, DEFAULT_KEEP_MIB, Staging
+from .tier_files import DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment, write_segment
 
 log = logging.getLogger("opencoti.engine.persist")
 
@@ -90,8 +89,7 @@ class DiskTier:
         self._thread: threading.Thread | None = None
         self._warned: dict[str, float] = {}
         self.pacer = StepPacer()  # the writes' turns between steps (the engine's step loop drives it)
-        # the snapshots' buffers, used again once written (a fresh one costs the kernel's faults on the step)
-        self.staging = Staging(min(self.max_pending, DEFAULT_KEEP_MIB * 2**20))
+        self.staging = Staging(min(self.max_pending, DEFAULT_KEEP_MIB * 2**20))  # the snapshots' buffers
         # prefetches: segments a queued request will read, read and checked by a thread of their own
         # (not behind the writes), so the step that starts the request only copies them into pages
         self._rq: queue.SimpleQueue = queue.SimpleQueue()
@@ -171,14 +169,10 @@ class DiskTier:
             return
         self._make_room(size)
         index = torch.tensor([e.page for e in run], dtype=torch.long, device=kv.k_cache.device)
-        bufs = None
-        if tail is None and kv.k_cache.device.type == "cpu":  # into buffers used again (no fresh memory)
-            shape = (kv.k_cache.shape[0], n, *kv.k_cache.shape[2:])
-            (k, kb), (v, vb) = (self.staging.take(shape, kv.k_cache.dtype) for _ in range(2))
-            torch.index_select(kv.k_cache, 1, index, out=k)  # [L, n, ps, H, D]
-            torch.index_select(kv.v_cache, 1, index, out=v)
-            bufs = (kb, vb)
+        if tail is None and kv.k_cache.device.type == "cpu" and STAGING:  # into buffers used again
+            k, v, bufs = self.staging.snapshot(kv.k_cache, kv.v_cache, index)  # [L, n, ps, H, D]
         else:
+            bufs = None
             k = kv.k_cache.index_select(1, index)[:, :, :slots].cpu()  # (a tail: its slots)
             v = kv.v_cache.index_select(1, index)[:, :, :slots].cpu()
         tokens = [t for e in run for t in e.tokens]
@@ -486,30 +480,3 @@ class DiskTier:
         else:
             log.debug(msg, *args)
 
-
-def open_tier(engine) -> DiskTier | None:
-    """The engine's disk tier, attached to its KV tables (None: off: no directory, a budget of 0,
-    or no prefix cache to keep its pages)."""
-    from .engine_view import kv_identity_of
-
-    config = engine.config
-    if config.kv_disk_dir is not None:
-        directory = Path(config.kv_disk_dir).expanduser()
-    elif config.state_dir is not None:
-        directory = Path(config.state_dir).expanduser() / TIER_DIR
-    else:
-        return None
-    if config.kv_disk_budget_mib == 0 or not config.prefix_cache:
-        if config.kv_disk_budget_mib:
-            log.warning("KV tier: off, it needs the prefix cache (--prefix-cache on)")
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    budget = tier_budget_mib(config, directory)
-    if budget <= 0:
-        return None
-    tier = DiskTier(directory, int(budget * 2**20), kv_identity_of(engine))
-    # a finished prefetch wakes the step loop (it sleeps while the only waiting request waits for it)
-    tier.wake = lambda: engine.post_to_step_thread(lambda: None)
-    engine.core.tables.tier = tier
-    log.info("KV tier: %s, %.0f MiB: pages reclaimed from RAM are kept there and read back", directory, budget)
-    return tier
