@@ -13,9 +13,9 @@ once, then quiet. Each inter-token gap the client sees is classed by what overla
 thread's copy, the writing, or neither (quiet), and divided by the median of the quiet steps around it.
 Reported: each class's median and p99 against the quiet median, the share of its steps slower than 1.1x
 the quiet median (the quiet share is the machine's own jitter), the worst percentile (p10 ... p99)
-against the quiet steps' same percentile, and the copy's cost per page. By default paced bursts come
-first and unpaced ones over the last quarter of the answer (an unpaced write disturbs the steps for a
-while after it); ``--pacing on|off`` measures one.
+against the quiet steps' same percentile, and the copy's cost per page. By default two unpaced bursts
+come first, then a 3 s pause, then paced ones to the end (an unpaced write disturbs the steps for a while
+after it); ``--pacing on|off`` measures one.
 
 The harness itself must not run beside the steps: until 2026-12-07 it polled the tier every 1 ms while a
 burst was written, a thread that took the GIL from the step thread and made the writing steps 4-20 %
@@ -50,6 +50,8 @@ def _quantile(vals: list[float], q: float) -> float:
 
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
+UNPACED_FIRST = 2  # --pacing both: unpaced bursts first, then paced ones
+COOL_DOWN_S = 3.0  # between them (the quiet steps of this pause are a baseline like any other)
 
 
 def classify(spans: list[tuple[float, float]], windows: list[tuple[str, float, float, int]]
@@ -96,7 +98,7 @@ def main() -> int:
     p.add_argument("--window-s", type=float, default=0.4,
                    help="paced: the writer's work is lent time and held in turn, this long each")
     p.add_argument("--pacing", choices=["both", "on", "off"], default="both",
-                   help="the writes paced between steps (on), beside them (off), or both (paced bursts, then unpaced)")
+                   help="the writes paced between steps (on), beside them (off), or both (unpaced bursts, then paced)")
     p.add_argument("--share", type=float, default=None,
                    help="the writer's share of the steps' time when paced (default: the engine's, pacer.DEFAULT_SHARE)")
     p.add_argument("--chunk-kib", type=int, default=None,
@@ -119,7 +121,7 @@ def main() -> int:
     assert share is not None, "the engine paces the tier's writes by default"
     if args.chunk_kib is not None:
         tier.pacer.chunk_bytes = args.chunk_kib * 1024
-    modes = {"both": [1, 0], "on": [1], "off": [0]}[args.pacing]  # 1: paced, 0: unpaced (both: paced first)
+    modes = {"both": [1, 0], "on": [1], "off": [0]}[args.pacing]  # 1: paced, 0: unpaced (both: unpaced first)
     rng = random.Random(0)
     prompt = [rng.randint(100, 20000) for _ in range(args.context)]
     stream = eng.stream(prompt, params=SamplingParams.greedy(args.answer, ignore_eos=True, speculative_max=0),
@@ -164,10 +166,12 @@ def main() -> int:
     time.sleep(args.quiet_s)
     ps, burst = eng.kv.page_size, 0
     while not done.is_set():
-        # (the window's mode: 1 paced, 0 not; both: paced bursts for the first 3/4 of the answer, then
-        # unpaced ones - an unpaced burst's full-speed write disturbs the steps for a while after it, which
-        # alternating bursts put on the next paced one: 1.20x at p99 against 1.03x in paced-only runs)
-        mode = modes[0] if len(modes) == 1 else int(len(times) < 0.75 * args.answer)
+        # (the window's mode: 1 paced, 0 not; both: two unpaced bursts, a pause, then paced ones to the end -
+        # an unpaced burst's full-speed write disturbs the steps for a while after it, which alternating
+        # bursts put on the next paced one: 1.20x at p99 against 1.03x in paced-only runs)
+        mode = modes[0] if len(modes) == 1 else int(burst >= UNPACED_FIRST)
+        if len(modes) > 1 and burst == UNPACED_FIRST:
+            time.sleep(COOL_DOWN_S)
         tier.pacer.share = share if mode else None  # (switched with no write pending)
 
         def spill(burst=burst) -> tuple[float, float, int]:
