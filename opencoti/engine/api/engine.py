@@ -28,7 +28,7 @@ from .pool_api import PoolAPI
 from ..polykv import status
 from ..persist.sync import open_state
 from ..persist.pacer import StepPacer
-from ..persist.tier_files import open_tier
+from ..persist.tier_open import open_tier
 from ..results import GenerationResult, PoolInfo
 from .streams import AsyncTokenStream, TokenStream
 from ..chat.tokenizer import first_bad_id

@@ -9,10 +9,8 @@ the I/O thread ``write_segment``, a window at a time through the step pacer (``p
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,10 +18,6 @@ import torch
 from . import kvfile
 from .pacer import StepPacer
 
-if TYPE_CHECKING:
-    from .tier import DiskTier
-
-log = logging.getLogger("opencoti.engine.persist")
 
 PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
 
@@ -124,31 +118,3 @@ def tier_budget_mib(config, directory: Path) -> float:
         return DEFAULT_KV_DISK_BUDGET_MIB
     return min(DEFAULT_KV_DISK_BUDGET_MIB, free_mib / 2)
 
-
-def open_tier(engine) -> DiskTier | None:
-    """The engine's disk tier, attached to its KV tables (None: off: no directory, a budget of 0,
-    or no prefix cache to keep its pages)."""
-    from .engine_view import kv_identity_of
-    from .tier import TIER_DIR, DiskTier  # (tier imports this module)
-
-    config = engine.config
-    if config.kv_disk_dir is not None:
-        directory = Path(config.kv_disk_dir).expanduser()
-    elif config.state_dir is not None:
-        directory = Path(config.state_dir).expanduser() / TIER_DIR
-    else:
-        return None
-    if config.kv_disk_budget_mib == 0 or not config.prefix_cache:
-        if config.kv_disk_budget_mib:
-            log.warning("KV tier: off, it needs the prefix cache (--prefix-cache on)")
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    budget = tier_budget_mib(config, directory)
-    if budget <= 0:
-        return None
-    tier = DiskTier(directory, int(budget * 2**20), kv_identity_of(engine))
-    # a finished prefetch wakes the step loop (it sleeps while the only waiting request waits for it)
-    tier.wake = lambda: engine.post_to_step_thread(lambda: None)
-    engine.core.tables.tier = tier
-    log.info("KV tier: %s, %.0f MiB: pages reclaimed from RAM are kept there and read back", directory, budget)
-    return tier
