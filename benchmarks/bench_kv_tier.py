@@ -229,7 +229,7 @@ def side_server(side: str, gguf: str, threads: int, llama_bin: Path, args, work:
              "recompute": ["--kv-budget-tokens", ram, "--state-dir", "none"],
              "all_in_ram": ["--kv-budget-tokens", str(4 * args.ram_tokens + 16384), "--state-dir", "none"]}[side]
     cmd = [sys.executable, "-m", "opencoti", "serve", "--model", gguf, "--port", str(port), "--threads", str(threads),
-           *extra]
+           "--speculative", args.speculative, *extra]
     return peer.Server(side, cmd, port, dict(os.environ))
 
 
@@ -245,6 +245,9 @@ def main() -> int:
     p.add_argument("--warm-disk", action="store_true",
                    help="leave the disk files in the OS page cache (default: dropped before each turn)")
     p.add_argument("--llama-server", default=None)
+    p.add_argument("--speculative", choices=["ngram", "off"], default="ngram",
+                   help="our sides' speculation (the engine's default: ngram; llama.cpp's side has none); off compares "
+                        "like for like step by step (the sides' drafters need not draft alike)")
     p.add_argument("--work-dir", default=None, help="where the sides' disk directories go (default: the temp dir)")
     args = p.parse_args()
     if args.quick:
@@ -325,7 +328,8 @@ def main() -> int:
             turn["ids"] = len(turn["ids"])  # the answers themselves are compared above; the file keeps counts
             turn["gaps"] = [round(g, 5) for g in turn["gaps"]]
     path = common.write_json("kv_tier", {
-        "config": {"interleaved": True, "page_cache_dropped": not args.warm_disk, "agents": args.agents,
+        "config": {"interleaved": True, "speculative": args.speculative,
+                   "page_cache_dropped": not args.warm_disk, "agents": args.agents,
                    "context": args.context, "rounds": args.rounds, "answer": args.answer,
                    "ram_tokens": args.ram_tokens, "team_kv_tokens": team_tokens, "threads": threads,
                    "gguf": Path(gguf).name, "order": sides, "llama_build": peer.build_info(llama_bin),
