@@ -110,7 +110,7 @@ def main() -> int:
         p.error("--share must be in (0, 1]")
     common.set_threads(args.threads)
     if args.quick:
-        args.context, args.answer, args.burst_pages = 256, 300, 64
+        args.context, args.answer, args.burst_pages = 256, 900, 64  # (room for the paced bursts after the unpaced)
     from opencoti.engine import SamplingParams
 
     work = tempfile.mkdtemp(prefix="opencoti-tier-steps-")
@@ -121,7 +121,6 @@ def main() -> int:
     assert share is not None, "the engine paces the tier's writes by default"
     if args.chunk_kib is not None:
         tier.pacer.chunk_bytes = args.chunk_kib * 1024
-    modes = {"both": [1, 0], "on": [1], "off": [0]}[args.pacing]  # 1: paced, 0: unpaced (both: unpaced first)
     rng = random.Random(0)
     prompt = [rng.randint(100, 20000) for _ in range(args.context)]
     stream = eng.stream(prompt, params=SamplingParams.greedy(args.answer, ignore_eos=True, speculative_max=0),
@@ -169,8 +168,8 @@ def main() -> int:
         # (the window's mode: 1 paced, 0 not; both: two unpaced bursts, a pause, then paced ones to the end -
         # an unpaced burst's full-speed write disturbs the steps for a while after it, which alternating
         # bursts put on the next paced one: 1.20x at p99 against 1.03x in paced-only runs)
-        mode = modes[0] if len(modes) == 1 else int(burst >= UNPACED_FIRST)
-        if len(modes) > 1 and burst == UNPACED_FIRST:
+        mode = {"on": 1, "off": 0}.get(args.pacing, int(burst >= UNPACED_FIRST))
+        if args.pacing == "both" and burst == UNPACED_FIRST:
             time.sleep(COOL_DOWN_S)
         tier.pacer.share = share if mode else None  # (switched with no write pending)
 
@@ -241,6 +240,8 @@ def main() -> int:
     copy_ms = statistics.median(copy_ms_per_page)
     pst = tier.pacer.stats
     direct = tier.stats.get("direct_writes", 0) > 0
+    order = (f" (the {UNPACED_FIRST} unpaced bursts first, then {COOL_DOWN_S:.0f} s of quiet before the paced ones)"
+             if args.pacing == "both" else "")
     report = {
         "headers": ["decode steps overlapping", "writes paced", "steps", "median / quiet around",
                     "p99 / quiet around", "steps > 1.1x quiet around", "step compute median / quiet around",
@@ -258,7 +259,7 @@ def main() -> int:
                   f"({args.burst_pages * eng.kv.page_bytes / 2**20:.0f} MiB) are handed to the tier as if reclaimed: "
                   f"{burst} bursts. A paced burst is written in turns: for {args.window_s} s the steps lend the writer "
                   f"its share, for {args.window_s} s they lend it nothing (held: the backlog waits, nothing runs beside "
-                  f"or before a step), until it is written; an unpaced one at once, then {args.quiet_s} s of quiet. Each "
+                  f"or before a step), until it is written; an unpaced one at once, then {args.quiet_s} s of quiet{order}. Each "
                   "gap between two tokens is classed by what overlapped it and divided by the median of the quiet "
                   "(held) steps just before and after its window, so the context's growth over the answer and the "
                   "machine's drift cancel."]

@@ -71,7 +71,7 @@ class Staging:
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, Buffer]:
         """A contiguous tensor of ``shape`` and ``dtype`` (its content undefined) and the buffer behind
         it (``give`` it back once written)."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         buf = None
         with self._lock:
             self._collect()

@@ -18,7 +18,6 @@ import torch
 from . import kvfile
 from .pacer import StepPacer
 
-
 PENDING, WRITTEN, FAILED, DROPPED = "pending", "written", "failed", "dropped"
 
 
@@ -117,4 +116,3 @@ def tier_budget_mib(config, directory: Path) -> float:
     except (OSError, AttributeError):
         return DEFAULT_KV_DISK_BUDGET_MIB
     return min(DEFAULT_KV_DISK_BUDGET_MIB, free_mib / 2)
-
