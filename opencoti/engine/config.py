@@ -188,6 +188,11 @@ class EngineConfig:
         their time (as fast as the disk goes while nothing computes), its ``O_DIRECT`` write beside the
         steps; 0: unpaced, the writer does everything beside the steps (on a CPU whose cores a step
         holds, the steps it overlaps stall). Default 0.03, measured (``persist/pacer.py``).
+    kv_disk_write_ahead: while the engine is idle, and between steps within the tier's write share,
+        idle sessions' KV is written to the tier while it stays in RAM when fewer than a quarter of the
+        pages are free, so that the reclaim that takes it later frees its pages without copying them on
+        the step thread (``persist/write_ahead.py``); only into the tier's free budget. False: pages are
+        copied when reclaimed.
     kv_idle_spill_s: a session with no request in flight for longer than this leaves RAM before the
         prefix cache's pages and before sessions idle for less (which go before pools; running
         requests are preempted only after all of them).
@@ -228,6 +233,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_idle_spill_s: float = 1.0
     kv_disk_write_share: float = DEFAULT_KV_DISK_WRITE_SHARE
+    kv_disk_write_ahead: bool = True
     prefix_cache: bool = True
     session_ttl_s: float = 300.0
     speculative: str = "ngram"
@@ -277,6 +283,7 @@ class EngineConfig:
                f"kv_disk_dir must be a directory path or None, got {self.kv_disk_dir!r}")
         _check(_is_number(self.kv_disk_write_share) and 0 <= self.kv_disk_write_share <= 1,
                f"kv_disk_write_share must be a number in [0, 1] (0: unpaced), got {self.kv_disk_write_share!r}")
+        _check(isinstance(self.kv_disk_write_ahead, bool), "kv_disk_write_ahead must be a boolean")
         _check(_is_number(self.kv_idle_spill_s) and self.kv_idle_spill_s >= 0,
                f"kv_idle_spill_s must be a number >= 0, got {self.kv_idle_spill_s!r}")
         _check(self.speculative in SPECULATIVE_MODES, f"speculative must be ngram|off, got {self.speculative!r}")

@@ -77,6 +77,7 @@ class Session:
         # the prefix-index keys of the pages its KV was in when memory pressure took them (PolyKV.reclaim):
         # where they are now (RAM cache, disk tier, nowhere) is where its KV is
         self.spilled_keys: list[bytes] = []
+        self.written_ahead: tuple | None = None  # (Reclaim.write_ahead) its KV as of this mark is on disk too
 
     @property
     def state(self) -> SessionState:

@@ -93,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the KV tier writes between decode steps, at most this share of their time (at the disk's "
                         "speed while nothing computes); 0: unpaced, beside the steps (default 0.03, measured on CPU: "
                         "docs/persistence.md)")
+    p.add_argument("--kv-disk-write-ahead", choices=("on", "off"), default="on",
+                   help="write idle sessions' KV to the KV tier ahead of the reclaim that takes it (while nothing "
+                        "computes, and within the write share between steps), so that the reclaim frees their "
+                        "pages without a copy on the step thread (default on). See docs/persistence.md")
     p.add_argument("--kv-idle-spill-s", type=float, default=1.0, metavar="S",
                    help="a session with no request in flight for longer than this leaves RAM first when pages run "
                         "short, before the prefix cache's pages (default 1.0)")
@@ -157,6 +161,7 @@ def run(args) -> int:
             kv_dtype=args.kv_dtype, session_kv_budget_mib=args.session_kv_budget_mib, speculative=args.speculative,
             kv_disk_budget_mib=args.kv_disk_budget_mib, kv_disk_dir=args.kv_disk_dir,
             kv_idle_spill_s=args.kv_idle_spill_s, kv_disk_write_share=args.kv_disk_write_share,
+            kv_disk_write_ahead=args.kv_disk_write_ahead == "on",
             speculative_max=args.draft_max, seed=engine_seed(args.seed))
         server_config = ServerConfig(
             api_key=args.api_key or None, max_body_bytes=int(args.max_body_mib * 2**20),

@@ -29,6 +29,7 @@ from ..polykv import status
 from ..persist.sync import open_state
 from ..persist.pacer import StepPacer
 from ..persist.tier_open import open_tier
+from ..persist.write_ahead import WriteAhead
 from ..results import GenerationResult, PoolInfo
 from .streams import AsyncTokenStream, TokenStream
 from ..chat.tokenizer import first_bad_id
@@ -104,6 +105,9 @@ class Engine:
         self.step_pacer = self.kv_tier.pacer if self.kv_tier is not None else StepPacer(share=None)
         if self.kv_tier is not None:
             self.step_pacer.share = config.kv_disk_write_share or None  # (0: unpaced)
+        # idle sessions' KV written to the tier before a reclaim takes it (it then frees them copy-free)
+        self.write_ahead = (WriteAhead(self.kv_tier, self.core.polykv, self.kv)
+                            if self.kv_tier is not None and config.kv_disk_write_ahead else None)
         self.pool_api = PoolAPI(self.core, run=self.run_on_step_thread, tokenize=self.tokenize,
                                 apply_chat_template=self.apply_chat_template, metrics=self.metrics,
                                 page_bytes=self.kv.page_bytes)
@@ -143,6 +147,9 @@ class Engine:
                     wake = adm.next_deadline()
                     if wake is not None:
                         waits.append(wake - adm.clock())
+                    ahead = self.write_ahead.idle() if self.write_ahead is not None else None
+                    if ahead is not None:  # more to write ahead: look again (a request that came goes first)
+                        waits.append(ahead)
                     cmd = self._cmds.get(timeout=max(0.0, min(waits))) if waits else self._cmds.get()
             except queue.Empty:
                 cmd = None

@@ -26,11 +26,14 @@ I/O thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
 
 from ..config import DEFAULT_KV_DISK_WRITE_SHARE
+
+log = logging.getLogger("opencoti.engine.persist")
 
 DEFAULT_SHARE = DEFAULT_KV_DISK_WRITE_SHARE  # (``EngineConfig.kv_disk_write_share``)
 """The writer's time per second of the steps' while the engine computes. Measured one session decoding beside
@@ -73,8 +76,12 @@ class StepPacer:
         self._busy = False  # the I/O thread runs a window itself (the engine was idle)
         self._busy_seq = 0  # counts the windows the I/O thread ran itself
         self._waited = 0  # the last of them a step waited for
+        # step thread work for a step's unused share when no window waits (``DiskTier``: writing idle
+        # sessions' KV ahead), given the seconds it may take; its time is charged like a window's
+        self.filler: Callable[[float], None] | None = None
         self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_turns": 0, "step_turn_s": 0.0,
-                      "step_waits": 0, "step_wait_s": 0.0}
+                      "step_waits": 0, "step_wait_s": 0.0,
+                      "fills": 0, "fill_s": 0.0}
 
     # ------------------------------------------------------------------ the step loop
     def step_begin(self) -> None:
@@ -93,21 +100,29 @@ class StepPacer:
                 self.stats["step_waits"] += 1
                 self.stats["step_wait_s"] += time.monotonic() - t0
             job = self._job
-            if job is None or job.taken or self.share is None or self._credit <= 0:
-                self._credit = min(self._credit, 0.0)  # unused credit lapses; a debt stays
-                return  # (the common case: one lock a step)
+            credit = self._credit
+            if job is None or job.taken or self.share is None or credit <= 0:
+                self._credit = min(credit, 0.0)  # unused credit lapses; a debt stays
+                fill = self.filler if self.share is not None and credit > 0 else None
+                if fill is None:
+                    return  # (the common case: one lock a step)
+                job = _Job(lambda: fill(credit))  # no window waits: the steps' share goes to the filler
             job.taken = True
         t0 = time.perf_counter()
         job.run()
         dt = time.perf_counter() - t0
+        filled = job is not self._job
+        if filled and job.error is not None:  # (the filler's own: logged, the step goes on)
+            log.error("work between steps failed", exc_info=job.error)
         with self._cv:
             job.done = True
             # a debt is capped at what one step lends; unused credit lapses
             self._credit = min(max(self._credit - dt, -MAX_CREDIT_S), 0.0)
-            self.stats["turns"] += 1
-            self.stats["turn_s"] += dt
-            self.stats["step_turns"] += 1
-            self.stats["step_turn_s"] += dt
+            turn = "fill" if filled else "step_turn"
+            self.stats[turn + "s"] += 1
+            self.stats[turn + "_s"] += dt
+            self.stats["turns"] += not filled
+            self.stats["turn_s"] += 0.0 if filled else dt
             self._cv.notify_all()
 
     def step_end(self, seconds: float) -> None:

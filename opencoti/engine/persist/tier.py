@@ -53,6 +53,7 @@ from ..kv.prefix_index import common_prefix, tail_key
 from .files import HEADER
 from .pacer import StepPacer
 from .staging import AVAILABLE as STAGING, DEFAULT_KEEP_MIB, Staging
+from .tier_prefetch import Prefetch
 from .tier_files import DROPPED, FAILED, PENDING, WRITTEN, Segment, kv_layout, read_segment, write_segment
 
 log = logging.getLogger("opencoti.engine.persist")
@@ -60,9 +61,8 @@ log = logging.getLogger("opencoti.engine.persist")
 TIER_DIR = "kv_tier"
 MAX_SEGMENT_PAGES = 64  # pages per file at most (1,024 tokens at the default page size; ~23 MiB for the bundled model)
 DEFAULT_PENDING_MIB = 256.0  # snapshots waiting for the I/O thread at most (memory); past it, pages are dropped
-READERS = 3  # threads reading ahead (files at once): one left the disk idle between small files
 
-class DiskTier:
+class DiskTier(Prefetch):
     """The disk tier of one engine's KV pages (see the module docstring). ``spill``, ``has`` and
     ``fetch`` are what the KV tables call (``kv.tables.Tier``)."""
 
@@ -82,6 +82,8 @@ class DiskTier:
         self.tails: dict[bytes, dict[bytes, Segment]] = {}  # parent page key -> tail key -> its segment
         self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
         self.used_bytes = 0
+        self.copy_s_per_page = 1e-4  # a snapshot's copy on the step thread (a running mean; write_ahead sizes by it)
+        self.epoch = 0  # counts the segments forgotten (what was all written ahead may not be any more)
         self._names = itertools.count(1)
         self._lock = threading.Lock()
         self._pending_bytes = 0
@@ -99,7 +101,8 @@ class DiskTier:
         self.wake: Callable[[], None] | None = None  # called (reader thread) when a prefetch is done
         self._layout: tuple | None = None  # (kv page geometry) for the reader thread
         self.stats = {"spilled_pages": 0, "spilled_segments": 0, "dropped_pages_queue_full": 0,
-                      "spilled_tails": 0, "skipped_pages_over_budget": 0, "evicted_segments": 0, "read_pages": 0,
+                      "spilled_tails": 0, "written_ahead_pages": 0, "reclaimed_held_pages": 0,
+                      "skipped_pages_over_budget": 0, "evicted_segments": 0, "read_pages": 0,
                       "read_segments": 0, "read_tails": 0, "read_from_memory": 0, "faults": 0, "write_errors": 0,
                       "direct_writes": 0, "write_seconds": 0.0, "read_seconds": 0.0, "prefetched_segments": 0,
                       "prefetch_seconds": 0.0}
@@ -123,20 +126,11 @@ class DiskTier:
     def spill(self, kv, chains: list[list]) -> None:
         """Pages leave RAM: ``chains`` are runs of prefix-index entries (``key``, ``page``,
         ``tokens``, ``parent``, ``depth``), each the parent of the next. Pages whose key the tier
-        holds already are not written again."""
+        holds already (written ahead, or earlier) are not copied again."""
         self._sweep_failed()
         for chain in chains:
-            run: list = []
-            for e in chain:
-                if self._touch(e.key):
-                    self._write(kv, run)
-                    run = []
-                    continue
-                run.append(e)
-                if len(run) >= MAX_SEGMENT_PAGES:
-                    self._write(kv, run)
-                    run = []
-            self._write(kv, run)
+            for run in self._runs(chain, touch=True):
+                self._write(kv, run)
 
     def spill_tails(self, kv, tails: list) -> None:
         """Tails (``page``, ``tokens``, ``parent``: partial last pages) leave RAM: a file each, unless held."""
@@ -145,6 +139,44 @@ class DiskTier:
             key = tail_key(t.parent.key, t.tokens)
             if not self._touch(key):
                 self._write(kv, [t], tail=key)
+            else:
+                self.stats["reclaimed_held_pages"] += 1
+
+    def write_ahead(self, kv, chain: list, tail, max_pages: int) -> tuple[int, bool]:
+        """Write pages that stay in RAM (an idle session's ``chain`` of entries, then its ``tail`` or
+        None) so that their reclaim later frees them without a copy: at most ``max_pages``, only into
+        the tier's free budget (nothing is evicted for them) and half its queue (the rest stays for
+        reclaims). Returns the pages written and whether everything asked is held now."""
+        self._sweep_failed()
+        done = 0
+        for run in self._runs(chain, touch=False):
+            run = run[:max_pages - done]
+            if not run or not self._write(kv, run, ahead=True):
+                return done, False
+            done += len(run)
+        if tail is not None and not self.has(key := tail_key(tail.parent.key, tail.tokens)):
+            if done >= max_pages or not self._write(kv, [tail], tail=key, ahead=True):
+                return done, False
+            done += 1
+        return done, True
+
+    def _runs(self, chain: list, touch: bool):
+        """The runs of ``chain`` the tier does not hold (``MAX_SEGMENT_PAGES`` at most each); ``touch``:
+        those it holds are used now (LRU) and counted as reclaimed without a copy."""
+        run: list = []
+        for e in chain:
+            if self._touch(e.key) if touch else self.has(e.key):
+                self.stats["reclaimed_held_pages"] += touch
+                if run:
+                    yield run
+                run = []
+                continue
+            run.append(e)
+            if len(run) >= MAX_SEGMENT_PAGES:
+                yield run
+                run = []
+        if run:
+            yield run
 
     def _touch(self, key: bytes) -> bool:
         """Whether the tier holds ``key``'s page already (written or queued); if so it is used now (LRU)."""
@@ -153,24 +185,28 @@ class DiskTier:
             self.segments.move_to_end(name)
         return name in self.segments
 
-    def _write(self, kv, run: list, tail: bytes | None = None) -> None:
-        if not run:
-            return
+    def _write(self, kv, run: list, tail: bytes | None = None, ahead: bool = False) -> bool:
+        """Snapshot ``run`` and queue its file; False when it was not (``ahead``: no room without evicting,
+        or the queue half full; otherwise dropped, counted)."""
         n, ps = len(run), kv.page_size
         slots = len(run[0].tokens) if tail is not None else ps  # a tail's valid slots only
         size = HEADER + n * kv.page_bytes * slots // ps + 4 * n * slots
+        if ahead and (self.used_bytes + size > self.budget or 2 * (self._pending_bytes + size) > self.max_pending):
+            return False
         if size > self.budget:
             self.stats["skipped_pages_over_budget"] += n
-            return
+            return False
         if self._pending_bytes + size > self.max_pending:  # the I/O thread is behind: drop, never wait
             self.stats["dropped_pages_queue_full"] += n
             self._warn("queue", "KV tier: %d MiB of pages wait for the disk already; %d pages are dropped "
                        "(recomputed if needed again)", self.max_pending >> 20, n)
-            return
+            return False
         self._make_room(size)
         index = torch.tensor([e.page for e in run], dtype=torch.long, device=kv.k_cache.device)
         if tail is None and kv.k_cache.device.type == "cpu" and STAGING:  # into buffers used again
+            t0 = time.perf_counter()
             k, v, bufs = self.staging.snapshot(kv.k_cache, kv.v_cache, index)  # [L, n, ps, H, D]
+            self.copy_s_per_page += 0.25 * ((time.perf_counter() - t0) / n - self.copy_s_per_page)
         else:
             bufs = None
             k = kv.k_cache.index_select(1, index)[:, :, :slots].cpu()  # (a tail: its slots)
@@ -194,7 +230,9 @@ class DiskTier:
         self.stats["spilled_pages"] += n
         self.stats["spilled_segments"] += 1
         self.stats["spilled_tails"] += tail is not None
+        self.stats["written_ahead_pages"] += n if ahead else 0
         self._put(("save", seg))
+        return True
 
     def _make_room(self, size: int) -> None:
         while self.segments and self.used_bytes + size > self.budget:
@@ -204,6 +242,7 @@ class DiskTier:
 
     def _forget(self, seg: Segment) -> None:
         """The segment's pages are no longer served; its file goes."""
+        self.epoch += 1
         self._drop_loaded(seg)
         self.segments.pop(seg.name, None)
         if seg.tail:
@@ -316,87 +355,6 @@ class DiskTier:
             return None
         self.stats["read_segments"] += 1
         return got
-
-    # ------------------------------------------------------------------ prefetch
-    def prefetch(self, keys: Seq[bytes], kv) -> int:
-        """A queued request will read the pages of ``keys`` (in order): read and check their
-        segment files now, on the reader thread. Returns how many segments are being read (the
-        request waits for them: ``reading``). Within the pending-bytes bound; past it, the request
-        reads them itself when it starts."""
-        self._layout = kv_layout(kv)
-        self._settle()
-        started = 0
-        seen: set[str] = set()
-        for key in keys:
-            held = self.pages.get(key)
-            if held is None:
-                break
-            seg = held[0]
-            if seg.name in seen:
-                continue
-            seen.add(seg.name)
-            if seg.state != WRITTEN or seg.k is not None or seg.reading or seg.loaded is not None:
-                continue
-            if self._prefetched_bytes + seg.nbytes > self.max_pending:
-                break
-            seg.reading = True
-            self._fetched.add(seg)
-            self._prefetched_bytes += seg.nbytes
-            if not self._readers:  # several: a turn's pages are often many small files (evicted a chunk at a time)
-                self._readers = [threading.Thread(target=self._read_ahead, name=f"opencoti-kv-tier-read-{i}", daemon=True)
-                                 for i in range(READERS)]
-                for t in self._readers:
-                    t.start()
-            self._rq.put(seg)
-            started += 1
-        self.stats["prefetched_segments"] += started
-        return started
-
-    def reading(self, keys: Seq[bytes]) -> bool:
-        """Whether a prefetch of one of ``keys``' segments is still in flight."""
-        for key in keys:
-            held = self.pages.get(key)
-            if held is None or held[0].reading:
-                return held is not None
-        return False
-
-    def _drop_loaded(self, seg: Segment) -> None:
-        """Its prefetched data goes (used, or the segment is forgotten); one still being read is
-        settled when its read ends (``_settle``)."""
-        seg.loaded = None
-        if seg in self._fetched and not seg.reading:
-            self._fetched.discard(seg)
-            self._prefetched_bytes -= seg.nbytes
-
-    def _settle(self) -> None:
-        """Count out the prefetches that ended without data to use (a fault, or a forgotten segment)."""
-        for seg in [x for x in self._fetched if not x.reading and (x.loaded is None or x.state == DROPPED)]:
-            self._drop_loaded(seg)
-
-    def _read_ahead(self) -> None:
-        while True:
-            seg = self._rq.get()
-            if seg is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                layout = self._layout
-                assert layout is not None  # prefetch sets it before it queues a read
-                got = read_segment(self.dir / seg.name, seg, self.identity, layout)
-            except Exception as e:  # noqa: BLE001 - a read that fails is a recompute, never a crash
-                got = f"cannot read it: {e}"
-            if isinstance(got, str):
-                seg.load_error = got
-            elif seg.state != DROPPED:
-                seg.loaded = got
-            seg.reading = False  # (after loaded: the step thread reads ``reading`` first)
-            with self._lock:  # (several readers)
-                self.stats["prefetch_seconds"] += time.perf_counter() - t0
-            if self.wake is not None:
-                try:
-                    self.wake()
-                except Exception:  # noqa: BLE001 - the engine is shutting down
-                    pass
 
     # ------------------------------------------------------------------ the I/O thread
     def _put(self, item) -> None:

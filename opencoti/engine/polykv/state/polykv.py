@@ -33,7 +33,7 @@ from ...kv.pages import PagePool
 from ...kv.pool import Pool, Residency, common_prefix_len, prefix_hashes
 from ...kv.tables import KVTables
 from .base import Listener, TreeState
-from .reclaim import Reclaim
+from .reclaim import AheadTier, Reclaim
 from .restore import Restore
 from .timers import Timers
 
@@ -67,6 +67,7 @@ class PolyKV(TreeState):
         """``session``'s request ended; its pool was used now."""
         session.job = None
         session.last_access = time.monotonic()
+        self.memory.ended += 1
         pool = self.session_pool(session)
         if pool is not None:
             pool.last_access_wall = time.time()
@@ -311,6 +312,9 @@ class PolyKV(TreeState):
     # reclaim.py: the KV tables' ``Reclaimer``
     def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
         return self.memory.reclaim(num_pages, keep)
+
+    def write_ahead(self, tier: AheadTier, max_pages: int) -> tuple[int, bool]:
+        return self.memory.write_ahead(tier, max_pages)
 
     # restore.py
     def ensure_resident(self, pool: Pool) -> list[Pool]:

@@ -7,15 +7,27 @@ while the scheduler plans, ``share_into``, ``reserve_partial_copy``, ``promote``
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 from ...requests import Session
 from ...kv.pool import Residency
+from ...kv.prefix_index import Entry, Tail
 from .base import TreeState
+
+
+class AheadTier(Protocol):
+    """What ``write_ahead`` needs of the disk tier (``persist/tier.py``)."""
+
+    epoch: int  # counts the segments the tier has forgotten (a session all held before may not be now)
+
+    def write_ahead(self, kv, chain: list, tail, max_pages: int) -> tuple[int, bool]: ...
 
 
 class Reclaim:
     def __init__(self, state: TreeState):
         self.state = state
+        self.ended = 0  # requests of sessions ended (PolyKV.end): a session may have new KV to write ahead
+        self._all_held: tuple | None = None  # write_ahead found nothing to write as of this stamp
 
     def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
         """Free at least num_pages if possible: cache pages first (LRU, leaves first), then idle
@@ -29,12 +41,8 @@ class Reclaim:
             return num_pages - (kv.num_free - start)
 
         now = time.monotonic()
-        idle = sorted((s for s in state.sessions.values() if s.is_idle and s.seq.page_table and s is not keep),
-                      key=lambda s: s.last_access)
-        # sessions idle for longer than kv_idle_spill_s (waiting on a tool, a sub-agent, a user) go
-        # before the prefix cache's pages; those idle for less (about to come back) after them
-        waiting = [s for s in idle if now - s.last_access >= state.config.kv_idle_spill_s]
-        for s in waiting + [None] + [s for s in idle if s not in waiting]:
+        waiting, recent = self.idle_sessions(keep)
+        for s in waiting + [None] + recent:
             if short() <= 0:
                 break
             if s is not None:
@@ -49,6 +57,82 @@ class Reclaim:
             tables.evict_cache(short())
             state.counters["evicted_pools"] += 1
         return kv.num_free - start
+
+    def idle_sessions(self, keep: Session | None = None) -> tuple[list[Session], list[Session]]:
+        """The idle sessions holding KV, in the order a reclaim takes them: those idle for longer than
+        kv_idle_spill_s (waiting on a tool, a sub-agent, a user: they go before the prefix cache's
+        pages), then those idle for less (about to come back: after them); the oldest first in each."""
+        now = time.monotonic()
+        idle = sorted((s for s in self.state.sessions.values() if s.is_idle and s.seq.page_table and s is not keep),
+                      key=lambda s: s.last_access)
+        waiting = [s for s in idle if now - s.last_access >= self.state.config.kv_idle_spill_s]
+        return waiting, idle[len(waiting):]
+
+    def write_ahead(self, tier: AheadTier, max_pages: int) -> tuple[int, bool]:
+        """Write the KV a reclaim would take, in its order (idle sessions waiting on a tool, the prefix
+        cache's pages, then the sessions idle for less), to the disk tier while it stays in RAM
+        (``DiskTier.write_ahead``), so that the reclaim that takes it later frees its pages without
+        copying them on the step thread: at most ``max_pages`` pages. Returns the pages written and
+        whether some are left to write (no room for them now, or past ``max_pages``)."""
+        tables = self.state.tables
+        if tables.index is None or max_pages <= 0:
+            return 0, False
+        stamp = (tier.epoch, self.ended, len(self.state.sessions), tables.evicted_pages)
+        if stamp == self._all_held:  # (the common case between steps: nothing new since)
+            return 0, False
+        waiting, recent = self.idle_sessions()
+        done = 0
+        for s in waiting + [None] + recent:
+            mark = (tier.epoch, len(s.seq.page_keys), s.seq.num_cached) if s is not None else None
+            if s is not None and s.written_ahead == mark:  # all held, and the tier has forgotten nothing since
+                continue
+            for chain, tail in (self._session_run(s) if s is not None else self._cache_runs()):
+                n, whole = tier.write_ahead(tables.kv, chain, tail, max_pages - done)
+                done += n
+                if not whole:
+                    return done, True
+            if s is not None:
+                s.written_ahead = mark
+        self._all_held = stamp
+        return done, False
+
+    def _session_run(self, s: Session) -> list[tuple[list[Entry], Tail | None]]:
+        """A session's indexed full pages (each the parent of the next) and its tail, if listed."""
+        index, seq = self.state.tables.index, s.seq
+        assert index is not None
+        entries: list[Entry] = []
+        for k in seq.page_keys:
+            e = index.entries.get(k)
+            if e is None or (entries and e.parent is not entries[-1]):
+                break
+            entries.append(e)
+        full = len(entries)
+        item = index.by_page.get(seq.page_table[full]) if len(seq.page_table) > full else None
+        tail = item if (isinstance(item, Tail) and full == len(seq.page_keys)
+                        and (item.parent is entries[-1] if entries else item.parent.page is None)) else None
+        return [(entries, tail)]
+
+    def _cache_runs(self) -> list[tuple[list[Entry], Tail | None]]:
+        """The prefix cache's own pages (no table holds them: what is left of a reclaimed session, a
+        finished request's), as chains root first (a branch starts a chain of its own), then its tails."""
+        index, refcount = self.state.tables.index, self.state.kv.refcount
+        assert index is not None
+        cache = sorted((e for p, e in index.by_page.items() if isinstance(e, Entry) and refcount[p] == 1),
+                       key=lambda e: e.depth)
+        seen: set[int] = set()
+        runs: list[tuple[list[Entry], Tail | None]] = []
+        for e in cache:
+            if id(e) in seen:
+                continue
+            chain = [e]
+            seen.add(id(e))
+            while (nxt := next((c for c in chain[-1].children.values()
+                                if c.page is not None and refcount[c.page] == 1 and id(c) not in seen), None)) is not None:
+                chain.append(nxt)
+                seen.add(id(nxt))
+            runs.append((chain, None))
+        runs += [([], t) for p, t in index.by_page.items() if isinstance(t, Tail) and refcount[p] == 1]
+        return runs
 
     def _spill_session(self, s: Session) -> None:
         """Reclaim an idle session's KV: its pages fall into the prefix cache (evicted from there to
