@@ -1,10 +1,12 @@
 """KV tiering: an agent team whose KV is 3x the RAM page budget, each turn after a tool wait, in rotation.
 
-Four sides, each its own server process, all up at once, the team's turns interleaved between them:
+Five sides, each its own server process, all up at once, the team's turns interleaved between them:
 
 * ``tier``: ``opencoti serve`` with a KV budget of a third of the team's KV and the disk tier on (a
   state directory of its own, ``--session-kv-budget-mib 0`` so that the named sessions' restart files
   do not add writes of their own: what is measured is the tier);
+* ``tier_copy``: the same, with ``--kv-disk-write-ahead off``: idle sessions' KV is not written ahead,
+  so each reclaim copies the pages it takes on the step thread (what the tier did before write-ahead);
 * ``recompute``: the same engine and budget with no tier (``--state-dir none``): an agent whose KV
   was reclaimed recomputes its context (what opencoti did before the tier);
 * ``all_in_ram``: the same engine with a KV budget that holds the whole team (the target: the tier
@@ -20,7 +22,8 @@ greedy answer of ``--answer`` tokens, which joins the context. Between two turns
 take theirs (the tool wait). Prompts are token ids (tokenized once), so every side computes the same
 tokens. Each agent's turn is taken on every side before the next agent's, the sides in an order rotated
 turn by turn, so that the machine's drift in speed (10-30 % over minutes on a shared VM) falls on all
-sides alike; only one side computes at a time. Before each turn of ``tier`` and ``llama.cpp`` the files
+sides alike; only one side computes at a time (after a tier side's turn, its writes and the KV it writes
+ahead are let finish before the next side's turn: ``settle``). Before each turn of ``tier`` and ``llama.cpp`` the files
 of their disk directories are dropped from the OS page cache (``posix_fadvise(DONTNEED)``; ``--warm-disk``
 keeps them), so that a read-back comes from the disk, not from RAM the kernel kept.
 
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import peer_llamacpp as peer  # noqa: E402
 
-SIDES = ("tier", "recompute", "all_in_ram", "llama.cpp")
+SIDES = ("tier", "tier_copy", "recompute", "all_in_ram", "llama.cpp")
 FULL_AGENTS, FULL_CONTEXT = 12, 6000  # the issue's team
 
 SYSTEM = ("You are one agent of a research team. You read the brief below, call tools when you need facts, and "
@@ -168,6 +171,27 @@ def take_turn(side: str, url: str, prompt: list[int], agent: int, rnd: int, args
     return res
 
 
+TIER_SIDES = ("tier", "tier_copy")
+
+
+def settle(url: str, timeout: float = 60.0) -> float:
+    """Wait until a tier side's background work after its turn is done (its writes queued for the disk
+    and the KV it writes ahead), so that it does not run during the next side's turn: only one side
+    computes at a time. Returns the seconds waited (not part of any turn)."""
+    import httpx
+
+    t0 = time.monotonic()
+    last = None
+    while time.monotonic() - t0 < timeout:
+        d = (httpx.get(url + "/polykv/pools", timeout=60).json().get("kv_tiers") or {}).get("disk") or {}
+        now = (d.get("pending_bytes"), d.get("spilled_pages"), d.get("written_ahead_pages"))
+        if now[0] == 0 and now == last:
+            break
+        last = now
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
 def run_team(servers: dict, team: dict, args, disks: dict) -> dict:
     """The team's turns on every side, interleaved: each agent's turn on all sides (in an order rotated
     turn by turn) before the next agent's."""
@@ -180,6 +204,8 @@ def run_team(servers: dict, team: dict, args, disks: dict) -> dict:
             for side in common.rotated(sides, k):
                 prompt = ctx[side][a] + team["tools"][a][rnd]
                 res = take_turn(side, servers[side].url, prompt, a, rnd, args, disks.get(side))
+                if side in TIER_SIDES:
+                    res["settle_s"] = settle(servers[side].url)
                 ctx[side][a] = prompt + res["ids"]
                 turns[side].append(res)
             k += 1
@@ -225,7 +251,8 @@ def side_server(side: str, gguf: str, threads: int, llama_bin: Path, args, work:
         cmd = [str(llama_bin), "-m", gguf, "-t", str(threads), "-tb", str(threads), "--port", str(port),
                "--host", "127.0.0.1", "--parallel", "1", "-c", ram, "--slot-save-path", str(slots) + "/"]
         return peer.Server(side, cmd, port, {**os.environ, "LD_LIBRARY_PATH": str(llama_bin.parent)})
-    extra = {"tier": ["--kv-budget-tokens", ram, "--state-dir", str(work / "state"), "--session-kv-budget-mib", "0"],
+    tier = ["--kv-budget-tokens", ram, "--state-dir", str(work / "state"), "--session-kv-budget-mib", "0"]
+    extra = {"tier": tier, "tier_copy": [*tier, "--kv-disk-write-ahead", "off"],
              "recompute": ["--kv-budget-tokens", ram, "--state-dir", "none"],
              "all_in_ram": ["--kv-budget-tokens", str(4 * args.ram_tokens + 16384), "--state-dir", "none"]}[side]
     cmd = [sys.executable, "-m", "opencoti", "serve", "--model", gguf, "--port", str(port), "--threads", str(threads),
@@ -276,7 +303,7 @@ def main() -> int:
         team = build_team(servers[sides[0]].url, args.agents, args.context, args.rounds)
         common.log(f"team: {args.agents} agents x {len(team['system']) + len(team['briefs'][0])} tokens; "
                    f"RAM budget {args.ram_tokens} tokens (~{team_tokens} tokens of KV in all)")
-        disks = {s: work / s for s in ("tier", "llama.cpp") if s in servers}
+        disks = {s: work / s for s in ("tier", "tier_copy", "llama.cpp") if s in servers}
         runs = run_team(servers, team, args, disks)
         import httpx
 
@@ -305,7 +332,7 @@ def main() -> int:
     t = summary.get("tier")
     ratios = {}
     if t is not None:
-        for s in ("all_in_ram", "recompute", "llama.cpp"):
+        for s in ("tier_copy", "all_in_ram", "recompute", "llama.cpp"):
             if s in summary:
                 ratios[s] = {"turn_p50": summary[s]["turn_p50_s"] / t["turn_p50_s"],
                              "turn_p95": summary[s]["turn_p95_s"] / t["turn_p95_s"],

@@ -520,7 +520,8 @@ def render_speculative(d: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- KV tiering
-TIER_SIDES = {"tier": "opencoti, disk tier", "all_in_ram": "opencoti, all in RAM", "recompute": "opencoti, no tier (recompute)",
+TIER_SIDES = {"tier": "opencoti, disk tier", "tier_copy": "opencoti, disk tier, no write-ahead (a reclaim copies)",
+              "all_in_ram": "opencoti, all in RAM", "recompute": "opencoti, no tier (recompute)",
               "llama.cpp": "llama.cpp, `--slot-save-path` restore/save"}
 
 
