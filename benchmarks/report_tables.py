@@ -666,7 +666,7 @@ def render_kquant_kernels(d: dict) -> str:
 
 RENDER = {"peer_llamacpp": render_peer_llamacpp, "kquant_kernels": render_kquant_kernels,
           "peer_sizes": None,  # the result carries its own table (report.render_generic)
-          "kv_tier": render_kv_tier, "kv_tier_steps": None, "quant": render_quant, "pools": render_pools,
+          "kv_tier": render_kv_tier, "kv_tier_steps": None, "kv_tier_reclaim": None, "quant": render_quant, "pools": render_pools,
           "cascade": render_cascade, "fanout": render_fanout, "admission_sim": render_admission_sim,
           "admission_sim_loaded": render_admission_sim, "cluster": render_cluster,
           "speculative": render_speculative}

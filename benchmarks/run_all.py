@@ -35,6 +35,7 @@ HEADLINE = [
     ("speculative", "bench_speculative.py", [], ["--quick"]),
     ("kv_tier", "bench_kv_tier.py", [], ["--quick"]),
     ("kv_tier_steps", "bench_kv_tier_steps.py", [], ["--quick"]),  # decode steps while the tier writes
+    ("kv_tier_reclaim", "bench_kv_tier_reclaim.py", [], ["--quick"]),  # reclaims beside a decoder, write-ahead on/off
     # the model sizes users run: the bundled file, then generated 1B and 8B Q4_K_M files (the size table)
     ("peer_sizes", "peer_sizes.py", [], ["--quick"]),
     ("kquant_kernels", "bench_kquant_kernels.py", [], ["--quick"]),

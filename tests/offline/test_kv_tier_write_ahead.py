@@ -60,23 +60,72 @@ def test_nothing_is_written_ahead_while_the_pages_are_not_short(make_engine, tmp
     assert disk(eng)["written_ahead_pages"] == 0 and disk(eng)["spilled_pages"] == 0
 
 
-def test_writing_ahead_never_evicts_what_only_the_disk_holds(make_engine, tmp_path):
-    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+def _full_tier_and_a_new_idle_session(make_engine, path, ahead: bool):
+    """A tier whose budget its files fill exactly, all of them copies written ahead (``ahead``) or all
+    files a reclaim wrote; then a new idle session with KV to write (the idle engine writes it ahead
+    at once if it can). The tier's counters before that session."""
+    eng = make_engine(state_dir=str(path), **SMALL)
     agent_team(eng, turns=1, between=lambda turn, i: settle(eng))
     settle(eng)
     tier = eng.kv_tier
-    before = dict(disk(eng))
-    assert before["used_bytes"] > 0
-    tier.budget = tier.used_bytes  # full: a copy of RAM would have to evict a file
-    eng.generate(toks(99, CTX), params=greedy(), session_id="late")  # a new idle session, with KV to write
+    for seg in tier.segments.values():
+        seg.ahead = ahead
+    tier.budget = tier.used_bytes
+    before = dict(disk(eng), lru=next(iter(tier.segments)))
+    eng.generate(toks(99, CTX), params=greedy(), session_id="late")
+    settle(eng)
+    return eng, tier, before
+
+
+def test_a_copy_written_ahead_never_pushes_out_another(make_engine, tmp_path):
+    eng, tier, before = _full_tier_and_a_new_idle_session(make_engine, tmp_path / "s", ahead=True)
     n, left = eng.run_on_step_thread(lambda: eng.core.polykv.write_ahead(tier, 64))
     assert (n, left) == (0, True)
-    assert disk(eng)["written_ahead_pages"] == before["written_ahead_pages"]
-    assert tier.used_bytes <= tier.budget
-    # the idle engine looks again only while the queue may drain, then waits for the next request
+    after = disk(eng)
+    assert after["written_ahead_pages"] == before["written_ahead_pages"]
+    assert after["evicted_segments"] == before["evicted_segments"] and tier.used_bytes <= tier.budget
+    # the idle engine does not spin on it: it waits for the queue to drain at most, then for a request
     assert eng.run_on_step_thread(eng.write_ahead.idle) in (RETRY_S, None)
     flush(eng)
     assert eng.run_on_step_thread(eng.write_ahead.idle) is None
+
+
+def test_a_copy_written_ahead_pushes_out_the_oldest_files_a_reclaim_wrote(make_engine, tmp_path):
+    eng, tier, before = _full_tier_and_a_new_idle_session(make_engine, tmp_path / "s", ahead=False)
+    after = disk(eng)
+    assert after["written_ahead_pages"] > before["written_ahead_pages"]  # "late" went to disk ahead
+    assert after["evicted_segments"] > before["evicted_segments"] and tier.used_bytes <= tier.budget
+    assert before["lru"] not in tier.segments  # the least recently used file went first
+    late = eng.core.polykv.sessions["late"].seq.page_keys
+    assert all(tier.has(k) for k in late)
+
+
+def test_a_full_disk_pauses_writing_ahead_instead_of_spinning(make_engine, tmp_path, monkeypatch):
+    from opencoti.engine.persist import write_ahead
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("opencoti.engine.persist.tier_files.kvfile.write_kv", full)
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+    out = agent_team(eng, turns=2, between=lambda turn, i: settle(eng))
+    assert [a for a, _ in out] == [a for a, _ in agent_team(make_engine(), turns=2)]
+    assert disk(eng)["write_errors"] > 0
+    assert eng.run_on_step_thread(eng.write_ahead.idle) is None  # paused: no write tried again at once
+    assert eng.write_ahead._paused_until > time.monotonic() + write_ahead.PAUSE_S / 2
+
+
+def test_an_error_while_writing_ahead_is_logged_and_the_engine_serves_on(make_engine, tmp_path, caplog):
+    eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
+
+    def broken(tier, max_pages):
+        raise RuntimeError("boom")
+
+    eng.core.polykv.write_ahead = broken
+    with caplog.at_level(logging.ERROR, logger="opencoti.engine.persist"):
+        out = agent_team(eng, turns=2)
+    assert [a for a, _ in out] == [a for a, _ in agent_team(make_engine(), turns=2)]
+    assert "writing ahead failed" in caplog.text and "boom" in caplog.text
 
 
 def test_between_steps_the_write_share_no_window_uses_writes_ahead(make_engine, tmp_path):
@@ -95,15 +144,19 @@ def test_between_steps_the_write_share_no_window_uses_writes_ahead(make_engine, 
 def test_the_pacer_gives_a_steps_unused_share_to_the_filler_and_charges_it(caplog):
     p = StepPacer(share=0.5)
     got: list[float] = []
-    p.filler = lambda budget: (got.append(budget), time.sleep(0.003))
+    p.filler = lambda budget: (got.append(budget), time.sleep(0.003)) and True
     p.step_begin()  # no step yet: no credit, no call
     assert got == []
     p.step_end(0.004)  # lends 2 ms
     p.step_begin()
     assert got == [pytest.approx(0.002)] and p.stats["fills"] == 1 and p.stats["turns"] == 0
-    p.step_end(0.002)  # 1 ms lent against a ~3 ms debt: still owed, so no call
+    assert p._credit <= -0.001  # it took >= 3 ms of the 2 ms lent: charged like a window, the rest owed
+    p.step_end(0.002)  # 1 ms lent against the >= 1 ms owed: nothing to give
     p.step_begin()
     assert len(got) == 1
+    p.step_end(0.1)  # the debt repaid (at most 50 ms is lent): the filler gets what is left
+    p.step_begin()
+    assert len(got) == 2 and 0 < got[1] <= 0.05
 
     def broken(budget):
         raise RuntimeError("boom")
@@ -114,11 +167,16 @@ def test_the_pacer_gives_a_steps_unused_share_to_the_filler_and_charges_it(caplo
     with caplog.at_level(logging.ERROR, logger="opencoti.engine.persist"):
         q.step_begin()  # the step goes on
     assert "boom" in caplog.text and q.stats["fills"] == 1
+    idle = StepPacer(share=0.5)  # a filler with nothing to do: called, not counted
+    idle.filler = lambda budget: False
+    idle.step_end(0.01)
+    idle.step_begin()
+    assert idle.stats["fills"] == 0 and idle.stats["turns"] == 0
     unpaced = StepPacer(share=None)
-    unpaced.filler = lambda budget: got.append(budget)
+    unpaced.filler = lambda budget: got.append(budget) or True
     unpaced.step_end(0.01)
     unpaced.step_begin()
-    assert len(got) == 1  # unpaced: nothing runs before a step
+    assert len(got) == 2  # unpaced: nothing runs before a step
 
 
 def test_write_ahead_is_a_setting_on_by_default(make_engine, tmp_path):

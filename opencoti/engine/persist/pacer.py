@@ -50,15 +50,15 @@ step, once per window)."""
 
 
 class _Job:
-    __slots__ = ("fn", "taken", "done", "error")
+    __slots__ = ("fn", "taken", "done", "error", "worked")
 
-    def __init__(self, fn: Callable[[], None]):
-        self.fn, self.taken, self.done = fn, False, False
+    def __init__(self, fn: Callable[[], object]):
+        self.fn, self.taken, self.done, self.worked = fn, False, False, True
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.fn()
+            self.worked = self.fn() is not False
         except BaseException as e:  # noqa: BLE001 - raised again on the thread that asked
             self.error = e
 
@@ -76,9 +76,9 @@ class StepPacer:
         self._busy = False  # the I/O thread runs a window itself (the engine was idle)
         self._busy_seq = 0  # counts the windows the I/O thread ran itself
         self._waited = 0  # the last of them a step waited for
-        # step thread work for a step's unused share when no window waits (``DiskTier``: writing idle
-        # sessions' KV ahead), given the seconds it may take; its time is charged like a window's
-        self.filler: Callable[[float], None] | None = None
+        # step thread work for a step's unused share when no window waits (``write_ahead``: idle sessions'
+        # KV), given the seconds it may take; False: it had nothing to do. Its time is charged like a window's
+        self.filler: Callable[[float], bool] | None = None
         self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_turns": 0, "step_turn_s": 0.0,
                       "step_waits": 0, "step_wait_s": 0.0,
                       "fills": 0, "fill_s": 0.0}
@@ -101,28 +101,33 @@ class StepPacer:
                 self.stats["step_wait_s"] += time.monotonic() - t0
             job = self._job
             credit = self._credit
+            filled = False
             if job is None or job.taken or self.share is None or credit <= 0:
-                self._credit = min(credit, 0.0)  # unused credit lapses; a debt stays
                 fill = self.filler if self.share is not None and credit > 0 else None
                 if fill is None:
+                    self._credit = min(credit, 0.0)  # unused credit lapses; a debt stays
                     return  # (the common case: one lock a step)
-                job = _Job(lambda: fill(credit))  # no window waits: the steps' share goes to the filler
+                job, filled = _Job(lambda: fill(credit)), True  # no window waits: the share goes to the filler
             job.taken = True
         t0 = time.perf_counter()
         job.run()
         dt = time.perf_counter() - t0
-        filled = job is not self._job
         if filled and job.error is not None:  # (the filler's own: logged, the step goes on)
+            if not isinstance(job.error, Exception):
+                raise job.error  # (KeyboardInterrupt, SystemExit)
             log.error("work between steps failed", exc_info=job.error)
         with self._cv:
             job.done = True
             # a debt is capped at what one step lends; unused credit lapses
             self._credit = min(max(self._credit - dt, -MAX_CREDIT_S), 0.0)
-            turn = "fill" if filled else "step_turn"
-            self.stats[turn + "s"] += 1
-            self.stats[turn + "_s"] += dt
-            self.stats["turns"] += not filled
-            self.stats["turn_s"] += 0.0 if filled else dt
+            if not filled:
+                self.stats["turns"] += 1
+                self.stats["turn_s"] += dt
+                self.stats["step_turns"] += 1
+                self.stats["step_turn_s"] += dt
+            elif job.worked:  # (a filler with nothing to do is not counted; its check's time is charged)
+                self.stats["fills"] += 1
+                self.stats["fill_s"] += dt
             self._cv.notify_all()
 
     def step_end(self, seconds: float) -> None:

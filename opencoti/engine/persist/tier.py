@@ -12,7 +12,9 @@ the key of the page before it and its tokens; it comes back as a tail and is cop
 A later request whose prompt continues a resident prefix with keys the tier holds gets those pages
 back into RAM as cache pages (``KVTables.promote``) before the index is matched, so every path that
 reuses cached KV (a session's next turn, a prefix shared by another request) reads them instead of
-recomputing them.
+recomputing them. Pages the tier holds already are not copied again: the KV a reclaim would take next
+is written ahead while it is still in RAM (``write_ahead``, driven by ``write_ahead.py``), so that its
+reclaim copies nothing in the step that needs the room.
 
 Format. A segment is a KV file (``kvfile``: 4 KiB header, K then V as ``[layers, tokens, heads,
 dim]``, CRC-32 of the body, the tokens appended), written to a temporary name and renamed, so a
@@ -87,6 +89,7 @@ class DiskTier(Prefetch):
         self._names = itertools.count(1)
         self._lock = threading.Lock()
         self._pending_bytes = 0
+        self._failed: list[Segment] = []  # segments whose write failed (I/O thread), to forget (step thread)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._warned: dict[str, float] = {}
@@ -183,6 +186,7 @@ class DiskTier(Prefetch):
         name = self.pages[key][0].name if self.has(key) else ""
         if name in self.segments:
             self.segments.move_to_end(name)
+            self.segments[name].ahead = False
         return name in self.segments
 
     def _write(self, kv, run: list, tail: bytes | None = None, ahead: bool = False) -> bool:
@@ -191,7 +195,7 @@ class DiskTier(Prefetch):
         n, ps = len(run), kv.page_size
         slots = len(run[0].tokens) if tail is not None else ps  # a tail's valid slots only
         size = HEADER + n * kv.page_bytes * slots // ps + 4 * n * slots
-        if ahead and (self.used_bytes + size > self.budget or 2 * (self._pending_bytes + size) > self.max_pending):
+        if ahead and (2 * (self._pending_bytes + size) > self.max_pending or not self._room_ahead(size)):
             return False
         if size > self.budget:
             self.stats["skipped_pages_over_budget"] += n
@@ -221,6 +225,7 @@ class DiskTier(Prefetch):
             seg = Segment(f"{next(self._names)}.kv", [e.key for e in run], tokens, (run[0].depth - 1) * ps,
                           parent.key, size, k, v)
             seg.bufs = bufs
+        seg.ahead = ahead  # (a copy of pages still in RAM, until a reclaim takes them: _touch)
         for i, key in enumerate(seg.keys):
             self.pages[key] = (seg, i)
         self.segments[seg.name] = seg
@@ -233,6 +238,19 @@ class DiskTier(Prefetch):
         self.stats["written_ahead_pages"] += n if ahead else 0
         self._put(("save", seg))
         return True
+
+    def _room_ahead(self, size: int) -> bool:
+        """Whether a write-ahead of ``size`` bytes fits, evicting only the least recently used files a
+        reclaim wrote (as the reclaim it anticipates would), never a copy written ahead: so two sessions'
+        copies never push each other out."""
+        need = self.used_bytes + size - self.budget
+        for seg in self.segments.values():
+            if need <= 0:
+                break
+            if seg.ahead:
+                return False
+            need -= seg.nbytes
+        return need <= 0
 
     def _make_room(self, size: int) -> None:
         while self.segments and self.used_bytes + size > self.budget:
@@ -261,8 +279,12 @@ class DiskTier(Prefetch):
 
     def _sweep_failed(self) -> None:
         """Forget the segments whose write failed (their bytes no longer count)."""
-        for seg in [s for s in self.segments.values() if s.state == FAILED]:
-            self._forget(seg)
+        while self._failed:
+            with self._lock:
+                failed, self._failed = self._failed, []
+            for seg in failed:
+                if seg.state == FAILED:
+                    self._forget(seg)
 
     # ------------------------------------------------------------------ reads
     def fetch(self, keys: Seq[bytes], page_tokens: Seq[tuple], parent_key: bytes, kv
@@ -413,6 +435,8 @@ class DiskTier(Prefetch):
             except OSError as e:
                 if seg.state == PENDING:
                     seg.state = FAILED
+                    with self._lock:
+                        self._failed.append(seg)
                 self.stats["write_errors"] += 1
                 self._warn("write", "KV tier: writing %s failed (%s); those pages are recomputed if needed again",
                            path, e)

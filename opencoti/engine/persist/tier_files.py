@@ -25,7 +25,7 @@ class Segment:
     """One file: ``n`` consecutive pages of one chain."""
 
     __slots__ = ("name", "keys", "tokens", "start", "parent_key", "nbytes", "k", "v", "state", "reading", "loaded",
-                 "load_error", "tail", "bufs")
+                 "load_error", "tail", "bufs", "ahead")
 
     def __init__(self, name: str, keys: list[bytes], tokens: list[int], start: int, parent_key: bytes,
                  nbytes: int, k: torch.Tensor, v: torch.Tensor, tail: bool = False):
@@ -39,6 +39,7 @@ class Segment:
         self.load_error: str | None = None  # why the prefetch could not use it
         self.tail = tail  # one partial last page (valid for its tokens), not full pages
         self.bufs: tuple | None = None  # the staging buffers behind k and v (given back once written)
+        self.ahead = False  # written ahead: a copy of pages still in RAM (until a reclaim takes them)
 
 
 def kv_layout(kv) -> tuple:

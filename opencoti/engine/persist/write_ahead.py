@@ -6,20 +6,26 @@ step thread before the page is freed: the step that needs the room pays ~0.06 ms
 context: ~22 ms, ``bench_kv_tier_steps.py``'s copy rows). Pages the tier holds already are freed without
 a copy. So the idle sessions' pages are written while they are still in RAM, when the time is free:
 
-* while the engine is idle (nothing to compute), a run of pages at a time, a request that arrives first;
+* while the engine is idle (nothing to compute), ``IDLE_PAGES`` at a time, a request that arrives first;
 * while it computes, in the share of the steps' time the tier's writes have (``pacer.StepPacer``: what
-  a step lends the writer and no window of a file uses goes to this), sized by the copy's measured cost.
+  a step lends the writer and no window of a file uses comes here), saved up until it pays for
+  ``MIN_STEP_PAGES`` at the copy's measured cost.
 
 Only when a reclaim is near (fewer than ``PRESSURE`` of the pages free), in the order a reclaim takes the
-sessions (``Reclaim.idle_sessions``), into the tier's free budget only (nothing on disk is evicted for a
-copy of what is in RAM) and half its queue (the rest stays for reclaims). Pages are immutable once
-indexed, and a session's tail is written for its computed slots, so a copy written ahead stays valid for
-its key whatever the session does next (a page it changes gets a new key). ``EngineConfig.kv_disk_write_ahead``
-turns it off.
+KV (``Reclaim.write_ahead``: idle sessions waiting on a tool, the prefix cache's own pages, then sessions
+idle for less), and only what a reclaim would free (a pool's pages a session borrows are not). The copies
+take at most half the tier's queue (the rest stays for reclaims) and room in its budget: they may push out
+the least recently used files a reclaim wrote, as the reclaim they anticipate would, never another copy
+written ahead (``DiskTier._room_ahead``), and they stay marked as copies until a reclaim takes their pages.
+Pages are immutable once indexed, and a tail is written for its computed slots under a key of its tokens,
+so a copy written ahead stays valid for its key whatever the session does next. A write that fails (a full
+disk) or an error stops it for ``PAUSE_S``. ``EngineConfig.kv_disk_write_ahead`` turns it off.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,37 +33,79 @@ if TYPE_CHECKING:
     from ..polykv.state.polykv import PolyKV
     from .tier import DiskTier
 
+log = logging.getLogger("opencoti.engine.persist")
+
 PRESSURE = 0.25
 """Write ahead only when fewer than this share of the KV pages are free (a reclaim is near): with more
 free, the pages would be written for nothing (a session's next turn usually finds them in RAM)."""
 IDLE_PAGES = 64
 """Pages written ahead at a time while the engine is idle (one segment file; ~4 ms of copying on the
 bundled model), so that a request that arrives waits at most that long."""
+MIN_STEP_PAGES = 16
+"""Between steps, the share no window uses is saved up until it pays for this many pages (~1 ms of
+copying on the bundled model): a file of 16 pages at least, not one a step."""
 RETRY_S = 0.05
 """While the tier's queue is too full to take more, how often the idle engine looks again."""
+PAUSE_S = 10.0
+"""After a write failed (a full disk, a directory gone) or writing ahead raised, how long it stops."""
 
 
 class WriteAhead:
     def __init__(self, tier: DiskTier, polykv: PolyKV, kv: PagePool):
         self.tier, self.polykv, self.kv = tier, polykv, kv
+        self._saved_s = 0.0  # the steps' share saved up for the next pages (between_steps)
+        self._errors = 0  # the tier's write errors seen
+        self._paused_until = 0.0
+        self._blocked: tuple | None = None  # (the tier's bytes, epoch, queue) when it last had no room
         tier.pacer.filler = self.between_steps
 
-    def _near(self) -> bool:
-        return self.kv.num_free < PRESSURE * self.kv.num_pages
+    def _wanted(self) -> bool:
+        """A reclaim is near and no write failed lately."""
+        tier = self.tier
+        if tier.stats["write_errors"] != self._errors:  # (a full disk: the same pages would fail again)
+            self._errors = tier.stats["write_errors"]
+            self._paused_until = time.monotonic() + PAUSE_S
+        return self.kv.num_free < PRESSURE * self.kv.num_pages and time.monotonic() >= self._paused_until
+
+    def _queue_full(self) -> bool:
+        return 2 * self.tier.pending_bytes >= self.tier.max_pending
+
+    def _write(self, max_pages: int) -> tuple[int, bool]:
+        try:
+            return self.polykv.write_ahead(self.tier, max_pages)
+        except Exception:  # noqa: BLE001 - never the step loop's end: the reclaims copy instead
+            log.exception("KV tier: writing ahead failed; it stops for %g s", PAUSE_S)
+            self._paused_until = time.monotonic() + PAUSE_S
+            return 0, False
 
     def idle(self) -> float | None:
         """The engine is idle: write a run of pages ahead. Returns when to be called again: 0 at once
         (more to write), ``RETRY_S`` (the queue is full for now), None (nothing to write: at the next idle)."""
-        if not self._near():
+        if not self._wanted():
             return None
-        n, left = self.polykv.write_ahead(self.tier, IDLE_PAGES)
+        if self._queue_full():
+            return RETRY_S
+        n, left = self._write(IDLE_PAGES)
         if n:
             return 0.0
         return RETRY_S if left and self.tier.pending_bytes else None
 
-    def between_steps(self, budget_s: float) -> None:
-        """A step lent ``budget_s`` of the writer's share that no window used: write as many pages ahead
-        as the copy's measured cost fits in it (at least one)."""
-        if self._near():
-            pages = max(1, min(IDLE_PAGES, int(budget_s / max(self.tier.copy_s_per_page, 1e-6))))
-            self.polykv.write_ahead(self.tier, pages)
+    def between_steps(self, budget_s: float) -> bool:
+        """A step lent ``budget_s`` of the writer's share that no window used: saved up until it pays for
+        ``MIN_STEP_PAGES`` at the copy's measured cost, then that many pages are written ahead (more if
+        it pays for more). Whether it wrote any (its time is charged to the steps' share)."""
+        if not self._wanted() or self._queue_full():
+            self._saved_s = 0.0
+            return False
+        per_page = max(self.tier.copy_s_per_page, 1e-6)
+        self._saved_s = min(self._saved_s + budget_s, IDLE_PAGES * per_page)
+        pages = int(self._saved_s / per_page)
+        if pages < MIN_STEP_PAGES:
+            return False
+        tier = self.tier
+        if self._blocked == (tier.used_bytes, tier.epoch, tier.pending_bytes):  # no room last time, none since
+            return False
+        n, left = self._write(pages)
+        self._saved_s = 0.0 if n else self._saved_s
+        self._blocked = (tier.used_bytes, tier.epoch, tier.pending_bytes) if left and not n else None
+        return n > 0

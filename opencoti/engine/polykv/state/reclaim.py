@@ -77,7 +77,10 @@ class Reclaim:
         tables = self.state.tables
         if tables.index is None or max_pages <= 0:
             return 0, False
-        stamp = (tier.epoch, self.ended, len(self.state.sessions), tables.evicted_pages)
+        c = self.state.counters  # (what makes KV newly idle or newly cache-only: a request's end, a session
+        # reclaimed or expired, a pool evicted or released; the tier forgetting a file)
+        stamp = (tier.epoch, self.ended, len(self.state.sessions), c["evicted_sessions"], c["expired_sessions"],
+                 c["evicted_pools"], len(self.state.tree.pools))
         if stamp == self._all_held:  # (the common case between steps: nothing new since)
             return 0, False
         waiting, recent = self.idle_sessions()
@@ -97,8 +100,10 @@ class Reclaim:
         return done, False
 
     def _session_run(self, s: Session) -> list[tuple[list[Entry], Tail | None]]:
-        """A session's indexed full pages (each the parent of the next) and its tail, if listed."""
-        index, seq = self.state.tables.index, s.seq
+        """A session's indexed full pages that its reclaim would free (held by it and the index only: not
+        a pool's it borrows, nor a prefix another session shares), as runs each page of which is the parent
+        of the next, and its tail, if listed."""
+        index, seq, refcount = self.state.tables.index, s.seq, self.state.kv.refcount
         assert index is not None
         entries: list[Entry] = []
         for k in seq.page_keys:
@@ -106,11 +111,18 @@ class Reclaim:
             if e is None or (entries and e.parent is not entries[-1]):
                 break
             entries.append(e)
+        runs: list[tuple[list[Entry], Tail | None]] = [([], None)]
+        for e in entries:
+            if e.page is not None and refcount[e.page] <= 2:
+                runs[-1][0].append(e)
+            elif runs[-1][0]:
+                runs.append(([], None))
         full = len(entries)
         item = index.by_page.get(seq.page_table[full]) if len(seq.page_table) > full else None
-        tail = item if (isinstance(item, Tail) and full == len(seq.page_keys)
-                        and (item.parent is entries[-1] if entries else item.parent.page is None)) else None
-        return [(entries, tail)]
+        if (isinstance(item, Tail) and full == len(seq.page_keys)
+                and (item.parent is entries[-1] if entries else item.parent.page is None)):
+            runs.append(([], item))
+        return runs
 
     def _cache_runs(self) -> list[tuple[list[Entry], Tail | None]]:
         """The prefix cache's own pages (no table holds them: what is left of a reclaimed session, a
