@@ -67,6 +67,11 @@ def child(args) -> dict:
                      params=SamplingParams.greedy(1, ignore_eos=True), session_id=f"idle-{i}")
     pacer.filler = fill
     free_share = eng.kv.num_free / eng.kv.num_pages
+    from opencoti.engine.persist.write_ahead import PRESSURE
+
+    if free_share >= PRESSURE:  # (no reclaim would be near: nothing is written ahead, the run would say nothing)
+        raise SystemExit(f"{free_share:.0%} of the KV pages are free after the set-up: more --sessions or "
+                         "--context, or a shorter --answer")
     work_spans: list[tuple[float, float]] = []
     begin = pacer.step_begin
 
@@ -169,7 +174,7 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=4, help="idle sessions reclaimed one at a time")
     p.add_argument("--context", type=int, default=6000, help="tokens of each idle session's context")
     p.add_argument("--decoder-context", type=int, default=512, help="the decoding session's prompt tokens")
-    p.add_argument("--answer", type=int, default=4000,
+    p.add_argument("--answer", type=int, default=6000,
                    help="tokens it may decode (stopped after the last reclaim: long enough to outlast them)")
     p.add_argument("--warm-s", type=float, default=20.0, help="seconds of decoding before the first reclaim")
     p.add_argument("--gap-s", type=float, default=2.0, help="seconds between two reclaims")
@@ -178,7 +183,8 @@ def main() -> int:
     p.add_argument("--child-out", default=None, help=argparse_hidden())
     args = p.parse_args()
     if args.quick:
-        args.sessions, args.context, args.answer, args.warm_s, args.gap_s, args.rounds = 2, 1500, 1500, 5.0, 1.0, 1
+        args.sessions, args.context, args.decoder_context, args.answer = 3, 2000, 256, 1200
+        args.warm_s, args.gap_s, args.rounds = 4.0, 1.0, 1
     if args.side is not None:
         Path(args.child_out).write_text(json.dumps(child(args)))
         return 0
