@@ -17,7 +17,8 @@ named sessions of ``--context`` tokens each are created and go idle (a RAM budge
 quarter of the pages free: a reclaim is near); then one session decodes ``--answer`` tokens (one a step, no
 speculation); after ``--warm-s`` (the ``ahead`` side writes the idle sessions' KV meanwhile, in its share),
 the idle sessions are reclaimed one at a time, ``--gap-s`` apart, each on the step thread between two steps
-(``PolyKV.reclaim``, as an allocation that finds no page free does), timed there.
+(``PolyKV.reclaim``, as an allocation that finds no page free does), timed there; then, once the tier's
+files are written, ``--tail-s`` of quiet decoding (the baseline of the writing's last steps).
 
 Reported per side: the reclaims' time on the step thread (and per page), pages copied by them, the gap
 between two tokens that holds a reclaim over the median of the quiet steps around it, and the steps that
@@ -120,6 +121,9 @@ def child(args) -> dict:
 
         reclaims.append(eng.run_on_step_thread(take))
         time.sleep(args.gap_s)
+    tier.flush()  # (blocks until every file is written: a quiet stretch after the writing, the baseline of its
+    # last steps; the context grows over the run, and a baseline only before the writing would count that growth)
+    time.sleep(args.tail_s)
     decoding = not done.is_set()  # (the answer is long enough to outlast the reclaims: then it is stopped here)
     stream.close()
     done.wait()
@@ -178,13 +182,14 @@ def main() -> int:
                    help="tokens it may decode (stopped after the last reclaim: long enough to outlast them)")
     p.add_argument("--warm-s", type=float, default=20.0, help="seconds of decoding before the first reclaim")
     p.add_argument("--gap-s", type=float, default=2.0, help="seconds between two reclaims")
+    p.add_argument("--tail-s", type=float, default=2.0, help="seconds of quiet decoding after the files are written")
     p.add_argument("--rounds", type=int, default=2, help="runs per side (the sides' order rotated)")
     p.add_argument("--side", choices=SIDES, default=None, help=argparse_hidden())
     p.add_argument("--child-out", default=None, help=argparse_hidden())
     args = p.parse_args()
     if args.quick:
         args.sessions, args.context, args.decoder_context, args.answer = 3, 2000, 256, 1200
-        args.warm_s, args.gap_s, args.rounds = 4.0, 1.0, 1
+        args.warm_s, args.gap_s, args.tail_s, args.rounds = 4.0, 1.0, 1.0, 1
     if args.side is not None:
         Path(args.child_out).write_text(json.dumps(child(args)))
         return 0
@@ -248,7 +253,8 @@ def main() -> int:
     path = common.write_json("kv_tier_reclaim", {
         "report": report,
         "config": {k: getattr(args, k) for k in ("sessions", "context", "decoder_context", "answer", "warm_s", "gap_s",
-                                                 "rounds", "threads", "quick")} | {"order": order, "speculative": "off"},
+                                                 "tail_s", "rounds", "threads", "quick")}
+        | {"order": order, "speculative": "off"},
         "summary": summary, "reclaim_ms_copy_over_ahead": ratio,
         "raw": {s: [{k: v for k, v in r.items() if k not in ("times", "work_spans")} for r in rr] for s, rr in runs.items()},
         "machine": common.machine_info(), "load_before": before, "load_after": common.load_snapshot()}, args.out)

@@ -19,9 +19,11 @@ from test_kv_tier import CTX, SMALL, agent_team, disk, flush, greedy, toks
 
 
 def settle(eng) -> None:
-    """Let the idle engine write ahead all it will, then wait for the disk."""
-    while eng.run_on_step_thread(eng.write_ahead.idle) == 0.0:
-        pass
+    """Let the idle engine write ahead all it will (waiting for the disk when its queue is full), then
+    wait for the disk."""
+    while (again := eng.run_on_step_thread(eng.write_ahead.idle)) is not None:
+        if again:
+            flush(eng)
     flush(eng)
 
 
@@ -118,7 +120,7 @@ def test_a_full_disk_pauses_writing_ahead_instead_of_spinning(make_engine, tmp_p
 def test_an_error_while_writing_ahead_is_logged_and_the_engine_serves_on(make_engine, tmp_path, caplog):
     eng = make_engine(state_dir=str(tmp_path / "s"), **SMALL)
 
-    def broken(tier, max_pages):
+    def broken(*args):
         raise RuntimeError("boom")
 
     eng.core.polykv.write_ahead = broken
@@ -135,10 +137,13 @@ def test_between_steps_the_write_share_no_window_uses_writes_ahead(make_engine, 
     agent_team(eng, turns=1, between=lambda turn, i: flush(eng))  # idle sessions, nothing written ahead
     assert disk(eng)["written_ahead_pages"] == 0 and eng.step_pacer.stats["fills"] == 0
     eng.step_pacer.filler = fill
+    asked, real = [], eng.core.polykv.write_ahead
+    eng.core.polykv.write_ahead = lambda tier, n, cache=True: asked.append(cache) or real(tier, n, cache)
     eng.generate(toks(7, 40), params=greedy(60), session_id="decoding")  # 60 steps, idle sessions beside it
     fills = eng.step_pacer.stats["fills"]
     assert fills > 0 and eng.step_pacer.stats["fill_s"] > 0
     assert disk(eng)["written_ahead_pages"] > 0
+    assert asked and not any(asked)  # between steps, never the scan of the whole prefix cache
 
 
 def test_the_pacer_gives_a_steps_unused_share_to_the_filler_and_charges_it(caplog):

@@ -7,9 +7,10 @@ context: ~22 ms, ``bench_kv_tier_steps.py``'s copy rows). Pages the tier holds a
 a copy. So the idle sessions' pages are written while they are still in RAM, when the time is free:
 
 * while the engine is idle (nothing to compute), ``IDLE_PAGES`` at a time, a request that arrives first;
-* while it computes, in the share of the steps' time the tier's writes have (``pacer.StepPacer``: what
-  a step lends the writer and no window of a file uses comes here), saved up until it pays for
-  ``MIN_STEP_PAGES`` at the copy's measured cost.
+* while it computes, idle sessions' KV only (the prefix cache's pages would need a scan of the cache:
+  a few ms, in the step it ran before, measured in the team benchmark), in the share of the steps' time
+  the tier's writes have (``pacer.StepPacer``: what a step lends the writer and no window of a file uses
+  comes here), saved up until it pays for ``MIN_STEP_PAGES`` at the copy's measured cost.
 
 Only when a reclaim is near (fewer than ``PRESSURE`` of the pages free), in the order a reclaim takes the
 KV (``Reclaim.write_ahead``: idle sessions waiting on a tool, the prefix cache's own pages, then sessions
@@ -70,9 +71,9 @@ class WriteAhead:
     def _queue_full(self) -> bool:
         return 2 * self.tier.pending_bytes >= self.tier.max_pending
 
-    def _write(self, max_pages: int) -> tuple[int, bool]:
+    def _write(self, max_pages: int, cache: bool = True) -> tuple[int, bool]:
         try:
-            return self.polykv.write_ahead(self.tier, max_pages)
+            return self.polykv.write_ahead(self.tier, max_pages, cache)
         except Exception:  # noqa: BLE001 - never the step loop's end: the reclaims copy instead
             log.exception("KV tier: writing ahead failed; it stops for %g s", PAUSE_S)
             self._paused_until = time.monotonic() + PAUSE_S
@@ -105,7 +106,7 @@ class WriteAhead:
         tier = self.tier
         if self._blocked == (tier.used_bytes, tier.epoch, tier.pending_bytes):  # no room last time, none since
             return False
-        n, left = self._write(pages)
+        n, left = self._write(pages, cache=False)  # (the idle sessions' only: their marks make it cheap)
         self._saved_s = 0.0 if n else self._saved_s
         self._blocked = (tier.used_bytes, tier.epoch, tier.pending_bytes) if left and not n else None
         return n > 0

@@ -313,8 +313,8 @@ class PolyKV(TreeState):
     def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
         return self.memory.reclaim(num_pages, keep)
 
-    def write_ahead(self, tier: AheadTier, max_pages: int) -> tuple[int, bool]:
-        return self.memory.write_ahead(tier, max_pages)
+    def write_ahead(self, tier: AheadTier, max_pages: int, cache: bool = True) -> tuple[int, bool]:
+        return self.memory.write_ahead(tier, max_pages, cache)
 
     # restore.py
     def ensure_resident(self, pool: Pool) -> list[Pool]:

@@ -27,7 +27,7 @@ class Reclaim:
     def __init__(self, state: TreeState):
         self.state = state
         self.ended = 0  # requests of sessions ended (PolyKV.end): a session may have new KV to write ahead
-        self._all_held: tuple | None = None  # write_ahead found nothing to write as of this stamp
+        self._all_held: tuple = ()  # the stamps as of which write_ahead found nothing left to write
 
     def reclaim(self, num_pages: int, keep: Session | None = None) -> int:
         """Free at least num_pages if possible: cache pages first (LRU, leaves first), then idle
@@ -68,24 +68,26 @@ class Reclaim:
         waiting = [s for s in idle if now - s.last_access >= self.state.config.kv_idle_spill_s]
         return waiting, idle[len(waiting):]
 
-    def write_ahead(self, tier: AheadTier, max_pages: int) -> tuple[int, bool]:
+    def write_ahead(self, tier: AheadTier, max_pages: int, cache: bool = True) -> tuple[int, bool]:
         """Write the KV a reclaim would take, in its order (idle sessions waiting on a tool, the prefix
         cache's pages, then the sessions idle for less), to the disk tier while it stays in RAM
         (``DiskTier.write_ahead``), so that the reclaim that takes it later frees its pages without
-        copying them on the step thread: at most ``max_pages`` pages. Returns the pages written and
-        whether some are left to write (no room for them now, or past ``max_pages``)."""
+        copying them on the step thread: at most ``max_pages`` pages. ``cache``: the prefix cache's pages
+        too (a scan of every cached page: not between steps, where it would lengthen the next step by a
+        few ms on a large cache). Returns the pages written and whether some are left to write (no room
+        for them now, or past ``max_pages``)."""
         tables = self.state.tables
         if tables.index is None or max_pages <= 0:
             return 0, False
         c = self.state.counters  # (what makes KV newly idle or newly cache-only: a request's end, a session
         # reclaimed or expired, a pool evicted or released; the tier forgetting a file)
         stamp = (tier.epoch, self.ended, len(self.state.sessions), c["evicted_sessions"], c["expired_sessions"],
-                 c["evicted_pools"], len(self.state.tree.pools))
-        if stamp == self._all_held:  # (the common case between steps: nothing new since)
+                 c["evicted_pools"], len(self.state.tree.pools), cache)
+        if stamp in self._all_held:  # (the common case between steps: nothing new since)
             return 0, False
         waiting, recent = self.idle_sessions()
         done = 0
-        for s in waiting + [None] + recent:
+        for s in waiting + ([None] if cache else []) + recent:
             mark = (tier.epoch, len(s.seq.page_keys), s.seq.num_cached) if s is not None else None
             if s is not None and s.written_ahead == mark:  # all held, and the tier has forgotten nothing since
                 continue
@@ -96,7 +98,7 @@ class Reclaim:
                     return done, True
             if s is not None:
                 s.written_ahead = mark
-        self._all_held = stamp
+        self._all_held = (stamp,) if not cache else (stamp, stamp[:-1] + (False,))  # (all of it: the sessions' too)
         return done, False
 
     def _session_run(self, s: Session) -> list[tuple[list[Entry], Tail | None]]:
