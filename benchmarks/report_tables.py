@@ -553,7 +553,10 @@ def render_kv_tier(d: dict) -> str:
                      v.get("cold_total_s"), step])
     how = ("each side its own server process, all up at once; each agent's turn is taken on every side (the order "
            "rotated turn by turn, one side computing at a time) before the next agent's, so the machine's drift "
-           "falls on all sides alike" + ("; the disk directories of the tier and of llama.cpp are dropped from the "
+           "falls on all sides alike" + ("; after a tier side's turn its background work (files queued for the disk, KV "
+                                         "written ahead) is let finish before the next side's turn"
+                                         if "tier_copy" in summ else "")
+           + ("; the disk directories of the tier sides and of llama.cpp are dropped from the "
                                         "OS page cache before each of their turns (a read-back comes from the disk)"
                                         if cfg.get("page_cache_dropped") else "")
            if interleaved else "each side its own server process, one after the other")
