@@ -35,13 +35,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench_kv_tier_steps import QUANTILES, _quantile, classify  # noqa: E402
+from bench_kv_tier_steps import QUANTILES, _quantile, classify, consume_in_background  # noqa: E402
 
 SIDES = ("ahead", "copy")
 WORK_S = 1e-4  # a step whose start ran the writer's work for longer than this is a "work" step (a window of a
@@ -87,18 +86,7 @@ def child(args) -> dict:
     prompt = [rng.randint(100, 20000) for _ in range(args.decoder_context)]
     stream = eng.stream(prompt, params=SamplingParams.greedy(args.answer, ignore_eos=True, speculative_max=0),
                         session_id="decoder")
-    times: list[float] = []
-    first, done = threading.Event(), threading.Event()
-
-    def consume() -> None:
-        for _ in stream:
-            times.append(time.perf_counter())
-            first.set()
-        done.set()
-        first.set()
-
-    threading.Thread(target=consume, daemon=True).start()
-    first.wait()
+    times, done = consume_in_background(stream)
     time.sleep(args.warm_s)
     ahead_at_reclaims = tier.stats["written_ahead_pages"]
     reclaims = []

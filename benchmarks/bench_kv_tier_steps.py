@@ -89,6 +89,24 @@ def classify(spans: list[tuple[float, float]], windows: list[tuple[str, float, f
     return out
 
 
+def consume_in_background(stream) -> tuple[list[float], threading.Event]:
+    """Read ``stream`` on a thread of its own, each token's arrival time into the list returned; returns
+    once the first token came. The event is set when the stream ends."""
+    times: list[float] = []
+    first, done = threading.Event(), threading.Event()
+
+    def consume() -> None:
+        for _ in stream:
+            times.append(time.perf_counter())
+            first.set()
+        done.set()
+        first.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    first.wait()
+    return times, done
+
+
 def main() -> int:
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=1024, help="the decoding session's prompt tokens")
@@ -125,21 +143,9 @@ def main() -> int:
     prompt = [rng.randint(100, 20000) for _ in range(args.context)]
     stream = eng.stream(prompt, params=SamplingParams.greedy(args.answer, ignore_eos=True, speculative_max=0),
                         session_id="decoder")  # one token a step: each gap is one step
-    times: list[float] = []
     windows: list[tuple[str, float, float, int]] = []
     copy_ms_per_page: list[float] = []
-    first = threading.Event()
-    done = threading.Event()
-
-    def consume() -> None:
-        for _ in stream:
-            times.append(time.perf_counter())
-            first.set()
-        done.set()
-        first.set()
-
-    threading.Thread(target=consume, daemon=True).start()
-    first.wait()
+    times, done = consume_in_background(stream)
     # each step's own compute time, beside the gaps the client sees (a step waiting for a chunk, or slowed
     # by work beside it, shows in one or the other)
     step_spans: list[tuple[float, float]] = []
