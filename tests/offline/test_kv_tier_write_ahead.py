@@ -139,7 +139,7 @@ def test_between_steps_the_write_share_no_window_uses_writes_ahead(make_engine, 
     eng.step_pacer.filler = fill
     asked, real = [], eng.core.polykv.write_ahead
     eng.core.polykv.write_ahead = lambda tier, n, cache=True: asked.append(cache) or real(tier, n, cache)
-    eng.generate(toks(7, 40), params=greedy(60), session_id="decoding")  # 60 steps, idle sessions beside it
+    eng.generate(toks(7, 40), params=greedy(150), session_id="decoding")  # 150 steps, idle sessions beside it
     fills = eng.step_pacer.stats["fills"]
     assert fills > 0 and eng.step_pacer.stats["fill_s"] > 0
     assert disk(eng)["written_ahead_pages"] > 0
@@ -172,6 +172,15 @@ def test_the_pacer_gives_a_steps_unused_share_to_the_filler_and_charges_it(caplo
     with caplog.at_level(logging.ERROR, logger="opencoti.engine.persist"):
         q.step_begin()  # the step goes on
     assert "boom" in caplog.text and q.stats["fills"] == 1
+    saving = StepPacer(share=0.5)  # a filler saving up: the credit does not lapse
+    lent: list[float] = []
+    saving.filler = lambda budget: lent.append(budget) and None
+    saving.step_end(0.004)
+    saving.step_begin()
+    saving.step_end(0.004)
+    saving.step_begin()
+    assert lent[0] == pytest.approx(0.002) and lent[1] == pytest.approx(0.004, abs=1e-4)
+    assert saving.stats["fills"] == 0
     idle = StepPacer(share=0.5)  # a filler with nothing to do: called, not counted
     idle.filler = lambda budget: False
     idle.step_end(0.01)
@@ -200,3 +209,16 @@ def test_write_ahead_is_a_setting_on_by_default(make_engine, tmp_path):
     assert p.parse_args([]).kv_disk_write_ahead == "on"
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-disk-write-ahead", "maybe"])
+
+
+def test_a_run_cut_short_by_the_page_limit_is_not_taken_for_all_of_it(make_engine, tmp_path):
+    eng = make_engine(state_dir=str(tmp_path / "s"), kv_disk_write_ahead=False, **SMALL)
+    eng.generate(toks(5, CTX), params=greedy(), session_id="a")
+    s = eng.core.polykv.sessions["a"]
+    runs, complete = eng.run_on_step_thread(lambda: eng.core.polykv.memory._session_run(s))
+    chain = runs[0][0]
+    assert complete and len(chain) > 5
+    tier = eng.kv_tier
+    assert eng.run_on_step_thread(lambda: tier.write_ahead(eng.kv, chain, None, 5)) == (5, False)  # the rest is left
+    assert eng.run_on_step_thread(lambda: tier.write_ahead(eng.kv, chain, None, 1000)) == (len(chain) - 5, True)
+    assert all(tier.has(e.key) for e in chain)

@@ -50,15 +50,16 @@ step, once per window)."""
 
 
 class _Job:
-    __slots__ = ("fn", "taken", "done", "error", "worked")
+    __slots__ = ("fn", "taken", "done", "error", "result")
 
     def __init__(self, fn: Callable[[], object]):
-        self.fn, self.taken, self.done, self.worked = fn, False, False, True
+        self.fn, self.taken, self.done = fn, False, False
+        self.result: object = True
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.worked = self.fn() is not False
+            self.result = self.fn()
         except BaseException as e:  # noqa: BLE001 - raised again on the thread that asked
             self.error = e
 
@@ -77,8 +78,10 @@ class StepPacer:
         self._busy_seq = 0  # counts the windows the I/O thread ran itself
         self._waited = 0  # the last of them a step waited for
         # step thread work for a step's unused share when no window waits (``write_ahead``: idle sessions'
-        # KV), given the seconds it may take; False: it had nothing to do. Its time is charged like a window's
-        self.filler: Callable[[float], bool] | None = None
+        # KV), given the seconds it may take; it returns True (it worked), False (nothing to do: the credit
+        # lapses) or None (saving the credit up for a larger piece of work). Its time is charged like a window's
+        self.filler: Callable[[float], bool | None] | None = None
+        self._saving = False  # the filler's last answer was None: the steps' unused credit is kept for it
         self.stats = {"steps": 0, "turns": 0, "turn_s": 0.0, "step_turns": 0, "step_turn_s": 0.0,
                       "step_waits": 0, "step_wait_s": 0.0,
                       "fills": 0, "fill_s": 0.0}
@@ -105,7 +108,7 @@ class StepPacer:
             if job is None or job.taken or self.share is None or credit <= 0:
                 fill = self.filler if self.share is not None and credit > 0 else None
                 if fill is None:
-                    self._credit = min(credit, 0.0)  # unused credit lapses; a debt stays
+                    self._credit = min(credit, MAX_CREDIT_S if self._saving else 0.0)  # unused credit lapses
                     return  # (the common case: one lock a step)
                 job, filled = _Job(lambda: fill(credit)), True  # no window waits: the share goes to the filler
             job.taken = True
@@ -118,14 +121,16 @@ class StepPacer:
             log.error("work between steps failed", exc_info=job.error)
         with self._cv:
             job.done = True
-            # a debt is capped at what one step lends; unused credit lapses
-            self._credit = min(max(self._credit - dt, -MAX_CREDIT_S), 0.0)
+            if filled:  # the filler saving the credit up for a run of pages: what is left does not lapse
+                self._saving = job.result is None and job.error is None
+            # a debt is capped at what one step lends; unused credit lapses (unless the filler saves it up)
+            self._credit = min(max(self._credit - dt, -MAX_CREDIT_S), MAX_CREDIT_S if self._saving else 0.0)
             if not filled:
                 self.stats["turns"] += 1
                 self.stats["turn_s"] += dt
                 self.stats["step_turns"] += 1
                 self.stats["step_turn_s"] += dt
-            elif job.worked:  # (a filler with nothing to do is not counted; its check's time is charged)
+            elif job.result:  # (a filler with nothing to do, or saving up, is not counted; its check is charged)
                 self.stats["fills"] += 1
                 self.stats["fill_s"] += dt
             self._cv.notify_all()

@@ -153,10 +153,12 @@ class DiskTier(Prefetch):
         self._sweep_failed()
         done = 0
         for run in self._runs(chain, touch=False):
-            run = run[:max_pages - done]
-            if not run or not self._write(kv, run, ahead=True):
+            take = run[:max_pages - done]
+            if not take or not self._write(kv, take, ahead=True):
                 return done, False
-            done += len(run)
+            done += len(take)
+            if len(take) < len(run):  # (cut short by max_pages: the rest is left)
+                return done, False
         if tail is not None and not self.has(key := tail_key(tail.parent.key, tail.tokens)):
             if done >= max_pages or not self._write(kv, [tail], tail=key, ahead=True):
                 return done, False

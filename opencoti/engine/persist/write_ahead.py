@@ -40,12 +40,13 @@ PRESSURE = 0.25
 """Write ahead only when fewer than this share of the KV pages are free (a reclaim is near): with more
 free, the pages would be written for nothing (a session's next turn usually finds them in RAM)."""
 IDLE_PAGES = 64
-"""Pages written ahead at a time while the engine is idle (one segment file; ~4 ms of copying on the
+"""Pages written ahead at a time while the engine is idle (one segment file; ~4 to 6 ms of copying on the
 bundled model), so that a request that arrives waits at most that long."""
 MIN_STEP_PAGES = 16
 """Between steps, the share no window uses is saved up until it pays for this many pages, then that many
-are written (~0.4 ms of copying on the bundled model, in one step): a file of 16 pages, not one a step.
-Saved up to 64 pages at once, a step paid 1.65 ms for it (``bench_kv_tier_reclaim.py``, 2-core Intel Xeon)."""
+are written in one step: a file of 16 pages, not one a step. Measured (``bench_kv_tier_reclaim.py``,
+2-core Intel Xeon): 1.46 ms a run of 16 (0.09 ms a page; a reclaim's copy into buffers used again is
+0.057 ms a page)."""
 RETRY_S = 0.05
 """While the tier's queue is too full to take more, how often the idle engine looks again."""
 PAUSE_S = 10.0
@@ -55,10 +56,12 @@ PAUSE_S = 10.0
 class WriteAhead:
     def __init__(self, tier: DiskTier, polykv: PolyKV, kv: PagePool):
         self.tier, self.polykv, self.kv = tier, polykv, kv
-        self._saved_s = 0.0  # the steps' share saved up for the next pages (between_steps)
+        # what a run written ahead between steps costs a page (its copy, the scan, the files' bookkeeping),
+        # a running mean; from the snapshot's copy alone until measured
+        self.fill_s_per_page = tier.copy_s_per_page
         self._errors = 0  # the tier's write errors seen
         self._paused_until = 0.0
-        self._blocked: tuple | None = None  # (the tier's bytes, epoch, queue) when it last had no room
+        self._blocked: tuple | None = None  # (the tier's bytes, epoch, queue, held) when it last had no room
         tier.pacer.filler = self.between_steps
 
     def _wanted(self) -> bool:
@@ -83,7 +86,7 @@ class WriteAhead:
     def idle(self) -> float | None:
         """The engine is idle: write a run of pages ahead. Returns when to be called again: 0 at once
         (more to write), ``RETRY_S`` (the queue is full for now), None (nothing to write: at the next idle)."""
-        if not self._wanted():
+        if not self._wanted():  # (paused: it resumes at the next idle moment after the pause)
             return None
         if self._queue_full():
             return RETRY_S
@@ -92,22 +95,22 @@ class WriteAhead:
             return 0.0
         return RETRY_S if left and self.tier.pending_bytes else None
 
-    def between_steps(self, budget_s: float) -> bool:
-        """A step lent ``budget_s`` of the writer's share that no window used: saved up until it pays for
-        ``MIN_STEP_PAGES`` at the copy's measured cost, then that many pages are written ahead. Whether it
-        wrote any (its time is charged to the steps' share)."""
+    def between_steps(self, budget_s: float) -> bool | None:
+        """A step lent ``budget_s`` of the writer's share (its credit, which the pacer keeps while this
+        saves it up) that no window used: once it pays for ``MIN_STEP_PAGES`` at the measured cost of a
+        run written ahead between steps, that many pages are written ahead. True: it wrote some; None:
+        saving up; False: nothing to write (the credit lapses)."""
         if not self._wanted() or self._queue_full():
-            self._saved_s = 0.0
             return False
-        per_page = max(self.tier.copy_s_per_page, 1e-6)
-        self._saved_s = min(self._saved_s + budget_s, MIN_STEP_PAGES * per_page)
-        if self._saved_s < MIN_STEP_PAGES * per_page:
-            return False
-        pages = MIN_STEP_PAGES
         tier = self.tier
-        if self._blocked == (tier.used_bytes, tier.epoch, tier.pending_bytes):  # no room last time, none since
-            return False
-        n, left = self._write(pages, cache=False)  # (the idle sessions' only: their marks make it cheap)
-        self._saved_s = 0.0 if n else self._saved_s
-        self._blocked = (tier.used_bytes, tier.epoch, tier.pending_bytes) if left and not n else None
+        if self._blocked == (tier.used_bytes, tier.epoch, tier.pending_bytes, tier.stats["reclaimed_held_pages"]):
+            return False  # no room last time, none freed since
+        if budget_s < MIN_STEP_PAGES * self.fill_s_per_page:
+            return None
+        t0 = time.perf_counter()
+        n, left = self._write(MIN_STEP_PAGES, cache=False)  # (the idle sessions' only: their marks make it cheap)
+        if n:
+            self.fill_s_per_page += 0.25 * ((time.perf_counter() - t0) / n - self.fill_s_per_page)
+        self._blocked = ((tier.used_bytes, tier.epoch, tier.pending_bytes, tier.stats["reclaimed_held_pages"])
+                         if left and not n else None)
         return n > 0

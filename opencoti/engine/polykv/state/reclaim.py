@@ -19,6 +19,7 @@ class AheadTier(Protocol):
     """What ``write_ahead`` needs of the disk tier (``persist/tier.py``)."""
 
     epoch: int  # counts the segments the tier has forgotten (a session all held before may not be now)
+    stats: dict  # (its write_errors: a failed write is forgotten, and its pages written again, at the next look)
 
     def write_ahead(self, kv, chain: list, tail, max_pages: int) -> tuple[int, bool]: ...
 
@@ -81,8 +82,9 @@ class Reclaim:
             return 0, False
         c = self.state.counters  # (what makes KV newly idle or newly cache-only: a request's end, a session
         # reclaimed or expired, a pool evicted or released; the tier forgetting a file)
-        stamp = (tier.epoch, self.ended, len(self.state.sessions), c["evicted_sessions"], c["expired_sessions"],
-                 c["evicted_pools"], len(self.state.tree.pools), cache)
+        stamp = (tier.epoch, tier.stats["write_errors"], self.ended, len(self.state.sessions),
+                 len(tables.index.by_page), c["evicted_sessions"], c["expired_sessions"], c["evicted_pools"],
+                 len(self.state.tree.pools), cache)
         if stamp in self._all_held:  # (the common case between steps: nothing new since)
             return 0, False
         waiting, recent = self.idle_sessions()
@@ -91,20 +93,21 @@ class Reclaim:
             mark = (tier.epoch, len(s.seq.page_keys), s.seq.num_cached) if s is not None else None
             if s is not None and s.written_ahead == mark:  # all held, and the tier has forgotten nothing since
                 continue
-            for chain, tail in (self._session_run(s) if s is not None else self._cache_runs()):
+            runs, complete = self._session_run(s) if s is not None else (self._cache_runs(), True)
+            for chain, tail in runs:
                 n, whole = tier.write_ahead(tables.kv, chain, tail, max_pages - done)
                 done += n
                 if not whole:
                     return done, True
-            if s is not None:
+            if s is not None and complete:  # (pages another holder shares were skipped: looked at again later)
                 s.written_ahead = mark
         self._all_held = (stamp,) if not cache else (stamp, stamp[:-1] + (False,))  # (all of it: the sessions' too)
         return done, False
 
-    def _session_run(self, s: Session) -> list[tuple[list[Entry], Tail | None]]:
+    def _session_run(self, s: Session) -> tuple[list[tuple[list[Entry], Tail | None]], bool]:
         """A session's indexed full pages that its reclaim would free (held by it and the index only: not
         a pool's it borrows, nor a prefix another session shares), as runs each page of which is the parent
-        of the next, and its tail, if listed."""
+        of the next, and its tail, if listed; and whether none was skipped for another holder."""
         index, seq, refcount = self.state.tables.index, s.seq, self.state.kv.refcount
         assert index is not None
         entries: list[Entry] = []
@@ -114,17 +117,20 @@ class Reclaim:
                 break
             entries.append(e)
         runs: list[tuple[list[Entry], Tail | None]] = [([], None)]
+        skipped = False
         for e in entries:
             if e.page is not None and refcount[e.page] <= 2:
                 runs[-1][0].append(e)
-            elif runs[-1][0]:
-                runs.append(([], None))
+            else:
+                skipped = True
+                if runs[-1][0]:
+                    runs.append(([], None))
         full = len(entries)
         item = index.by_page.get(seq.page_table[full]) if len(seq.page_table) > full else None
         if (isinstance(item, Tail) and full == len(seq.page_keys)
                 and (item.parent is entries[-1] if entries else item.parent.page is None)):
             runs.append(([], item))
-        return runs
+        return runs, not skipped
 
     def _cache_runs(self) -> list[tuple[list[Entry], Tail | None]]:
         """The prefix cache's own pages (no table holds them: what is left of a reclaimed session, a
