@@ -45,7 +45,7 @@ bundled model), so that a request that arrives waits at most that long."""
 MIN_STEP_PAGES = 16
 """Between steps, the share no window uses is saved up until it pays for this many pages, then that many
 are written in one step: a file of 16 pages, not one a step. Measured (``bench_kv_tier_reclaim.py``,
-2-core Intel Xeon): 1.46 ms a run of 16 (0.09 ms a page; a reclaim's copy into buffers used again is
+2-core Intel Xeon): 1.50 ms a run of 16 (0.09 ms a page; a reclaim's copy into buffers used again is
 0.057 ms a page)."""
 RETRY_S = 0.05
 """While the tier's queue is too full to take more, how often the idle engine looks again."""
