@@ -197,7 +197,7 @@ class DiskTier(Prefetch):
         n, ps = len(run), kv.page_size
         slots = len(run[0].tokens) if tail is not None else ps  # a tail's valid slots only
         size = HEADER + n * kv.page_bytes * slots // ps + 4 * n * slots
-        if ahead and (2 * (self._pending_bytes + size) > self.max_pending or not self._room_ahead(size)):
+        if ahead and (not self.queue_takes_ahead(size) or not self._room_ahead(size)):
             return False
         if size > self.budget:
             self.stats["skipped_pages_over_budget"] += n
@@ -240,6 +240,11 @@ class DiskTier(Prefetch):
         self.stats["written_ahead_pages"] += n if ahead else 0
         self._put(("save", seg))
         return True
+
+    def queue_takes_ahead(self, size: int) -> bool:
+        """Whether ``size`` more bytes written ahead keep the pending snapshots within half the queue (the
+        rest stays for reclaims)."""
+        return 2 * (self._pending_bytes + size) <= self.max_pending
 
     def _room_ahead(self, size: int) -> bool:
         """Whether a write-ahead of ``size`` bytes fits, evicting only the least recently used files a

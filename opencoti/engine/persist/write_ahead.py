@@ -73,7 +73,12 @@ class WriteAhead:
         return self.kv.num_free < PRESSURE * self.kv.num_pages and time.monotonic() >= self._paused_until
 
     def _queue_full(self) -> bool:
-        return 2 * self.tier.pending_bytes >= self.tier.max_pending
+        return not self.tier.queue_takes_ahead(1)
+
+    def _room_key(self) -> tuple:
+        """What changes when the tier may have room again for a copy it had none for."""
+        tier = self.tier
+        return tier.used_bytes, tier.epoch, tier.pending_bytes, tier.stats["reclaimed_held_pages"]
 
     def _write(self, max_pages: int, cache: bool = True) -> tuple[int, bool]:
         try:
@@ -102,8 +107,7 @@ class WriteAhead:
         saving up; False: nothing to write (the credit lapses)."""
         if not self._wanted() or self._queue_full():
             return False
-        tier = self.tier
-        if self._blocked == (tier.used_bytes, tier.epoch, tier.pending_bytes, tier.stats["reclaimed_held_pages"]):
+        if self._blocked == self._room_key():
             return False  # no room last time, none freed since
         if budget_s < MIN_STEP_PAGES * self.fill_s_per_page:
             return None
@@ -111,6 +115,5 @@ class WriteAhead:
         n, left = self._write(MIN_STEP_PAGES, cache=False)  # (the idle sessions' only: their marks make it cheap)
         if n:
             self.fill_s_per_page += 0.25 * ((time.perf_counter() - t0) / n - self.fill_s_per_page)
-        self._blocked = ((tier.used_bytes, tier.epoch, tier.pending_bytes, tier.stats["reclaimed_held_pages"])
-                         if left and not n else None)
+        self._blocked = self._room_key() if left and not n else None
         return n > 0
